@@ -1,0 +1,120 @@
+"""Config: every shipped YAML validates; each bad case fails before any model loads, naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from dflash.config import (
+    ConfigError,
+    RunConfig,
+    default_gamma,
+    load_config,
+    parse_overrides,
+    validate_config,
+)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("name,gpus", [("smollm2-135m-cpu", 0), ("qwen3.6-27b-8xgpu", 8), ("h200-2gpu", 2)])
+def test_shipped_configs_validate(name, gpus):
+    cfg = load_config(CONFIGS / f"{name}.yaml", gpu_count=gpus)
+    assert cfg.name == name
+
+
+def test_reference_layout_values():
+    cfg = load_config(CONFIGS / "qwen3.6-27b-8xgpu.yaml", gpu_count=8)
+    assert cfg.cluster.targets == [0, 1, 2, 3, 4]
+    assert cfg.cluster.drafters == [5, 6, 7]
+    assert cfg.data.token_budget == 49152
+    assert cfg.drafter.block_size == 16
+    assert cfg.drafter.num_layers == 5
+    assert cfg.rows_per_batch == 16
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml",
+                      ["drafter.block_size=4", "train.lr=1e-4", "cluster.drafters=[0, 1, 2]", "target.layer_ids=null"],
+                      gpu_count=0)
+    assert cfg.drafter.block_size == 4
+    assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.cluster.drafters == [0, 1, 2]
+    assert cfg.target.layer_ids is None
+
+
+def test_int_widens_to_float_but_not_bool():
+    cfg = load_config(None, ["train.lr=1", "cluster.device=cpu"], gpu_count=0)
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    with pytest.raises(ConfigError, match=r"^train\.lr: expected a number"):
+        load_config(None, ["train.lr=true", "cluster.device=cpu"], gpu_count=0)
+
+
+BAD_CASES = [
+    # (overrides, gpu_count, expected message prefix)
+    (["drafter.blok_size=4"], 0, r"^drafter\.blok_size: unknown key"),
+    (["trian.lr=1"], 0, r"^trian: unknown key"),
+    (["drafter.block_size=eight"], 0, r"^drafter\.block_size: expected an integer"),
+    (["drafter.block_size=2.5"], 0, r"^drafter\.block_size: expected an integer"),
+    (["cluster.targets=0"], 0, r"^cluster\.targets: expected a list"),
+    (["drafter.block_size=1"], 0, r"^drafter\.block_size: must be >= 2"),
+    (["data.token_budget=100", "data.max_length=256"], 0, r"^data\.token_budget: \(100\) is smaller than one sequence"),
+    (["cluster.device=cuda", "cluster.targets=[0]", "cluster.drafters=[0]"], 2, r"^cluster\.drafters: GPU\(s\) \[0\] are used by both"),
+    (["cluster.device=cuda", "cluster.targets=[0]", "cluster.drafters=[5]"], 2, r"^cluster\.drafters: GPU 5 does not exist"),
+    (["cluster.device=cuda", "cluster.targets=[9]", "cluster.drafters=[1]"], 2, r"^cluster\.targets: GPU 9 does not exist"),
+    (["data.dataset=/no/such/file.jsonl"], 0, r"^data\.dataset: no such file"),
+    (["target.kind=hf", "target.path=/no/such/dir"], 0, r"^target\.path: no such directory"),
+    (["target.kind=random"], 0, r"^target\.arch: is required"),
+    (["drafter.layer_types=[full_attention]", "drafter.num_layers=2"], 0, r"^drafter\.layer_types: has 1 entries"),
+    (["drafter.layer_types=[full_attention, local]", "drafter.num_layers=2"], 0, r"^drafter\.layer_types\[1\]: must be"),
+    (["data.max_length=4", "drafter.block_size=8"], 0, r"^data\.max_length: must be > drafter\.block_size"),
+    (["cluster.device=gpu"], 0, r"^cluster\.device: must be one of"),
+    (["transport.slots=0"], 0, r"^transport\.slots: must be >= 1"),
+    (["train.warmup_ratio=1.5"], 0, r"^train\.warmup_ratio: must be in"),
+    (["cluster.device=cpu", "transport.carrier=cuda_ipc"], 0, r"^transport\.carrier: cuda_ipc needs CUDA"),
+    (["target.layer_ids=[3, 3]"], 0, r"^target\.layer_ids: has duplicates"),
+]
+
+
+@pytest.mark.parametrize("overrides,gpus,pattern", BAD_CASES, ids=[c[2][1:30] for c in BAD_CASES])
+def test_bad_config_names_the_key(overrides, gpus, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(CONFIGS / "smollm2-135m-cpu.yaml", overrides, gpu_count=gpus)
+
+
+def test_shared_gpu_allowed_when_asked():
+    cfg = load_config(CONFIGS / "h200-2gpu.yaml",
+                      ["cluster.targets=[0]", "cluster.drafters=[0]", "cluster.allow_shared_gpu=true"], gpu_count=1)
+    assert cfg.cluster.targets == cfg.cluster.drafters == [0]
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--config: no such file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("drafter: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"^--config: .* is not valid YAML"):
+        load_config(bad)
+    section = tmp_path / "section.yaml"
+    section.write_text("drafter: 3\n")
+    with pytest.raises(ConfigError, match=r"^drafter: expected a section"):
+        load_config(section)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_overrides(["drafter.block_size"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_overrides(["drafter..x=1"])
+    assert parse_overrides(["a.b=1", "a.c=[1, 2]", "d=x"]) == {"a": {"b": 1, "c": [1, 2]}, "d": "x"}
+
+
+def test_default_config_is_valid_on_cpu():
+    validate_config(RunConfig(), gpu_count=0)
+
+
+def test_default_gamma_matches_paper_points():
+    assert default_gamma(16) == 7.0
+    assert default_gamma(10) == 5.0
+    assert default_gamma(8) == 4.0
+    assert 4.0 < default_gamma(9) < 5.0
+    assert default_gamma(2) >= 1.0
