@@ -1,0 +1,159 @@
+"""Start, watch and stop worker processes; forward their output with the worker's name.
+
+Each worker is a separate OS process (``python -m dflash.workers.target|drafter``). Its stdout
+and stderr are read by one small thread each in the launcher (the launcher owns no CUDA state,
+so threads are harmless here), prefixed with the worker's name when the line does not carry it,
+written to ``<run_dir>/logs/<name>.log`` and kept in a tail buffer for failure reports.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+__all__ = ["WorkerSpec", "WorkerProcess", "Supervisor"]
+
+log = logging.getLogger(__name__)
+
+TAIL_LINES = 40
+STOP_GRACE_S = 20.0
+
+
+@dataclass
+class WorkerSpec:
+    """How to start one worker."""
+
+    name: str  # "target.0"
+    role: str  # "target" | "drafter"
+    rank: int
+    module: str  # "dflash.workers.target"
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class WorkerProcess:
+    """One running (or finished) worker process with its output tail."""
+
+    def __init__(self, spec: WorkerSpec, log_dir: Path, emit: Callable[[str], None]):
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.emit = emit
+        self.popen: Optional[subprocess.Popen] = None
+        self.starts = 0
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.update(self.spec.env)
+        env["DFLASH_WORKER"] = self.spec.name
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [sys.executable, "-m", self.spec.module, *self.spec.args]
+        self.popen = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, errors="replace", bufsize=1,
+        )
+        self.starts += 1
+        logfile = open(self.log_path, "a", buffering=1)  # noqa: SIM115 - closed by the reader threads
+        lock = threading.Lock()
+        remaining = [2]
+
+        def pump(stream) -> None:
+            tag = f"[{self.spec.name}]"
+            for line in stream:
+                line = line.rstrip("\n")
+                with lock:
+                    logfile.write(line + "\n")
+                self.tail.append(line)
+                self.emit(line if tag in line else f"{tag} {line}")
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    logfile.close()
+
+        self._threads = [threading.Thread(target=pump, args=(s,), daemon=True, name=f"pump-{self.name}")
+                         for s in (self.popen.stdout, self.popen.stderr)]
+        for t in self._threads:
+            t.start()
+        log.info("started %s (pid %d): %s", self.name, self.popen.pid, " ".join(cmd[2:]))
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.popen.pid if self.popen else None
+
+    def returncode(self) -> Optional[int]:
+        return None if self.popen is None else self.popen.poll()
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                self.popen.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float) -> Optional[int]:
+        if self.popen is None:
+            return None
+        try:
+            rc = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        for t in self._threads:
+            t.join(timeout=2.0)
+        return rc
+
+
+class Supervisor:
+    """Owns all worker processes of a run."""
+
+    def __init__(self, run_dir: Path, emit: Callable[[str], None]):
+        self.log_dir = run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.emit = emit
+        self.workers: dict[str, WorkerProcess] = {}
+
+    def start(self, spec: WorkerSpec) -> WorkerProcess:
+        proc = self.workers.get(spec.name)
+        if proc is None or proc.spec != spec:
+            proc = WorkerProcess(spec, self.log_dir, self.emit)
+            self.workers[spec.name] = proc
+        proc.start()
+        return proc
+
+    def dead(self) -> list[WorkerProcess]:
+        """Workers that have exited (any return code)."""
+        return [w for w in self.workers.values() if w.popen is not None and not w.alive()]
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every live worker, wait up to ``grace_s``, then SIGKILL the rest."""
+        for w in self.workers.values():
+            w.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for w in self.workers.values():
+            w.wait(max(0.1, deadline - time.monotonic()))
+        for w in self.workers.values():
+            if w.alive():
+                log.warning("%s did not stop within %.0f s: SIGKILL", w.name, grace_s)
+                w.signal(signal.SIGKILL)
+                w.wait(5.0)
+
+    def report(self, worker: WorkerProcess) -> str:
+        lines = "\n".join(f"    {line}" for line in worker.tail)
+        return (f"{worker.name} (pid {worker.pid}) exited with code {worker.returncode()}; "
+                f"last lines (full log: {worker.log_path}):\n{lines}")
