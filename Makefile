@@ -29,7 +29,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m launch.cluster --config $(CONFIG) $(ARGS)
+	$(PY) -m launch.cluster --config $(CONFIG) --resume $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests $(ARGS)

@@ -301,6 +301,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ messages
     def _handle(self, sender: str, msg: dict) -> None:
+        sender = msg.get("name", sender)  # heartbeats come from a second socket of the worker
         self.last_seen[sender] = time.monotonic()
         kind = msg["type"]
         if kind == "hello":

@@ -1,0 +1,133 @@
+"""What every worker process does before its own loop: arguments, config, logging, device,
+threads, the coordinator link, parent-death signal and a heartbeat.
+
+The heartbeat runs in a small thread with its own ZeroMQ socket: it touches no CUDA graph
+state (only ``torch.cuda.memory_allocated``-style counters), so the one-process-one-main-thread
+rule for graphs holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import zmq
+
+from dflash.config import RunConfig, load_config, resolve_device
+from dflash.logs import setup_logging
+from dflash.workers.control import Incarnation, WorkerLink, encode, set_parent_death_signal
+
+__all__ = ["WorkerContext", "start_worker", "memory_gib"]
+
+log = logging.getLogger(__name__)
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory on ``device`` (GiB), or this process's resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError):
+        return float("nan")
+
+
+@dataclass
+class WorkerContext:
+    """Everything a worker's loop needs from its start-up."""
+
+    cfg: RunConfig
+    name: str
+    role: str
+    rank: int
+    run_dir: Path
+    device: torch.device
+    link: WorkerLink
+    incarnation: Incarnation
+    resume_from: Optional[Path]
+    stats: dict
+
+    def stop_heartbeat(self) -> None:
+        self._hb_stop.set()  # type: ignore[attr-defined]
+
+
+def _cpu_threads(cfg: RunConfig) -> int:
+    if cfg.cluster.cpu_threads_per_worker:
+        return cfg.cluster.cpu_threads_per_worker
+    workers = len(cfg.cluster.targets) + len(cfg.cluster.drafters)
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def _heartbeat(endpoint: str, name: str, period_s: float, stop: threading.Event, stats: dict, device: torch.device) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"{name}/heartbeat".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    parent = os.getppid()
+    while not stop.wait(period_s):
+        if os.getppid() != parent:  # the launcher is gone (belt and braces with PDEATHSIG)
+            log.error("launcher (pid %d) is gone: exiting", parent)
+            os._exit(3)
+        snapshot = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+        snapshot["mem_gib"] = memory_gib(device)
+        try:
+            sock.send(encode("heartbeat", name=name, stats=snapshot), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    sock.close(linger=0)
+
+
+def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
+    """Parse ``--run-dir --rank --control [--resume-from]``, set everything up, say hello.
+
+    The config is ``<run_dir>/config.yaml`` (written by the launcher, already validated).
+    """
+    parser = argparse.ArgumentParser(prog=f"dflash.workers.{role}")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--rank", required=True, type=int)
+    parser.add_argument("--control", required=True, help="coordinator endpoint, tcp://host:port")
+    parser.add_argument("--resume-from", type=Path, default=None)
+    args = parser.parse_args(argv)
+    name = f"{role}.{args.rank}"
+    set_parent_death_signal(signal.SIGKILL)
+    cfg = load_config(args.run_dir / "config.yaml")
+    setup_logging(name, cfg.log.level)
+    # Ctrl-C in the terminal reaches the whole process group: only the launcher decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+
+    device_kind = resolve_device(cfg)
+    if device_kind == "cuda":
+        gpu = (cfg.cluster.targets if role == "target" else cfg.cluster.drafters)[args.rank]
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(_cpu_threads(cfg))
+    link = WorkerLink(args.control, name)
+    inc = Incarnation.now()
+    link.send("hello", role=role, rank=args.rank, pid=os.getpid(), incarnation=inc.id)
+    stats: dict = {}
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(args.control, name, cfg.transport.heartbeat_s, stop, stats, device),
+                     daemon=True, name="heartbeat").start()
+    log.info("%s starting on %s (pid %d, %d torch threads)", name, device, os.getpid(), torch.get_num_threads())
+    ctx = WorkerContext(cfg=cfg, name=name, role=role, rank=args.rank, run_dir=args.run_dir, device=device,
+                        link=link, incarnation=inc, resume_from=args.resume_from, stats=stats)
+    ctx._hb_stop = stop  # type: ignore[attr-defined]
+    return ctx
+
+
+def now() -> float:
+    return time.perf_counter()
