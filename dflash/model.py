@@ -1,0 +1,679 @@
+"""The DFlash drafter: a block-diffusion draft model conditioned on the target's hidden states.
+
+What is trained (DESIGN.md §4; DFlash paper, arXiv 2602.06036, §3):
+
+* **Context features.** The outputs of ``L`` chosen target layers, concatenated per position
+  (``[R, S, L·D]``), go through ``fc`` (Linear ``L·D → D``, no bias) and ``hidden_norm``
+  (RMSNorm) once per forward: ``ctx [R, S, D]``.
+* **Blocks.** Every anchor ``a`` of a row opens a block of ``B`` tokens
+  ``[input_ids[a], MASK × (B − 1)]`` at positions ``position_ids[a] + k`` (k = 0 … B−1).
+* **Layers.** ``num_hidden_layers`` Qwen3-style decoder layers (pre-RMSNorm, per-head q/k
+  RMSNorm, RoPE, SwiGLU MLP). Queries come only from the block tokens; keys and values come from
+  ``[ctx ; block tokens]`` through the same ``k_proj`` / ``v_proj`` (*KV injection*). Attention is
+  bidirectional inside a block; a block sees the context positions ``j < a`` of its own
+  conversation (``a − W ≤ j`` in a ``sliding_attention`` layer) and nothing of other blocks. The
+  mask lives in :mod:`dflash.objective`.
+* **Shared, frozen.** ``embed_tokens`` and ``lm_head`` are the target's. They are held as plain
+  attributes, *not* registered sub-modules: they never appear in ``parameters()``,
+  ``state_dict()``, the optimizer, DDP's buckets or the checkpoint.
+
+Mask token (DESIGN.md §4 leaves the no-unused-row case to us). ``DFlashConfig.mask_token_id`` is
+used when it names a row of the target's embedding (Qwen3: 151669, the first row the tokenizer
+never emits); its frozen embedding is the mask. When it is ``None`` or not a row of the embedding
+(e.g. SmolLM2: 49,152 tokens, 49,152 rows, no unused row), the drafter owns a trained parameter
+``mask_embedding [D]``, initialised to the mean embedding row, saved in the checkpoint, and
+``config.json`` says ``dflash_config.mask_embedding: true`` with ``mask_token_id: null``.
+:func:`resolve_mask_token_id` makes that choice from the tokenizer and embedding sizes.
+
+Checkpoint format (DESIGN.md §4): a Hugging Face directory with ``config.json``
+(``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers``,
+``dflash_config: {mask_token_id, target_layer_ids}`` and the Qwen3 fields) and
+``model.safetensors`` whose tensor names follow the public DFlash drafters (``fc.weight``,
+``hidden_norm.weight``, ``layers.{i}.self_attn.q_proj.weight``, …, ``norm.weight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash.objective import FULL_ATTENTION, SLIDING_ATTENTION, AttentionMask, build_attention_masks
+
+__all__ = [
+    "ARCHITECTURE",
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "default_target_layer_ids",
+    "resolve_mask_token_id",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``architectures`` entry of ``config.json`` that DFlash-aware engines look for.
+ARCHITECTURE = "DFlashDraftModel"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+#: Std of the normal init of the drafter's linear layers (Qwen3 ``initializer_range``).
+DEFAULT_INIT_STD = 0.02
+_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+# --------------------------------------------------------------------------- config helpers
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layer ids fused into the context features (DESIGN.md §4).
+
+    ``round(1 + i·(N − 4)/(L − 1))`` for i = 0 … L−1 (Qwen3-8B: N = 36, L = 5 → 1, 9, 17, 25, 33);
+    a single layer takes the middle one, ``N // 2`` (as the public DFlash code does). "Output of
+    layer id" is ``hidden_states[id + 1]`` in transformers' tuple.
+
+    Raises:
+        ValueError: ``num_target_layers < 1`` or ``num_draft_layers < 1``.
+    """
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise ValueError(f"need >= 1 target and drafter layer, got N={num_target_layers}, L={num_draft_layers}")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    ids = [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return [min(max(i, 0), num_target_layers - 1) for i in ids]
+
+
+def resolve_mask_token_id(requested: Optional[int], tokenizer_size: int, embedding_rows: int) -> Optional[int]:
+    """Pick the mask token id, or ``None`` for a trained mask embedding.
+
+    Args:
+        requested: ``drafter.mask_token_id`` (``None`` = choose).
+        tokenizer_size: ``len(tokenizer)``: ids ``>=`` this are never emitted by the tokenizer.
+        embedding_rows: rows of the target's input embedding.
+
+    Returns:
+        ``requested`` when it is a row of the embedding; else the first unused row
+        (``tokenizer_size``) when the embedding has one; else ``None``, which makes the drafter
+        train its own ``mask_embedding``.
+    """
+    if requested is not None:
+        if 0 <= requested < embedding_rows:
+            return requested
+        logger.warning("mask_token_id %d is not a row of the %d-row embedding: using a trained mask embedding",
+                       requested, embedding_rows)
+        return None
+    if tokenizer_size < embedding_rows:
+        return tokenizer_size
+    return None
+
+
+@dataclass
+class DFlashConfig:
+    """Shape and DFlash settings of a drafter; serialised as a Hugging Face ``config.json``.
+
+    A plain dataclass (no ``transformers.PretrainedConfig``: its constructor changed between
+    transformers 5.17 and 5.24). :meth:`to_hf_dict` writes the Qwen3 fields DFlash-aware engines
+    read, :meth:`from_hf_dict` reads them back.
+
+    ``hidden_size`` is the target's (the drafter shares its embedding and LM head);
+    ``num_hidden_layers`` counts *drafter* layers; ``num_target_layers`` the target's.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    block_size: int = 16
+    mask_token_id: Optional[int] = None
+    #: One of ``full_attention`` / ``sliding_attention`` per drafter layer; ``None`` = all full.
+    layer_types: Optional[list[str]] = None
+    sliding_window: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    initializer_range: float = DEFAULT_INIT_STD
+    #: Weight dtype written to ``config.json`` (``float32`` / ``bfloat16`` / ``float16``).
+    dtype: str = "float32"
+    #: Extra keys read from a ``config.json`` that this class does not model (kept on save).
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    def validate(self) -> None:
+        """Check shapes and settings.
+
+        Raises:
+            ValueError: naming the bad field.
+        """
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "vocab_size", "num_hidden_layers", "num_target_layers", "sliding_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DFlashConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"DFlashConfig.block_size: must be >= 2, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"DFlashConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"DFlashConfig.head_dim: must be even for RoPE, got {self.head_dim}")
+        if not self.target_layer_ids:
+            raise ValueError("DFlashConfig.target_layer_ids: must not be empty")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"DFlashConfig.layer_types: {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        bad = [t for t in self.layer_types if t not in _LAYER_TYPES]
+        if bad:
+            raise ValueError(f"DFlashConfig.layer_types: unknown type(s) {bad}; use {list(_LAYER_TYPES)}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"DFlashConfig.mask_token_id: must be >= 0, got {self.mask_token_id}")
+
+    @property
+    def num_fused_layers(self) -> int:
+        """``L``: target layers concatenated into the context features."""
+        return len(self.target_layer_ids)
+
+    # ----------------------------------------------------------------------- (de)serialisation
+
+    def to_hf_dict(self, use_mask_embedding: bool = False) -> dict[str, Any]:
+        """The ``config.json`` content (Qwen3 fields plus the DFlash ones)."""
+        out: dict[str, Any] = dict(self.extra)
+        out.update({
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None,
+            "vocab_size": self.vocab_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": SLIDING_ATTENTION in self.layer_types,
+            "sliding_window": self.sliding_window,
+            "max_window_layers": self.num_hidden_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.dtype,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_embedding": bool(use_mask_embedding),
+            },
+        })
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any]) -> "DFlashConfig":
+        """Read a ``config.json`` written by :meth:`to_hf_dict` (or a public DFlash drafter's).
+
+        Raises:
+            ValueError: a required field is missing, or the values are inconsistent.
+        """
+        dflash = dict(data.get("dflash_config") or {})
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "target_layer_ids", "mask_token_id"}
+        kwargs: dict[str, Any] = {}
+        for name in known:
+            if name in data and data[name] is not None:
+                kwargs[name] = data[name]
+        if "rope_theta" not in kwargs and isinstance(data.get("rope_parameters"), dict):
+            theta = data["rope_parameters"].get("rope_theta")
+            if theta is not None:
+                kwargs["rope_theta"] = theta
+        if "dtype" not in kwargs and data.get("torch_dtype"):
+            kwargs["dtype"] = data["torch_dtype"]
+        if "head_dim" not in kwargs and "hidden_size" in data and "num_attention_heads" in data:
+            kwargs["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+        missing = [n for n in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                               "vocab_size", "num_hidden_layers", "num_target_layers") if n not in kwargs]
+        if missing:
+            raise ValueError(f"config.json: missing DFlash drafter field(s) {missing}")
+        layer_ids = dflash.get("target_layer_ids")
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(int(kwargs["num_target_layers"]), int(kwargs["num_hidden_layers"]))
+        written = set(cls(**{**kwargs, "target_layer_ids": layer_ids}).to_hf_dict())
+        extra = {k: v for k, v in data.items() if k not in written}
+        return cls(**kwargs, target_layer_ids=layer_ids, mask_token_id=dflash.get("mask_token_id"), extra=extra)
+
+    @classmethod
+    def from_target(cls, target_config: Any, drafter_cfg: Any, target_layer_ids: Optional[list[int]] = None,
+                    mask_token_id: Optional[int] = None, dtype: str = "float32") -> "DFlashConfig":
+        """Build the drafter's config from the target's Hugging Face config and ``DrafterConfig``.
+
+        Args:
+            target_config: the target's ``transformers`` config (Qwen3, Llama, …; a multimodal
+                config's text part is used).
+            drafter_cfg: :class:`dflash.config.DrafterConfig` (``num_layers``, ``block_size``,
+                ``layer_types``, ``sliding_window``, ``intermediate_size``).
+            target_layer_ids: the fused layer ids (``None`` = :func:`default_target_layer_ids`).
+            mask_token_id: already resolved (:func:`resolve_mask_token_id`); ``None`` = trained
+                mask embedding.
+
+        Only default RoPE is modelled: a target with RoPE scaling logs a warning.
+        """
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = int(tc.num_attention_heads)
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+        rope = getattr(tc, "rope_parameters", None) or {}
+        theta = getattr(tc, "rope_theta", None) or rope.get("rope_theta") or 10000.0
+        if rope.get("rope_type", "default") != "default" or getattr(tc, "rope_scaling", None):
+            logger.warning("target RoPE type %r is not modelled by the drafter: default RoPE with theta=%s",
+                           rope.get("rope_type"), theta)
+        n_target = int(tc.num_hidden_layers)
+        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
+            n_target, drafter_cfg.num_layers)
+        return cls(
+            hidden_size=int(tc.hidden_size),
+            intermediate_size=int(drafter_cfg.intermediate_size or tc.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            vocab_size=int(tc.vocab_size),
+            num_hidden_layers=int(drafter_cfg.num_layers),
+            num_target_layers=n_target,
+            target_layer_ids=ids,
+            block_size=int(drafter_cfg.block_size),
+            mask_token_id=mask_token_id,
+            layer_types=list(drafter_cfg.layer_types) if drafter_cfg.layer_types else None,
+            sliding_window=int(drafter_cfg.sliding_window),
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 40960)),
+            dtype=dtype,
+        )
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + eps) · weight`` over the last dim, computed in fp32 (Qwen3 style)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE (Su et al.; Qwen3): ``cos, sin [..., head_dim]`` for integer positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``positions [R, T]`` int64 → ``(cos, sin)`` each ``[R, 1, T, head_dim]`` in ``dtype``."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [R, T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Block queries over ``[context ; block]`` keys/values (KV injection, DESIGN.md §4)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_kv: tuple[Tensor, Tensor],
+                mask: AttentionMask) -> Tensor:
+        """One attention sub-layer.
+
+        Args:
+            x: normed block hidden states ``[R, Q, D]`` (``Q = A·B``).
+            ctx: context features ``[R, S, D]`` (already ``fc`` + ``hidden_norm``).
+            rope_q: ``(cos, sin)`` of the block positions, ``[R, 1, Q, hd]``.
+            rope_kv: ``(cos, sin)`` of ``[context ; block]`` positions, ``[R, 1, S + Q, hd]``.
+            mask: dense bool ``[R, 1, Q, S + Q]`` (SDPA) or a flex_attention ``BlockMask``.
+
+        Returns:
+            ``[R, Q, D]``.
+        """
+        r, q_len, _ = x.shape
+        kv_in = torch.cat([ctx.to(x.dtype), x], dim=1)  # [R, S + Q, D]
+        kv_len = kv_in.shape[1]
+        q = self.q_norm(self.q_proj(x).view(r, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(r, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(r, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = _apply_rope(q, *rope_q)
+        k = _apply_rope(k, *rope_kv)
+        v = v.to(q.dtype)
+        k = k.to(q.dtype)
+        if isinstance(mask, Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        else:
+            out = _flex_attention(q, k, v, mask, self.scale, self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(r, q_len, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """Qwen3 MLP: ``down(silu(gate(x)) · up(x))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm decoder layer: ``x + attn(norm(x), ctx)``, then ``x + mlp(norm(x))``.
+
+    The context features enter every layer's ``k_proj`` / ``v_proj`` unnormed by the layer
+    (they were normed once by ``hidden_norm``), as in the public DFlash drafters.
+    """
+
+    def __init__(self, cfg: DFlashConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_kv: tuple[Tensor, Tensor],
+                mask: AttentionMask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------- flex_attention
+
+_compiled_flex: Optional[Any] = None
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float, gqa: bool) -> Tensor:
+    """flex_attention, compiled on CUDA (eager flex materialises the full score matrix).
+
+    Inside an outer ``torch.compile`` region the plain function is traced into that graph.
+    On CPU the eager (unfused) implementation runs: tests only.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if q.is_cuda and not torch.compiler.is_compiling():
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    else:
+        fn = flex_attention
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+# --------------------------------------------------------------------------- the drafter
+
+
+class DFlashDraftModel(nn.Module):
+    """The DFlash drafter (DESIGN.md §4).
+
+    Args:
+        config: shapes and DFlash settings.
+        embed_tokens: the target's input embedding (``nn.Embedding``, ``[V, D]``); frozen, shared.
+        lm_head: the target's output head (``nn.Linear`` ``D → V``); frozen, shared. Not used by
+            :meth:`forward` (the loss applies it in chunks), kept for callers.
+        attention: ``auto`` (flex_attention on CUDA, dense SDPA mask on CPU), ``flex`` or ``sdpa``.
+
+    Both shared modules get ``requires_grad_(False)`` and are stored outside the module tree, so
+    ``model.to(...)`` does not move or cast them (they may be the target's own modules): put them
+    on the drafter's device yourself.
+
+    Raises:
+        ValueError: the embedding width is not ``config.hidden_size``, or ``attention`` is unknown.
+    """
+
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Module, lm_head: nn.Module,
+                 attention: str = "auto") -> None:
+        super().__init__()
+        if attention not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"attention: must be auto, flex or sdpa, got {attention!r}")
+        emb_weight = embed_tokens.weight
+        if emb_weight.shape[1] != config.hidden_size:
+            raise ValueError(f"embed_tokens width {emb_weight.shape[1]} != config.hidden_size {config.hidden_size}")
+        self.config = config
+        self.attention = attention
+        self.block_size = config.block_size
+        embed_tokens.requires_grad_(False)
+        lm_head.requires_grad_(False)
+        # Plain attributes, not sub-modules: outside parameters(), state_dict() and the optimizer.
+        object.__setattr__(self, "embed_tokens", embed_tokens)
+        object.__setattr__(self, "lm_head", lm_head)
+
+        d = config.hidden_size
+        self.fc = nn.Linear(config.num_fused_layers * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, t) for t in config.layer_types)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+        rows = emb_weight.shape[0]
+        mid = config.mask_token_id
+        self.use_mask_embedding = mid is None or not (0 <= mid < rows)
+        if self.use_mask_embedding:
+            if mid is not None:
+                logger.warning("mask_token_id %s is not a row of the %d-row embedding: training a mask embedding",
+                               mid, rows)
+            self.mask_embedding = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------------- parameters
+
+    def reset_parameters(self) -> None:
+        """Linear weights ~ N(0, initializer_range), norms = 1, mask embedding = mean embedding row."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        if self.use_mask_embedding:
+            with torch.no_grad():
+                self.mask_embedding.copy_(self.embed_tokens.weight.float().mean(0).to(self.mask_embedding.device))
+
+    def num_trainable_params(self) -> int:
+        """Parameters that train (the shared embedding and LM head are not among them)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    # ----------------------------------------------------------------------- forward
+
+    def block_embeddings(self, input_ids: Tensor, anchors: Tensor) -> Tensor:
+        """Embeddings of the blocks ``[input_ids[a], MASK × (B − 1)]``: ``[R, A, B, D]``."""
+        r, a = anchors.shape
+        anchor_tok = input_ids.gather(1, anchors)  # [R, A]
+        first = self.embed_tokens(anchor_tok).unsqueeze(2)  # [R, A, 1, D]
+        if self.use_mask_embedding:
+            mask_vec = self.mask_embedding
+        else:
+            mask_vec = self.embed_tokens.weight[self.config.mask_token_id]
+        rest = mask_vec.to(first.dtype).expand(r, a, self.block_size - 1, first.shape[-1])
+        return torch.cat([first, rest], dim=2)
+
+    def attention_backend(self, device: torch.device) -> str:
+        """``flex`` or ``sdpa`` for tensors on ``device``."""
+        if self.attention != "auto":
+            return self.attention
+        return "flex" if device.type == "cuda" else "sdpa"
+
+    def forward(self, context_features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+                anchors: Tensor, anchor_keep: Tensor,
+                attn_masks: Optional[dict[str, AttentionMask]] = None) -> Tensor:
+        """Final-normed hidden states of every block token.
+
+        Args:
+            context_features: ``[R, S, L·D]`` target features (bf16 on GPU, fp32 on CPU).
+            input_ids: ``[R, S]`` int64.
+            position_ids: ``[R, S]`` int64, per conversation; block positions are
+                ``position_ids[a] + k``.
+            doc_ids: ``[R, S]`` int (0 = padding).
+            anchors: ``[R, A]`` int64 anchor positions (padded slots point at any valid index).
+            anchor_keep: ``[R, A]`` bool; a dropped block sees only itself (its outputs are
+                finite but meaningless and get zero loss weight).
+            attn_masks: prebuilt masks per layer type (see
+                :func:`dflash.objective.build_attention_masks`); ``None`` = build them here.
+
+        Returns:
+            ``[R, A, B, D]`` hidden states; ``logits = lm_head(hidden)`` (the loss does it in chunks).
+
+        Raises:
+            ValueError: mismatched shapes.
+        """
+        r, s = input_ids.shape
+        num_anchors = anchors.shape[1]
+        b = self.block_size
+        if context_features.shape[:2] != (r, s) or position_ids.shape != (r, s) or doc_ids.shape != (r, s):
+            raise ValueError(f"batch tensors disagree: features {tuple(context_features.shape)}, input_ids "
+                             f"{(r, s)}, position_ids {tuple(position_ids.shape)}, doc_ids {tuple(doc_ids.shape)}")
+        if anchors.shape != anchor_keep.shape or anchors.shape[0] != r:
+            raise ValueError(f"anchors {tuple(anchors.shape)} / anchor_keep {tuple(anchor_keep.shape)} for {r} rows")
+        expect = self.config.num_fused_layers * self.config.hidden_size
+        if context_features.shape[-1] != expect:
+            raise ValueError(f"context_features last dim {context_features.shape[-1]} != L·D = {expect}")
+
+        ctx = self.hidden_norm(self.fc(context_features))  # [R, S, D]
+        x = self.block_embeddings(input_ids, anchors).reshape(r, num_anchors * b, -1)  # [R, Q, D]
+
+        offsets = torch.arange(b, device=anchors.device)
+        block_pos = (position_ids.gather(1, anchors).unsqueeze(-1) + offsets).reshape(r, num_anchors * b)
+        cos_kv, sin_kv = self.rotary_emb(torch.cat([position_ids, block_pos], dim=1), dtype=torch.float32)
+        rope_kv = (cos_kv, sin_kv)
+        rope_q = (cos_kv[:, :, s:], sin_kv[:, :, s:])
+
+        if attn_masks is None:
+            attn_masks = build_attention_masks(
+                anchors, anchor_keep, doc_ids, b, self.config.layer_types, self.config.sliding_window,
+                backend=self.attention_backend(input_ids.device))
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_kv, attn_masks[layer.layer_type])
+        return self.norm(x).reshape(r, num_anchors, b, -1)
+
+    # ----------------------------------------------------------------------- checkpoint
+
+    def save_pretrained(self, directory: Union[str, os.PathLike]) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` into ``directory``, atomically.
+
+        Files go to a temporary sibling directory first, which then replaces ``directory``
+        (an existing one is moved aside and deleted only after the rename). Holds no embedding
+        and no LM head.
+
+        Returns:
+            the directory.
+        """
+        from safetensors.torch import save_file
+
+        target = Path(directory)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            cfg = self.config.to_hf_dict(use_mask_embedding=self.use_mask_embedding)
+            (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            old = None
+            if target.exists():
+                old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(target, old)
+            os.replace(tmp, target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("saved drafter (%d params) to %s", self.num_trainable_params(), target)
+        return target
+
+    @classmethod
+    def load_config(cls, directory: Union[str, os.PathLike]) -> DFlashConfig:
+        """Read ``directory/config.json``.
+
+        Raises:
+            FileNotFoundError: no config.json.
+            ValueError: not a DFlash drafter config.
+        """
+        path = Path(directory) / CONFIG_FILE
+        data = json.loads(path.read_text())
+        if ARCHITECTURE not in (data.get("architectures") or []):
+            raise ValueError(f"{path}: architectures {data.get('architectures')} does not name {ARCHITECTURE}")
+        return DFlashConfig.from_hf_dict(data)
+
+    @classmethod
+    def from_pretrained(cls, directory: Union[str, os.PathLike], embed_tokens: nn.Module, lm_head: nn.Module,
+                        attention: str = "auto", device: Optional[Union[str, torch.device]] = None
+                        ) -> "DFlashDraftModel":
+        """Load a drafter saved by :meth:`save_pretrained` around the target's embedding and head.
+
+        Raises:
+            FileNotFoundError: missing files.
+            ValueError: not a DFlash config.
+            RuntimeError: the weights do not match the config (strict loading).
+        """
+        from safetensors.torch import load_file
+
+        cfg = cls.load_config(directory)
+        model = cls(cfg, embed_tokens, lm_head, attention=attention)
+        state = load_file(str(Path(directory) / WEIGHTS_FILE), device=str(device) if device else "cpu")
+        model.load_state_dict(state, strict=True)
+        if device is not None:
+            model.to(device)
+        return model

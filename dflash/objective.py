@@ -1,0 +1,479 @@
+"""The DFlash training objective: anchors, blocks, labels, attention mask, decayed CE loss, τ.
+
+Everything here follows DESIGN.md §4 and the label rule of docs/ARCHITECTURE.md (DFlash paper,
+arXiv 2602.06036, §3–4):
+
+* **Anchors.** Position ``p`` of a row is a valid anchor when ``loss_mask[p]``,
+  ``loss_mask[p + 1]`` and ``doc_ids[p] == doc_ids[p + 1]``. Each row draws up to ``A`` of them
+  uniformly without replacement (:func:`sample_anchors`), sorted, padded with ``keep = False``.
+  Shapes are fixed by ``(R, S, A)``; nothing depends on the data's values (no ``nonzero``, no
+  host sync): the draw is a top-``A`` over i.i.d. uniform keys in which invalid positions get
+  key −1.
+* **Blocks.** Anchor ``a`` opens ``[input_ids[a], MASK × (B − 1)]`` at positions
+  ``position_ids[a] + k``.
+* **Labels** (same position, no shift). Slot ``k ≥ 1`` predicts the token at ``a + k``:
+  ``target_tokens[a + k − 1]`` (``labels="target"``) or ``input_ids[a + k]`` (``"data"``); it counts
+  when ``a + k < S``, same conversation, ``loss_mask[a + k]`` and the anchor is kept. Slot 0 never
+  counts.
+* **Attention mask.** Keys are ``[S context positions ; A·B block positions]``, queries the
+  ``A·B`` block positions. A query of block ``i`` (anchor ``a``) sees context ``j`` iff
+  ``doc_ids[j] == doc_ids[a]`` and ``j < a`` (strict: at inference the anchor's own hidden state
+  does not exist yet) and, in a ``sliding_attention`` layer, ``j ≥ a − W``; it sees all ``B``
+  tokens of its own block and nothing else. A dropped block (``keep = False``) sees only itself,
+  so no query row is ever fully masked (no NaN). One ``mask_mod`` defines both the
+  flex_attention ``BlockMask`` (GPU) and the dense SDPA mask (CPU), so they cannot disagree.
+* **Loss.** ``Σ CE·w / Σ w`` with ``w_k = exp(−(k − 1)/γ)`` on valid slots. :func:`dflash_loss`
+  returns numerator and denominator separately so data-parallel ranks can all-reduce the
+  denominator. The LM head runs in row chunks inside a custom autograd function that computes
+  the gradient with respect to the hidden states during the forward pass: the ``[rows, V]``
+  logits never exist at once and are not kept for backward.
+* **τ** (acceptance length, greedy, per block): ``1 +`` the number of leading slots
+  ``k = 1, 2, …`` whose argmax equals the label; a block stops at its first invalid slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "FULL_ATTENTION",
+    "SLIDING_ATTENTION",
+    "LOSS_CHUNK_ROWS",
+    "AttentionMask",
+    "LossOutput",
+    "anchor_seed",
+    "anchor_generator",
+    "valid_anchor_mask",
+    "sample_anchors",
+    "build_block_labels",
+    "slot_weights",
+    "label_weights",
+    "make_mask_mod",
+    "dense_attention_mask",
+    "flex_block_mask",
+    "build_attention_masks",
+    "dflash_loss",
+    "acceptance_lengths",
+]
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+#: Rows of ``hidden @ lm_head.T`` computed at once (2,048 × 151,936 fp32 logits ≈ 1.2 GiB).
+LOSS_CHUNK_ROWS = 2048
+#: Sort key of an invalid anchor position (valid ones draw from [0, 1)).
+_INVALID_KEY = -1.0
+_MASK64 = (1 << 64) - 1
+
+#: A dense bool mask ``[R, 1, Q, S + Q]`` (True = attend) or a flex_attention ``BlockMask``.
+AttentionMask = Union[Tensor, Any]
+
+
+# --------------------------------------------------------------------------- anchors
+
+
+def _splitmix64(x: int) -> int:
+    """The SplitMix64 finaliser (Steele et al. 2014): a bijective 64-bit mix."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def anchor_seed(seed: int, epoch: int, batch_id: int) -> int:
+    """Seed of the anchor draw for one batch: a deterministic function of ``(seed, epoch, batch_id)``.
+
+    The reference trainer and every drafter worker call it with the same three numbers and so
+    draw the same anchors for the same batch. Any Python ints (negatives too) are accepted.
+
+    Returns:
+        an int in ``[0, 2**63)`` (what ``torch.Generator.manual_seed`` takes).
+    """
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (epoch & _MASK64))
+    h = _splitmix64(h ^ (batch_id & _MASK64))
+    return h >> 1
+
+
+def anchor_generator(seed: int, epoch: int, batch_id: int,
+                     device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with :func:`anchor_seed`.
+
+    The same seed gives the same stream on the same device type; CPU and CUDA streams differ.
+    """
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(anchor_seed(seed, epoch, batch_id))
+    return gen
+
+
+def valid_anchor_mask(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
+    """``[R, S]`` bool: ``loss_mask[p] & loss_mask[p + 1] & doc_ids[p] == doc_ids[p + 1]`` (last = False)."""
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    valid[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:])
+    return valid
+
+
+def sample_anchors(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int,
+                   generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    """Draw up to ``num_anchors`` anchors per row, uniformly without replacement.
+
+    Method: i.i.d. uniform keys ``[R, S]`` from ``generator``; invalid positions get key −1; the
+    top ``min(A, S)`` keys are taken, so a row with ``n`` valid positions gets
+    ``min(n, A)`` distinct valid anchors, a uniform random subset. Kept anchors are sorted
+    ascending and come first; the rest have ``keep = False`` and point at index 0. Shapes depend
+    only on ``(R, S, A)``; no host synchronisation.
+
+    Args:
+        loss_mask: ``[R, S]`` bool.
+        doc_ids: ``[R, S]`` int (0 = padding).
+        num_anchors: ``A`` (``drafter.anchors_per_row``).
+        generator: seeds the draw (see :func:`anchor_generator`); drawn on the generator's
+            device, then moved to ``loss_mask``'s device.
+
+    Returns:
+        ``(anchors [R, A] int64, keep [R, A] bool)``.
+
+    Raises:
+        ValueError: ``num_anchors < 1`` or mismatched shapes.
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors: must be >= 1, got {num_anchors}")
+    if loss_mask.shape != doc_ids.shape or loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and doc_ids {tuple(doc_ids.shape)} must be [R, S]")
+    device = loss_mask.device
+    r, s = loss_mask.shape
+    valid = valid_anchor_mask(loss_mask.bool(), doc_ids)
+    gen_device = generator.device if generator is not None else device
+    keys = torch.rand((r, s), generator=generator, device=gen_device).to(device)
+    keys = torch.where(valid, keys, torch.full_like(keys, _INVALID_KEY))
+    k = min(num_anchors, s)
+    top_keys, top_pos = torch.topk(keys, k, dim=1)
+    keep = top_keys >= 0
+    # Kept anchors first, ascending; dropped ones after them.
+    order = torch.argsort(torch.where(keep, top_pos, top_pos + s), dim=1)
+    anchors = top_pos.gather(1, order)
+    keep = keep.gather(1, order)
+    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
+    if k < num_anchors:
+        pad = num_anchors - k
+        anchors = torch.cat([anchors, anchors.new_zeros(r, pad)], dim=1)
+        keep = torch.cat([keep, keep.new_zeros(r, pad)], dim=1)
+    return anchors.long(), keep
+
+
+# --------------------------------------------------------------------------- labels
+
+
+def build_block_labels(input_ids: Tensor, target_tokens: Optional[Tensor], loss_mask: Tensor, doc_ids: Tensor,
+                       anchors: Tensor, anchor_keep: Tensor, block_size: int,
+                       labels: Literal["target", "data"] = "target") -> tuple[Tensor, Tensor]:
+    """Labels and validity of every block slot (docs/ARCHITECTURE.md, "The drafter's labels").
+
+    Slot ``k`` of the block at anchor ``a`` is position ``p = a + k`` (same position, no shift).
+    Its label is ``target_tokens[p − 1]`` (the target's greedy prediction *for* ``p``) or
+    ``input_ids[p]``; it is valid when ``k ≥ 1``, ``p < S``, ``doc_ids[p] == doc_ids[a]``,
+    ``loss_mask[p]`` and ``anchor_keep``.
+
+    Args:
+        input_ids, loss_mask, doc_ids: ``[R, S]`` (int64, bool, int).
+        target_tokens: ``[R, S]`` int64 (required for ``labels="target"``).
+        anchors, anchor_keep: ``[R, A]`` int64 / bool.
+        block_size: ``B``.
+
+    Returns:
+        ``(labels [R, A, B] int64, valid [R, A, B] bool)``; invalid slots hold label 0.
+
+    Raises:
+        ValueError: unknown ``labels`` or missing ``target_tokens``.
+    """
+    if labels not in ("target", "data"):
+        raise ValueError(f"labels: must be 'target' or 'data', got {labels!r}")
+    if labels == "target" and target_tokens is None:
+        raise ValueError("labels='target' needs target_tokens")
+    r, s = input_ids.shape
+    num_anchors = anchors.shape[1]
+    k = torch.arange(block_size, device=anchors.device)
+    pos = anchors.unsqueeze(-1) + k  # [R, A, B]
+    in_range = pos < s
+    safe = pos.clamp(max=s - 1).reshape(r, num_anchors * block_size)
+    anchor_doc = doc_ids.gather(1, anchors).unsqueeze(-1)
+    same_doc = doc_ids.gather(1, safe).view(r, num_anchors, block_size) == anchor_doc
+    in_loss = loss_mask.bool().gather(1, safe).view(r, num_anchors, block_size)
+    valid = in_range & same_doc & in_loss & (k >= 1) & anchor_keep.unsqueeze(-1)
+    if labels == "target":
+        prev = (pos - 1).clamp(min=0, max=s - 1).reshape(r, num_anchors * block_size)
+        lab = target_tokens.gather(1, prev).view(r, num_anchors, block_size)
+    else:
+        lab = input_ids.gather(1, safe).view(r, num_anchors, block_size)
+    lab = torch.where(valid, lab, torch.zeros_like(lab))
+    return lab.long(), valid
+
+
+def slot_weights(block_size: int, gamma: float, device: Optional[torch.device] = None) -> Tensor:
+    """``[B]`` fp32: ``w_0 = 0``, ``w_k = exp(−(k − 1)/γ)`` (DFlash paper §4, DESIGN.md §4).
+
+    Raises:
+        ValueError: ``gamma <= 0``.
+    """
+    if not gamma > 0:
+        raise ValueError(f"gamma: must be > 0, got {gamma}")
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1.0) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def label_weights(valid: Tensor, gamma: float) -> Tensor:
+    """``[R, A, B]`` fp32 loss weights: ``valid · w_k``."""
+    return valid.float() * slot_weights(valid.shape[-1], gamma, valid.device)
+
+
+# --------------------------------------------------------------------------- attention mask
+
+
+def make_mask_mod(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
+                  window: Optional[int] = None) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """The DFlash training ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (see the module docstring).
+
+    Works on flex_attention's scalar indices and on broadcast index tensors alike, so
+    :func:`flex_block_mask` and :func:`dense_attention_mask` share it.
+
+    Args:
+        anchors, anchor_keep: ``[R, A]`` int64 / bool.
+        doc_ids: ``[R, S]``.
+        window: ``W`` for a sliding-window layer (context ``a − W ≤ j < a``), ``None`` = full.
+    """
+    seq_len = doc_ids.shape[1]
+    num_anchors = anchors.shape[1]
+    anchor_doc = doc_ids.gather(1, anchors)  # [R, A]
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        blk = torch.clamp(q_idx // block_size, max=num_anchors - 1)
+        a = anchors[b, blk]
+        j = torch.clamp(kv_idx, max=seq_len - 1)
+        ctx = (kv_idx < seq_len) & (j < a) & (doc_ids[b, j] == anchor_doc[b, blk]) & anchor_keep[b, blk]
+        if window is not None:
+            ctx = ctx & (j >= a - window)
+        own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        return ctx | own
+
+    return mask_mod
+
+
+def dense_attention_mask(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
+                         window: Optional[int] = None) -> Tensor:
+    """Dense SDPA mask ``[R, 1, A·B, S + A·B]`` bool (True = attend), for CPU."""
+    r, s = doc_ids.shape
+    q_len = anchors.shape[1] * block_size
+    dev = anchors.device
+    mod = make_mask_mod(anchors, anchor_keep, doc_ids, block_size, window)
+    b = torch.arange(r, device=dev).view(r, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+    q = torch.arange(q_len, device=dev).view(1, 1, q_len, 1)
+    kv = torch.arange(s + q_len, device=dev).view(1, 1, 1, s + q_len)
+    return mod(b, h, q, kv)
+
+
+def flex_block_mask(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
+                    window: Optional[int] = None, compile_mask: Optional[bool] = None) -> Any:
+    """flex_attention ``BlockMask`` of the same rule as :func:`dense_attention_mask`.
+
+    Args:
+        compile_mask: build it with ``create_block_mask(_compile=True)`` (no dense
+            ``[R, Q, K]`` materialisation); ``None`` = on CUDA outside an outer
+            ``torch.compile`` region.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    r, s = doc_ids.shape
+    q_len = anchors.shape[1] * block_size
+    if compile_mask is None:
+        compile_mask = anchors.is_cuda and not torch.compiler.is_compiling()
+    mod = make_mask_mod(anchors, anchor_keep, doc_ids, block_size, window)
+    return create_block_mask(mod, B=r, H=None, Q_LEN=q_len, KV_LEN=s + q_len, device=anchors.device,
+                             _compile=compile_mask)
+
+
+def build_attention_masks(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
+                          layer_types: Sequence[str], sliding_window: int,
+                          backend: Literal["flex", "sdpa"]) -> dict[str, AttentionMask]:
+    """One mask per distinct layer type: ``{"full_attention": …, "sliding_attention": …}``.
+
+    Raises:
+        ValueError: unknown backend or layer type.
+    """
+    if backend not in ("flex", "sdpa"):
+        raise ValueError(f"backend: must be flex or sdpa, got {backend!r}")
+    build = flex_block_mask if backend == "flex" else dense_attention_mask
+    masks: dict[str, AttentionMask] = {}
+    for lt in dict.fromkeys(layer_types):
+        if lt == FULL_ATTENTION:
+            masks[lt] = build(anchors, anchor_keep, doc_ids, block_size, None)
+        elif lt == SLIDING_ATTENTION:
+            masks[lt] = build(anchors, anchor_keep, doc_ids, block_size, sliding_window)
+        else:
+            raise ValueError(f"layer type {lt!r}: must be {FULL_ATTENTION} or {SLIDING_ATTENTION}")
+    return masks
+
+
+# --------------------------------------------------------------------------- loss
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """``Σ_n w_n · CE(h_n W^T + b, y_n)`` and ``argmax`` over row chunks, gradient computed in forward.
+
+    For one row, ``d CE / d h = (softmax(z) − onehot(y)) W`` (z = logits). The forward pass keeps
+    only that ``[N, D]`` gradient (scaled by ``w``); backward multiplies it by the incoming scalar
+    gradient. The frozen head (``W``, ``b``) gets no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                row_weights: Tensor, chunk: int, need_grad: bool) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        preds = []
+        grads = []
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                h = hidden[start:end].to(weight.dtype)
+                logits = F.linear(h, weight, bias).float()  # [c, V]
+                y = labels[start:end]
+                w = row_weights[start:end]
+                lse = torch.logsumexp(logits, dim=-1)
+                ce = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+                total = total + (ce * w).sum()
+                preds.append(logits.argmax(dim=-1))
+                if need_grad:
+                    probs = torch.exp(logits - lse.unsqueeze(1))
+                    probs.scatter_add_(1, y.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))
+                    probs = probs * w.unsqueeze(1)
+                    grads.append((probs.to(weight.dtype) @ weight).to(hidden.dtype))
+        pred = torch.cat(preds) if preds else labels.new_zeros(0)
+        ctx.mark_non_differentiable(pred)
+        if need_grad:
+            ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(hidden))
+        ctx.need_grad = need_grad
+        return total, pred
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, grad_pred: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        grad_hidden = None
+        if ctx.need_grad:
+            (g,) = ctx.saved_tensors
+            grad_hidden = g * grad_total.to(g.dtype)
+        return grad_hidden, None, None, None, None, None, None
+
+
+@dataclass
+class LossOutput:
+    """What one batch contributes to the loss and the metrics.
+
+    All fields are fp32 tensors on the batch's device (no host sync); sums, so ranks and batches
+    add up. ``loss = loss_sum / weight_sum``; ``tau = tau_sum / num_blocks``;
+    per-slot accuracy ``= per_slot_correct / per_slot_count``.
+    """
+
+    #: ``Σ CE·w`` over valid slots (the only field with a gradient).
+    loss_sum: Tensor
+    #: ``Σ w`` (no gradient).
+    weight_sum: Tensor
+    #: ``[B]``: valid slots whose argmax equals the label (slot 0: 0).
+    per_slot_correct: Tensor
+    #: ``[B]``: valid slots (slot 0: 0).
+    per_slot_count: Tensor
+    #: ``Σ τ`` over kept blocks.
+    tau_sum: Tensor
+    #: Number of kept blocks.
+    num_blocks: Tensor
+
+    @property
+    def loss(self) -> Tensor:
+        return self.loss_sum / self.weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
+
+    @property
+    def tau(self) -> Tensor:
+        return self.tau_sum / self.num_blocks.clamp_min(1.0)
+
+    @property
+    def per_slot_accuracy(self) -> Tensor:
+        return self.per_slot_correct / self.per_slot_count.clamp_min(1.0)
+
+    def stats_vector(self) -> Tensor:
+        """``[2B + 4]`` detached fp32: loss_sum, weight_sum, tau_sum, num_blocks, correct…, count….
+
+        One tensor to all-reduce (SUM) across ranks; :meth:`from_stats_vector` reads it back.
+        """
+        head = torch.stack([self.loss_sum.detach(), self.weight_sum, self.tau_sum, self.num_blocks])
+        return torch.cat([head, self.per_slot_correct, self.per_slot_count]).float()
+
+    @classmethod
+    def from_stats_vector(cls, vec: Tensor) -> "LossOutput":
+        b = (vec.numel() - 4) // 2
+        return cls(loss_sum=vec[0], weight_sum=vec[1], tau_sum=vec[2], num_blocks=vec[3],
+                   per_slot_correct=vec[4:4 + b], per_slot_count=vec[4 + b:4 + 2 * b])
+
+
+def acceptance_lengths(correct: Tensor, valid: Tensor) -> Tensor:
+    """Greedy acceptance length per block: ``[R, A, B]`` bools → ``[R, A]`` fp32.
+
+    ``τ = 1 + #leading slots k = 1, 2, … with correct & valid``; slot 0 is ignored (the anchor is
+    given). Dropped blocks get 1 here; exclude them when averaging.
+    """
+    ok = (correct & valid)[..., 1:].float()
+    return 1.0 + torch.cumprod(ok, dim=-1).sum(-1)
+
+
+def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tensor, gamma: float,
+                chunk: int = LOSS_CHUNK_ROWS, block_keep: Optional[Tensor] = None) -> LossOutput:
+    """Decayed cross entropy of the drafter's block predictions, with accuracy and τ.
+
+    ``loss_sum = Σ_{r,i,k} w_k · valid · CE(lm_head(hidden[r,i,k]), labels[r,i,k])`` with
+    ``w_k = exp(−(k − 1)/γ)`` for ``k ≥ 1`` (slot 0 excluded). Logits are computed in chunks of
+    ``chunk`` rows over slots 1 … B−1 only; CE and softmax in fp32.
+
+    Args:
+        hidden: ``[R, A, B, D]`` final-normed drafter states (any float dtype).
+        lm_head: the target's frozen head: a module with ``weight [V, D]`` (and optional ``bias``).
+        labels: ``[R, A, B]`` int64 (:func:`build_block_labels`).
+        valid: ``[R, A, B]`` bool.
+        gamma: γ of the decay (``dflash.config.default_gamma(B)`` by default in the trainer).
+        chunk: rows of logits per chunk (``LOSS_CHUNK_ROWS``).
+        block_keep: ``[R, A]`` bool blocks counted by τ; ``None`` = blocks with a valid slot.
+
+    Returns:
+        :class:`LossOutput`; only ``loss_sum`` carries a gradient (to ``hidden``).
+
+    Raises:
+        ValueError: shape mismatch or ``chunk < 1``.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk: must be >= 1, got {chunk}")
+    r, a, b, d = hidden.shape
+    if labels.shape != (r, a, b) or valid.shape != (r, a, b):
+        raise ValueError(f"labels {tuple(labels.shape)} / valid {tuple(valid.shape)} do not match hidden "
+                         f"{tuple(hidden.shape)}")
+    weights = label_weights(valid, gamma)  # [R, A, B], slot 0 = 0
+    n = r * a * (b - 1)
+    h = hidden[:, :, 1:].reshape(n, d)
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    bias = getattr(lm_head, "bias", None)
+    loss_sum, pred = _ChunkedLinearCE.apply(h, lm_head.weight, bias, labels[:, :, 1:].reshape(n),
+                                            weights[:, :, 1:].reshape(n), chunk, need_grad)
+    with torch.no_grad():
+        pred = torch.cat([labels[:, :, :1], pred.view(r, a, b - 1)], dim=2)  # slot 0: placeholder
+        correct = (pred == labels) & valid
+        per_slot_correct = correct.float().sum(dim=(0, 1))
+        per_slot_count = valid.float().sum(dim=(0, 1))
+        keep = valid.any(-1) if block_keep is None else block_keep
+        tau = acceptance_lengths(correct, valid)
+        tau_sum = (tau * keep.float()).sum()
+        num_blocks = keep.float().sum()
+        weight_sum = weights.sum()
+    return LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, per_slot_correct=per_slot_correct,
+                      per_slot_count=per_slot_count, tau_sum=tau_sum, num_blocks=num_blocks)
