@@ -1,0 +1,349 @@
+"""Anchors, labels, attention mask, decayed CE loss and τ (dflash/objective.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.config import default_gamma
+from dflash.objective import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    LossOutput,
+    acceptance_lengths,
+    anchor_generator,
+    anchor_seed,
+    build_attention_masks,
+    build_block_labels,
+    dense_attention_mask,
+    dflash_loss,
+    flex_block_mask,
+    sample_anchors,
+    slot_weights,
+    valid_anchor_mask,
+)
+
+
+def packed_batch(r: int = 3, s: int = 40, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Rows of 2–3 packed conversations, random loss masks, padding at the end."""
+    g = torch.Generator().manual_seed(seed)
+    doc_ids = torch.zeros(r, s, dtype=torch.int32)
+    position_ids = torch.zeros(r, s, dtype=torch.long)
+    for row in range(r):
+        cuts = sorted(torch.randperm(s - 6, generator=g)[:2].add(3).tolist())
+        ends = cuts + [s - 2 - row]
+        start = 0
+        for d, end in enumerate(ends, start=1):
+            doc_ids[row, start:end] = d
+            position_ids[row, start:end] = torch.arange(end - start)
+            start = end
+    loss_mask = (torch.rand(r, s, generator=g) < 0.7) & (doc_ids > 0)
+    return {
+        "input_ids": torch.randint(1, 50, (r, s), generator=g),
+        "target_tokens": torch.randint(1, 50, (r, s), generator=g),
+        "position_ids": position_ids,
+        "doc_ids": doc_ids,
+        "loss_mask": loss_mask,
+    }
+
+
+# --------------------------------------------------------------------------- anchors
+
+
+def test_anchor_seed_is_deterministic_and_spreads() -> None:
+    assert anchor_seed(0, 1, 2) == anchor_seed(0, 1, 2)
+    seeds = {anchor_seed(s, e, b) for s in range(3) for e in range(-1, 3) for b in range(20)}
+    assert len(seeds) == 3 * 4 * 20
+    assert all(0 <= x < 2**63 for x in seeds)
+
+
+def test_anchors_valid_sorted_unique_fixed_shape() -> None:
+    b = packed_batch()
+    valid = valid_anchor_mask(b["loss_mask"], b["doc_ids"])
+    for batch_id in range(20):
+        for a in (1, 4, 9, 64):
+            anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], a, anchor_generator(7, 0, batch_id))
+            assert anchors.shape == keep.shape == (3, a)
+            assert anchors.dtype == torch.int64 and keep.dtype == torch.bool
+            for row in range(3):
+                n_valid = int(valid[row].sum())
+                kept = anchors[row][keep[row]].tolist()
+                assert len(kept) == min(n_valid, a)
+                assert keep[row].tolist() == [True] * len(kept) + [False] * (a - len(kept))  # kept first
+                assert kept == sorted(set(kept))  # sorted, unique
+                for p in kept:
+                    assert b["loss_mask"][row, p] and b["loss_mask"][row, p + 1]
+                    assert b["doc_ids"][row, p] == b["doc_ids"][row, p + 1]
+                assert (anchors[row][~keep[row]] == 0).all()
+
+
+def test_anchors_keep_mask_when_few_valid_positions() -> None:
+    s = 12
+    loss_mask = torch.zeros(3, s, dtype=torch.bool)
+    doc_ids = torch.ones(3, s, dtype=torch.int32)
+    loss_mask[0, 3:6] = True            # valid anchors 3, 4
+    loss_mask[1, 9:12] = True           # 9, 10 (11 is last: no p + 1)
+    doc_ids[1, 10:] = 2                 # 9 → 10 crosses a document: only 10 is valid
+    anchors, keep = sample_anchors(loss_mask, doc_ids, 5, anchor_generator(0, 0, 0))
+    assert anchors.tolist() == [[3, 4, 0, 0, 0], [10, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert keep.tolist() == [[True, True, False, False, False], [True, False, False, False, False], [False] * 5]
+
+
+def test_anchors_more_slots_than_positions() -> None:
+    loss_mask = torch.ones(2, 6, dtype=torch.bool)
+    doc_ids = torch.ones(2, 6, dtype=torch.int32)
+    anchors, keep = sample_anchors(loss_mask, doc_ids, 10, anchor_generator(0, 0, 0))
+    assert anchors.shape == (2, 10)
+    assert anchors[:, :5].tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert keep.sum(1).tolist() == [5, 5]
+
+
+def test_anchors_deterministic_under_seed() -> None:
+    b = packed_batch()
+    draw = lambda s, e, i: sample_anchors(b["loss_mask"], b["doc_ids"], 6, anchor_generator(s, e, i))  # noqa: E731
+    a1, k1 = draw(3, 1, 5)
+    a2, k2 = draw(3, 1, 5)
+    assert torch.equal(a1, a2) and torch.equal(k1, k2)
+    others = [draw(3, 1, 6)[0], draw(3, 2, 5)[0], draw(4, 1, 5)[0]]
+    assert all(not torch.equal(a1, o) for o in others)
+
+
+def test_anchors_are_uniform() -> None:
+    s, a, draws = 10, 3, 3000
+    loss_mask = torch.ones(1, s, dtype=torch.bool)
+    loss_mask[0, 4] = False  # positions 3 and 4 invalid; 9 is last → valid: 0,1,2,5,6,7,8
+    doc_ids = torch.ones(1, s, dtype=torch.int32)
+    counts = torch.zeros(s)
+    for i in range(draws):
+        anchors, keep = sample_anchors(loss_mask, doc_ids, a, anchor_generator(1, 0, i))
+        counts.index_add_(0, anchors[0][keep[0]], torch.ones(int(keep.sum())))
+    valid = [0, 1, 2, 5, 6, 7, 8]
+    expected = draws * a / len(valid)
+    assert counts[[3, 4, 9]].sum() == 0
+    assert torch.allclose(counts[valid], torch.full((7,), expected), rtol=0.1)
+
+
+def test_anchor_sampling_has_no_data_dependent_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = packed_batch()
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("data-dependent op / host sync in sample_anchors")
+
+    for name in ("nonzero", "item", "tolist", "masked_select", "unique"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for name in ("nonzero", "masked_select", "unique", "argwhere"):
+        monkeypatch.setattr(torch, name, forbidden)
+    shapes = set()
+    for mask in (b["loss_mask"], torch.zeros_like(b["loss_mask"]), torch.ones_like(b["loss_mask"])):
+        anchors, keep = sample_anchors(mask, b["doc_ids"], 8, anchor_generator(0, 0, 0))
+        shapes.add((tuple(anchors.shape), tuple(keep.shape)))
+    assert shapes == {((3, 8), (3, 8))}
+
+
+# --------------------------------------------------------------------------- labels
+
+
+@pytest.mark.parametrize("mode", ["target", "data"])
+def test_labels_same_position(mode: str) -> None:
+    b = packed_batch()
+    bs = 5
+    anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 8, anchor_generator(0, 0, 1))
+    keep[0, 1] = False  # a dropped block has no valid slot
+    labels, valid = build_block_labels(b["input_ids"], b["target_tokens"], b["loss_mask"], b["doc_ids"],
+                                       anchors, keep, bs, mode)
+    s = b["input_ids"].shape[1]
+    for r in range(3):
+        for i in range(8):
+            a = int(anchors[r, i])
+            for k in range(bs):
+                p = a + k
+                ok = (k >= 1 and bool(keep[r, i]) and p < s and bool(b["loss_mask"][r, p])
+                      and int(b["doc_ids"][r, p]) == int(b["doc_ids"][r, a]))
+                assert bool(valid[r, i, k]) == ok, (r, i, k)
+                if ok:
+                    want = b["target_tokens"][r, p - 1] if mode == "target" else b["input_ids"][r, p]
+                    assert int(labels[r, i, k]) == int(want)
+                else:
+                    assert int(labels[r, i, k]) == 0
+    assert valid[keep].any(-1).all()       # a kept anchor always has slot 1 valid
+    assert not valid[..., 0].any()
+
+
+def test_labels_target_rule_on_a_small_row() -> None:
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    target_tokens = torch.tensor([[21, 22, 23, 24, 25, 26]])  # target's prediction for p + 1
+    loss_mask = torch.tensor([[False, True, True, True, False, True]])
+    doc_ids = torch.ones(1, 6, dtype=torch.int32)
+    anchors, keep = torch.tensor([[1]]), torch.tensor([[True]])
+    labels, valid = build_block_labels(input_ids, target_tokens, loss_mask, doc_ids, anchors, keep, 4)
+    assert valid.tolist() == [[[False, True, True, False]]]
+    assert labels.tolist() == [[[0, 22, 23, 0]]]
+    labels, _ = build_block_labels(input_ids, target_tokens, loss_mask, doc_ids, anchors, keep, 4, "data")
+    assert labels.tolist() == [[[0, 12, 13, 0]]]
+
+
+# --------------------------------------------------------------------------- attention mask
+
+
+def loop_mask(anchors: torch.Tensor, keep: torch.Tensor, doc_ids: torch.Tensor, bs: int,
+              window: int | None) -> torch.Tensor:
+    r, s = doc_ids.shape
+    na = anchors.shape[1]
+    out = torch.zeros(r, 1, na * bs, s + na * bs, dtype=torch.bool)
+    for row in range(r):
+        for i in range(na):
+            a = int(anchors[row, i])
+            for k in range(bs):
+                q = i * bs + k
+                for j in range(s):
+                    if keep[row, i] and j < a and doc_ids[row, j] == doc_ids[row, a] and (window is None or j >= a - window):
+                        out[row, 0, q, j] = True
+                for k2 in range(bs):
+                    out[row, 0, q, s + i * bs + k2] = True
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_dense_mask_equals_loop(window: int | None) -> None:
+    b = packed_batch(r=2, s=30)
+    anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 6, anchor_generator(0, 0, 2))
+    keep[1, 0] = False
+    bs = 3
+    mask = dense_attention_mask(anchors, keep, b["doc_ids"], bs, window)
+    assert mask.shape == (2, 1, 18, 30 + 18) and mask.dtype == torch.bool
+    assert torch.equal(mask, loop_mask(anchors, keep, b["doc_ids"], bs, window))
+    assert mask.any(-1).all()  # no fully masked query row
+
+
+def test_build_attention_masks_per_layer_type() -> None:
+    b = packed_batch(r=2, s=30)
+    anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 5, anchor_generator(0, 0, 3))
+    masks = build_attention_masks(anchors, keep, b["doc_ids"], 4, [SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION],
+                                  3, backend="sdpa")
+    assert set(masks) == {FULL_ATTENTION, SLIDING_ATTENTION}
+    assert torch.equal(masks[SLIDING_ATTENTION], loop_mask(anchors, keep, b["doc_ids"], 4, 3))
+    assert torch.equal(masks[FULL_ATTENTION], loop_mask(anchors, keep, b["doc_ids"], 4, None))
+    with pytest.raises(ValueError):
+        build_attention_masks(anchors, keep, b["doc_ids"], 4, ["linear_attention"], 3, backend="sdpa")
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_block_mask_matches_dense(window: int | None) -> None:
+    """flex_attention (eager on CPU) with the BlockMask == SDPA with the dense mask."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    b = packed_batch(r=2, s=37)
+    bs = 4
+    anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 7, anchor_generator(0, 0, 4))
+    keep[0, -1] = False
+    g = torch.Generator().manual_seed(0)
+    q_len, kv_len = 7 * bs, 37 + 7 * bs
+    q = torch.randn(2, 4, q_len, 8, generator=g)
+    k = torch.randn(2, 2, kv_len, 8, generator=g)
+    v = torch.randn(2, 2, kv_len, 8, generator=g)
+    dense = dense_attention_mask(anchors, keep, b["doc_ids"], bs, window)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    block_mask = flex_block_mask(anchors, keep, b["doc_ids"], bs, window, compile_mask=False)
+    out = flex.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- loss, accuracy, τ
+
+
+def test_slot_weights() -> None:
+    w = slot_weights(16, default_gamma(16))
+    assert w[0] == 0 and w[1] == 1
+    assert torch.allclose(w[1:], torch.exp(-torch.arange(15, dtype=torch.float32) / 7.0))
+    with pytest.raises(ValueError):
+        slot_weights(4, 0.0)
+
+
+def naive_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, valid: torch.Tensor,
+               gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    num = hidden.new_zeros(())
+    den = 0.0
+    r, a, bs, _ = hidden.shape
+    for row in range(r):
+        for i in range(a):
+            for k in range(1, bs):
+                if valid[row, i, k]:
+                    w = math.exp(-(k - 1) / gamma)
+                    logits = head(hidden[row, i, k])
+                    num = num + w * F.cross_entropy(logits[None], labels[row, i, k][None])
+                    den += w
+    return num, torch.tensor(den)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_loss_equals_per_block_loop(chunk: int) -> None:
+    torch.manual_seed(0)
+    r, a, bs, d, v = 2, 5, 6, 16, 40
+    head = nn.Linear(d, v, bias=True)
+    hidden = torch.randn(r, a, bs, d, requires_grad=True)
+    labels = torch.randint(0, v, (r, a, bs))
+    valid = torch.rand(r, a, bs) < 0.7
+    valid[..., 0] = False
+    gamma = 2.5
+    out = dflash_loss(hidden, head, labels, valid, gamma, chunk=chunk)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    hidden2 = hidden.detach().clone().requires_grad_(True)
+    num, den = naive_loss(hidden2, head, labels, valid, gamma)
+    (grad_ref,) = torch.autograd.grad(num / den, hidden2)
+    assert torch.allclose(out.loss_sum, num, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out.weight_sum, den, atol=1e-6)
+    assert torch.allclose(out.loss, num / den, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(grad, grad_ref, atol=1e-6, rtol=1e-5)
+    assert out.per_slot_count.tolist() == valid.float().sum((0, 1)).tolist()
+
+
+def test_loss_gives_the_frozen_head_no_gradient() -> None:
+    head = nn.Linear(8, 20, bias=False)
+    hidden = torch.randn(1, 2, 3, 8, requires_grad=True)
+    valid = torch.ones(1, 2, 3, dtype=torch.bool)
+    out = dflash_loss(hidden, head, torch.randint(0, 20, (1, 2, 3)), valid, 4.0)
+    out.loss.backward()
+    assert head.weight.grad is None and hidden.grad is not None
+    with torch.no_grad():
+        out2 = dflash_loss(hidden, head, torch.randint(0, 20, (1, 2, 3)), valid, 4.0)
+    assert not out2.loss_sum.requires_grad
+
+
+def test_tau_and_per_slot_accuracy_by_hand() -> None:
+    """Two blocks of B = 5 with a hand-picked head, so the argmax of slot k is known."""
+    v, d = 6, 6
+    head = nn.Linear(d, v, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(v))
+    # Slot predictions (argmax = one-hot position of the hidden state):
+    preds = torch.tensor([[[0, 1, 2, 3, 4],     # block 0
+                           [0, 5, 5, 1, 1]]])   # block 1
+    labels = torch.tensor([[[0, 1, 2, 0, 4],    # block 0: slots 1, 2 right, 3 wrong, 4 right
+                            [0, 5, 4, 1, 0]]])  # block 1: slot 1 right, 2 wrong, 3 right, 4 invalid
+    valid = torch.tensor([[[False, True, True, True, True],
+                           [False, True, True, True, False]]])
+    hidden = F.one_hot(preds, v).float() * 5.0
+    out = dflash_loss(hidden, head, labels, valid, 3.0)
+    # τ: block 0 = 1 + 2 (stops at the wrong slot 3); block 1 = 1 + 1.
+    assert out.tau_sum.item() == 5.0 and out.num_blocks.item() == 2.0
+    assert out.tau.item() == 2.5
+    assert out.per_slot_correct.tolist() == [0.0, 2.0, 1.0, 1.0, 1.0]
+    assert out.per_slot_count.tolist() == [0.0, 2.0, 2.0, 2.0, 1.0]
+    assert out.per_slot_accuracy.tolist() == [0.0, 1.0, 0.5, 0.5, 1.0]
+    # A block stops at its first invalid slot even if later ones are right.
+    correct = torch.ones(1, 1, 5, dtype=torch.bool)
+    stop = torch.tensor([[[False, True, False, True, True]]])
+    assert acceptance_lengths(correct, stop).tolist() == [[2.0]]
+
+
+def test_loss_output_stats_vector_round_trip() -> None:
+    out = LossOutput(loss_sum=torch.tensor(3.5), weight_sum=torch.tensor(2.0), per_slot_correct=torch.tensor([0., 1., 2.]),
+                     per_slot_count=torch.tensor([0., 2., 4.]), tau_sum=torch.tensor(6.0), num_blocks=torch.tensor(4.0))
+    vec = out.stats_vector() + out.stats_vector()   # two ranks, all-reduce SUM
+    both = LossOutput.from_stats_vector(vec)
+    assert both.loss.item() == 1.75 and both.tau.item() == 1.5
+    assert both.per_slot_accuracy.tolist() == [0.0, 0.5, 0.5]
