@@ -1,0 +1,254 @@
+"""DrafterTrainer, AdamW and the schedule (dflash/trainer.py, dflash/optim.py)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dflash.config import DrafterConfig, TrainConfig
+from dflash.model import DFlashConfig, DFlashDraftModel
+from dflash.objective import anchor_generator, sample_anchors
+from dflash.optim import build_optimizer, build_scheduler, lr_factor, warmup_steps
+from dflash.trainer import DrafterTrainer, metrics_to_host
+
+V, D, L, B = 32, 32, 2, 4
+
+
+def tiny_model(seed: int = 0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    cfg = DFlashConfig(hidden_size=D, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       vocab_size=V, num_hidden_layers=2, num_target_layers=6, target_layer_ids=[1, 4], block_size=B,
+                       rope_theta=10000.0)
+    return DFlashDraftModel(cfg, nn.Embedding(V, D), nn.Linear(D, V, bias=False), attention="sdpa")
+
+
+def random_batch(r: int = 4, s: int = 20, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    doc_ids = torch.ones(r, s, dtype=torch.int32)
+    doc_ids[:, s // 2:] = 2
+    doc_ids[:, -2:] = 0
+    position_ids = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).repeat(r, 1)
+    return {
+        "input_ids": torch.randint(0, V, (r, s), generator=g),
+        "target_tokens": torch.randint(0, V, (r, s), generator=g),
+        "position_ids": position_ids,
+        "doc_ids": doc_ids,
+        "loss_mask": (torch.rand(r, s, generator=g) < 0.8) & (doc_ids > 0),
+        "features": torch.randn(r, s, L * D, generator=g),
+    }
+
+
+def pattern_batch(r: int = 4, s: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A learnable task: token p + 1 = (5·token p + 3) mod V, and the target predicts it exactly."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(r, s, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, V, (r,), generator=g)
+    for p in range(1, s):
+        ids[:, p] = (5 * ids[:, p - 1] + 3) % V
+    nxt = (5 * ids + 3) % V
+    proj = torch.randn(V, L * D, generator=torch.Generator().manual_seed(1234))  # the same "target" for every batch
+    return {
+        "input_ids": ids,
+        "target_tokens": nxt,
+        "position_ids": torch.arange(s).repeat(r, 1),
+        "doc_ids": torch.ones(r, s, dtype=torch.int32),
+        "loss_mask": torch.ones(r, s, dtype=torch.bool),
+        "features": proj[ids],
+    }
+
+
+def drafter_cfg(**kw: object) -> DrafterConfig:
+    base: dict = dict(num_layers=2, block_size=B, anchors_per_row=5, compile=False)
+    base.update(kw)
+    return DrafterConfig(**base)
+
+
+# --------------------------------------------------------------------------- optimizer / schedule
+
+
+def test_warmup_and_cosine_schedule() -> None:
+    cfg = TrainConfig(lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
+    assert warmup_steps(100, cfg) == 10 and warmup_steps(101, cfg) == 11
+    assert warmup_steps(100, TrainConfig(warmup_ratio=0.0)) == 0
+    opt = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=1.0)
+    sched = build_scheduler(opt, 100, cfg)
+    lrs = []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0)
+    assert lrs[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
+    assert lrs[99] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)))
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lr_factor(1000, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_optimizer_holds_only_trainable_drafter_params() -> None:
+    model = tiny_model()
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert held == {id(p) for p in model.parameters()}
+    assert id(model.embed_tokens.weight) not in held and id(model.lm_head.weight) not in held
+    decay = {g["weight_decay"]: len(g["params"]) for g in opt.param_groups}
+    assert decay[0.0] == sum(1 for p in model.parameters() if p.dim() < 2)
+    assert opt.param_groups[0]["lr"] == 6e-4 and opt.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+# --------------------------------------------------------------------------- data parallel
+
+
+@pytest.mark.parametrize("mode", ["sum", "ddp_mean"])
+def test_two_rank_update_equals_one_concatenated_batch(mode: str) -> None:
+    """Two ranks (half batches, all-reduced Σw, synced grads) == one process on the whole batch."""
+    model = tiny_model()
+    train_cfg = TrainConfig(lr=1e-2, warmup_ratio=0.0, grad_clip=1e9)
+    batch = random_batch(r=4)
+    anchors = sample_anchors(batch["loss_mask"], batch["doc_ids"], 5, anchor_generator(0, 0, 0))
+    halves = [{k: v[sl] for k, v in batch.items()} for sl in (slice(0, 2), slice(2, 4))]
+    half_anchors = [(anchors[0][sl], anchors[1][sl]) for sl in (slice(0, 2), slice(2, 4))]
+
+    full = DrafterTrainer(copy.deepcopy(model), train_cfg, drafter_cfg(), 10, "cpu")
+    full_out, _ = full.forward_backward(batch, 0, 0, anchors=anchors)
+    full_grads = [p.grad.clone() for p in full.params]
+
+    factor = 2 if mode == "ddp_mean" else 1
+    ranks = [DrafterTrainer(copy.deepcopy(model), train_cfg, drafter_cfg(), 10, "cpu", grads_averaged_over=factor)
+             for _ in range(2)]
+    w_local = [ranks[i].prepare(halves[i], 0, 0, half_anchors[i]).weight_sum for i in range(2)]
+    w_global = w_local[0] + w_local[1]
+    assert w_global.item() > 0 and all(w.item() > 0 for w in w_local)
+    outs = []
+    for i, tr in enumerate(ranks):
+        out, wg = tr.forward_backward(halves[i], 0, 0, anchors=half_anchors[i],
+                                      weight_sum_reduce=lambda w, i=i: w + w_local[1 - i])
+        assert torch.allclose(wg, w_global)
+        outs.append(out)
+    # The all-reduce of gradients: SUM (grad_sync) or MEAN (what DDP does).
+    for ps in zip(ranks[0].params, ranks[1].params):
+        g = ps[0].grad + ps[1].grad
+        if mode == "ddp_mean":
+            g = g / 2
+        for p in ps:
+            p.grad = g.clone()
+    for p_grad, ref in zip((p.grad for p in ranks[0].params), full_grads):
+        assert torch.allclose(p_grad, ref, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(outs[0].loss_sum + outs[1].loss_sum, full_out.loss_sum, atol=1e-5)
+
+    # Adam's first step is ~lr·sign(g): float noise on near-zero gradients would dominate the
+    # comparison, so a larger eps damps it (the gradients themselves were compared above).
+    for tr in [full, *ranks]:
+        for group in tr.optimizer.param_groups:
+            group["eps"] = 1e-3
+        tr.optimizer_step()
+    for p_full, p0, p1 in zip(full.params, ranks[0].params, ranks[1].params):
+        assert torch.allclose(p0, p_full, atol=1e-6) and torch.equal(p0, p1)
+
+
+def test_grad_sync_hook_is_called_with_trainable_params() -> None:
+    seen: list[int] = []
+    tr = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu",
+                        grad_sync=lambda params: seen.append(len(params)),
+                        weight_sum_reduce=lambda w: w * 2)
+    m = tr.step(random_batch(), 0, 0)
+    assert seen == [len(list(tr.model.parameters()))]
+    assert torch.allclose(m["global_weight_sum"], 2 * m["weight_sum"])
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_step_metrics_and_determinism() -> None:
+    batch = random_batch()
+    a = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu", seed=3)
+    b = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu", seed=3)
+    ma, mb = a.step(batch, 1, 7), b.step(batch, 1, 7)
+    assert torch.equal(ma["loss"], mb["loss"]) and torch.equal(ma["grad_norm"], mb["grad_norm"])
+    host = metrics_to_host(ma)
+    assert set(host) >= {"loss", "tau", "per_slot_acc", "lr", "grad_norm", "num_blocks", "step"}
+    assert len(host["per_slot_acc"]) == B and host["per_slot_acc"][0] == 0.0
+    assert host["num_blocks"] > 0 and 1.0 <= host["tau"] <= B
+    assert math.isfinite(host["loss"]) and host["loss"] > 0 and host["grad_norm"] > 0
+    assert host["step"] == 1 and host["lr"] == pytest.approx(6e-4)
+
+
+def test_loss_falls_on_a_learnable_pattern() -> None:
+    torch.manual_seed(0)
+    tr = DrafterTrainer(tiny_model(), TrainConfig(lr=1e-2, warmup_ratio=0.1), drafter_cfg(anchors_per_row=6), 30, "cpu")
+    batch = pattern_batch()
+    held_out = pattern_batch(seed=1)
+    before = tr.evaluate(held_out, 0)
+    losses = [tr.step(batch, 0, i)["loss"].item() for i in range(30)]
+    after = tr.evaluate(held_out, 0)
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
+    assert after.loss.item() < 0.75 * before.loss.item()     # held-out batch, fixed anchors
+    assert after.tau.item() > before.tau.item() + 0.5
+
+
+def test_evaluate_is_deterministic_and_does_not_train() -> None:
+    tr = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu")
+    batch = random_batch()
+    before = [p.detach().clone() for p in tr.params]
+    e1, e2 = tr.evaluate(batch, 4), tr.evaluate(batch, 4)
+    assert torch.equal(e1.stats_vector(), e2.stats_vector())
+    assert not torch.equal(e1.stats_vector(), tr.evaluate(batch, 5).stats_vector())
+    assert all(torch.equal(a, p) for a, p in zip(before, tr.params))
+    assert all(p.grad is None for p in tr.params)
+
+
+def test_state_dict_resume_gives_identical_steps() -> None:
+    batch = random_batch()
+    tr = DrafterTrainer(tiny_model(), TrainConfig(warmup_ratio=0.2), drafter_cfg(), 10, "cpu")
+    for i in range(3):
+        tr.step(batch, 0, i)
+    state = copy.deepcopy(tr.state_dict())
+    weights = copy.deepcopy(tr.model.state_dict())
+    # Fresh drafter weights, the same frozen (shared) embedding and head.
+    resumed_model = DFlashDraftModel(tr.module.config, tr.module.embed_tokens, tr.module.lm_head, attention="sdpa")
+    resumed_model.load_state_dict(weights)
+    resumed = DrafterTrainer(resumed_model, TrainConfig(warmup_ratio=0.2), drafter_cfg(), 10, "cpu")
+    resumed.load_state_dict(state)
+    assert resumed.step_count == 3
+    m1, m2 = tr.step(batch, 0, 3), resumed.step(batch, 0, 3)
+    assert m1["lr"] == m2["lr"]
+    assert torch.equal(m1["loss"], m2["loss"])
+    for p, q in zip(tr.params, resumed.params):
+        assert torch.equal(p, q)
+
+
+def test_missing_tensor_is_reported() -> None:
+    tr = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu")
+    batch = random_batch()
+    del batch["target_tokens"]
+    with pytest.raises(KeyError, match="target_tokens"):
+        tr.step(batch, 0, 0)
+    data_labels = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(labels="data"), 10, "cpu")
+    assert data_labels.step(batch, 0, 0)["num_blocks"].item() > 0
+
+
+# --------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_gpu_step_matches_cpu(compile_step: bool) -> None:
+    batch = pattern_batch()
+    cpu = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu")
+    gpu_model = tiny_model().cuda()
+    gpu_model.embed_tokens.cuda()
+    gpu_model.lm_head.cuda()
+    gpu = DrafterTrainer(gpu_model, TrainConfig(), drafter_cfg(compile=compile_step), 10, "cuda",
+                         autocast_dtype=None)
+    anchors = sample_anchors(batch["loss_mask"], batch["doc_ids"], 5, anchor_generator(0, 0, 0))
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    for i in range(3):
+        mc = cpu.step(batch, 0, i, anchors=anchors)
+        mg = gpu.step(cuda_batch, 0, i, anchors=tuple(a.cuda() for a in anchors))
+        assert torch.allclose(mg["loss"].cpu(), mc["loss"], rtol=1e-3, atol=1e-3)
+    torch.cuda.synchronize()
