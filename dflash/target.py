@@ -67,6 +67,8 @@ FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention
 #: Files that make a converted GGUF cache directory complete (the marker is written last).
 _CACHE_MARKER = "dflash_source.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``*ForCausalLM`` class of each random-architecture config type.
+_CAUSAL_LM_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 
 
 # --------------------------------------------------------------------------- layer ids
@@ -152,11 +154,13 @@ def _has_qwen3_5() -> bool:
 
 
 #: Named shapes for ``target.kind: random``. ``family`` picks the transformers config class.
-#: qwen3-8b: the public Qwen3-8B config. qwen3.6-27b: the public Qwen3.6-27B text model
-#: (Qwen3.5 family: 16 × (3 Gated-DeltaNet layers + 1 gated full-attention layer), linear
-#: attention 16 QK / 48 V heads of 128, attention 24 Q / 4 KV heads of 256, partial RoPE 64 dims,
-#: θ = 1e7); where transformers has no Qwen3.5 classes it becomes a dense Qwen3 of the same
-#: dimensions (see :func:`build_random_config`). tiny-*: a few hundred thousand parameters, for tests.
+#: qwen3-8b: the public Qwen3-8B config (``Qwen3ForCausalLM``, 8.19B parameters).
+#: qwen3.6-27b: the public Qwen3.6-27B text model, ``Qwen3_5ForCausalLM`` (Qwen3.5 family:
+#: 16 × (3 Gated-DeltaNet layers + 1 gated full-attention layer), linear attention 16 QK / 48 V
+#: heads of 128, attention 24 Q / 4 KV heads of 256, partial RoPE 64 dims, θ = 1e7; 26.90B
+#: parameters without the vision tower and MTP head). transformers 5.x ships ``qwen3_5`` (5.24
+#: here; the GPU machine's 5.17 too); where it is missing the arch becomes a dense Qwen3 of the
+#: same dimensions (see :func:`build_random_config`). tiny-*: a few hundred thousand parameters.
 RANDOM_ARCHS: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(
         family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -654,12 +658,16 @@ def _build_random(cfg: TargetConfig, dtype: torch.dtype, device: torch.device) -
     """Random weights at ``cfg.arch``'s shape, allocated and initialised directly on ``device``
     (``torch.device`` context: 54 GB of Qwen3.6-27B bf16 never touches host memory), seeded by
     ``cfg.seed`` (transformers' init: normal(0, 0.02) linears/embeddings, unit norms)."""
-    from transformers import AutoModelForCausalLM
+
+    import transformers
 
     config = build_random_config(cfg.arch, cfg.arch_overrides)
+    # The class by name rather than through the Auto mapping, which need not list every text-only
+    # config (qwen3_5_text) in every 5.x release; ``_from_config`` is what ``from_config`` calls.
+    cls = getattr(transformers, _CAUSAL_LM_CLASS[config.model_type])
     torch.manual_seed(cfg.seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
     return _finish(model, device)
 
 
