@@ -1,0 +1,541 @@
+"""The consumer end (a drafter worker): receive filled slots from any producer into its own buffer.
+
+The consumer connects one DEALER (identity = its name) to every producer's endpoint, says HELLO,
+imports each producer's ring once per producer epoch, and turns each READY into a
+:class:`Received`: the slot's tensors copied into the consumer's **own static buffer** (fixed
+addresses, so a captured CUDA graph can read them), after which the slot is freed (FREE) at once.
+
+Everything runs in the caller's thread. To wait on the transport together with other sockets
+(e.g. the coordinator's), register :attr:`Consumer.sockets` in the caller's ``zmq.Poller`` and
+call :meth:`Consumer.poll` (then :meth:`Consumer.receive` with ``timeout=0``) when one is
+readable, and at least every :meth:`Consumer.next_timer_s` seconds for heartbeats::
+
+    consumer = Consumer("drafter.0", {"target.0": ep0, "target.1": ep1}, spec, device="cuda:5")
+    poller = zmq.Poller()
+    poller.register(coordinator_socket, zmq.POLLIN)
+    for s in consumer.sockets:
+        poller.register(s, zmq.POLLIN)
+    while running:
+        events = dict(poller.poll(timeout=int(1000 * consumer.next_timer_s())))
+        consumer.poll(0)
+        got = consumer.receive(timeout=0)   # None when nothing is pending
+        if got is not None:
+            train_step(got.tensors)         # valid until the next receive()
+        ...
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import zmq
+
+from .carriers import (CudaIpcImport, FdMailbox, ImportedRing, ShmImport, TcpImport, TransportError, host_id,
+                       resolve_carrier)
+from .layout import SlotLayout, SlotSpec
+from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
+                       new_epoch)
+from .producer import DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, SOCKET_HWM
+
+__all__ = ["Consumer", "Received"]
+
+log = logging.getLogger("dflash.transport")
+
+#: How long ``close`` lets queued STOP messages leave (ms).
+CLOSE_LINGER_MS = 200
+#: Retry period (s) of a HELLO that could not be sent (the producer is not connected yet).
+HELLO_RETRY_S = 0.05
+
+
+@dataclass
+class Received:
+    """One batch handed over by a producer.
+
+    ``tensors`` are views of the consumer's own buffer number ``buffer`` (spec shapes/dtypes,
+    on the consumer's device); they stay valid until that buffer is reused, i.e. for the next
+    ``num_buffers - 1`` calls of :meth:`Consumer.receive`. On CUDA the copy is ordered on the
+    consumer's current stream (work enqueued after ``receive`` sees the data).
+    """
+
+    producer: str
+    producer_epoch: int
+    batch_id: Union[int, str]
+    meta: dict
+    slot: int
+    generation: int
+    buffer: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Pending:
+    link: "_Link"
+    msg: Ready
+    frames: list
+
+
+@dataclass
+class _Link:
+    """This consumer's view of one producer."""
+
+    producer: str
+    endpoint: str
+    socket: zmq.Socket
+    #: producer epoch of the imported ring (0 = none)
+    epoch: int = 0
+    #: newest producer epoch seen; messages of older epochs are stale
+    newest: int = 0
+    attached: bool = False
+    ring: Optional[ImportedRing] = None
+    last_seen: float = field(default_factory=time.monotonic)
+    next_timer: float = 0.0
+    #: last generation seen per slot (this epoch)
+    generations: dict[int, int] = field(default_factory=dict)
+    #: slots received (READY) and not yet freed: slot → generation
+    held: dict[int, int] = field(default_factory=dict)
+    stopped: str = ""
+
+
+class Consumer:
+    """Receives slots from several producers into its own static buffer; returns credits.
+
+    Args:
+        name: this consumer's name (``drafter.0``), its socket identity at every producer.
+        producers: ``{producer name: endpoint}``.
+        spec: the slot spec, identical to the producers'.
+        device: where the consumer's buffer lives (``cuda:N`` or ``cpu``).
+        carrier: ``auto`` (cuda_ipc on CUDA, shm on CPU), ``cuda_ipc``, ``shm`` or ``tcp``; must
+            match the producers'.
+        num_buffers: own buffers used round-robin (``Received.tensors`` stay valid for
+            ``num_buffers - 1`` further receives).
+        heartbeat_s, peer_timeout_s: liveness (s); a producer silent past the timeout is dropped
+            (its mapping released, its pending READYs discarded).
+        sync: CUDA only. True: ``receive`` waits for its copy, then sends FREE (simple, costs a
+            host sync). False: FREE is sent by a later ``poll``/``receive`` once the copy's event
+            has completed (no host sync; the producer's slot stays busy a little longer).
+        import_device: cuda_ipc: ``own`` (open producers' memory on this consumer's device) or
+            ``exporter`` (on the exporting GPU when it is visible here); see
+            :class:`~dflash.transport.carriers.CudaIpcImport`.
+        context: a zmq context (default: the process-wide instance).
+        epoch: this incarnation's id (default: a new one).
+
+    Raises:
+        TransportError: a bad carrier/device combination or spec.
+    """
+
+    def __init__(self, name: str, producers: dict[str, str], spec: SlotSpec,
+                 device: Union[str, torch.device] = "cpu", carrier: str = "auto", *, num_buffers: int = 1,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+                 sync: bool = True, import_device: str = "own", context: Optional[zmq.Context] = None,
+                 epoch: Optional[int] = None):
+        if peer_timeout_s <= heartbeat_s:
+            raise TransportError(f"peer_timeout_s ({peer_timeout_s}) must exceed heartbeat_s ({heartbeat_s})")
+        if num_buffers < 1:
+            raise TransportError(f"num_buffers must be >= 1, got {num_buffers}")
+        self.name = name
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.carrier = resolve_carrier(carrier, self.device)
+        self.layout = SlotLayout(spec)
+        self.epoch = new_epoch() if epoch is None else epoch
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.sync = sync or self.device.type != "cuda"
+        self.import_device = import_device
+        self.host = host_id()
+        self.stats: collections.Counter = collections.Counter()
+        #: ``[num_buffers, slot_nbytes]`` uint8: the consumer's own static input buffer(s).
+        self.buffers = torch.zeros(num_buffers, self.layout.nbytes, dtype=torch.uint8, device=self.device)
+        self._views = [self.layout.views(self.buffers[i]) for i in range(num_buffers)]
+        self._next_buffer = 0
+        #: one "copy done" event per own buffer (CUDA), reused: no allocation per receive
+        self._done = [torch.cuda.Event() for _ in range(num_buffers)] if self.device.type == "cuda" else []
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._copies: collections.deque[tuple[Any, _Link, int, int, int]] = collections.deque()
+        self._mailbox = FdMailbox(name, self.epoch) if self.carrier == "shm" else None
+        self._closed = False
+        ctx = context or zmq.Context.instance()
+        self._links: dict[str, _Link] = {}
+        self._by_socket: dict[zmq.Socket, _Link] = {}
+        for producer, endpoint in producers.items():
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, name.encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a producer that is not connected
+            sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+            sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+            sock.connect(endpoint)
+            link = _Link(producer, endpoint, sock)
+            self._links[producer] = link
+            self._by_socket[sock] = link
+        log.info("%s: consumer epoch %d, carrier %s, device %s, producers %s", name, self.epoch, self.carrier,
+                 self.device, ", ".join(f"{p}@{e}" for p, e in producers.items()))
+        self._timers()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """The DEALER sockets (one per producer), to register in a caller's ``zmq.Poller``."""
+        return [link.socket for link in self._links.values()]
+
+    def attached(self) -> dict[str, int]:
+        """``{producer: epoch}`` of the producers whose ring is imported and attached."""
+        return {p: link.epoch for p, link in self._links.items() if link.attached}
+
+    def stopped(self) -> dict[str, str]:
+        """``{producer: reason}`` of the producers that sent STOP (cleared when they re-attach)."""
+        return {p: link.stopped for p, link in self._links.items() if link.stopped}
+
+    def imports(self) -> int:
+        """Rings currently imported (one per producer at most: the import cache)."""
+        return sum(1 for link in self._links.values() if link.ring is not None)
+
+    def pending(self) -> int:
+        """READYs received and not yet taken by :meth:`receive`."""
+        return len(self._pending)
+
+    def wait_attached(self, producers: Optional[list[str]] = None, timeout: float = 30.0) -> bool:
+        """Poll until every producer in ``producers`` (default: all) is attached; False on timeout."""
+        want = list(self._links) if producers is None else producers
+        deadline = time.monotonic() + timeout
+        while not all(self._links[p].attached for p in want):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.poll(max(1, int(min(remaining, self.heartbeat_s) * 1000)))
+        return True
+
+    def receive(self, timeout: Optional[float] = None) -> Optional[Received]:
+        """The next batch from any producer (arrival order), or ``None`` after ``timeout`` s.
+
+        Copies the slot into the next own buffer (cuda_ipc: after waiting on the fill's
+        interprocess event on this consumer's current stream), then frees the slot (``sync``)
+        or queues its FREE until the copy completes. ``timeout=None`` waits forever, ``0``
+        only looks.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.poll(0)  # drain first: a STOP/EVICTED or a new epoch invalidates pending READYs
+            if self._pending:
+                got = self._take(self._pending.popleft())
+                if got is not None:
+                    return got
+                continue
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            wait_s = max(0.001, min(self.heartbeat_s, self.next_timer_s()))
+            if remaining is not None:
+                wait_s = min(wait_s, remaining)
+            self._wait(max(1, int(wait_s * 1000)))
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Handle incoming messages (waiting up to ``timeout_ms`` for the first), finished copies
+        (their FREEs) and the timers.
+
+        Returns:
+            The number of messages handled (valid or rejected).
+        """
+        handled = self._wait(timeout_ms)
+        self._flush_copies(block=False)
+        self._timers()
+        return handled
+
+    def next_timer_s(self) -> float:
+        """Seconds until :meth:`poll` has timer work (heartbeats, HELLO retries, timeouts)."""
+        now = time.monotonic()
+        return max(0.0, min((link.next_timer for link in self._links.values()), default=now) - now)
+
+    def close(self, reason: str = StopReason.DONE, detail: str = "") -> None:
+        """Finish copies, free what is held, tell producers STOP, drop every mapping. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._flush_copies(block=True)
+        for link in self._links.values():
+            if link.attached:
+                self._send(link, Stop(self.name, self.epoch, reason, detail))
+            self._drop_ring(link, "closing")
+            link.socket.close(linger=CLOSE_LINGER_MS)
+        if self._mailbox is not None:
+            self._mailbox.close()
+        log.info("%s: consumer closed (%s): %d received", self.name, reason, self.stats["received"])
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(StopReason.FAILED if exc[0] is not None else StopReason.DONE)
+
+    # ------------------------------------------------------------------ internals
+
+    def _wait(self, timeout_ms: int) -> int:
+        """Receive and handle messages from all producers; wait up to ``timeout_ms`` for the first."""
+        handled = 0
+        if len(self._links) == 1:
+            link = next(iter(self._links.values()))
+            ready = [link.socket] if link.socket.poll(timeout_ms, zmq.POLLIN) else []
+        else:
+            poller = zmq.Poller()
+            for sock in self._by_socket:
+                poller.register(sock, zmq.POLLIN)
+            ready = [s for s, _ in poller.poll(timeout_ms)]
+        for sock in ready:
+            link = self._by_socket[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(link, frames)
+                handled += 1
+        return handled
+
+    def _send(self, link: _Link, msg: Any) -> bool:
+        try:
+            link.socket.send(encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:  # not connected (IMMEDIATE) or queue full: the timers retry
+            log.debug("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, link.producer, exc)
+            return False
+
+    def _reject(self, link: _Link, what: str) -> None:
+        self.stats["rejected"] += 1
+        log.error("%s: rejected message from %s: %s", self.name, link.producer, what)
+
+    def _hello(self, link: _Link) -> bool:
+        return self._send(link, Hello(self.name, self.epoch, os.getpid(), self.host, self.carrier, self.layout.digest,
+                               self._mailbox.address if self._mailbox is not None else ""))
+
+    def _handle(self, link: _Link, frames: list) -> None:
+        try:
+            msg = decode(frames[0].bytes)
+        except MessageError as exc:
+            self._reject(link, str(exc))
+            return
+        if msg.sender != link.producer:
+            self._reject(link, f"{type(msg).__name__} claims sender {msg.sender!r}")
+            return
+        payload = frames[1:]
+        if payload and not isinstance(msg, Ready):
+            self._reject(link, f"{type(msg).__name__} with {len(payload)} unexpected payload frame(s)")
+            return
+        if isinstance(msg, Slots):
+            self._on_slots(link, msg)
+        elif isinstance(msg, Ready):
+            self._on_ready(link, msg, payload)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(link, msg)
+        elif isinstance(msg, Stop):
+            self._on_stop(link, msg)
+        else:
+            self._reject(link, f"unexpected {type(msg).__name__} (a consumer receives SLOTS, READY, HEARTBEAT, STOP)")
+
+    def _check_epoch(self, link: _Link, msg: Any) -> bool:
+        """True for a message of the attached producer epoch. An older epoch is rejected as stale;
+        a newer one means the producer restarted: drop the old ring (its handles are never
+        touched again) and say HELLO to the new incarnation."""
+        if msg.epoch < link.newest:
+            self._reject(link, f"{type(msg).__name__} from stale producer epoch {msg.epoch} (current {link.newest})")
+            return False
+        if msg.epoch > link.newest:
+            if link.newest:
+                log.warning("%s: producer %s restarted (epoch %d -> %d): dropping the old ring", self.name,
+                            link.producer, link.newest, msg.epoch)
+                self._drop_ring(link, "producer restarted", dead=True)
+            link.newest = msg.epoch
+        if link.attached and msg.epoch == link.epoch:
+            return True
+        self._hello(link)
+        return False
+
+    def _on_slots(self, link: _Link, msg: Slots) -> None:
+        if msg.consumer_epoch != self.epoch:
+            self._reject(link, f"SLOTS for stale consumer epoch {msg.consumer_epoch} (this is {self.epoch})")
+            return
+        if msg.epoch < link.newest:
+            self._reject(link, f"SLOTS from stale producer epoch {msg.epoch} (current {link.newest})")
+            return
+        link.newest = msg.epoch
+        link.last_seen = time.monotonic()
+        if link.attached and msg.epoch == link.epoch:
+            return  # a duplicate answer to a repeated HELLO
+        if msg.layout != self.layout.describe() or msg.slot_nbytes != self.layout.nbytes:
+            self._reject(link, f"SLOTS layout {msg.layout} differs from this consumer's {self.layout.describe()}")
+            return
+        if msg.carrier != self.carrier or msg.num_slots < 1:
+            self._reject(link, f"SLOTS carrier {msg.carrier} / {msg.num_slots} slots (this consumer: {self.carrier})")
+            return
+        if link.ring is not None and msg.epoch != link.epoch:
+            self._drop_ring(link, "producer restarted", dead=True)
+        if link.ring is None:  # import once per (producer, epoch)
+            try:
+                link.ring = self._import(msg)
+            except (TransportError, RuntimeError, OSError) as exc:
+                log.error("%s: cannot import the ring of %s (epoch %d): %s", self.name, link.producer, msg.epoch, exc)
+                return
+            self.stats["imports"] += 1
+        link.epoch = msg.epoch
+        link.attached = True
+        link.stopped = ""
+        log.info("%s: attached to %s epoch %d (%d slots of %.1f MiB, %s)", self.name, link.producer, msg.epoch,
+                 msg.num_slots, msg.slot_nbytes / 2**20, msg.carrier)
+
+    def _import(self, msg: Slots) -> ImportedRing:
+        if self.carrier == "cuda_ipc":
+            return CudaIpcImport(msg, self.device, self.import_device)
+        if self.carrier == "shm":
+            assert self._mailbox is not None
+            ring = ShmImport(msg, self._mailbox)
+            self._mailbox.discard_older(msg.sender, msg.epoch)
+            return ring
+        return TcpImport(msg)
+
+    def _on_ready(self, link: _Link, msg: Ready, payload: list) -> None:
+        if not self._check_epoch(link, msg):
+            return
+        link.last_seen = time.monotonic()
+        if msg.consumer_epoch != self.epoch:
+            self._reject(link, f"READY for stale consumer epoch {msg.consumer_epoch} (this is {self.epoch})")
+            return
+        assert link.ring is not None
+        if not 0 <= msg.slot < link.ring.num_slots:
+            self._reject(link, f"READY for slot {msg.slot} (ring of {link.ring.num_slots})")
+            return
+        last = link.generations.get(msg.slot, 0)
+        if msg.generation <= last or msg.slot in link.held:
+            self._reject(link, f"stale READY for slot {msg.slot}: generation {msg.generation} (last seen {last}"
+                         f"{', slot not freed yet' if msg.slot in link.held else ''}), batch {msg.batch_id!r}")
+            return
+        expected_frames = 1 if self.carrier == "tcp" else 0
+        if len(payload) != expected_frames:
+            self._reject(link, f"READY with {len(payload)} payload frame(s), expected {expected_frames}")
+            return
+        link.generations[msg.slot] = msg.generation
+        link.held[msg.slot] = msg.generation
+        self._pending.append(_Pending(link, msg, payload))
+
+    def _on_heartbeat(self, link: _Link, msg: Heartbeat) -> None:
+        if not self._check_epoch(link, msg):
+            return
+        link.last_seen = time.monotonic()
+        if msg.peer_epoch != self.epoch:  # the producer lost track of us: attach again
+            self._hello(link)
+
+    def _on_stop(self, link: _Link, msg: Stop) -> None:
+        if msg.epoch < link.newest:
+            self._reject(link, f"STOP from stale producer epoch {msg.epoch} (current {link.newest})")
+            return
+        level = logging.INFO if msg.reason == StopReason.DONE else logging.ERROR
+        log.log(level, "%s: %s sent STOP (%s%s)", self.name, link.producer, msg.reason,
+                f": {msg.detail}" if msg.detail else "")
+        if msg.reason == StopReason.EVICTED and msg.epoch == link.epoch:
+            # Same incarnation: keep the import (cached per epoch), forget what was in flight.
+            self._forget_in_flight(link, "evicted")
+            link.attached = False
+            self._hello(link)
+            return
+        link.stopped = msg.reason
+        self._drop_ring(link, f"producer sent STOP ({msg.reason})")
+
+    def _forget_in_flight(self, link: _Link, why: str) -> None:
+        dropped = [p.msg.batch_id for p in self._pending if p.link is link]
+        if dropped:
+            log.warning("%s: dropping %d pending batch(es) from %s (%s): %s", self.name, len(dropped),
+                        link.producer, why, dropped)
+            self.stats["dropped"] += len(dropped)
+        self._pending = collections.deque(p for p in self._pending if p.link is not link)
+        self._copies = collections.deque(c for c in self._copies if c[1] is not link)
+        link.held.clear()
+
+    def _drop_ring(self, link: _Link, why: str, dead: bool = False) -> None:
+        """Forget a producer incarnation: pending READYs, held slots and the imported ring.
+
+        ``dead``: the incarnation ended without a clean STOP (restart or silence): also remove
+        what it could not clean up itself (torch's CUDA IPC ref-counter file, once its process
+        is gone).
+        """
+        self._forget_in_flight(link, why)
+        link.generations.clear()
+        link.attached = False
+        if link.ring is not None:
+            ring, link.ring = link.ring, None
+            ring.close()
+            if dead:
+                ring.cleanup_dead_producer()
+            log.info("%s: released the ring of %s epoch %d (%s)", self.name, link.producer, link.epoch, why)
+        link.epoch = 0
+
+    def _take(self, item: _Pending) -> Optional[Received]:
+        link, msg = item.link, item.msg
+        if link.ring is None or not link.attached or link.epoch != msg.epoch:
+            return None  # its producer incarnation was dropped meanwhile
+        index = self._next_buffer
+        self._next_buffer = (index + 1) % self.buffers.shape[0]
+        dst = self.buffers[index]
+        if self._copies:
+            # A queued copy may still be writing this buffer (async mode, num_buffers small).
+            self._flush_copies(block=True, buffer=index)
+        try:
+            link.ring.copy_slot(msg.slot, item.frames, dst)
+        except TransportError as exc:
+            self._reject(link, str(exc))
+            link.held.pop(msg.slot, None)
+            return None
+        if self.device.type == "cuda":
+            done = self._done[index]
+            done.record(torch.cuda.current_stream(self.device))
+            self._copies.append((done, link, msg.slot, msg.generation, index))
+            self._flush_copies(block=self.sync)
+        else:
+            self._free(link, msg.slot, msg.generation)
+        self.stats["received"] += 1
+        return Received(link.producer, msg.epoch, msg.batch_id, msg.meta, msg.slot, msg.generation, index,
+                        self._views[index])
+
+    def _free(self, link: _Link, slot: int, generation: int) -> None:
+        if link.held.get(slot) != generation:
+            return
+        del link.held[slot]
+        self._send(link, Free(self.name, self.epoch, link.epoch, slot, generation))
+
+    def _flush_copies(self, block: bool, buffer: Optional[int] = None) -> None:
+        """Send FREE for every finished copy (``block``: wait for them; ``buffer``: only up to the
+        last copy into that buffer)."""
+        if buffer is not None:
+            last = max((i for i, c in enumerate(self._copies) if c[4] == buffer), default=-1)
+            for _ in range(last + 1):
+                done, link, slot, generation, _ = self._copies.popleft()
+                done.synchronize()
+                self._free(link, slot, generation)
+        while self._copies:
+            done, link, slot, generation, _ = self._copies[0]
+            if block:
+                done.synchronize()
+            elif not done.query():
+                break
+            self._copies.popleft()
+            self._free(link, slot, generation)
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        for link in self._links.values():
+            if link.attached and now - link.last_seen > self.peer_timeout_s:
+                log.warning("%s: producer %s silent for %.1f s: dropping its ring", self.name, link.producer,
+                            now - link.last_seen)
+                self._drop_ring(link, "timeout", dead=True)
+            if now >= link.next_timer:
+                if link.attached:
+                    self._send(link, Heartbeat(self.name, self.epoch, link.epoch))
+                    link.next_timer = now + self.heartbeat_s
+                else:
+                    sent = self._hello(link)
+                    link.next_timer = now + (self.heartbeat_s if sent else min(HELLO_RETRY_S, self.heartbeat_s))

@@ -1,0 +1,461 @@
+"""The producer end of a slot ring (a target worker): fill a slot, publish it to a named consumer.
+
+One ROUTER socket bound at ``endpoint``; consumers connect one DEALER each, whose identity is the
+consumer's name. Everything runs in the caller's thread: :meth:`Producer.poll` (also called by
+:meth:`~Producer.acquire`) handles HELLO / FREE / HEARTBEAT / STOP and the timers. Typical loop::
+
+    producer = Producer("target.0", "ipc:///run/dir/target.0.sock", spec, num_slots=2, device="cuda:0")
+    while working:
+        slot = producer.acquire(timeout=1.0)          # None: every slot is still in flight
+        if slot is None:
+            continue
+        fill(producer.slots[slot])                     # on the current CUDA stream
+        producer.publish(slot, consumer="drafter.1", batch_id=batch_id, meta={"epoch": e})
+        for lost in producer.lost_batches():           # a consumer restarted / was evicted
+            reassign(lost.batch_id)
+    producer.close()
+
+Credits: a slot is FREE, ACQUIRED (by the caller) or IN_FLIGHT (published to one consumer, until
+that consumer's FREE for that exact fill generation). A slot is never handed out again while in
+flight. A consumer restart (a HELLO with a newer consumer epoch), its STOP or its silence past
+``peer_timeout_s`` returns its in-flight slots to the pool and reports their batch ids as
+:class:`LostBatch` (``on_lost`` callback and :meth:`Producer.lost_batches`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+import zmq
+
+from .carriers import ProducerRing, TransportError, host_id, make_ring, pid_namespace, resolve_carrier
+from .layout import SlotLayout, SlotSpec
+from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
+                       new_epoch)
+
+__all__ = ["Producer", "LostBatch", "PeerUnavailable", "DEFAULT_HEARTBEAT_S", "DEFAULT_PEER_TIMEOUT_S"]
+
+log = logging.getLogger("dflash.transport")
+
+#: Defaults match :class:`dflash.config.TransportConfig`.
+DEFAULT_HEARTBEAT_S = 2.0
+DEFAULT_PEER_TIMEOUT_S = 30.0
+#: Outgoing/incoming message queue bound per peer (READYs are bounded by credits anyway).
+SOCKET_HWM = 10_000
+#: Frames of an incoming message on the ROUTER: identity + header.
+_ROUTER_FRAMES = 2
+
+_FREE, _ACQUIRED, _IN_FLIGHT = "free", "acquired", "in_flight"
+
+
+class PeerUnavailable(TransportError):
+    """``publish`` to a consumer that is not attached (never said HELLO, restarted, evicted, gone)."""
+
+
+@dataclass(frozen=True)
+class LostBatch:
+    """A batch that was in flight to a consumer that restarted, stopped or went silent.
+
+    The slot has been returned to the pool; the batch must be recomputed / re-assigned (batches
+    are deterministic functions of (epoch, batch id), DESIGN.md §3).
+    """
+
+    consumer: str
+    batch_id: Union[int, str]
+    slot: int
+    generation: int
+    meta: dict
+    #: ``restarted`` | ``stopped`` | ``timeout`` | ``closed``
+    reason: str
+
+
+@dataclass
+class _ConsumerState:
+    name: str
+    identity: bytes
+    epoch: int
+    last_seen: float
+    attached_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _SlotState:
+    state: str = _FREE
+    consumer: str = ""
+    batch_id: Union[int, str] = -1
+    meta: dict = field(default_factory=dict)
+    generation: int = 0
+
+
+class Producer:
+    """Owns K slots, exports them once, hands filled slots to named consumers under credits.
+
+    Args:
+        name: this producer's name (``target.0``); in every message and log line.
+        endpoint: ``ipc:///path`` or ``tcp://host:port`` to bind (``tcp://host:0`` picks a free
+            port; :attr:`endpoint` then holds the real one).
+        spec: the slot's tensors ``{name: (shape, dtype)}``; consumers must use the same spec.
+        num_slots: K, the ring size (credits).
+        device: where slots live (``cuda:N`` for cuda_ipc, ``cpu`` for shm; either for tcp).
+        carrier: ``auto`` (cuda_ipc on CUDA, shm on CPU), ``cuda_ipc``, ``shm`` or ``tcp``.
+        heartbeat_s: heartbeat period to attached consumers (s).
+        peer_timeout_s: a consumer silent this long (s) is evicted: credits reset, batches lost.
+        on_lost: called with each list of :class:`LostBatch` when it is detected (they are also
+            kept for :meth:`lost_batches`).
+        context: a zmq context (default: the process-wide instance).
+        epoch: this incarnation's id (default :func:`~dflash.transport.messages.new_epoch`).
+
+    Raises:
+        TransportError: a bad carrier/device combination, a bad spec, an endpoint that cannot bind.
+    """
+
+    def __init__(self, name: str, endpoint: str, spec: SlotSpec, num_slots: int = 2,
+                 device: Union[str, torch.device] = "cpu", carrier: str = "auto", *,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+                 on_lost: Optional[Callable[[list[LostBatch]], None]] = None,
+                 context: Optional[zmq.Context] = None, epoch: Optional[int] = None):
+        if peer_timeout_s <= heartbeat_s:
+            raise TransportError(f"peer_timeout_s ({peer_timeout_s}) must exceed heartbeat_s ({heartbeat_s})")
+        self.name = name
+        self.device = torch.device(device)
+        self.carrier = resolve_carrier(carrier, self.device)
+        self.layout = SlotLayout(spec)
+        self.num_slots = num_slots
+        self.epoch = new_epoch() if epoch is None else epoch
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.on_lost = on_lost
+        self.host = host_id()
+        self.stats: collections.Counter = collections.Counter()
+        self._ring: ProducerRing = make_ring(self.carrier, self.layout, num_slots, self.device, name)
+        self._export = self._ring.export()
+        self._slots = [_SlotState() for _ in range(num_slots)]
+        self._free: collections.deque[int] = collections.deque(range(num_slots))
+        self._consumers: dict[str, _ConsumerState] = {}
+        self._lost: list[LostBatch] = []
+        self._next_heartbeat = time.monotonic() + heartbeat_s
+        self._closed = False
+        ctx = context or zmq.Context.instance()
+        self.socket = ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted consumer takes over its name
+        self.socket.setsockopt(zmq.SNDHWM, SOCKET_HWM)
+        self.socket.setsockopt(zmq.RCVHWM, SOCKET_HWM)
+        try:
+            if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] in ("0", "*"):
+                host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+                port = self.socket.bind_to_random_port(f"tcp://{host}")
+                endpoint = f"tcp://{host}:{port}"
+            else:
+                self.socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.socket.close(linger=0)
+            self._ring.close()
+            raise TransportError(f"{name}: cannot bind {endpoint}: {exc}") from None
+        self.endpoint = endpoint
+        log.info("%s: producer epoch %d on %s, %d x %.1f MiB slots, carrier %s, device %s", name, self.epoch,
+                 endpoint, num_slots, self.layout.nbytes / 2**20, self.carrier, self.device)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def slots(self) -> list[dict[str, torch.Tensor]]:
+        """``slots[i]``: the named tensors of slot i (fill them after :meth:`acquire` returns i)."""
+        return self._ring.slots
+
+    @property
+    def consumers(self) -> list[str]:
+        """Names of the attached consumers (those a READY can be addressed to)."""
+        return sorted(self._consumers)
+
+    def free_slots(self) -> int:
+        """Slots neither acquired nor in flight."""
+        return len(self._free)
+
+    def in_flight(self) -> dict[int, tuple[str, Union[int, str]]]:
+        """``{slot: (consumer, batch_id)}`` of the slots published and not yet freed."""
+        return {i: (s.consumer, s.batch_id) for i, s in enumerate(self._slots) if s.state == _IN_FLIGHT}
+
+    def acquire(self, timeout: Optional[float] = None) -> Optional[int]:
+        """A free slot for the caller to fill, or ``None`` when none frees within ``timeout`` s.
+
+        Handles incoming messages (FREE, HELLO, ...) while it waits; ``timeout=None`` waits
+        forever, ``0`` only looks.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.poll(0)
+            if self._free:
+                slot = self._free.popleft()
+                self._slots[slot].state = _ACQUIRED
+                return slot
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            wait_s = self.heartbeat_s if remaining is None else min(remaining, self.heartbeat_s)
+            self.poll(max(1, int(wait_s * 1000)))
+
+    def release(self, slot: int) -> None:
+        """Give back an acquired slot without publishing it.
+
+        Raises:
+            TransportError: the slot is not acquired by the caller.
+        """
+        self._check_acquired(slot, "release")
+        self._slots[slot].state = _FREE
+        self._free.append(slot)
+
+    def publish(self, slot: int, consumer: str, batch_id: Union[int, str], meta: Optional[dict] = None,
+                stream: Optional[Any] = None) -> int:
+        """Hand the filled slot to ``consumer``: record the fill event (CUDA), send READY.
+
+        Args:
+            slot: a slot returned by :meth:`acquire` and filled on ``stream``.
+            consumer: the attached consumer's name (``drafter.1``).
+            batch_id: the batch's id (int or str), reported back in :class:`LostBatch`.
+            meta: plain msgpack data for the consumer (no tensors).
+            stream: the CUDA stream that filled the slot (default: the current stream).
+        Returns:
+            The fill's generation number.
+        Raises:
+            TransportError: ``slot`` is not acquired, or ``meta`` is not msgpack data.
+            PeerUnavailable: ``consumer`` is not attached or not reachable; the slot stays
+                acquired (publish it to another consumer or :meth:`release` it).
+        """
+        self._check_acquired(slot, "publish")
+        peer = self._consumers.get(consumer)
+        if peer is None:
+            raise PeerUnavailable(f"{self.name}: consumer {consumer!r} is not attached (attached: {self.consumers})")
+        state = self._slots[slot]
+        generation = state.generation + 1
+        meta = dict(meta or {})
+        try:
+            header = encode(Ready(self.name, self.epoch, peer.epoch, slot, generation, batch_id, meta,
+                                  self.layout.nbytes if self.carrier == "tcp" else 0))
+        except MessageError as exc:
+            raise TransportError(f"{self.name}: cannot publish batch {batch_id!r}: {exc}") from None
+        self._ring.mark_filled(slot, stream)
+        frames = [peer.identity, header, *self._ring.payload(slot, stream)]
+        try:
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == _ROUTER_FRAMES)
+        except zmq.ZMQError as exc:
+            raise PeerUnavailable(f"{self.name}: cannot send READY to {consumer}: {exc}") from None
+        state.state, state.consumer, state.batch_id, state.meta = _IN_FLIGHT, consumer, batch_id, meta
+        state.generation = generation
+        self.stats["published"] += 1
+        return generation
+
+    def lost_batches(self) -> list[LostBatch]:
+        """The batches lost since the last call (and forget them)."""
+        lost, self._lost = self._lost, []
+        return lost
+
+    def evict(self, consumer: str, reason: str = "stopped") -> list[LostBatch]:
+        """Forget ``consumer`` now (e.g. the supervisor saw it die): reset its credits.
+
+        Returns:
+            The batches that were in flight to it (also reported like any other loss).
+        """
+        if consumer not in self._consumers:
+            return []
+        return self._drop_consumer(consumer, reason)
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Handle incoming messages (waiting up to ``timeout_ms`` for the first) and the timers.
+
+        Returns:
+            The number of messages handled (valid or rejected).
+        """
+        handled = 0
+        if self.socket.poll(timeout_ms, zmq.POLLIN):
+            while True:
+                try:
+                    frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+                handled += 1
+        self._timers()
+        return handled
+
+    def next_timer_s(self) -> float:
+        """Seconds until :meth:`poll` has timer work (for a caller's poll timeout)."""
+        return max(0.0, self._next_heartbeat - time.monotonic())
+
+    def close(self, reason: str = StopReason.DONE, detail: str = "") -> None:
+        """Tell attached consumers STOP, close the socket and free the ring. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._consumers.values()):
+            self._send(peer.identity, Stop(self.name, self.epoch, reason, detail))
+        self.socket.close(linger=100)
+        self._ring.close()
+        log.info("%s: producer closed (%s): %d published", self.name, reason, self.stats["published"])
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(StopReason.FAILED if exc[0] is not None else StopReason.DONE)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_acquired(self, slot: int, what: str) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise TransportError(f"{self.name}: {what}: no slot {slot!r} (ring of {self.num_slots})")
+        if self._slots[slot].state != _ACQUIRED:
+            raise TransportError(f"{self.name}: {what}: slot {slot} is {self._slots[slot].state}, not acquired")
+
+    def _send(self, identity: bytes, msg: Any) -> bool:
+        try:
+            self.socket.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            log.debug("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, identity, exc)
+            return False
+
+    def _reject(self, sender: str, what: str) -> None:
+        self.stats["rejected"] += 1
+        log.error("%s: rejected message from %s: %s", self.name, sender, what)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        sender = identity.decode("utf-8", errors="replace")
+        if len(frames) != _ROUTER_FRAMES:
+            self._reject(sender, f"{len(frames) - 1} frames (expected 1 header frame)")
+            return
+        try:
+            msg = decode(frames[1])
+        except MessageError as exc:
+            self._reject(sender, str(exc))
+            return
+        if msg.sender != sender:
+            self._reject(sender, f"{type(msg).__name__} claims sender {msg.sender!r}")
+            return
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+        elif isinstance(msg, Free):
+            self._on_free(msg)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(identity, msg)
+        elif isinstance(msg, Stop):
+            self._on_stop(msg)
+        else:
+            self._reject(sender, f"unexpected {type(msg).__name__} (a producer receives HELLO, FREE, HEARTBEAT, STOP)")
+
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        known = self._consumers.get(msg.sender)
+        if known is not None and msg.epoch < known.epoch:
+            self._reject(msg.sender, f"HELLO with stale consumer epoch {msg.epoch} (current {known.epoch})")
+            return
+        problem = ""
+        if msg.carrier != self.carrier:
+            problem = f"carrier {msg.carrier} != {self.carrier}"
+        elif msg.layout_digest != self.layout.digest:
+            problem = f"slot layout {msg.layout_digest} != {self.layout.digest} ({self.layout})"
+        elif self.carrier in ("shm", "cuda_ipc") and msg.host != self.host:
+            problem = f"host {msg.host} != {self.host}: {self.carrier} needs the same host (use tcp)"
+        if problem:
+            self._reject(msg.sender, f"incompatible HELLO: {problem}")
+            self._send(identity, Stop(self.name, self.epoch, StopReason.INCOMPATIBLE, problem))
+            return
+        if known is not None and msg.epoch > known.epoch:
+            log.warning("%s: consumer %s restarted (epoch %d -> %d)", self.name, msg.sender, known.epoch, msg.epoch)
+            self._drop_consumer(msg.sender, "restarted")
+            known = None
+        try:
+            self._ring.on_hello(msg, self.name, self.epoch)
+        except TransportError as exc:
+            log.error("%s: cannot attach %s: %s", self.name, msg.sender, exc)
+            return
+        now = time.monotonic()
+        if known is None:
+            self._consumers[msg.sender] = _ConsumerState(msg.sender, identity, msg.epoch, now)
+            log.info("%s: consumer %s attached (epoch %d, pid %d)", self.name, msg.sender, msg.epoch, msg.pid)
+        else:
+            known.last_seen = now
+        slots = Slots(self.name, self.epoch, msg.epoch, os.getpid(), self.host, pid_namespace(), self.carrier,
+                      self.num_slots,
+                      self.layout.nbytes, self.layout.describe(), **self._export)
+        self._send(identity, slots)
+
+    def _on_free(self, msg: Free) -> None:
+        peer = self._consumers.get(msg.sender)
+        if msg.producer_epoch != self.epoch:
+            self._reject(msg.sender, f"FREE for stale producer epoch {msg.producer_epoch} (current {self.epoch})")
+            return
+        if peer is None or peer.epoch != msg.epoch:
+            have = "unknown" if peer is None else str(peer.epoch)
+            self._reject(msg.sender, f"FREE from stale consumer epoch {msg.epoch} (attached: {have})")
+            return
+        peer.last_seen = time.monotonic()
+        if not 0 <= msg.slot < self.num_slots:
+            self._reject(msg.sender, f"FREE of slot {msg.slot} (ring of {self.num_slots})")
+            return
+        state = self._slots[msg.slot]
+        if state.state != _IN_FLIGHT or state.consumer != msg.sender or state.generation != msg.generation:
+            self._reject(msg.sender, f"stale FREE of slot {msg.slot} generation {msg.generation} (slot is "
+                         f"{state.state}, generation {state.generation}, consumer {state.consumer or '-'})")
+            return
+        state.state, state.consumer, state.meta = _FREE, "", {}
+        self._free.append(msg.slot)
+        self.stats["freed"] += 1
+
+    def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        peer = self._consumers.get(msg.sender)
+        if peer is not None and peer.epoch == msg.epoch and msg.peer_epoch == self.epoch:
+            peer.last_seen = time.monotonic()
+            return
+        if peer is not None and msg.epoch < peer.epoch:
+            self._reject(msg.sender, f"HEARTBEAT from stale consumer epoch {msg.epoch} (current {peer.epoch})")
+            return
+        # The consumer knows another incarnation of us, or we do not know it: tell it our epoch;
+        # it answers with HELLO.
+        self._send(identity, Heartbeat(self.name, self.epoch, peer.epoch if peer else 0))
+
+    def _on_stop(self, msg: Stop) -> None:
+        peer = self._consumers.get(msg.sender)
+        if peer is None or peer.epoch != msg.epoch:
+            self._reject(msg.sender, f"STOP from unknown or stale consumer epoch {msg.epoch}")
+            return
+        log.info("%s: consumer %s stopped (%s%s)", self.name, msg.sender, msg.reason,
+                 f": {msg.detail}" if msg.detail else "")
+        self._drop_consumer(msg.sender, "stopped")
+
+    def _drop_consumer(self, name: str, reason: str) -> list[LostBatch]:
+        self._consumers.pop(name, None)
+        lost = []
+        for i, s in enumerate(self._slots):
+            if s.state == _IN_FLIGHT and s.consumer == name:
+                lost.append(LostBatch(name, s.batch_id, i, s.generation, s.meta, reason))
+                s.state, s.consumer, s.meta = _FREE, "", {}
+                self._free.append(i)
+        if lost:
+            self.stats["lost"] += len(lost)
+            log.warning("%s: %d batch(es) in flight to %s lost (%s): %s", self.name, len(lost), name, reason,
+                        [b.batch_id for b in lost])
+            self._lost.extend(lost)
+            if self.on_lost is not None:
+                self.on_lost(lost)
+        return lost
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        for peer in list(self._consumers.values()):
+            if now - peer.last_seen > self.peer_timeout_s:
+                log.warning("%s: consumer %s silent for %.1f s: evicted", self.name, peer.name, now - peer.last_seen)
+                self._send(peer.identity, Stop(self.name, self.epoch, StopReason.EVICTED,
+                                               f"silent for more than {self.peer_timeout_s} s"))
+                self._drop_consumer(peer.name, "timeout")
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.heartbeat_s
+            for peer in self._consumers.values():
+                self._send(peer.identity, Heartbeat(self.name, self.epoch, peer.epoch))
