@@ -668,7 +668,76 @@ def _build_random(cfg: TargetConfig, dtype: torch.dtype, device: torch.device) -
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    _init_shared_random(embed.weight, None if head.weight is embed.weight else head.weight, cfg.seed)
     return _finish(model, device)
+
+
+#: std of the random embedding / LM head (transformers' initializer_range default).
+_RANDOM_INIT_STD = 0.02
+
+
+def _init_shared_random(embed: torch.Tensor, head: Optional[torch.Tensor], seed: int) -> None:
+    """Draw a random target's embedding and LM head from their own seeded generator on their device,
+    so a drafter process can rebuild exactly the same two matrices without building the target."""
+    with torch.no_grad():
+        gen = torch.Generator(device=embed.device).manual_seed(seed * 1_000_003 + 1)
+        embed.normal_(0.0, _RANDOM_INIT_STD, generator=gen)
+        if head is not None:
+            gen = torch.Generator(device=head.device).manual_seed(seed * 1_000_003 + 2)
+            head.normal_(0.0, _RANDOM_INIT_STD, generator=gen)
+
+
+def load_embedding_and_head(cfg: TargetConfig, device: torch.device | str,
+                            dtype: Optional[torch.dtype] = None) -> tuple[nn.Embedding, nn.Linear]:
+    """Only the target's token embedding and LM head, frozen, for a drafter process.
+
+    Reads just those tensors from the safetensors files (GGUF cache or HF directory) or, for a
+    random target, draws them exactly as :func:`load_target` does (same seed, same device type).
+
+    Returns:
+        ``(embed_tokens [V, D], lm_head [V, D] without bias)``; tied weights share one tensor.
+    Raises:
+        FileNotFoundError / KeyError: the checkpoint lacks the embedding.
+    """
+    from safetensors import safe_open
+
+    device = torch.device(device)
+    dtype = dtype or resolve_dtype(cfg.dtype, device)
+    if cfg.kind == "random":
+        config = _text_config(build_random_config(cfg.arch, cfg.arch_overrides))
+        vocab, hidden = config.vocab_size, config.hidden_size
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        embed = nn.Embedding(vocab, hidden, device=device, dtype=dtype)
+        head = nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
+        if tied:
+            head.weight = embed.weight
+        _init_shared_random(embed.weight, None if tied else head.weight, cfg.seed)
+    else:
+        model_dir = gguf_hf_dir(cfg.path) if cfg.kind == "gguf" else Path(cfg.path)
+        from transformers import AutoConfig
+
+        config = _text_config(AutoConfig.from_pretrained(model_dir))
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        found: dict[str, torch.Tensor] = {}
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key.endswith("embed_tokens.weight") and "embed" not in found:
+                        found["embed"] = f.get_tensor(key)
+                    elif key == "lm_head.weight":
+                        found["head"] = f.get_tensor(key)
+        if "embed" not in found:
+            raise KeyError(f"{model_dir}: no embed_tokens.weight in its safetensors files")
+        embed = nn.Embedding.from_pretrained(found["embed"].to(device=device, dtype=dtype), freeze=True)
+        head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device=device, dtype=dtype)
+        if tied or "head" not in found:
+            head.weight = embed.weight
+        else:
+            head.weight = nn.Parameter(found["head"].to(device=device, dtype=dtype), requires_grad=False)
+    embed.requires_grad_(False)
+    head.requires_grad_(False)
+    return embed, head
 
 
 def load_target(cfg: TargetConfig, device: torch.device | str, dtype: Optional[torch.dtype] = None, *,

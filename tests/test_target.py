@@ -393,3 +393,17 @@ def test_gpu_matches_cpu_and_compiles():
         f_c, t_c = f_c.clone(), t_c.clone()
     torch.testing.assert_close(f_c, f_gpu, atol=1e-4, rtol=1e-4)
     assert (t_c == t_gpu).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3"])
+def test_embedding_and_head_alone_equal_the_targets(arch):
+    """A drafter process rebuilds the random target's embedding and LM head without the target."""
+    from dflash.target import load_embedding_and_head
+
+    cfg = TargetConfig(kind="random", arch=arch, seed=5)
+    target = load_target(cfg, "cpu", num_drafter_layers=2)
+    embed, head = load_embedding_and_head(cfg, "cpu")
+    assert torch.equal(embed.weight, target.embed_tokens.weight)
+    assert torch.equal(head.weight, target.lm_head.weight)
+    assert not embed.weight.requires_grad and not head.weight.requires_grad
+    assert embed.weight.std().item() == pytest.approx(0.02, rel=0.2)
