@@ -4,14 +4,10 @@ The batch contract (docs/ARCHITECTURE.md): every batch is ``R = token_budget // 
 of ``S = max_length`` tokens. A row holds one or more whole conversations back to back, then
 padding:
 
-=============== ========== ======= ===============================================================
-name            shape      dtype   meaning
-=============== ========== ======= ===============================================================
-``input_ids``   ``[R, S]`` int64   tokens; padding = ``pad_id``
-``position_ids````[R, S]`` int64   position inside its own conversation (restarts at 0); 0 on padding
-``doc_ids``     ``[R, S]`` int32   1, 2, ... for the conversations of the row; 0 = padding
-``loss_mask``   ``[R, S]`` bool    assistant tokens
-=============== ========== ======= ===============================================================
+- ``input_ids``    int64 ``[R, S]``: tokens; padding = ``pad_id``
+- ``position_ids`` int64 ``[R, S]``: position inside its own conversation (restarts at 0); 0 on padding
+- ``doc_ids``      int32 ``[R, S]``: 1, 2, ... for the conversations of the row; 0 = padding
+- ``loss_mask``    bool  ``[R, S]``: assistant tokens
 
 How an epoch is planned (:class:`BatchPlan`): the conversations are shuffled with a generator
 seeded by ``(seed, epoch)``; the shuffled list is cut into chunks of ``sort_chunk`` conversations;
@@ -22,6 +18,11 @@ then shuffled with the same generator and cut into batches of ``R`` rows; the la
 empty (all-padding) rows. Every conversation is in exactly one batch per epoch, and the order
 differs from epoch to epoch. Planning 17k conversations takes a few tens of milliseconds; the last
 few epochs' plans are kept.
+
+Conversations are never split across rows, so padding depends on the length mix: ShareGPT V3 at
+``S = 256`` pads ~0.3 % (most conversations fill a row); at ``S = 3072`` ~12.5 %, even with one
+global sort, because its conversations were pre-split at ~2k tokens and two of them rarely fit one
+row.
 """
 
 from __future__ import annotations

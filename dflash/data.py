@@ -30,6 +30,13 @@ rendering exactly (else the row is dropped as ``template_mismatch``). Each piece
 its own and the ids are concatenated, so every token belongs to exactly one piece and the mask is
 exact. This is also how a server tokenises: the prompt (ending with the assistant header) is
 encoded on its own and the response tokens follow it.
+
+Known limits: an earlier turn of a multi-turn conversation is tokenised in pieces here, while a
+server encodes the whole history at once; the two differ only where a merge would cross a piece
+boundary (e.g. a content starting with a newline right after ``assistant\n``). Special-token
+strings written inside a message (``<|im_end|>`` typed by a user) become special tokens, as in
+``apply_chat_template``. Rows that start with an assistant turn (ShareGPT continuation rows) are
+kept: the template renders them after its system prompt, if any.
 """
 
 from __future__ import annotations
@@ -44,7 +51,6 @@ import re
 import shutil
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
