@@ -1,0 +1,638 @@
+"""Transport tests: layout, messages (fuzzed), credits, epochs, restarts, /dev/shm hygiene, tcp.
+
+Multi-process tests start ``tests/transport_peer.py`` with ``subprocess`` (nothing fork-shared) and
+follow its JSON event lines with bounded waits; nothing sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from dflash.transport import Consumer, MessageError, PeerUnavailable, Producer, SlotLayout, TransportError
+from dflash.transport.layout import ALIGN_BYTES
+from dflash.transport.messages import (PROTOCOL_VERSION, CudaExport, Free, Heartbeat, Hello, MsgType, Ready, Slots,
+                                       Stop, decode, encode, new_epoch)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transport_peer import check_pattern, fill_pattern, spec_to_json  # noqa: E402
+
+PEER = Path(__file__).resolve().parent / "transport_peer.py"
+REPO = PEER.parents[1]
+
+SPEC = {
+    "features": ((2, 64, 32), torch.float32),
+    "hidden_bf16": ((2, 16, 8), torch.bfloat16),
+    "input_ids": ((2, 64), torch.int64),
+    "loss_mask": ((2, 64), torch.bool),
+    "positions": ((2, 64), torch.int64),
+    "target_tokens": ((2, 64), torch.int64),
+}
+FAST = {"heartbeat_s": 0.05, "peer_timeout_s": 3.0}
+#: Bound on any single wait for a peer process event (s); generous for a loaded 2-core CI box.
+EVENT_TIMEOUT_S = 60.0
+TRANSPORT_LOGGER = "dflash.transport"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class Peer:
+    """A ``transport_peer.py`` subprocess whose JSON stdout lines are read with deadlines."""
+
+    def __init__(self, role: str, *args: str):
+        self.stderr = tempfile.TemporaryFile()
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, str(PEER), role, *args], stdout=subprocess.PIPE,
+                                     stderr=self.stderr, env=env, cwd=REPO)
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        self._buf = b""
+        self.events: list[dict] = []
+
+    def next_event(self, kind: str, timeout: float = EVENT_TIMEOUT_S) -> dict:
+        """The next event named ``kind`` (earlier others are kept in :attr:`events`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                event = json.loads(line)
+                self.events.append(event)
+                if event["event"] == kind:
+                    return event
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no {kind!r} event within {timeout} s; stderr:\n{self.log()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"peer exited ({self.proc.wait()}) before {kind!r}; stderr:\n{self.log()}")
+                self._buf += chunk
+
+    def log(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")[-6000:]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=EVENT_TIMEOUT_S)
+
+    def finish(self, timeout: float = EVENT_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        self.proc.stdout.close()
+        self.stderr.close()
+
+
+def peer_args(**kw) -> list[str]:
+    out = []
+    for key, value in kw.items():
+        out += [f"--{key.replace('_', '-')}", str(value)]
+    return out
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def ours(entries: set[str], pids: list[int]) -> set[str]:
+    """Entries that this test's processes could have made (others' files are not our business)."""
+    return {e for e in entries if "dflash" in e or any(f"_{pid}_" in e or str(pid) in e for pid in pids)}
+
+
+def attach(producer: Producer, consumer: Consumer, name: str = "drafter.0", timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while name not in producer.consumers or not consumer.attached():
+        assert time.monotonic() < deadline, "consumer did not attach"
+        producer.poll(5)
+        consumer.poll(5)
+
+
+def drain_until(consumer: Consumer, producer: Producer, pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        producer.poll(2)
+        consumer.poll(2)
+
+
+@pytest.fixture
+def run_dir():
+    # short path: ipc:// endpoints are unix socket paths (<= 107 bytes)
+    with tempfile.TemporaryDirectory(prefix="dft-") as d:
+        yield d
+
+
+# --------------------------------------------------------------------------- layout and messages
+
+
+def test_layout_packs_aligned_views():
+    layout = SlotLayout(SPEC)
+    assert layout.nbytes % ALIGN_BYTES == 0
+    assert all(f.offset % ALIGN_BYTES == 0 for f in layout.fields)
+    flat = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    views = layout.views(flat)
+    for name, (shape, dtype) in SPEC.items():
+        assert views[name].shape == shape and views[name].dtype == dtype
+    views["input_ids"].fill_(7)
+    assert views["positions"].sum() == 0  # no overlap
+    assert SlotLayout(SPEC) == layout and SlotLayout(SPEC).digest == layout.digest
+    other = dict(SPEC, input_ids=((2, 65), torch.int64))
+    assert SlotLayout(other).digest != layout.digest
+    with pytest.raises(ValueError):
+        SlotLayout({"x": ((2,), torch.complex64)})
+
+
+def _samples() -> list:
+    export = CudaExport([2, 512], [512, 1], 0, 0, "GPU-x", b"h" * 64, 1024, 0, b"/torch_1_2_0", 3, b"e" * 64, True)
+    return [
+        Hello("drafter.0", 5, 123, "boot", "shm", "abcd", "dflash-fds/x"),
+        Slots("target.0", 9, 5, 77, "boot", 4026531836, "cuda_ipc", 2, 512, [["a", [2], "int64", 0, 16]], export,
+              [b"e" * 64, b"f" * 64]),
+        Slots("target.0", 9, 5, 77, "boot", 1, "shm", 2, 512, [["a", [2], "int64", 0, 16]]),
+        Ready("target.0", 9, 5, 1, 3, 42, {"epoch": 0, "rows": [1, 2]}),
+        Ready("target.0", 9, 5, 1, 3, "eval-7", {}, 512),
+        Free("drafter.0", 5, 9, 1, 3),
+        Heartbeat("drafter.0", 5, 9),
+        Stop("target.0", 9, "done", "bye"),
+    ]
+
+
+def test_messages_roundtrip():
+    for msg in _samples():
+        assert decode(encode(msg)) == msg
+
+
+def test_messages_guarded_at_send():
+    with pytest.raises(MessageError, match="meta"):
+        encode(Ready("target.0", 1, 1, 0, 1, 0, {"features": torch.zeros(2)}))
+    with pytest.raises(MessageError, match="slot"):
+        encode(Ready("target.0", 1, 1, "zero", 1, 0, {}))  # type: ignore[arg-type]
+
+
+def test_messages_reject_garbage_wrong_types_and_versions():
+    rng = random.Random(0)
+    bad = [rng.randbytes(rng.randint(0, 64)) for _ in range(300)]
+    bad += [msgpack.packb(x) for x in (None, 1, "x", {}, [], [PROTOCOL_VERSION], {"v": 1})]
+    bad += [msgpack.packb([PROTOCOL_VERSION + 1, int(MsgType.FREE), "d", 1, 2, 3, 4])]  # unknown version
+    bad += [msgpack.packb([PROTOCOL_VERSION, 99, "d"])]  # unknown type
+    bad += [msgpack.packb([PROTOCOL_VERSION, int(MsgType.FREE), "d", 1, 2, 3])]  # missing field
+    bad += [msgpack.packb([PROTOCOL_VERSION, int(MsgType.FREE), "d", 1, 2, "3", 4])]  # wrong type
+    bad += [msgpack.packb([PROTOCOL_VERSION, int(MsgType.FREE), "d", True, 2, 3, 4])]  # bool is not int
+    bad += [msgpack.packb([PROTOCOL_VERSION, int(MsgType.READY), "t", 1, 1, 0, 1, 0, {1: 2}, 0])]  # int map key
+    bad += [b"\xc1" * 10, b"\xdd\xff\xff\xff\xff"]  # never-used byte, huge array header
+    # mutations of valid messages: every field replaced by a value of another type
+    for msg in _samples():
+        fields = msgpack.unpackb(encode(msg))
+        for i in range(2, len(fields)):
+            for junk in (None, 1.5, "s", b"b", [1], {"k": 1}):
+                mutated = list(fields)
+                mutated[i] = junk
+                frame = msgpack.packb(mutated, use_bin_type=True)
+                try:
+                    decode(frame)
+                except MessageError:
+                    continue
+                # some junk is valid for a permissive field (meta: any map); it must still type-check
+                assert type(decode(frame)) is type(msg)
+    for frame in bad:
+        try:
+            decode(frame)
+        except MessageError:
+            continue
+        pytest.fail(f"accepted {frame!r}")  # only MessageError may come out: anything else propagates
+
+
+def test_epochs_increase():
+    a = new_epoch()
+    time.sleep(0.002)  # epochs have millisecond resolution; this is not synchronisation
+    assert new_epoch() > a > 0 and a < 2**63
+
+
+# --------------------------------------------------------------------------- one process, real sockets
+
+
+@pytest.mark.parametrize("carrier", ["shm", "tcp"])
+def test_credits_generations_and_lost_on_consumer_restart(run_dir, carrier):
+    lost_cb = []
+    producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=3, carrier=carrier,
+                        on_lost=lost_cb.extend, **FAST)
+    consumer = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier=carrier, **FAST)
+    try:
+        attach(producer, consumer)
+        with pytest.raises(PeerUnavailable):
+            producer.publish(producer.acquire(0), "drafter.9", 0)
+        producer.release(0)
+        gens = []
+        for b in range(3):  # fill every slot; none is freed yet
+            slot = producer.acquire(0)
+            fill_pattern(producer.slots[slot], b)
+            gens.append(producer.publish(slot, "drafter.0", b, {"b": b}))
+        assert producer.acquire(0) is None, "a slot in flight was handed out again"
+        got = consumer.receive(5)
+        assert got.batch_id == 0 and check_pattern(got.tensors, 0) and got.meta == {"b": 0}
+        drain_until(consumer, producer, lambda: producer.free_slots() == 1)
+        slot = producer.acquire(0)
+        fill_pattern(producer.slots[slot], 3)
+        assert producer.publish(slot, "drafter.0", 3) == gens[slot] + 1  # generation per fill
+        # The consumer restarts (new epoch, same name) holding batches 1, 2, 3 in flight.
+        consumer.close()
+        consumer2 = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier=carrier, **FAST)
+        consumer = consumer2
+        drain_until(consumer, producer, lambda: bool(consumer.attached()))
+        lost = sorted(b.batch_id for b in producer.lost_batches())
+        assert lost == [1, 2, 3] and sorted(b.batch_id for b in lost_cb) == [1, 2, 3]
+        assert producer.free_slots() == 3, "credits of the dead consumer were not reset"
+        for b in lost:  # the coordinator re-assigns them
+            slot = producer.acquire(1)
+            fill_pattern(producer.slots[slot], b)
+            producer.publish(slot, "drafter.0", b)
+            got = consumer.receive(5)
+            assert got.batch_id == b and check_pattern(got.tensors, b)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_fuzzed_messages_at_producer_are_rejected_and_logged(run_dir, caplog):
+    caplog.set_level(logging.ERROR, logger=TRANSPORT_LOGGER)
+    producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=2, carrier="shm", **FAST)
+    consumer = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier="shm", **FAST)
+    ctx = zmq.Context.instance()
+    fuzz = ctx.socket(zmq.DEALER)
+    fuzz.setsockopt(zmq.IDENTITY, b"fuzzer.1")
+    fuzz.setsockopt(zmq.LINGER, 0)
+    fuzz.connect(producer.endpoint)
+    try:
+        attach(producer, consumer)
+        slot = producer.acquire(0)
+        fill_pattern(producer.slots[slot], 0)
+        gen = producer.publish(slot, "drafter.0", 0)
+        rng = random.Random(1)
+        frames = [rng.randbytes(rng.randint(1, 40)) for _ in range(50)]
+        frames += [msgpack.packb([PROTOCOL_VERSION + 7, int(MsgType.HELLO), "fuzzer.1"])]
+        frames += [msgpack.packb([PROTOCOL_VERSION, int(MsgType.FREE), "fuzzer.1", "x", 1, 2, 3])]
+        # well-formed but wrong: stale producer epoch, unknown consumer, impersonation, wrong generation
+        frames += [encode(Free("fuzzer.1", 1, producer.epoch - 1, slot, gen))]
+        frames += [encode(Free("fuzzer.1", 1, producer.epoch, slot, gen))]
+        frames += [encode(Free("drafter.0", consumer.epoch, producer.epoch, slot, gen))]
+        frames += [encode(Ready("fuzzer.1", 1, 1, 0, 1, 0, {}))]
+        frames += [encode(Hello("fuzzer.1", 1, 1, "other-host", "shm", "nope", ""))]
+        for frame in frames:
+            fuzz.send(frame)
+        fuzz.send_multipart([b"a", b"b", b"c"])
+        deadline = time.monotonic() + 10
+        while producer.stats["rejected"] < len(frames) + 1:
+            assert time.monotonic() < deadline, f"only {producer.stats['rejected']} rejected"
+            producer.poll(10)
+        # A FREE with the wrong generation from the right consumer fails loudly and frees nothing.
+        consumer.sockets[0].send(encode(Free("drafter.0", consumer.epoch, producer.epoch, slot, gen + 5)))
+        drain_until(consumer, producer, lambda: producer.stats["rejected"] == len(frames) + 2)
+        assert producer.free_slots() == 1
+        # The real exchange still works.
+        got = consumer.receive(5)
+        assert got is not None and check_pattern(got.tensors, 0)
+        drain_until(consumer, producer, lambda: producer.free_slots() == 2)
+    finally:
+        fuzz.close()
+        consumer.close()
+        producer.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) >= len(frames) + 1
+    assert all("target.0: rejected message from" in e for e in errors)
+    assert sum("from fuzzer.1" in e for e in errors) >= len(frames)
+    assert any("undecodable" in e for e in errors)
+    assert any("unsupported protocol version" in e for e in errors)
+    assert any("stale producer epoch" in e for e in errors)
+    assert any("claims sender 'drafter.0'" in e for e in errors)
+    assert any("incompatible HELLO" in e for e in errors)
+    assert any(f"stale FREE of slot {slot} generation {gen + 5}" in e for e in errors)
+
+
+def test_fuzzed_messages_at_consumer_are_rejected_and_logged(run_dir, caplog):
+    """A fake producer (raw ROUTER) feeds the consumer garbage, stale epochs and stale generations."""
+    caplog.set_level(logging.ERROR, logger=TRANSPORT_LOGGER)
+    layout = SlotLayout(SPEC)
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{run_dir}/fake"
+    fake.bind(endpoint)
+    consumer = Consumer("drafter.0", {"target.9": endpoint}, SPEC, carrier="tcp", **FAST)
+    try:
+        assert fake.poll(10_000)
+        ident, hello = fake.recv_multipart()
+        hello = decode(hello)
+        assert isinstance(hello, Hello) and hello.sender == "drafter.0"
+
+        def slots_msg(epoch):
+            return encode(Slots("target.9", epoch, hello.epoch, os.getpid(), hello.host, 0, "tcp", 2, layout.nbytes,
+                                layout.describe()))
+
+        def ready(epoch, slot, gen, batch, nbytes=layout.nbytes, consumer_epoch=None):
+            return encode(Ready("target.9", epoch, consumer_epoch or hello.epoch, slot, gen, batch, {}, nbytes))
+
+        payload = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        fill_pattern(layout.views(payload), 5)
+        e1 = new_epoch()
+        fake.send_multipart([ident, slots_msg(e1)])
+        fake.send_multipart([ident, ready(e1, 0, 1, 5), payload.numpy().tobytes()])
+        got = consumer.receive(5)
+        assert got is not None and got.producer_epoch == e1 and check_pattern(got.tensors, 5)
+        n_bad = 0
+        rng = random.Random(2)
+        for _ in range(30):
+            fake.send_multipart([ident, rng.randbytes(rng.randint(1, 30))])
+            n_bad += 1
+        bad = [
+            [msgpack.packb([PROTOCOL_VERSION + 1, int(MsgType.READY)])],
+            [ready(e1, 0, 1, 6), payload.numpy().tobytes()],  # stale generation (1 already seen)
+            [ready(e1, 7, 9, 6), payload.numpy().tobytes()],  # no such slot
+            [ready(e1, 1, 1, 6, consumer_epoch=hello.epoch - 1), payload.numpy().tobytes()],  # stale consumer epoch
+            [ready(e1, 1, 1, 6)],  # missing payload
+            [encode(Heartbeat("target.8", e1, hello.epoch))],  # impersonation
+            [encode(Free("target.9", e1, 1, 0, 1))],  # a consumer never receives FREE
+            [encode(Stop("target.9", e1, "done")), b"extra"],
+        ]
+        for frames in bad:
+            fake.send_multipart([ident, *frames])
+            n_bad += 1
+        deadline = time.monotonic() + 10
+        while consumer.stats["rejected"] < n_bad:
+            assert time.monotonic() < deadline, f"only {consumer.stats['rejected']} of {n_bad} rejected"
+            consumer.poll(10)
+        # The fake producer "restarts": a newer epoch replaces the old ring; the old epoch is stale.
+        e2 = e1 + 1
+        fake.send_multipart([ident, encode(Heartbeat("target.9", e2, 0))])
+        deadline = time.monotonic() + 10
+        while True:  # the consumer answers the new epoch with HELLO
+            assert fake.poll(max(1, int((deadline - time.monotonic()) * 1000))), "no HELLO after a new epoch"
+            consumer.poll(0)
+            _, frame = fake.recv_multipart()
+            if isinstance(decode(frame), Hello):
+                break
+        fake.send_multipart([ident, slots_msg(e2)])
+        fill_pattern(layout.views(payload), 8)
+        fake.send_multipart([ident, ready(e1, 1, 2, 99), payload.numpy().tobytes()])  # stale epoch
+        fake.send_multipart([ident, ready(e2, 1, 1, 8), payload.numpy().tobytes()])
+        got = consumer.receive(5)
+        assert got is not None and got.batch_id == 8 and got.producer_epoch == e2 and check_pattern(got.tensors, 8)
+        assert consumer.imports() == 1
+    finally:
+        consumer.close()
+        fake.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert sum("drafter.0: rejected message from target.9" in e for e in errors) >= n_bad + 1
+    for needle in ("undecodable", "unsupported protocol version", "stale READY for slot 0", "READY for slot 7",
+                   "stale consumer epoch", "payload frame", "claims sender 'target.8'", "unexpected Free",
+                   "stale producer epoch"):
+        assert any(needle in e for e in errors), needle
+
+
+# --------------------------------------------------------------------------- separate processes
+
+
+def test_two_processes_exchange_1000_slots_with_checksums(run_dir):
+    before = shm_entries()
+    endpoint = f"ipc://{run_dir}/t0"
+    producer = Peer("producer", *peer_args(name="target.0", endpoint=endpoint, spec=spec_to_json(SPEC), carrier="shm",
+                                           slots=3, count=1000, heartbeat=0.05))
+    try:
+        started = producer.next_event("started")
+        assert started["memfds"], "the ring is not in a memfd"
+        consumer = Consumer("drafter.0", {"target.0": endpoint}, SPEC, carrier="shm", **FAST)
+        wrong, got_ids = 0, []
+        try:
+            deadline = time.monotonic() + EVENT_TIMEOUT_S
+            while len(got_ids) < 1000:
+                assert time.monotonic() < deadline, f"only {len(got_ids)} received"
+                got = consumer.receive(1.0)
+                if got is not None:
+                    wrong += not check_pattern(got.tensors, got.batch_id)
+                    got_ids.append(got.batch_id)
+            assert consumer.imports() == 1 and consumer.stats["imports"] == 1
+        finally:
+            consumer.close()
+        done = producer.next_event("done")
+        assert producer.finish() == 0
+    finally:
+        producer.close()
+    assert wrong == 0 and got_ids == list(range(1000))
+    assert done["published"] == 1000 and done["stats"]["freed"] == 1000
+    assert not ours(shm_entries() - before, [started["pid"], os.getpid()])
+
+
+def test_producer_sigkill_and_restart(run_dir):
+    before = shm_entries()
+    endpoint = f"ipc://{run_dir}/t0"
+    common = peer_args(name="target.0", endpoint=endpoint, spec=spec_to_json(SPEC), carrier="shm", slots=2,
+                       heartbeat=0.05)
+    first = Peer("producer", *common, "--first-batch", "0")
+    consumer = Consumer("drafter.0", {"target.0": endpoint}, SPEC, carrier="shm", **FAST)
+    pids = [os.getpid()]
+    try:
+        pids.append(first.next_event("started")["pid"])
+        seen: list[tuple[int, int]] = []
+        wrong = 0
+
+        def take(n: int) -> None:
+            nonlocal wrong
+            deadline = time.monotonic() + EVENT_TIMEOUT_S
+            while n:
+                assert time.monotonic() < deadline, "receive stalled"
+                got = consumer.receive(1.0)
+                if got is not None:
+                    wrong += not check_pattern(got.tensors, got.batch_id)
+                    seen.append((got.producer_epoch, got.batch_id))
+                    n -= 1
+
+        take(100)
+        first.kill()  # mid-stream: slots are in flight, READYs may be pending
+        second = Peer("producer", *common, "--first-batch", "100000")
+        try:
+            started = second.next_event("started")
+            pids.append(started["pid"])
+            take(100)
+            new_epoch_id = started["epoch"]
+            after = [(e, b) for e, b in seen if e == new_epoch_id]
+            assert len(after) >= 100 - 2
+            # after the first batch of the new epoch, nothing of the old epoch is ever read
+            first_new = next(i for i, (e, _) in enumerate(seen) if e == new_epoch_id)
+            assert all(e == new_epoch_id for e, _ in seen[first_new:])
+            assert all(b >= 100000 for _, b in after)
+            assert consumer.imports() == 1 and consumer.stats["imports"] == 2
+        finally:
+            second.kill()
+            second.close()
+    finally:
+        consumer.close()
+        first.close()
+    assert wrong == 0
+    assert not ours(shm_entries() - before, pids)
+
+
+def test_consumer_sigkill_restart_resets_credits(run_dir):
+    before = shm_entries()
+    producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=3, carrier="shm", **FAST)
+    common = peer_args(name="drafter.0", producers=f"target.0={producer.endpoint}", spec=spec_to_json(SPEC),
+                       carrier="shm", heartbeat=0.05)
+    first = Peer("consumer", *common, "--count", "1000", "--stall-after", "5")
+    pids = [os.getpid()]
+    batch = 0
+    try:
+        pids.append(first.next_event("started")["pid"])
+
+        def publish_until(pred, timeout=EVENT_TIMEOUT_S):
+            nonlocal batch
+            deadline = time.monotonic() + timeout
+            while not pred():
+                assert time.monotonic() < deadline, "publishing stalled"
+                slot = producer.acquire(0.01)
+                if slot is None or "drafter.0" not in producer.consumers:
+                    if slot is not None:
+                        producer.release(slot)
+                    continue
+                fill_pattern(producer.slots[slot], batch)
+                producer.publish(slot, "drafter.0", batch)
+                batch += 1
+
+        publish_until(lambda: batch >= 5)
+        first.next_event("stalled")
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        while producer.stats["freed"] < 5:  # the 5 received batches are freed before the stall
+            assert time.monotonic() < deadline, "FREEs of the received batches never arrived"
+            producer.poll(10)
+        publish_until(lambda: producer.free_slots() == 0)  # every credit is now held by the stalled consumer
+        in_flight = sorted(b for _, b in producer.in_flight().values())
+        assert len(in_flight) == 3
+        first.kill()
+        second = Peer("consumer", *common, "--count", "20")
+        try:
+            pids.append(second.next_event("started")["pid"])
+            deadline = time.monotonic() + EVENT_TIMEOUT_S
+            lost = []
+            while not lost:
+                assert time.monotonic() < deadline, "the restart was not detected"
+                producer.poll(10)
+                lost = producer.lost_batches()
+            assert sorted(b.batch_id for b in lost) == in_flight
+            assert all(b.reason == "restarted" for b in lost)
+            assert producer.free_slots() == 3, "credits were not reset"
+            redo = [b.batch_id for b in lost]
+            deadline = time.monotonic() + EVENT_TIMEOUT_S
+            sent = 0
+            while sent < 20:  # the lost batches first, then new ones: no slot and no batch is lost
+                assert time.monotonic() < deadline
+                slot = producer.acquire(0.05)
+                if slot is None:
+                    continue
+                b = redo.pop(0) if redo else batch
+                batch += b == batch
+                fill_pattern(producer.slots[slot], b)
+                producer.publish(slot, "drafter.0", b)
+                sent += 1
+            done = second.next_event("done")
+            assert second.finish() == 0
+        finally:
+            second.close()
+    finally:
+        first.close()
+        producer.close()
+    assert done["wrong"] == 0 and done["received"] == 20
+    assert sorted(done["batches"][:3]) == in_flight
+    assert not ours(shm_entries() - before, pids)
+
+
+def test_tcp_carrier_between_processes_on_loopback():
+    with zmq.Context.instance().socket(zmq.ROUTER) as probe:  # a free loopback port
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    producer = Peer("producer", *peer_args(name="target.0", endpoint=endpoint, spec=spec_to_json(SPEC), carrier="tcp",
+                                           slots=2, count=300, heartbeat=0.05))
+    try:
+        producer.next_event("started")
+        wrong, ids = 0, []
+        with Consumer("drafter.0", {"target.0": endpoint}, SPEC, carrier="tcp", **FAST) as consumer:
+            deadline = time.monotonic() + EVENT_TIMEOUT_S
+            while len(ids) < 300:
+                assert time.monotonic() < deadline
+                got = consumer.receive(1.0)
+                if got is not None:
+                    wrong += not check_pattern(got.tensors, got.batch_id)
+                    ids.append(got.batch_id)
+        assert producer.next_event("done")["stats"]["freed"] == 300
+        assert producer.finish() == 0
+    finally:
+        producer.close()
+    assert wrong == 0 and ids == list(range(300))
+
+
+def test_mismatched_spec_is_refused(run_dir, caplog):
+    caplog.set_level(logging.ERROR, logger=TRANSPORT_LOGGER)
+    producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, carrier="shm", **FAST)
+    other = dict(SPEC, input_ids=((2, 65), torch.int64))
+    consumer = Consumer("drafter.0", {"target.0": producer.endpoint}, other, carrier="shm", **FAST)
+    try:
+        deadline = time.monotonic() + 10
+        while not consumer.stopped():
+            assert time.monotonic() < deadline
+            producer.poll(5)
+            consumer.poll(5)
+        assert consumer.stopped() == {"target.0": "incompatible"} and not producer.consumers
+    finally:
+        consumer.close()
+        producer.close()
+    assert any("incompatible HELLO: slot layout" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_arguments():
+    with pytest.raises(TransportError, match="cuda_ipc needs a CUDA device"):
+        Producer("t", "ipc:///tmp/never", SPEC, carrier="cuda_ipc")
+    with pytest.raises(TransportError, match="unknown carrier"):
+        Consumer("d", {}, SPEC, carrier="pigeon")
+
+
+# --------------------------------------------------------------------------- GPU (skipped on CPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ipc_exchange_between_processes(run_dir):
+    endpoint = f"ipc://{run_dir}/t0"
+    spec = dict(SPEC, features=((4, 256, 512), torch.bfloat16))
+    producer = Peer("producer", *peer_args(name="target.0", endpoint=endpoint, spec=spec_to_json(spec), device="cuda:0",
+                                           slots=2, count=200, heartbeat=0.05, fill_sleep_cycles=200_000))
+    dev = torch.cuda.device_count() - 1
+    try:
+        producer.next_event("started")
+        consumer = Peer("consumer", *peer_args(name="drafter.0", producers=f"target.0={endpoint}",
+                                               spec=spec_to_json(spec), device=f"cuda:{dev}", count=200, heartbeat=0.05))
+        try:
+            done = consumer.next_event("done", timeout=120)
+            assert consumer.finish() == 0
+        finally:
+            consumer.close()
+        assert producer.finish() == 0
+    finally:
+        producer.close()
+    assert done["received"] == 200 and done["wrong"] == 0 and done["imports"] == 1
