@@ -150,8 +150,10 @@ class ClusterConfig:
     drafters: list[int] = field(default_factory=lambda: [1])
     #: Let a GPU host both a target and a drafter (the 1-GPU layout).
     allow_shared_gpu: bool = False
-    #: torch threads per worker on CPU (``null`` = cores / workers, at least 1).
-    cpu_threads_per_worker: Optional[int] = None
+    #: torch threads of each target / drafter process on CPU (``null`` = cores / processes, at
+    #: least 1). Targets usually deserve more: drafters wait for them most of the time.
+    cpu_threads_per_target: Optional[int] = None
+    cpu_threads_per_drafter: Optional[int] = None
 
 
 @dataclass
@@ -441,7 +443,8 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     need(len(set(c.targets)) == len(c.targets), "cluster.targets", f"lists a GPU twice: {c.targets}")
     need(len(set(c.drafters)) == len(c.drafters), "cluster.drafters", f"lists a GPU twice: {c.drafters}")
     need(all(i >= 0 for i in c.targets + c.drafters), "cluster.targets", "GPU ids must be >= 0")
-    need(c.cpu_threads_per_worker is None or c.cpu_threads_per_worker >= 1, "cluster.cpu_threads_per_worker", "must be >= 1")
+    for key in ("cpu_threads_per_target", "cpu_threads_per_drafter"):
+        need(getattr(c, key) is None or getattr(c, key) >= 1, f"cluster.{key}", "must be >= 1")
     device = resolve_device(cfg, gpu_count)
     if device == "cuda":
         count = _visible_gpus() if gpu_count is None else gpu_count

@@ -25,6 +25,7 @@ import yaml
 
 from dflash.checkpoint import latest_checkpoint, read_state
 from dflash.config import ConfigError, RunConfig, load_config, resolve_device
+from dflash.factory import build_batch_plans
 from dflash.logs import setup_logging
 from dflash.metrics import ProgressLine, WandbRun, format_duration
 from dflash.schedule import StepPlan
@@ -52,21 +53,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="discard an existing run directory's checkpoints")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     return p.parse_args(argv)
-
-
-def plan_data(cfg: RunConfig):
-    """Tokenise (or load the cache) and build the batch plans. Returns (data, train_plan, heldout_plan)."""
-    from dflash.batching import BatchPlan
-    from dflash.data import prepare_data
-    from dflash.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.target)
-    data = prepare_data(cfg, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    rows, seq = cfg.rows_per_batch, cfg.data.max_length
-    train = BatchPlan(data.train, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)
-    heldout = BatchPlan(data.heldout, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)
-    return data, train, heldout
 
 
 def derived_values(cfg: RunConfig, plan: StepPlan, heldout_batches: int) -> dict:
@@ -109,11 +95,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = resolve_device(cfg)
 
     started = time.monotonic()
-    data, train_plan, heldout_plan = plan_data(cfg)
-    log.info("data: %s", data.report.summary() if hasattr(data.report, "summary") else data.report)
-    batches_per_epoch = [train_plan.num_batches(e) for e in range(cfg.train.epochs)]
+    plans = build_batch_plans(cfg)
+    batches_per_epoch = [plans.train.num_batches(e) for e in range(cfg.train.epochs)]
     plan = StepPlan(batches_per_epoch, len(cfg.cluster.drafters), cfg.train.max_steps)
-    heldout_batches = heldout_plan.num_batches(0)
+    heldout_batches = plans.heldout.num_batches(0) if plans.heldout is not None else 0
     start_step = read_state(ckpt)["step"] if ckpt is not None else 0
     if start_step >= plan.total_steps:
         log.info("run %s is already complete (%d/%d steps); nothing to do", cfg.name, start_step, plan.total_steps)

@@ -155,10 +155,11 @@ class Consumer:
         self.buffers = torch.zeros(num_buffers, self.layout.nbytes, dtype=torch.uint8, device=self.device)
         self._views = [self.layout.views(self.buffers[i]) for i in range(num_buffers)]
         self._next_buffer = 0
-        #: one "copy done" event per own buffer (CUDA), reused: no allocation per receive
-        self._done = [torch.cuda.Event() for _ in range(num_buffers)] if self.device.type == "cuda" else []
+        #: reusable "copy done" events (CUDA): no allocation per receive once warm
+        self._event_pool: list[Any] = []
         self._pending: collections.deque[_Pending] = collections.deque()
-        self._copies: collections.deque[tuple[Any, _Link, int, int, int]] = collections.deque()
+        #: copies enqueued and not yet known complete: (done event, link, slot, generation)
+        self._copies: collections.deque[tuple[Any, _Link, int, int]] = collections.deque()
         self._mailbox = FdMailbox(name, self.epoch) if self.carrier == "shm" else None
         self._closed = False
         ctx = context or zmq.Context.instance()
@@ -453,6 +454,9 @@ class Consumer:
                         link.producer, why, dropped)
             self.stats["dropped"] += len(dropped)
         self._pending = collections.deque(p for p in self._pending if p.link is not link)
+        for c in [c for c in self._copies if c[1] is link]:
+            c[0].synchronize()  # the copy reads the ring that is about to go
+            self._event_pool.append(c[0])
         self._copies = collections.deque(c for c in self._copies if c[1] is not link)
         link.held.clear()
 
@@ -480,10 +484,7 @@ class Consumer:
             return None  # its producer incarnation was dropped meanwhile
         index = self._next_buffer
         self._next_buffer = (index + 1) % self.buffers.shape[0]
-        dst = self.buffers[index]
-        if self._copies:
-            # A queued copy may still be writing this buffer (async mode, num_buffers small).
-            self._flush_copies(block=True, buffer=index)
+        dst = self.buffers[index]  # copies into one buffer are ordered by the stream
         try:
             link.ring.copy_slot(msg.slot, item.frames, dst)
         except TransportError as exc:
@@ -491,9 +492,9 @@ class Consumer:
             link.held.pop(msg.slot, None)
             return None
         if self.device.type == "cuda":
-            done = self._done[index]
+            done = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-            self._copies.append((done, link, msg.slot, msg.generation, index))
+            self._copies.append((done, link, msg.slot, msg.generation))
             self._flush_copies(block=self.sync)
         else:
             self._free(link, msg.slot, msg.generation)
@@ -507,22 +508,16 @@ class Consumer:
         del link.held[slot]
         self._send(link, Free(self.name, self.epoch, link.epoch, slot, generation))
 
-    def _flush_copies(self, block: bool, buffer: Optional[int] = None) -> None:
-        """Send FREE for every finished copy (``block``: wait for them; ``buffer``: only up to the
-        last copy into that buffer)."""
-        if buffer is not None:
-            last = max((i for i, c in enumerate(self._copies) if c[4] == buffer), default=-1)
-            for _ in range(last + 1):
-                done, link, slot, generation, _ = self._copies.popleft()
-                done.synchronize()
-                self._free(link, slot, generation)
+    def _flush_copies(self, block: bool) -> None:
+        """Send FREE for every finished copy, in order (``block``: wait for all of them)."""
         while self._copies:
-            done, link, slot, generation, _ = self._copies[0]
+            done, link, slot, generation = self._copies[0]
             if block:
                 done.synchronize()
             elif not done.query():
                 break
             self._copies.popleft()
+            self._event_pool.append(done)
             self._free(link, slot, generation)
 
     def _timers(self) -> None:

@@ -61,9 +61,10 @@ class WorkerContext:
         self._hb_stop.set()  # type: ignore[attr-defined]
 
 
-def _cpu_threads(cfg: RunConfig) -> int:
-    if cfg.cluster.cpu_threads_per_worker:
-        return cfg.cluster.cpu_threads_per_worker
+def _cpu_threads(cfg: RunConfig, role: str) -> int:
+    chosen = cfg.cluster.cpu_threads_per_target if role == "target" else cfg.cluster.cpu_threads_per_drafter
+    if chosen:
+        return chosen
     workers = len(cfg.cluster.targets) + len(cfg.cluster.drafters)
     return max(1, (os.cpu_count() or 1) // workers)
 
@@ -114,7 +115,7 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
         device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(_cpu_threads(cfg))
+        torch.set_num_threads(_cpu_threads(cfg, role))
     link = WorkerLink(args.control, name)
     inc = Incarnation.now()
     link.send("hello", role=role, rank=args.rank, pid=os.getpid(), incarnation=inc.id)

@@ -1,0 +1,306 @@
+"""Drafter worker: one process per drafter GPU (or CPU process), data-parallel. One loop.
+
+Start-up: join the drafters' torch.distributed group (NCCL on GPU, gloo on CPU; the launcher
+sets a torchrun-compatible environment), build the drafter around the target's frozen
+embedding and LM head (only those two tensors are loaded), restore a checkpoint when resuming,
+compile and warm up the train step in this main thread (GPU), connect to every target's slot
+ring, say READY.
+
+Loop: commands arrive in the same order at every rank. ``train {step, epoch, batch_id}``: take
+that batch's slot (waiting on its fill event on CUDA), run :meth:`DrafterTrainer.step` with the
+loss denominator and the gradients all-reduced over the group, all-reduce the metrics, report.
+``evaluate``: held-out batches without gradients. ``save`` / ``train.checkpoint``: rank 0 writes
+an atomic checkpoint. ``stop``: leave.
+
+Data parallelism is plain torch.distributed collectives rather than a DDP wrapper: one
+all-reduce of ``Σw`` before the backward and one of the flattened gradients after it, outside
+the compiled region, so the compiled step holds no communication.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from dflash.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
+from dflash.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
+from dflash.objective import LossOutput
+from dflash.reference import eval_sums
+from dflash.schedule import StepPlan
+from dflash.workers.base import WorkerContext, memory_gib, start_worker
+from dflash.workers.target import batch_key
+
+log = logging.getLogger("dflash.workers.drafter")
+
+WARMUP_ITERS = 3
+RECEIVE_SLICE_S = 0.5
+ATTACH_TIMEOUT_S = 120.0
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class _Stop(Exception):
+    pass
+
+
+class DrafterWorker:
+    def __init__(self, ctx: WorkerContext):
+        from dflash.target import load_embedding_and_head, resolve_dtype, resolve_layer_ids
+        from dflash.trainer import DrafterTrainer
+
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.cfg = cfg
+        self.device = ctx.device
+        self.rank = ctx.rank
+        self.world = len(cfg.cluster.drafters)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        kwargs = {"device_id": self.device} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method="env://", rank=self.rank, world_size=self.world,
+                                timeout=COLLECTIVE_TIMEOUT, **kwargs)
+        log.info("joined the drafter group: rank %d of %d (%s)", self.rank, self.world, backend)
+
+        plans = build_batch_plans(cfg)
+        plan = StepPlan([plans.train.num_batches(e) for e in range(cfg.train.epochs)], self.world,
+                        cfg.train.max_steps)
+        self.total_steps = plan.total_steps
+        tc = target_hf_config(cfg)
+        text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
+        layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), cfg.drafter.num_layers)
+        feature_dtype = resolve_dtype(cfg.target.dtype, self.device)
+        self.spec = slot_spec(cfg, len(layer_ids) * int(text.hidden_size), feature_dtype)
+        embed, head = load_embedding_and_head(cfg.target, self.device)
+        self.model = build_drafter(cfg, embed, head, len(plans.tokenizer), self.device, tc)
+        self.trainer = DrafterTrainer(self.model, cfg.train, cfg.drafter, self.total_steps, self.device,
+                                      weight_sum_reduce=self._all_reduce, grad_sync=self._grad_sync)
+        self.steps_done = 0
+        if ctx.resume_from is not None:
+            self._restore(ctx.resume_from)
+        self.warmup_s = self._warm_up(plans.train.batch(0, 0))
+        self.consumer = None
+        self.commands: collections.deque[dict] = collections.deque()
+        self.stats = ctx.stats
+        self.stats.update(trained=0, wait_s=0.0, step_s=0.0)
+
+    # ------------------------------------------------------------------ collectives
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def _grad_sync(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum every trainable parameter's gradient over the group (one flat all-reduce)."""
+        if self.world == 1:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+    # ------------------------------------------------------------------ start-up
+    def _restore(self, ckpt: Path) -> None:
+        from safetensors.torch import load_file
+
+        from dflash.checkpoint import read_state
+
+        state = load_file(str(ckpt / "drafter" / "model.safetensors"), device=str(self.device))
+        self.model.load_state_dict(state, strict=True)
+        saved = load_trainer_state(ckpt, self.device)
+        self.trainer.load_state_dict(saved["trainer"])
+        set_rng_state(saved["rng"])
+        self.steps_done = read_state(ckpt)["step"]
+        log.info("resumed from %s (step %d)", ckpt, self.steps_done)
+
+    def _warm_up(self, batch) -> float:
+        """GPU with compile: run forward+backward on a synthetic batch until the graphs are captured.
+
+        Gradients are discarded and no optimizer step is taken, so warm-up never changes weights.
+        """
+        if not (self.cfg.drafter.compile and self.device.type == "cuda"):
+            return 0.0
+        started = time.perf_counter()
+        tensors = {k: v.to(self.device) for k, v in batch.to_dict().items()}
+        shape, dtype = self.spec["features"]
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        tensors["features"] = torch.randn(shape, generator=gen, device=self.device).to(dtype)
+        tensors["target_tokens"] = torch.roll(tensors["input_ids"], -1, dims=1)
+        for i in range(WARMUP_ITERS):
+            self.trainer.forward_backward(tensors, -2, i, weight_sum_reduce=lambda w: w)
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        log.info("train step warmed up in %.1f s (compiled, graphs captured)", seconds)
+        return seconds
+
+    # ------------------------------------------------------------------ commands
+    def _next_command(self) -> dict:
+        while not self.commands:
+            msg = self.ctx.link.recv(1.0)
+            if msg is not None:
+                self.commands.append(msg)
+        return self.commands.popleft()
+
+    def _check_stop(self) -> None:
+        while True:
+            msg = self.ctx.link.recv(0)
+            if msg is None:
+                return
+            if msg["type"] == "stop":
+                raise _Stop(msg["reason"])
+            self.commands.append(msg)
+
+    def _receive(self, split: str, epoch: int, batch_id: int):
+        key = batch_key(split, epoch, batch_id)
+        started = time.perf_counter()
+        while True:
+            got = self.consumer.receive(RECEIVE_SLICE_S, match=lambda bid, meta: bid == key)
+            if got is not None:
+                self.stats["wait_s"] += time.perf_counter() - started
+                return got
+            self._check_stop()
+
+    def connect(self, endpoints: dict[str, str]) -> None:
+        from dflash.transport import Consumer
+
+        tp = self.cfg.transport
+        self.consumer = Consumer(self.ctx.name, endpoints, self.spec, self.device, tp.carrier,
+                                 heartbeat_s=tp.heartbeat_s, peer_timeout_s=tp.peer_timeout_s)
+        if not self.consumer.wait_attached(timeout=ATTACH_TIMEOUT_S):
+            raise RuntimeError(f"could not attach to the targets' slot rings within {ATTACH_TIMEOUT_S:.0f} s: "
+                               f"attached {self.consumer.attached()} of {sorted(endpoints)}")
+
+    def train(self, cmd: dict) -> None:
+        step, epoch, batch_id = cmd["step"], cmd["epoch"], cmd["batch_id"]
+        wait_before = self.stats["wait_s"]
+        tokens = 0
+        if batch_id is None:  # the epoch's last step has no batch for this rank
+            started = time.perf_counter()
+            self._all_reduce(torch.zeros((), device=self.device))
+            for p in self.trainer.params:
+                p.grad = torch.zeros_like(p)
+            lr = self.trainer.scheduler.get_last_lr()[0]
+            grad_norm = self.trainer.optimizer_step()
+            b = self.trainer.block_size
+            local = torch.zeros(2 * b + 4, device=self.device)
+            metrics = {"lr": lr, "grad_norm": grad_norm}
+        else:
+            got = self._receive("train", epoch, batch_id)
+            started = time.perf_counter()
+            metrics = self.trainer.step(got.tensors, epoch, batch_id)
+            local = LossOutput(loss_sum=metrics["loss_sum"], weight_sum=metrics["weight_sum"],
+                               per_slot_correct=metrics["per_slot_correct"],
+                               per_slot_count=metrics["per_slot_count"], tau_sum=metrics["tau_sum"],
+                               num_blocks=metrics["num_blocks"]).stats_vector()
+            tokens = int((got.tensors["doc_ids"] > 0).sum())
+        total = LossOutput.from_stats_vector(self._all_reduce(local.clone()))
+        step_s = time.perf_counter() - started
+        self.steps_done = step + 1
+        self.stats["trained"] += 1
+        self.stats["step_s"] = step_s
+        self.stats["mem_gib"] = memory_gib(self.device)
+        out = {"tokens": tokens, "stats": {"wait_s": self.stats["wait_s"], "step_s": step_s,
+                                          "mem_gib": self.stats["mem_gib"]}}
+        if self.rank == 0:
+            acc = (total.per_slot_correct / total.per_slot_count.clamp_min(1)).tolist()
+            out.update({"train/loss": float(total.loss), "train/tau": float(total.tau),
+                        "train/lr": float(metrics["lr"]), "train/grad_norm": float(metrics["grad_norm"]),
+                        "train/blocks": float(total.num_blocks), "time/step_s": step_s,
+                        "time/drafter_wait_s": self.stats["wait_s"] - wait_before})
+            out.update({f"train/acc_slot_{k}": a for k, a in enumerate(acc) if k > 0})
+        self.ctx.link.send("trained", step=step, epoch=epoch, batch_id=batch_id, metrics=out)
+        if cmd["checkpoint"]:
+            self.save()
+
+    def evaluate(self, cmd: dict) -> None:
+        sums = None
+        for batch_id in cmd["batch_ids"]:
+            got = self._receive("heldout", 0, batch_id)
+            s = eval_sums(self.trainer.evaluate(got.tensors, batch_id))
+            if sums is None:
+                sums = s
+            else:
+                sums = {k: ([a + b for a, b in zip(v, s[k])] if isinstance(v, list) else v + s[k])
+                        for k, v in sums.items()}
+        b = self.trainer.block_size
+        sums = sums or {"loss_sum": 0.0, "weight_sum": 0.0, "tau_sum": 0.0, "blocks": 0.0,
+                        "correct": [0.0] * b, "count": [0.0] * b}
+        self.ctx.link.send("evaluated", round=cmd["round"], sums=sums)
+
+    def save(self) -> None:
+        if self.rank != 0:
+            return
+        path = save_checkpoint(self.ctx.run_dir, self.steps_done, 0, self.model, self.trainer.state_dict(),
+                               keep_last=self.cfg.checkpoint.keep_last)
+        self.ctx.link.send("checkpointed", step=self.steps_done, path=str(path))
+
+    def run(self) -> None:
+        link = self.ctx.link
+        while True:  # wait for the targets' endpoints
+            cmd = self._next_command()
+            if cmd["type"] == "targets":
+                self.connect(cmd["endpoints"])
+                break
+            if cmd["type"] == "stop":
+                return
+        link.send("ready", info={"trainable_params_M": self.model.num_trainable_params() / 1e6,
+                                 "warmup_s": self.warmup_s, "steps_done": self.steps_done})
+        while True:
+            cmd = self._next_command()
+            kind = cmd["type"]
+            if kind == "train":
+                self.train(cmd)
+            elif kind == "evaluate":
+                self.evaluate(cmd)
+            elif kind == "save":
+                self.save()
+            elif kind == "stop":
+                log.info("stop (%s) after %d steps", cmd["reason"], self.steps_done)
+                return
+            elif kind == "targets":
+                log.info("new target endpoints: %s", cmd["endpoints"])
+            else:
+                log.debug("ignoring %s", kind)
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ctx = start_worker("drafter", argv)
+    worker = None
+    try:
+        worker = DrafterWorker(ctx)
+        worker.run()
+        return 0
+    except _Stop as stop:
+        log.info("stop (%s) while waiting for a batch", stop)
+        return 0
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report any failure to the coordinator, then exit non-zero
+        log.exception("drafter worker failed")
+        ctx.link.send("failed", error=f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        if worker is not None:
+            worker.close()
+        ctx.stop_heartbeat()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Target worker: one process per target GPU (or CPU process). One loop.
+
+Start-up: load the target, build the batch plans (from the tokenised-data cache), compile and
+warm up the forward in this main thread (``torch.compile(mode="reduce-overhead")`` on GPU when
+``target.compile``), export the slot ring, say READY with the ring's endpoint.
+
+Loop: take ``produce {split, epoch, batch_id, drafter}`` commands in order; for each, build the
+batch (a deterministic function of its ids), copy it into the static input buffers, run the
+forward, copy the context features and greedy tokens into a free slot (credits permitting) and
+publish the slot to the named drafter. Report ``produced`` with the forward time.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from dflash.factory import build_batch_plans, slot_spec
+from dflash.workers.base import WorkerContext, memory_gib, start_worker
+
+log = logging.getLogger("dflash.workers.target")
+
+WARMUP_ITERS = 3
+IDLE_POLL_MS = 200
+
+
+def batch_key(split: str, epoch: int, batch_id: int) -> str:
+    """The transport batch id of a (split, epoch, batch id): ``train:0:17``."""
+    return f"{split}:{epoch}:{batch_id}"
+
+
+class TargetWorker:
+    def __init__(self, ctx: WorkerContext):
+        from dflash.target import load_target
+        from dflash.transport import Producer
+
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.device = ctx.device
+        self.plans = build_batch_plans(cfg)
+        self.target = load_target(cfg.target, self.device, num_drafter_layers=cfg.drafter.num_layers)
+        self.spec = slot_spec(cfg, self.target.feature_size, self.target.dtype)
+        # Static inputs: the compiled forward always reads the same addresses.
+        self.inputs = {k: torch.zeros(shape, dtype=dtype, device=self.device)
+                       for k, (shape, dtype) in self.spec.items() if k not in ("features", "target_tokens")}
+        self.forward: Callable[..., Any] = self.target.forward_features
+        self.compiled = bool(cfg.target.compile and self.device.type == "cuda")
+        if self.compiled:
+            self.forward = torch.compile(self.target.forward_features, mode="reduce-overhead", dynamic=False)
+        self.warmup_s = self._warm_up()
+        self.producer = Producer(ctx.name, f"tcp://{cfg.transport.host}:0", self.spec, cfg.transport.slots,
+                                 self.device, cfg.transport.carrier, heartbeat_s=cfg.transport.heartbeat_s,
+                                 peer_timeout_s=cfg.transport.peer_timeout_s)
+        self.queue: collections.deque[dict] = collections.deque()
+        self.stats = ctx.stats
+        self.stats.update(produced=0, busy_s=0.0, wait_slot_s=0.0)
+
+    def _run_forward(self):
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.forward(self.inputs["input_ids"], self.inputs["position_ids"], self.inputs["doc_ids"])
+
+    def _warm_up(self) -> float:
+        """Run the forward on a real batch until its graphs are captured (GPU) / caches warm (CPU)."""
+        started = time.perf_counter()
+        self._load_inputs(self.plans.train.batch(0, 0))
+        for _ in range(WARMUP_ITERS if self.compiled else 1):
+            self._run_forward()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        log.info("forward warmed up in %.1f s (%s)", seconds, "compiled, graphs captured" if self.compiled else "eager")
+        return seconds
+
+    def _load_inputs(self, batch: Any) -> None:
+        for key, value in batch.to_dict().items():
+            self.inputs[key].copy_(value, non_blocking=True)
+
+    def produce(self, job: dict, slot: int) -> None:
+        split, epoch, batch_id = job["split"], job["epoch"], job["batch_id"]
+        plan = self.plans.train if split == "train" else self.plans.heldout
+        started = time.perf_counter()
+        batch = plan.batch(epoch, batch_id)
+        self._load_inputs(batch)
+        features, tokens = self._run_forward()
+        out = self.producer.slots[slot]
+        for key in self.inputs:
+            out[key].copy_(self.inputs[key], non_blocking=True)
+        out["features"].copy_(features, non_blocking=True)
+        out["target_tokens"].copy_(tokens, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        seconds = time.perf_counter() - started
+        self.producer.publish(slot, job["drafter"], batch_key(split, epoch, batch_id),
+                              meta={"split": split, "epoch": epoch, "batch_id": batch_id})
+        self.stats["produced"] += 1
+        self.stats["busy_s"] += seconds
+        self.stats["mem_gib"] = memory_gib(self.device)
+        self.ctx.link.send("produced", epoch=epoch, batch_id=batch_id, split=split, drafter=job["drafter"],
+                           seconds=seconds, tokens=batch.num_tokens)
+
+    def run(self) -> None:
+        link = self.ctx.link
+        link.send("ready", info={"endpoint": self.producer.endpoint, "warmup_s": self.warmup_s,
+                                 "params_M": self.target.num_parameters() / 1e6, "compiled": self.compiled})
+        poller = zmq.Poller()
+        poller.register(link.socket, zmq.POLLIN)
+        poller.register(self.producer.socket, zmq.POLLIN)
+        waiting_since = None
+        while True:
+            while True:  # drain control messages
+                msg = link.recv(0)
+                if msg is None:
+                    break
+                if msg["type"] == "produce":
+                    self.queue.append(msg)
+                elif msg["type"] == "stop":
+                    log.info("stop (%s): %d batches produced", msg["reason"], self.stats["produced"])
+                    return
+                else:
+                    log.debug("ignoring %s", msg["type"])
+            if self.queue:
+                slot = self.producer.acquire(timeout=0)
+                if slot is not None:
+                    if waiting_since is not None:
+                        self.stats["wait_slot_s"] += time.perf_counter() - waiting_since
+                        waiting_since = None
+                    self.produce(self.queue.popleft(), slot)
+                    continue
+                waiting_since = waiting_since or time.perf_counter()
+            else:
+                self.producer.poll(0)
+            poller.poll(min(IDLE_POLL_MS, max(1, int(self.producer.next_timer_s() * 1000))))
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ctx = start_worker("target", argv)
+    worker = None
+    try:
+        worker = TargetWorker(ctx)
+        worker.run()
+        return 0
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report any failure to the coordinator, then exit non-zero
+        log.exception("target worker failed")
+        ctx.link.send("failed", error=f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        if worker is not None:
+            worker.close()
+        ctx.stop_heartbeat()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
