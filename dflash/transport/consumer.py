@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Callable, Any, Optional, Union
 
 import torch
 import zmq
@@ -214,19 +214,25 @@ class Consumer:
             self.poll(max(1, int(min(remaining, self.heartbeat_s) * 1000)))
         return True
 
-    def receive(self, timeout: Optional[float] = None) -> Optional[Received]:
+    def receive(self, timeout: Optional[float] = None,
+                match: Optional[Callable[[Union[int, str], dict], bool]] = None) -> Optional[Received]:
         """The next batch from any producer (arrival order), or ``None`` after ``timeout`` s.
 
         Copies the slot into the next own buffer (cuda_ipc: after waiting on the fill's
         interprocess event on this consumer's current stream), then frees the slot (``sync``)
         or queues its FREE until the copy completes. ``timeout=None`` waits forever, ``0``
         only looks.
+
+        Args:
+            match: ``match(batch_id, meta) -> bool``: take only a READY it accepts; the others
+                stay pending (their slots held) for later calls. ``None`` = the oldest.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.poll(0)  # drain first: a STOP/EVICTED or a new epoch invalidates pending READYs
-            if self._pending:
-                got = self._take(self._pending.popleft())
+            item = self._pop_pending(match)
+            if item is not None:
+                got = self._take(item)
                 if got is not None:
                     return got
                 continue
@@ -237,6 +243,15 @@ class Consumer:
             if remaining is not None:
                 wait_s = min(wait_s, remaining)
             self._wait(max(1, int(wait_s * 1000)))
+
+    def _pop_pending(self, match: Optional[Callable[[Union[int, str], dict], bool]]) -> Optional[_Pending]:
+        if match is None:
+            return self._pending.popleft() if self._pending else None
+        for i, item in enumerate(self._pending):
+            if match(item.msg.batch_id, item.msg.meta):
+                del self._pending[i]
+                return item
+        return None
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Handle incoming messages (waiting up to ``timeout_ms`` for the first), finished copies
