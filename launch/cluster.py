@@ -14,6 +14,7 @@ checkpoint → workers stopped.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import socket
 import sys
@@ -150,7 +151,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             trainable_logged = True
         wb.log(metrics, step)
 
-    coordinator.on_metrics = on_metrics
+    metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed below
+
+    def write_metrics(step: int, metrics: dict) -> None:
+        on_metrics(step, metrics)
+        metrics_file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+
+    coordinator.on_metrics = write_metrics
     exit_code = 1
     try:
         result = coordinator.run()
@@ -163,6 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         supervisor.stop_all()
         sock.close()
         wb.finish(exit_code)
+        metrics_file.close()
     if result is None:
         return 130
     problems = coordinator.ledger.check(plan, start_step, result.steps_done)
