@@ -464,6 +464,18 @@ class ImportedRing:
     def cleanup_dead_producer(self) -> None:
         """After :meth:`close`, when the producer died without cleaning up: remove what it left."""
 
+    def ready(self, slot: int) -> bool:
+        """Has the producer's fill of ``slot`` completed? (non-blocking; CPU carriers: always)
+
+        Raises:
+            TransportError: the fill event cannot be queried.
+        """
+        return True
+
+    def producer_gone(self) -> bool:
+        """True when the producer's process provably no longer exists (same host and pid namespace)."""
+        return self.same_process_space and _process_gone(self.producer_pid)
+
 
 class CudaIpcImport(ImportedRing):
     """The ring rebuilt from :class:`CudaExport`, and the per-slot events opened on our device.
@@ -527,6 +539,12 @@ class CudaIpcImport(ImportedRing):
         except OSError as exc:
             log.warning("cannot remove %s/%s of dead producer %s: %s", SHM_DIR, name, self.producer, exc)
 
+    def ready(self, slot: int) -> bool:
+        try:
+            return self.events[slot].query()
+        except RuntimeError as exc:  # a CUDA error on the imported event
+            raise TransportError(str(exc)) from None
+
     def copy_slot(self, slot: int, frames: list, dst: torch.Tensor) -> None:
         stream = torch.cuda.current_stream(self.device)
         self.events[slot].wait(stream)
@@ -552,7 +570,9 @@ class ShmImport(ImportedRing):
         try:
             if os.fstat(fd).st_size != total:
                 raise TransportError(f"ring memfd from {slots.sender} has {os.fstat(fd).st_size} B, expected {total}")
-            self._mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: fault the pages in now, not during the first copies
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, total, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.ring = torch.frombuffer(self._mm, dtype=torch.uint8).view(slots.num_slots, slots.slot_nbytes)

@@ -51,6 +51,11 @@ log = logging.getLogger("dflash.transport")
 CLOSE_LINGER_MS = 200
 #: Retry period (s) of a HELLO that could not be sent (the producer is not connected yet).
 HELLO_RETRY_S = 0.05
+#: While a pending READY's fill event is not complete, ``receive`` re-checks it every ms.
+EVENT_POLL_MS = 1
+#: A READY blocked on its fill event this long (s) makes the consumer check that the producer's
+#: process still exists (same host): a dead producer's event may never complete.
+BLOCKED_CHECK_S = 0.5
 
 
 @dataclass
@@ -73,11 +78,12 @@ class Received:
     tensors: dict[str, torch.Tensor]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two READYs are never "equal"
 class _Pending:
     link: "_Link"
     msg: Ready
     frames: list
+    arrived: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -122,6 +128,11 @@ class Consumer:
         import_device: cuda_ipc: ``own`` (open producers' memory on this consumer's device) or
             ``exporter`` (on the exporting GPU when it is visible here); see
             :class:`~dflash.transport.carriers.CudaIpcImport`.
+        host_gate: cuda_ipc: take a READY only once its fill event has completed (checked with a
+            non-blocking ``query``), then wait on it on the stream as well. A producer that dies
+            between its event record and the fill's completion then cannot stall this
+            consumer's stream forever (the READY is dropped with the dead producer's ring).
+            ``False``: stream wait only (lets the copy be enqueued before the fill ends).
         context: a zmq context (default: the process-wide instance).
         epoch: this incarnation's id (default: a new one).
 
@@ -132,8 +143,8 @@ class Consumer:
     def __init__(self, name: str, producers: dict[str, str], spec: SlotSpec,
                  device: Union[str, torch.device] = "cpu", carrier: str = "auto", *, num_buffers: int = 1,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
-                 sync: bool = True, import_device: str = "own", context: Optional[zmq.Context] = None,
-                 epoch: Optional[int] = None):
+                 sync: bool = True, import_device: str = "own", host_gate: bool = True,
+                 context: Optional[zmq.Context] = None, epoch: Optional[int] = None):
         if peer_timeout_s <= heartbeat_s:
             raise TransportError(f"peer_timeout_s ({peer_timeout_s}) must exceed heartbeat_s ({heartbeat_s})")
         if num_buffers < 1:
@@ -149,6 +160,7 @@ class Consumer:
         self.peer_timeout_s = peer_timeout_s
         self.sync = sync or self.device.type != "cuda"
         self.import_device = import_device
+        self.host_gate = host_gate
         self.host = host_id()
         self.stats: collections.Counter = collections.Counter()
         #: ``[num_buffers, slot_nbytes]`` uint8: the consumer's own static input buffer(s).
@@ -230,7 +242,7 @@ class Consumer:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.poll(0)  # drain first: a STOP/EVICTED or a new epoch invalidates pending READYs
-            item = self._pop_pending(match)
+            item, blocked = self._pop_pending(match)
             if item is not None:
                 got = self._take(item)
                 if got is not None:
@@ -242,16 +254,35 @@ class Consumer:
             wait_s = max(0.001, min(self.heartbeat_s, self.next_timer_s()))
             if remaining is not None:
                 wait_s = min(wait_s, remaining)
-            self._wait(max(1, int(wait_s * 1000)))
+            # a READY whose fill is still running on the producer's GPU: look again in a ms
+            self._wait(EVENT_POLL_MS if blocked else max(1, int(wait_s * 1000)))
 
-    def _pop_pending(self, match: Optional[Callable[[Union[int, str], dict], bool]]) -> Optional[_Pending]:
-        if match is None:
-            return self._pending.popleft() if self._pending else None
-        for i, item in enumerate(self._pending):
-            if match(item.msg.batch_id, item.msg.meta):
-                del self._pending[i]
-                return item
-        return None
+    def _pop_pending(self, match: Optional[Callable[[Union[int, str], dict], bool]]
+                     ) -> tuple[Optional[_Pending], bool]:
+        """The oldest pending READY accepted by ``match`` whose fill is complete (host gate), and
+        whether an accepted one is still waiting for its fill."""
+        blocked = False
+        for item in list(self._pending):
+            if item not in self._pending:  # its ring was dropped while we looked at another one
+                continue
+            if match is not None and not match(item.msg.batch_id, item.msg.meta):
+                continue
+            ring = item.link.ring
+            if self.host_gate and ring is not None and not self._fill_done(item):
+                blocked = True
+                continue
+            self._pending.remove(item)
+            return item, blocked
+        return None, blocked
+
+    def _fill_done(self, item: _Pending) -> bool:
+        try:
+            return item.link.ring.ready(item.msg.slot)
+        except TransportError as exc:
+            log.error("%s: fill event of %s slot %d unusable (%s): dropping its ring", self.name,
+                      item.link.producer, item.msg.slot, exc)
+            self._drop_ring(item.link, "fill event failed", dead=True)
+            return False
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Handle incoming messages (waiting up to ``timeout_ms`` for the first), finished copies
@@ -537,6 +568,12 @@ class Consumer:
 
     def _timers(self) -> None:
         now = time.monotonic()
+        for item in list(self._pending):
+            ring = item.link.ring
+            if ring is not None and now - item.arrived > BLOCKED_CHECK_S and ring.producer_gone():
+                log.warning("%s: producer %s (pid %d) is gone: dropping its ring", self.name, item.link.producer,
+                            ring.producer_pid)
+                self._drop_ring(item.link, "producer process gone", dead=True)
         for link in self._links.values():
             if link.attached and now - link.last_seen > self.peer_timeout_s:
                 log.warning("%s: producer %s silent for %.1f s: dropping its ring", self.name, link.producer,
