@@ -6,13 +6,9 @@ follow its JSON event lines with bounded waits; nothing sleeps to synchronise.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
-import select
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,10 +25,8 @@ from dflash.transport.messages import (PROTOCOL_VERSION, CudaExport, Free, Heart
                                        Stop, decode, encode, new_epoch)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transport_peer import check_pattern, fill_pattern, spec_to_json  # noqa: E402
+from transport_peer import PeerProcess, check_pattern, fill_pattern, peer_args, spec_to_json  # noqa: E402
 
-PEER = Path(__file__).resolve().parent / "transport_peer.py"
-REPO = PEER.parents[1]
 
 SPEC = {
     "features": ((2, 64, 32), torch.float32),
@@ -51,64 +45,8 @@ TRANSPORT_LOGGER = "dflash.transport"
 # --------------------------------------------------------------------------- helpers
 
 
-class Peer:
-    """A ``transport_peer.py`` subprocess whose JSON stdout lines are read with deadlines."""
-
-    def __init__(self, role: str, *args: str):
-        self.stderr = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, str(PEER), role, *args], stdout=subprocess.PIPE,
-                                     stderr=self.stderr, env=env, cwd=REPO)
-        os.set_blocking(self.proc.stdout.fileno(), False)
-        self._buf = b""
-        self.events: list[dict] = []
-
-    def next_event(self, kind: str, timeout: float = EVENT_TIMEOUT_S) -> dict:
-        """The next event named ``kind`` (earlier others are kept in :attr:`events`)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                event = json.loads(line)
-                self.events.append(event)
-                if event["event"] == kind:
-                    return event
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no {kind!r} event within {timeout} s; stderr:\n{self.log()}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
-            if ready:
-                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-                if not chunk:
-                    raise RuntimeError(f"peer exited ({self.proc.wait()}) before {kind!r}; stderr:\n{self.log()}")
-                self._buf += chunk
-
-    def log(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode(errors="replace")[-6000:]
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=EVENT_TIMEOUT_S)
-
-    def finish(self, timeout: float = EVENT_TIMEOUT_S) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.kill()
-        self.proc.stdout.close()
-        self.stderr.close()
-
-
-def peer_args(**kw) -> list[str]:
-    out = []
-    for key, value in kw.items():
-        out += [f"--{key.replace('_', '-')}", str(value)]
-    return out
+def Peer(role: str, *args: str) -> PeerProcess:  # noqa: N802 - reads like the class it returns
+    return PeerProcess(role, *args)
 
 
 def shm_entries() -> set[str]:

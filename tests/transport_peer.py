@@ -16,8 +16,11 @@ import collections
 import json
 import logging
 import os
+import select
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +37,8 @@ from dflash.transport.layout import DTYPES, SlotSpec  # noqa: E402
 PATTERN_MODULUS = 251
 #: Per-field offset so that two fields swapped in the layout cannot both check out.
 FIELD_SALT = 17
+#: Default bound (s) on one wait for a peer's event.
+DEFAULT_WAIT_S = 60.0
 
 log = logging.getLogger("transport_peer")
 
@@ -96,6 +101,78 @@ def _memfds() -> list[str]:
 
 def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
+
+
+class PeerProcess:
+    """Parent side: start this script as a subprocess and read its JSON event lines with deadlines."""
+
+    def __init__(self, role: str, *args: str, env: dict | None = None):
+        self.stderr = tempfile.TemporaryFile()
+        path = [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), role, *args],
+                                     stdout=subprocess.PIPE, stderr=self.stderr, env=env, cwd=REPO)
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        self._buf = b""
+        self.events: list[dict] = []
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def next_event(self, kind: str, timeout: float = DEFAULT_WAIT_S) -> dict:
+        """The next event named ``kind`` (earlier ones of other kinds are kept in :attr:`events`).
+
+        Raises:
+            TimeoutError: none within ``timeout`` s. RuntimeError: the process exited first.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                event = json.loads(line)
+                self.events.append(event)
+                if event["event"] == kind:
+                    return event
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no {kind!r} event within {timeout} s; stderr:\n{self.log()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], remaining)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"peer exited ({self.proc.wait()}) before {kind!r}; stderr:\n{self.log()}")
+                self._buf += chunk
+
+    def log(self, tail: int = 6000) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")[-tail:]
+
+    def kill(self, sig: int = signal.SIGKILL, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+    def finish(self, timeout: float = DEFAULT_WAIT_S) -> int:
+        """Wait for a clean exit; the exit status."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        self.proc.stdout.close()
+        self.stderr.close()
+
+
+def peer_args(**kw) -> list[str]:
+    """``peer_args(first_batch=5)`` → ``["--first-batch", "5"]``."""
+    out = []
+    for key, value in kw.items():
+        out += [f"--{key.replace('_', '-')}", str(value)]
+    return out
 
 
 class _Stop:
@@ -192,6 +269,8 @@ def run_consumer(args: argparse.Namespace) -> int:
             seen.append(got.producer_epoch)
         if args.mem_every and received % args.mem_every == 0:
             mem.append(memory_snapshot(device))
+        if args.progress_every and received % args.progress_every == 0:
+            emit("progress", received=received)
     emit("done", received=received, wrong=wrong, batches=batches, epochs=epochs, imports=consumer.imports(),
          stats=dict(consumer.stats), mem=mem)
     consumer.close(StopReason.DONE)
@@ -221,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-after", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=120.0)
     parser.add_argument("--import-device", default="own")
+    parser.add_argument("--progress-every", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname).1s [{args.name}] %(name)s: %(message)s")

@@ -518,7 +518,8 @@ class CudaIpcImport(ImportedRing):
                                  f"expected [{slots.num_slots}, {slots.slot_nbytes}]")
         self.ring = ring
         with torch.cuda.device(own):
-            self.events = [torch.cuda.Event.from_ipc_handle(own, h) for h in slots.events]
+            # on the consumer's own device: opening on the producer's device hung on an H200
+            self.events = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in slots.events]
         self.ref_counter_handle = exp.ref_counter_handle
 
     def cleanup_dead_producer(self) -> None:
