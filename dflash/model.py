@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+#: Smallest head dim flex_attention's CUDA kernel takes.
+FLEX_MIN_HEAD_DIM = 16
 #: Std of the normal init of the drafter's linear layers (Qwen3 ``initializer_range``).
 DEFAULT_INIT_STD = 0.02
 _LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -473,7 +475,8 @@ class DFlashDraftModel(nn.Module):
         embed_tokens: the target's input embedding (``nn.Embedding``, ``[V, D]``); frozen, shared.
         lm_head: the target's output head (``nn.Linear`` ``D → V``); frozen, shared. Not used by
             :meth:`forward` (the loss applies it in chunks), kept for callers.
-        attention: ``auto`` (flex_attention on CUDA, dense SDPA mask on CPU), ``flex`` or ``sdpa``.
+        attention: ``auto`` (flex_attention on CUDA, dense SDPA mask on CPU; see
+            :meth:`attention_backend`), ``flex`` or ``sdpa``.
 
     Both shared modules get ``requires_grad_(False)`` and are stored outside the module tree, so
     ``model.to(...)`` does not move or cast them (they may be the target's own modules): put them
@@ -550,10 +553,14 @@ class DFlashDraftModel(nn.Module):
         return torch.cat([first, rest], dim=2)
 
     def attention_backend(self, device: torch.device) -> str:
-        """``flex`` or ``sdpa`` for tensors on ``device``."""
+        """``flex`` or ``sdpa`` for tensors on ``device``.
+
+        ``auto`` picks flex_attention on CUDA when ``head_dim >= 16`` (its Triton kernel's
+        minimum), else the dense SDPA mask.
+        """
         if self.attention != "auto":
             return self.attention
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" and self.config.head_dim >= FLEX_MIN_HEAD_DIM else "sdpa"
 
     def forward(self, context_features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
                 anchors: Tensor, anchor_keep: Tensor,

@@ -21,7 +21,8 @@ arXiv 2602.06036, §3–4):
   does not exist yet) and, in a ``sliding_attention`` layer, ``j ≥ a − W``; it sees all ``B``
   tokens of its own block and nothing else. A dropped block (``keep = False``) sees only itself,
   so no query row is ever fully masked (no NaN). One ``mask_mod`` defines both the
-  flex_attention ``BlockMask`` (GPU) and the dense SDPA mask (CPU), so they cannot disagree.
+  flex_attention ``BlockMask`` (GPU) and the dense SDPA mask (CPU), so they cannot disagree; the
+  BlockMask's sparse tiles are computed from the blocks' context ranges, never from a dense mask.
 * **Loss.** ``Σ CE·w / Σ w`` with ``w_k = exp(−(k − 1)/γ)`` on valid slots. :func:`dflash_loss`
   returns numerator and denominator separately so data-parallel ranks can all-reduce the
   denominator. The LM head runs in row chunks inside a custom autograd function that computes
@@ -53,7 +54,10 @@ __all__ = [
     "build_block_labels",
     "slot_weights",
     "label_weights",
+    "FLEX_TILE",
+    "context_ranges",
     "make_mask_mod",
+    "mask_tiles",
     "dense_attention_mask",
     "flex_block_mask",
     "build_attention_masks",
@@ -65,6 +69,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 #: Rows of ``hidden @ lm_head.T`` computed at once (2,048 × 151,936 fp32 logits ≈ 1.2 GiB).
 LOSS_CHUNK_ROWS = 2048
+#: flex_attention tile (query and key rows per sparse block).
+FLEX_TILE = 128
 #: Sort key of an invalid anchor position (valid ones draw from [0, 1)).
 _INVALID_KEY = -1.0
 _MASK64 = (1 << 64) - 1
@@ -235,12 +241,37 @@ def label_weights(valid: Tensor, gamma: float) -> Tensor:
 # --------------------------------------------------------------------------- attention mask
 
 
+def context_ranges(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor,
+                   window: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Context positions ``[lo, hi)`` each block may see: ``[R, A]`` int64 each.
+
+    ``hi = a`` (strictly before the anchor); ``lo`` = the first position of the anchor's
+    conversation, raised to ``a − W`` in a sliding-window layer. A conversation is the contiguous
+    run of equal ``doc_ids`` containing ``a`` (the batch contract packs conversations back to
+    back, so this is ``doc_ids[j] == doc_ids[a]``). A dropped block gets ``lo = hi = 0``.
+    """
+    r, s = doc_ids.shape
+    pos = torch.arange(s, device=doc_ids.device).expand(r, s)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    run_start = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=1).values
+    lo = run_start.gather(1, anchors)
+    if window is not None:
+        lo = torch.maximum(lo, anchors - window)
+    hi = anchors
+    zero = torch.zeros_like(anchors)
+    return torch.where(anchor_keep, lo, zero), torch.where(anchor_keep, hi, zero)
+
+
 def make_mask_mod(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
                   window: Optional[int] = None) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """The DFlash training ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (see the module docstring).
 
-    Works on flex_attention's scalar indices and on broadcast index tensors alike, so
-    :func:`flex_block_mask` and :func:`dense_attention_mask` share it.
+    Query ``q`` belongs to block ``q // B``; key ``kv < S`` is context position ``kv`` (visible
+    when ``lo ≤ kv < hi``, :func:`context_ranges`), key ``kv ≥ S`` is block token ``kv − S``
+    (visible when it is in the query's own block). Works on flex_attention's scalar indices and
+    on broadcast index tensors alike, so :func:`flex_block_mask` and :func:`dense_attention_mask`
+    share it.
 
     Args:
         anchors, anchor_keep: ``[R, A]`` int64 / bool.
@@ -249,15 +280,11 @@ def make_mask_mod(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_s
     """
     seq_len = doc_ids.shape[1]
     num_anchors = anchors.shape[1]
-    anchor_doc = doc_ids.gather(1, anchors)  # [R, A]
+    lo, hi = context_ranges(anchors, anchor_keep, doc_ids, window)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         blk = torch.clamp(q_idx // block_size, max=num_anchors - 1)
-        a = anchors[b, blk]
-        j = torch.clamp(kv_idx, max=seq_len - 1)
-        ctx = (kv_idx < seq_len) & (j < a) & (doc_ids[b, j] == anchor_doc[b, blk]) & anchor_keep[b, blk]
-        if window is not None:
-            ctx = ctx & (j >= a - window)
+        ctx = (kv_idx < seq_len) & (kv_idx >= lo[b, blk]) & (kv_idx < hi[b, blk])
         own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
         return ctx | own
 
@@ -278,24 +305,78 @@ def dense_attention_mask(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, 
     return mod(b, h, q, kv)
 
 
+def mask_tiles(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int, window: Optional[int] = None,
+               tile: int = FLEX_TILE) -> tuple[Tensor, Tensor]:
+    """Which ``tile × tile`` tiles of the mask are partly / fully visible: ``[R, n_q, n_kv]`` bool each.
+
+    Computed from the per-block context ranges, never from the dense mask: ``O(R · A · B)`` work
+    and memory. ``partial`` is a superset of the tiles that hold a visible entry and are not
+    full (flex_attention applies ``mask_mod`` there); ``full`` tiles are exactly visible
+    everywhere (``mask_mod`` skipped). Only context tiles can be full.
+    """
+    r, s = doc_ids.shape
+    num_anchors = anchors.shape[1]
+    q_len = num_anchors * block_size
+    kv_len = s + q_len
+    n_q, n_kv = -(-q_len // tile), -(-kv_len // tile)
+    dev = anchors.device
+    lo, hi = context_ranges(anchors, anchor_keep, doc_ids, window)
+    qpos = torch.arange(n_q * tile, device=dev)
+    real = qpos < q_len
+    blk = torch.clamp(qpos // block_size, max=num_anchors - 1)
+    lo_q, hi_q = lo[:, blk], hi[:, blk]  # [R, n_q · tile]
+    empty = hi_q <= lo_q
+    big = kv_len + tile
+    # Partial (superset): some query of the tile has a context range meeting the kv tile.
+    seen = ~empty & real
+    lo_any = torch.where(seen, lo_q, torch.full_like(lo_q, big)).view(r, n_q, tile).amin(-1)
+    hi_any = torch.where(seen, hi_q, torch.full_like(hi_q, -1)).view(r, n_q, tile).amax(-1)
+    u = torch.arange(n_kv, device=dev) * tile  # first key of each kv tile
+    ctx_end = torch.clamp(u + tile, max=s)
+    ctx_any = (u < s) & (lo_any.unsqueeze(-1) < ctx_end) & (hi_any.unsqueeze(-1) > u)
+    # Full: every real query of the tile sees every key of a kv tile lying inside the context.
+    lo_all = torch.where(real, lo_q, torch.full_like(lo_q, -1)).view(r, n_q, tile).amax(-1)
+    hi_all = torch.where(real, hi_q, torch.full_like(hi_q, big)).view(r, n_q, tile).amin(-1)
+    none_empty = ~(empty & real).view(r, n_q, tile).any(-1)
+    full = ((u + tile <= s) & (lo_all.unsqueeze(-1) <= u) & (hi_all.unsqueeze(-1) >= u + tile)
+            & none_empty.unsqueeze(-1))
+    # Own block: the tile's blocks [i0, i1] against the kv tile's block tokens [j0, j1].
+    t = torch.arange(n_q, device=dev)
+    i0 = (t * tile) // block_size
+    i1 = (torch.clamp((t + 1) * tile, max=q_len) - 1) // block_size
+    j0 = (torch.clamp(u, min=s) - s) // block_size
+    j1 = (torch.clamp(u + tile, max=kv_len) - 1 - s) // block_size
+    own_any = (u + tile > s) & (j0 <= i1.unsqueeze(-1)) & (j1 >= i0.unsqueeze(-1))  # [n_q, n_kv]
+    partial = (ctx_any | own_any) & ~full
+    return partial, full
+
+
+def _tiles_to_indices(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """``[R, n_q, n_kv]`` bool → (``num [R, 1, n_q]``, ``indices [R, 1, n_q, n_kv]``) int32, in order."""
+    num = tiles.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num.unsqueeze(1), idx.unsqueeze(1)
+
+
 def flex_block_mask(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
-                    window: Optional[int] = None, compile_mask: Optional[bool] = None) -> Any:
+                    window: Optional[int] = None, tile: int = FLEX_TILE) -> Any:
     """flex_attention ``BlockMask`` of the same rule as :func:`dense_attention_mask`.
 
-    Args:
-        compile_mask: build it with ``create_block_mask(_compile=True)`` (no dense
-            ``[R, Q, K]`` materialisation); ``None`` = on CUDA outside an outer
-            ``torch.compile`` region.
+    Built directly from :func:`mask_tiles` with ``BlockMask.from_kv_blocks`` (no
+    ``create_block_mask``: that would evaluate ``mask_mod`` over all ``R · Q · K`` entries, or
+    recompile per step for a new closure). Fixed shapes, no host sync, traceable by
+    ``torch.compile``.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
-    r, s = doc_ids.shape
+    s = doc_ids.shape[1]
     q_len = anchors.shape[1] * block_size
-    if compile_mask is None:
-        compile_mask = anchors.is_cuda and not torch.compiler.is_compiling()
+    partial, full = mask_tiles(anchors, anchor_keep, doc_ids, block_size, window, tile)
+    kv_num, kv_idx = _tiles_to_indices(partial)
+    full_num, full_idx = _tiles_to_indices(full)
     mod = make_mask_mod(anchors, anchor_keep, doc_ids, block_size, window)
-    return create_block_mask(mod, B=r, H=None, Q_LEN=q_len, KV_LEN=s + q_len, device=anchors.device,
-                             _compile=compile_mask)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mod,
+                                    seq_lengths=(q_len, s + q_len))
 
 
 def build_attention_masks(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,

@@ -97,8 +97,8 @@ class DrafterTrainer:
             else (DDP); the local objective is multiplied by it.
         loss_chunk: rows of logits per LM-head chunk.
         autocast_dtype: ``"auto"`` = bf16 autocast on CUDA, none on CPU; or a dtype / ``None``.
-        compile_mode: ``torch.compile`` mode of forward+loss when ``drafter_cfg.compile`` and on
-            CUDA (ignored on CPU).
+        compile_mode: ``torch.compile`` mode of the drafter forward (and so its backward) when
+            ``drafter_cfg.compile`` and on CUDA (ignored on CPU).
 
     Raises:
         ValueError: ``total_steps < 1`` or the model is not a DFlash drafter.
@@ -140,10 +140,10 @@ class DrafterTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.step_count = 0
 
-        self._forward_loss = self._forward_loss_eager
+        self._forward = self._hidden
         if drafter_cfg.compile and self.device.type == "cuda" and compile_mode is not None:
-            self._forward_loss = torch.compile(self._forward_loss_eager, mode=compile_mode, dynamic=False)
-            logger.info("drafter forward+loss compiled (mode=%s)", compile_mode)
+            self._forward = torch.compile(self._hidden, mode=compile_mode, dynamic=False)
+            logger.info("drafter forward compiled (mode=%s)", compile_mode)
         logger.info("drafter trainer: %d trainable params, B=%d, A=%d, gamma=%.3g, labels=%s, %d steps",
                     self.module.num_trainable_params(), self.block_size, self.num_anchors, self.gamma,
                     self.labels, total_steps)
@@ -177,28 +177,26 @@ class DrafterTrainer:
         return PreparedBatch(anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
                              weight_sum=label_weights(valid, self.gamma).sum())
 
-    def _forward_loss_eager(self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
-                            anchors: Tensor, anchor_keep: Tensor, labels: Tensor, valid: Tensor
-                            ) -> tuple[Tensor, ...]:
-        # Returns LossOutput's fields as a tuple (a plain tensor tuple is what torch.compile returns best).
-        ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
-               else torch.autocast(self.device.type, enabled=False))
-        with ctx:
-            hidden = self.model(features, input_ids, position_ids, doc_ids, anchors, anchor_keep)
-        out = dflash_loss(hidden, self.module.lm_head, labels, valid, self.gamma, chunk=self.loss_chunk,
-                          block_keep=anchor_keep)
-        return (out.loss_sum, out.weight_sum, out.per_slot_correct, out.per_slot_count, out.tau_sum,
-                out.num_blocks)
+    def _hidden(self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+                anchors: Tensor, anchor_keep: Tensor) -> Tensor:
+        """Drafter forward under the trainer's autocast: ``[R, A, B, D]`` (what gets compiled)."""
+        if self.autocast_dtype is None:
+            return self.model(features, input_ids, position_ids, doc_ids, anchors, anchor_keep)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return self.model(features, input_ids, position_ids, doc_ids, anchors, anchor_keep)
 
     def forward_loss(self, tensors: dict[str, Tensor], prepared: PreparedBatch, compiled: bool = True) -> LossOutput:
-        """Forward pass and loss of a prepared batch (grad mode as the caller set it)."""
+        """Forward pass and loss of a prepared batch (grad mode as the caller set it).
+
+        The drafter forward runs compiled when the trainer compiles; the chunked LM-head loss
+        stays eager (a Python loop over row chunks that compilation would only unroll).
+        """
         t = self._batch(tensors)
-        fn = self._forward_loss if compiled else self._forward_loss_eager
-        loss_sum, weight_sum, correct, count, tau_sum, num_blocks = fn(
-            t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors,
-            prepared.anchor_keep, prepared.labels, prepared.valid)
-        return LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, per_slot_correct=correct,
-                          per_slot_count=count, tau_sum=tau_sum, num_blocks=num_blocks)
+        fn = self._forward if compiled else self._hidden
+        hidden = fn(t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors,
+                    prepared.anchor_keep)
+        return dflash_loss(hidden, self.module.lm_head, prepared.labels, prepared.valid, self.gamma,
+                           chunk=self.loss_chunk, block_keep=prepared.anchor_keep)
 
     def forward_backward(self, tensors: dict[str, Tensor], epoch: int, batch_id: int, *,
                          anchors: Optional[tuple[Tensor, Tensor]] = None,

@@ -265,9 +265,11 @@ def test_from_pretrained_rejects_other_architectures(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flex_matches_sdpa_on_gpu() -> None:
-    model = tiny_model(attention="flex", layer_types=[SLIDING_ATTENTION, "full_attention"], sliding_window=5).cuda()
+    model = tiny_model(attention="flex", head_dim=16, layer_types=[SLIDING_ATTENTION, "full_attention"],
+                       sliding_window=5).cuda()
     model.embed_tokens.cuda()
     model.lm_head.cuda()
+    assert DFlashDraftModel.attention_backend(model, torch.device("cuda")) == "flex"
     x = {k: v.cuda() for k, v in tiny_inputs().items()}
     out = run(model, x)
     model.attention = "sdpa"

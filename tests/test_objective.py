@@ -22,6 +22,7 @@ from dflash.objective import (
     dense_attention_mask,
     dflash_loss,
     flex_block_mask,
+    mask_tiles,
     sample_anchors,
     slot_weights,
     valid_anchor_mask,
@@ -247,9 +248,38 @@ def test_flex_block_mask_matches_dense(window: int | None) -> None:
     v = torch.randn(2, 2, kv_len, 8, generator=g)
     dense = dense_attention_mask(anchors, keep, b["doc_ids"], bs, window)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
-    block_mask = flex_block_mask(anchors, keep, b["doc_ids"], bs, window, compile_mask=False)
-    out = flex.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for tile in (16, 128):  # several tiles, and one tile larger than the whole query length
+        block_mask = flex_block_mask(anchors, keep, b["doc_ids"], bs, window, tile=tile)
+        out = flex.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("bs", [4, 5])
+def test_mask_tiles_cover_the_dense_mask(window: int | None, bs: int) -> None:
+    """Sparse tiles hold every visible entry; full tiles are exactly the all-visible context tiles."""
+    b = packed_batch(r=3, s=70, seed=3)
+    anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 9, anchor_generator(0, 0, 5))
+    keep[2, 0] = False
+    tile = 8
+    dense = dense_attention_mask(anchors, keep, b["doc_ids"], bs, window)[:, 0]  # [R, Q, K]
+    r, q_len, kv_len = dense.shape
+    n_q, n_kv = -(-q_len // tile), -(-kv_len // tile)
+    padded = torch.zeros(r, n_q * tile, n_kv * tile, dtype=torch.bool)
+    padded[:, :q_len, :kv_len] = dense
+    real = torch.zeros_like(padded)
+    real[:, :q_len, :kv_len] = True
+    tiles = padded.view(r, n_q, tile, n_kv, tile)
+    dense_any = tiles.any(-1).any(2)
+    dense_all = (tiles | ~real.view(r, n_q, tile, n_kv, tile)).all(-1).all(2) & dense_any
+    partial, full = mask_tiles(anchors, keep, b["doc_ids"], bs, window, tile)
+    assert partial.shape == full.shape == (r, n_q, n_kv)
+    assert not (partial & full).any()
+    assert ((partial | full) >= dense_any).all()            # no visible entry is skipped
+    context_tile = (torch.arange(n_kv) + 1) * tile <= 70
+    assert torch.equal(full, dense_all & context_tile)       # full tiles skip mask_mod: exact
+    assert partial.sum() < 1.5 * (dense_any & ~full).sum()  # and the superset is tight
+    assert full.any() or window is not None                # (a window of 6 < tile holds no full tile)
 
 
 # --------------------------------------------------------------------------- loss, accuracy, τ

@@ -18,12 +18,12 @@ from dflash.trainer import DrafterTrainer, metrics_to_host
 V, D, L, B = 32, 32, 2, 4
 
 
-def tiny_model(seed: int = 0) -> DFlashDraftModel:
+def tiny_model(seed: int = 0, head_dim: int = 8, attention: str = "sdpa") -> DFlashDraftModel:
     torch.manual_seed(seed)
-    cfg = DFlashConfig(hidden_size=D, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       vocab_size=V, num_hidden_layers=2, num_target_layers=6, target_layer_ids=[1, 4], block_size=B,
-                       rope_theta=10000.0)
-    return DFlashDraftModel(cfg, nn.Embedding(V, D), nn.Linear(D, V, bias=False), attention="sdpa")
+    cfg = DFlashConfig(hidden_size=D, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=head_dim, vocab_size=V, num_hidden_layers=2, num_target_layers=6, target_layer_ids=[1, 4],
+                       block_size=B, rope_theta=10000.0)
+    return DFlashDraftModel(cfg, nn.Embedding(V, D), nn.Linear(D, V, bias=False), attention=attention)
 
 
 def random_batch(r: int = 4, s: int = 20, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -239,8 +239,9 @@ def test_missing_tensor_is_reported() -> None:
 @pytest.mark.parametrize("compile_step", [False, True])
 def test_gpu_step_matches_cpu(compile_step: bool) -> None:
     batch = pattern_batch()
-    cpu = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu")
-    gpu_model = tiny_model().cuda()
+    """GPU (flex_attention, optionally compiled) and CPU (dense SDPA mask) take the same steps."""
+    cpu = DrafterTrainer(tiny_model(head_dim=16), TrainConfig(), drafter_cfg(), 10, "cpu")
+    gpu_model = tiny_model(head_dim=16, attention="auto").cuda()
     gpu_model.embed_tokens.cuda()
     gpu_model.lm_head.cuda()
     gpu = DrafterTrainer(gpu_model, TrainConfig(), drafter_cfg(compile=compile_step), 10, "cuda",
