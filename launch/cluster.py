@@ -177,15 +177,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     if problems:
         log.error("ledger: %d problem(s): %s", len(problems), "; ".join(problems[:10]))
         exit_code = exit_code or 1
+    if exit_code == 0 and coordinator.stop_signal is not None:
+        exit_code = 128 + coordinator.stop_signal  # stopped by a signal, after the final checkpoint
     elapsed = time.monotonic() - started
     first, final = result.first_eval or {}, result.final_eval or {}
-    log.info("run %s: %d/%d steps in %s; held-out τ %.3f (step %s) -> %.3f (step %s); loss %.3f -> %.3f; "
-             "checkpoints in %s; exit %d",
-             cfg.name, result.steps_done, plan.total_steps, format_duration(elapsed),
-             first.get("eval/tau", float("nan")), first.get("step"), final.get("eval/tau", float("nan")),
-             final.get("step"), first.get("eval/loss", float("nan")), final.get("eval/loss", float("nan")),
-             run_dir / "checkpoints", exit_code)
-    if device == "cpu" and exit_code == 0 and result.steps_done < plan.total_steps:
+    if first and final and final["step"] != first["step"]:
+        evals = (f"held-out τ {first['eval/tau']:.3f} (step {first['step']}) -> {final['eval/tau']:.3f} "
+                 f"(step {final['step']}), loss {first['eval/loss']:.3f} -> {final['eval/loss']:.3f}")
+    elif first:
+        evals = f"held-out τ {first['eval/tau']:.3f} at step {first['step']} (no later evaluation)"
+    else:
+        evals = "no held-out evaluation"
+    log.info("run %s: %d/%d steps in %s; %s; checkpoints in %s; metrics in %s; exit %d", cfg.name,
+             result.steps_done, plan.total_steps, format_duration(elapsed), evals, run_dir / "checkpoints",
+             run_dir / "metrics.jsonl", exit_code)
+    if result.steps_done < plan.total_steps:
         log.warning("stopped early at step %d: resume with --resume", result.steps_done)
     return exit_code
 

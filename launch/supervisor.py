@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 TAIL_LINES = 40
 STOP_GRACE_S = 20.0
+EXIT_WAIT_S = 15.0
 
 
 @dataclass
@@ -140,8 +141,12 @@ class Supervisor:
         """Workers that have exited (any return code)."""
         return [w for w in self.workers.values() if w.popen is not None and not w.alive()]
 
-    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM every live worker, wait up to ``grace_s``, then SIGKILL the rest."""
+    def stop_all(self, exit_s: float = EXIT_WAIT_S, grace_s: float = STOP_GRACE_S) -> None:
+        """Wait up to ``exit_s`` for workers told to stop to exit on their own, then SIGTERM the
+        rest, wait up to ``grace_s``, then SIGKILL what is left."""
+        deadline = time.monotonic() + exit_s
+        for w in self.workers.values():
+            w.wait(max(0.0, deadline - time.monotonic()))
         for w in self.workers.values():
             w.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s

@@ -58,6 +58,8 @@ class WorkerContext:
     stats: dict
 
     def stop_heartbeat(self) -> None:
+        """Stop the heartbeat; from here on the worker is exiting and ignores SIGTERM."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self._hb_stop.set()  # type: ignore[attr-defined]
 
 
@@ -89,6 +91,12 @@ def _heartbeat(endpoint: str, name: str, period_s: float, stop: threading.Event,
     sock.close(linger=0)
 
 
+def _on_sigterm(signum: int, _frame) -> None:
+    """First SIGTERM: leave through the normal exit path (finally blocks run); later ones are ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
     """Parse ``--run-dir --rank --control [--resume-from]``, set everything up, say hello.
 
@@ -106,7 +114,7 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
     setup_logging(name, cfg.log.level)
     # Ctrl-C in the terminal reaches the whole process group: only the launcher decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
     device_kind = resolve_device(cfg)
     if device_kind == "cuda":

@@ -153,6 +153,7 @@ class Coordinator:
         self.outstanding: dict[str, int] = {t: 0 for t in targets}
         self.ledger = Ledger()
         self.stop_reason: Optional[str] = None
+        self.stop_signal: Optional[int] = None
         self.worker_stats: dict[str, dict] = {}
         # progress of items
         self.next_item = 0
@@ -178,6 +179,7 @@ class Coordinator:
         def handler(signum, _frame):
             if self.stop_reason is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
+            self.stop_signal = signum
             self.request_stop(signal.Signals(signum).name)
 
         signal.signal(signal.SIGINT, handler)

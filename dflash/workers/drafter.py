@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dflash.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
+from dflash.compile_watch import CompileWatch
 from dflash.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
 from dflash.objective import LossOutput
 from dflash.reference import eval_sums
@@ -85,6 +86,9 @@ class DrafterWorker:
         if ctx.resume_from is not None:
             self._restore(ctx.resume_from)
         self.warmup_s = self._warm_up(plans.train.batch(0, 0))
+        self.watch = CompileWatch("drafter train step")
+        warm = self.watch.arm()
+        ctx.stats.update(warmup_compiles=warm.compiles, warmup_cudagraph_records=warm.cudagraph_records)
         self.consumer = None
         self.commands: collections.deque[dict] = collections.deque()
         self.stats = ctx.stats
@@ -208,10 +212,13 @@ class DrafterWorker:
         step_s = time.perf_counter() - started
         self.steps_done = step + 1
         self.stats["trained"] += 1
+        delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
+        self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
         self.stats["step_s"] = step_s
         self.stats["mem_gib"] = memory_gib(self.device)
         out = {"tokens": tokens, "stats": {"wait_s": self.stats["wait_s"], "step_s": step_s,
-                                          "mem_gib": self.stats["mem_gib"]}}
+                                          "mem_gib": self.stats["mem_gib"], "rerecords": delta.cudagraph_records,
+                                          "recompiles": delta.compiles}}
         if self.rank == 0:
             acc = (total.per_slot_correct / total.per_slot_count.clamp_min(1)).tolist()
             out.update({"train/loss": float(total.loss), "train/tau": float(total.tau),

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import zmq
 
+from dflash.compile_watch import CompileWatch
 from dflash.factory import build_batch_plans, slot_spec
 from dflash.workers.base import WorkerContext, memory_gib, start_worker
 
@@ -54,6 +55,9 @@ class TargetWorker:
         if self.compiled:
             self.forward = torch.compile(self.target.forward_features, mode="reduce-overhead", dynamic=False)
         self.warmup_s = self._warm_up()
+        self.watch = CompileWatch("target forward")
+        warm = self.watch.arm()
+        ctx.stats.update(warmup_compiles=warm.compiles, warmup_cudagraph_records=warm.cudagraph_records)
         self.producer = Producer(ctx.name, f"tcp://{cfg.transport.host}:0", self.spec, cfg.transport.slots,
                                  self.device, cfg.transport.carrier, heartbeat_s=cfg.transport.heartbeat_s,
                                  peer_timeout_s=cfg.transport.peer_timeout_s)
@@ -100,6 +104,8 @@ class TargetWorker:
         self.producer.publish(slot, job["drafter"], batch_key(split, epoch, batch_id),
                               meta={"split": split, "epoch": epoch, "batch_id": batch_id})
         self.stats["produced"] += 1
+        delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
+        self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
         self.stats["busy_s"] += seconds
         self.stats["mem_gib"] = memory_gib(self.device)
         self.ctx.link.send("produced", epoch=epoch, batch_id=batch_id, split=split, drafter=job["drafter"],
