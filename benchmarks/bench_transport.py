@@ -144,16 +144,20 @@ def _sync(device: torch.device) -> None:
 
 
 def raw_copy_s(size: int, src_device: torch.device, dst_device: torch.device, iters: int) -> float:
-    """Seconds per ``dst.copy_(src)`` of ``size`` bytes (median of ``iters``; CUDA: event-timed)."""
-    src = torch.empty(size, dtype=torch.uint8, device=src_device)
+    """Seconds per ``dst.copy_(src)`` of ``size`` bytes (median of ``iters``; CUDA: event-timed).
+
+    The sources alternate between ``NUM_SLOTS`` buffers, as the ring's slots do, so caches favour
+    neither side of the comparison.
+    """
+    srcs = [torch.full((size,), 1, dtype=torch.uint8, device=src_device) for _ in range(NUM_SLOTS)]
     dst = torch.empty(size, dtype=torch.uint8, device=dst_device)
-    src.fill_(1)
     times = []
-    for _ in range(WARMUP):
-        dst.copy_(src)
+    for i in range(WARMUP):
+        dst.copy_(srcs[i % NUM_SLOTS])
     _sync(dst_device)
     _sync(src_device)
-    for _ in range(iters):
+    for i in range(iters):
+        src = srcs[i % NUM_SLOTS]
         if dst_device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -165,7 +169,7 @@ def raw_copy_s(size: int, src_device: torch.device, dst_device: torch.device, it
             t0 = time.perf_counter()
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
-    del src, dst
+    del srcs, dst
     return statistics.median(times)
 
 

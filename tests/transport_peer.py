@@ -154,13 +154,11 @@ class PeerProcess:
         return self.proc.wait(timeout=timeout)
 
     def finish(self, timeout: float = DEFAULT_WAIT_S) -> int:
-        """Wait for a clean exit; the exit status."""
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.close()
+        """Wait for the process to exit by itself; its exit status (the log stays readable)."""
+        return self.proc.wait(timeout=timeout)
 
     def close(self) -> None:
+        """Kill it if still running; release the pipes. Idempotent."""
         if self.proc.poll() is None:
             self.kill()
         self.proc.stdout.close()

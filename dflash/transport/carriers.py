@@ -131,13 +131,17 @@ def pid_namespace() -> int:
 
 
 def _process_gone(pid: int) -> bool:
+    """True when ``pid`` does not exist or is a zombie (its CUDA context and memory are gone
+    before it is reaped)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
         return True
-    except PermissionError:  # exists, owned by someone else
+    except OSError:
         return False
-    return False
+    state = stat[stat.rfind(b")") + 2:][:1]  # the field after "(comm)"
+    return state in (b"Z", b"X")
 
 
 def _cuda_index(device: torch.device) -> int:

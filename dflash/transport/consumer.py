@@ -528,6 +528,10 @@ class Consumer:
         link, msg = item.link, item.msg
         if link.ring is None or not link.attached or link.epoch != msg.epoch:
             return None  # its producer incarnation was dropped meanwhile
+        ipc = link.ring.carrier == "cuda_ipc"
+        if ipc and link.ring.producer_gone():  # never read the memory of a dead producer
+            self._drop_ring(link, "producer process gone", dead=True)
+            return None
         index = self._next_buffer
         self._next_buffer = (index + 1) % self.buffers.shape[0]
         dst = self.buffers[index]  # copies into one buffer are ordered by the stream
@@ -542,6 +546,10 @@ class Consumer:
             done.record(torch.cuda.current_stream(self.device))
             self._copies.append((done, link, msg.slot, msg.generation))
             self._flush_copies(block=self.sync)
+            if ipc and self.sync and link.ring is not None and link.ring.producer_gone():
+                # it died while we copied: the bytes may be garbage, do not hand them out
+                self._drop_ring(link, "producer died during a copy", dead=True)
+                return None
         else:
             self._free(link, msg.slot, msg.generation)
         self.stats["received"] += 1
