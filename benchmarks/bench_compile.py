@@ -1,0 +1,211 @@
+"""Eager vs compiled (``torch.compile(mode="reduce-overhead")``) target forward and drafter train step.
+
+For a random-initialised target at a real shape (default Qwen3-8B) and its DFlash drafter, in
+this process's main thread (as each worker does):
+
+- target forward (features + greedy tokens) at ``[rows, seq]``: eager ms, compiled ms, compile
+  time, features agreement;
+- drafter train step (forward, loss, backward, all-reduce-free optimizer step): eager ms,
+  compiled ms, compile time, per-step losses of both over ``--steps`` steps from the same
+  initial weights, peak memory;
+- graph compilations and CUDA-graph recordings after warm-up (must be 0).
+
+Prints a table; writes ``$OUT/bench_compile.json`` when ``$OUT`` is set. GPU only.
+
+    python benchmarks/bench_compile.py --arch qwen3-8b --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from dflash.compile_watch import CompileWatch, compile_counts  # noqa: E402
+from dflash.config import RunConfig, config_from_dict  # noqa: E402
+
+
+def synthetic_batch(rows: int, seq: int, vocab: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    """Packed rows of random conversations (random lengths, assistant spans) on ``device``."""
+    input_ids = torch.randint(0, vocab, (rows, seq), generator=gen)
+    position_ids = torch.zeros(rows, seq, dtype=torch.int64)
+    doc_ids = torch.zeros(rows, seq, dtype=torch.int32)
+    loss_mask = torch.zeros(rows, seq, dtype=torch.bool)
+    for r in range(rows):
+        at, doc = 0, 1
+        while at < seq - 16:
+            n = int(torch.randint(64, max(65, seq // 2), (1,), generator=gen))
+            n = min(n, seq - at)
+            position_ids[r, at:at + n] = torch.arange(n)
+            doc_ids[r, at:at + n] = doc
+            start = at + n // 3
+            loss_mask[r, start:at + n] = True
+            at, doc = at + n, doc + 1
+    return {k: v.to(device) for k, v in dict(input_ids=input_ids, position_ids=position_ids, doc_ids=doc_ids,
+                                             loss_mask=loss_mask).items()}
+
+
+def timed(fn, iters: int) -> float:
+    """Median ms of ``iters`` calls (each synchronised)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", default="qwen3-8b")
+    p.add_argument("--target-layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--seq", type=int, default=3072)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--skip-target-compile", action="store_true")
+    p.add_argument("--mask-token-id", type=int, default=151669)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no CUDA graphs)")
+    args = p.parse_args()
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        assert torch.cuda.is_available(), "no GPU: use --device cpu for a smoke test"
+    else:  # CPU smoke test: the CUDA calls below become no-ops
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+        torch.cuda.max_memory_allocated = lambda *a, **k: 0
+        torch.cuda.empty_cache = lambda *a, **k: None
+        torch.cuda.get_device_name = lambda *a, **k: "cpu"
+        torch.compiler.cudagraph_mark_step_begin = lambda: None
+    from dflash.factory import build_drafter
+    from dflash.target import load_target
+    from dflash.trainer import DrafterTrainer, metrics_to_host
+
+    dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    overrides = {"num_hidden_layers": args.target_layers} if args.target_layers else {}
+    cfg: RunConfig = config_from_dict({
+        "target": {"kind": "random", "arch": args.arch, "arch_overrides": overrides, "tokenizer": "qwen3"},
+        "drafter": {"num_layers": args.drafter_layers, "block_size": args.block, "anchors_per_row": args.anchors,
+                    "mask_token_id": args.mask_token_id},
+        "data": {"max_length": args.seq, "token_budget": args.rows * args.seq},
+        "train": {"max_steps": args.steps},
+    })
+    res: dict = {"args": vars(args), "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    t0 = time.perf_counter()
+    target = load_target(cfg.target, dev, num_drafter_layers=args.drafter_layers)
+    res["target_load_s"] = time.perf_counter() - t0
+    res["target_params_B"] = target.num_parameters() / 1e9
+    gen = torch.Generator().manual_seed(0)
+    batch = synthetic_batch(args.rows, args.seq, target.vocab_size, gen, dev)
+    tokens = args.rows * args.seq
+
+    # ---------------------------------------------------------------- target forward
+    def fwd_eager():
+        return target.forward_features(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+
+    feats_eager, toks_eager = fwd_eager()
+    feats_eager, toks_eager = feats_eager.clone(), toks_eager.clone()
+    torch.cuda.reset_peak_memory_stats()
+    res["target_eager_ms"] = timed(fwd_eager, 3)
+    res["target_eager_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    flops = 2 * target.num_parameters() * tokens
+    res["target_eager_tflops"] = flops / (res["target_eager_ms"] / 1e3) / 1e12
+    if not args.skip_target_compile:
+        compiled = torch.compile(target.forward_features, mode="reduce-overhead" if on_gpu else None, dynamic=False)
+
+        def fwd_compiled():
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fwd_compiled()
+        torch.cuda.synchronize()
+        res["target_compile_warmup_s"] = time.perf_counter() - t0
+        watch = CompileWatch("target forward", fail=False)
+        watch.arm()
+        res["target_compiled_ms"] = timed(fwd_compiled, 5)
+        f, t = fwd_compiled()
+        res["target_features_rel_err"] = float((f.float() - feats_eager.float()).norm() / feats_eager.float().norm())
+        res["target_tokens_agree"] = float((t == toks_eager).float().mean())
+        d = watch.check()
+        res["target_recompiles_after_warmup"], res["target_rerecords_after_warmup"] = d.compiles, d.cudagraph_records
+        res["target_speedup"] = res["target_eager_ms"] / res["target_compiled_ms"]
+        del compiled
+    features, target_tokens = feats_eager, toks_eager
+    embed, head = target.embed_tokens, target.lm_head
+    tensors = dict(batch, features=features, target_tokens=target_tokens)
+    print(json.dumps(res, indent=1), flush=True)
+
+    # ---------------------------------------------------------------- drafter step
+    def make_trainer(compile_: bool):
+        cfg.drafter.compile = compile_
+        model = build_drafter(cfg, embed, head, args.mask_token_id, dev, target.config)
+        return model, DrafterTrainer(model, cfg.train, cfg.drafter, args.steps, dev)
+
+    runs = {}
+    for mode in ("eager", "compiled"):
+        model, trainer = make_trainer(mode == "compiled")
+        res[f"drafter_params_M"] = model.num_trainable_params() / 1e6
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        losses, times = [], []
+        watch = None
+        t_start = time.perf_counter()
+        for step in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            m = trainer.step(tensors, 0, step)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+            losses.append(metrics_to_host({"loss": m["loss"]})["loss"])
+            if step == 2:  # graphs are recorded within the first steps
+                res[f"drafter_{mode}_warmup_s"] = time.perf_counter() - t_start
+                watch = CompileWatch("drafter step", fail=False)
+                watch.arm()
+        steady = sorted(times[3:])
+        res[f"drafter_{mode}_ms"] = steady[len(steady) // 2]
+        res[f"drafter_{mode}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        res[f"drafter_{mode}_losses"] = losses
+        if watch is not None:
+            d = watch.check()
+            res[f"drafter_{mode}_recompiles_after_warmup"] = d.compiles
+            res[f"drafter_{mode}_rerecords_after_warmup"] = d.cudagraph_records
+        runs[mode] = losses
+        del model, trainer
+        torch.cuda.empty_cache()
+        print(json.dumps({k: v for k, v in res.items() if k.startswith(f"drafter_{mode}")}), flush=True)
+    res["drafter_speedup"] = res["drafter_eager_ms"] / res["drafter_compiled_ms"]
+    rel = [abs(a - b) / max(abs(a), 1e-9) for a, b in zip(runs["eager"], runs["compiled"])]
+    res["drafter_loss_max_rel_diff"] = max(rel)
+    res["compile_counts_total"] = vars(compile_counts())
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_compile.json").write_text(json.dumps(res, indent=1))
+    print("\n| stage | eager ms | compiled ms | speed-up | warm-up s | re-records after warm-up |")
+    print("|---|---|---|---|---|---|")
+    if "target_compiled_ms" in res:
+        print(f"| target forward {args.rows}x{args.seq} | {res['target_eager_ms']:.0f} | {res['target_compiled_ms']:.0f} | "
+              f"{res['target_speedup']:.2f}x | {res['target_compile_warmup_s']:.0f} | {res['target_rerecords_after_warmup']} |")
+    print(f"| drafter step | {res['drafter_eager_ms']:.0f} | {res['drafter_compiled_ms']:.0f} | "
+          f"{res['drafter_speedup']:.2f}x | {res['drafter_compiled_warmup_s']:.0f} | "
+          f"{res.get('drafter_compiled_rerecords_after_warmup')} |")
+    print(f"loss agreement over {args.steps} steps: max rel diff {res['drafter_loss_max_rel_diff']:.2e}; "
+          f"peak GiB eager {res['drafter_eager_peak_gib']:.1f} / compiled {res['drafter_compiled_peak_gib']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
