@@ -32,7 +32,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import msgpack
 
@@ -223,82 +223,85 @@ class Stop:
 
 Message = Union[Hello, Slots, Ready, Free, Heartbeat, Stop]
 _BY_CODE: dict[int, type] = {cls.TYPE: cls for cls in (Hello, Slots, Ready, Free, Heartbeat, Stop)}
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        all_hints = typing.get_type_hints(cls)
-        hints = {f.name: all_hints[f.name] for f in dataclasses.fields(cls)}
-        _HINTS[cls] = hints
-    return hints
+_Checker = Callable[[Any, str], Any]
+#: Per message class: ``[(field name, checker), ...]`` compiled once from the annotations.
+_CHECKERS: dict[type, list[tuple[str, _Checker]]] = {}
 
 
 def _type_label(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """Check one decoded value against an annotation; return it (nested dataclasses built)."""
+def _compile(tp: Any) -> _Checker:
+    """A function ``check(value, where) -> value`` for one annotation (nested dataclasses are
+    rebuilt from their field lists). Raises :class:`MessageError` on a mismatch."""
     origin = typing.get_origin(tp)
     if origin is Union:
-        errors = []
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _check(value, arg, where)
-            except MessageError as exc:
-                errors.append(str(exc))
-        raise MessageError(f"{where}: expected {_type_label(tp)}, got {type(value).__name__}")
+        args = typing.get_args(tp)
+        optional = type(None) in args
+        options = [_compile(a) for a in args if a is not type(None)]
+        label = _type_label(tp)
+
+        def check_union(value: Any, where: str) -> Any:
+            if value is None and optional:
+                return None
+            for option in options:
+                try:
+                    return option(value, where)
+                except MessageError:
+                    continue
+            raise MessageError(f"{where}: expected {label}, got {type(value).__name__}")
+        return check_union
     if dataclasses.is_dataclass(tp):
-        return _from_fields(tp, value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
+        return lambda value, where: _from_fields(tp, value, where)
+    if origin is list or tp is list:
         (item_tp,) = typing.get_args(tp) or (Any,)
-        return [_check(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is list:
-        if not isinstance(value, list):
-            raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
-        return value
+        item = None if item_tp is Any else _compile(item_tp)
+
+        def check_list(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
+            return value if item is None else [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return check_list
     if tp is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise MessageError(f"{where}: expected a map with string keys, got {type(value).__name__}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise MessageError(f"{where}: expected bool, got {type(value).__name__}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise MessageError(f"{where}: expected int, got {type(value).__name__}")
-        return value
-    if tp in (str, bytes):
-        if not isinstance(value, tp):
-            raise MessageError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-        return value
+        def check_map(value: Any, where: str) -> Any:
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise MessageError(f"{where}: expected a map with string keys, got {type(value).__name__}")
+            return value
+        return check_map
     if tp is Any:
-        return value
-    raise MessageError(f"{where}: unsupported annotation {tp}")  # pragma: no cover - a bug here
+        return lambda value, where: value
+    if tp in (bool, int, str, bytes):
+        def check_scalar(value: Any, where: str) -> Any:
+            # bool is an int subclass: an int field never accepts True/False
+            if type(value) is not tp and not (tp is not bool and isinstance(value, tp) and not isinstance(value, bool)):
+                raise MessageError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+            return value
+        return check_scalar
+    raise TypeError(f"unsupported annotation {tp}")  # a bug in this module, found at import
+
+
+def _checkers(cls: type) -> list[tuple[str, _Checker]]:
+    checkers = _CHECKERS.get(cls)
+    if checkers is None:
+        hints = typing.get_type_hints(cls)
+        checkers = [(f.name, _compile(hints[f.name])) for f in dataclasses.fields(cls)]
+        _CHECKERS[cls] = checkers
+    return checkers
 
 
 def _from_fields(cls: type, values: Any, where: str) -> Any:
-    hints = _hints(cls)
-    if not isinstance(values, list) or len(values) != len(hints):
+    checkers = _checkers(cls)
+    if not isinstance(values, list) or len(values) != len(checkers):
         got = f"{len(values)} fields" if isinstance(values, list) else type(values).__name__
-        raise MessageError(f"{where}: expected {len(hints)} fields, got {got}")
-    kwargs = {name: _check(v, tp, f"{where}.{name}") for (name, tp), v in zip(hints.items(), values)}
-    return cls(**kwargs)
+        raise MessageError(f"{where}: expected {len(checkers)} fields, got {got}")
+    return cls(**{name: check(v, f"{where}.{name}") for (name, check), v in zip(checkers, values)})
 
 
 def _to_fields(obj: Any) -> list:
     out = []
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
+    for name, _ in _checkers(type(obj)):
+        v = getattr(obj, name)
         out.append(_to_fields(v) if dataclasses.is_dataclass(v) else v)
     return out
 
