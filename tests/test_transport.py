@@ -212,6 +212,36 @@ def test_credits_generations_and_lost_on_consumer_restart(run_dir, carrier):
         producer.close()
 
 
+def test_silent_consumer_is_evicted_and_reattaches_without_stale_reads(run_dir):
+    producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=2, carrier="shm", **FAST)
+    consumer = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier="shm", **FAST)
+    try:
+        attach(producer, consumer)
+        for b in range(2):
+            slot = producer.acquire(0)
+            fill_pattern(producer.slots[slot], b)
+            producer.publish(slot, "drafter.0", b)
+        drain_until(consumer, producer, lambda: consumer.pending() == 2)
+        # The consumer goes silent past peer_timeout_s (its clock is moved, nobody sleeps).
+        producer._consumers["drafter.0"].last_seen -= FAST["peer_timeout_s"] + 1
+        producer.poll(0)
+        lost = producer.lost_batches()
+        assert sorted(b.batch_id for b in lost) == [0, 1] and all(b.reason == "timeout" for b in lost)
+        assert producer.free_slots() == 2 and not producer.consumers
+        slot = producer.acquire(0)  # refilled for someone else while the consumer still holds a READY for it
+        fill_pattern(producer.slots[slot], 99)
+        got = consumer.receive(0.2)  # the EVICTED STOP arrives first: the old READYs are dropped
+        assert got is None and consumer.stats["dropped"] == 2 and consumer.imports() == 1
+        drain_until(consumer, producer, lambda: "drafter.0" in producer.consumers and bool(consumer.attached()))
+        producer.publish(slot, "drafter.0", 99)
+        got = consumer.receive(5)
+        assert got.batch_id == 99 and check_pattern(got.tensors, 99)
+        assert consumer.stats["imports"] == 1  # same producer epoch: the import is reused
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_fuzzed_messages_at_producer_are_rejected_and_logged(run_dir, caplog):
     caplog.set_level(logging.ERROR, logger=TRANSPORT_LOGGER)
     producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=2, carrier="shm", **FAST)

@@ -593,4 +593,6 @@ class Consumer:
                     link.next_timer = now + self.heartbeat_s
                 else:
                     sent = self._hello(link)
-                    link.next_timer = now + (self.heartbeat_s if sent else min(HELLO_RETRY_S, self.heartbeat_s))
+                    # a producer that said STOP (done, incompatible) is asked again only rarely
+                    period = self.peer_timeout_s if link.stopped else self.heartbeat_s
+                    link.next_timer = now + (period if sent else min(HELLO_RETRY_S, period))
