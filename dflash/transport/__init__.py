@@ -15,6 +15,48 @@ module                 job
 ``consumer``           :class:`Consumer`: receive() → :class:`Received` (tensors in its own buffer)
 =====================  ======================================================================
 
+Usage (one loop per process; see :mod:`.producer` and :mod:`.consumer` for the full API)::
+
+    # target worker                                  # drafter worker
+    p = Producer("target.0", "tcp://10.0.0.1:0",      c = Consumer("drafter.0", {"target.0": ep0, ...},
+                 spec, num_slots=2, device="cuda:0")               spec, device="cuda:5")
+    slot = p.acquire(timeout=1.0)                      got = c.receive(timeout=1.0)   # Received | None
+    fill(p.slots[slot])              # current stream  train(got.tensors)  # own static buffer
+    p.publish(slot, "drafter.0", batch_id, meta)       # poll c.sockets in your zmq.Poller with
+    lost = p.lost_batches()          # re-assign them  # your coordinator socket; call c.poll(0)
+
+Design decisions (DESIGN.md §3 pitfalls in brackets)
+
+* **Epochs.** Every process incarnation has an epoch (ms timestamp << 20 | random bits: later
+  starts are larger). Every message carries its sender's epoch; READY and FREE carry both sides'.
+  Older epochs are rejected as stale (logged, never fatal); a newer producer epoch makes the
+  consumer drop the old ring before touching anything of the new one [a dead producer's handles
+  are invalid]; a newer consumer epoch in HELLO resets that consumer's credits.
+* **Credits.** A slot is free, acquired or in flight to exactly one consumer; only the FREE of that
+  consumer, for that slot's current fill *generation*, returns it. A stale or duplicated FREE or
+  READY is rejected loudly. In-flight slots of a consumer that restarts, sends STOP, is evicted
+  after ``peer_timeout_s`` of silence (it is told so: STOP ``evicted``) or is
+  :meth:`Producer.evict`-ed come back to the pool and their batch ids are reported as
+  :class:`LostBatch`; batches are deterministic, so the coordinator just re-assigns them.
+* **CUDA IPC.** One export per producer incarnation [each ``reduce_tensor`` is a separate
+  refcount], one import per (producer, epoch) per consumer, fields as msgpack (no pickle); slot
+  memory allocated with ``expandable_segments`` off [pidfd_getfd is EPERM in containers]; one
+  interprocess event per slot, recorded after each fill, opened on the consumer's **own** device
+  [opening on the producer's device hung] and waited on the consumer's stream before each copy [a
+  cached import skips the export-time event wait]. Before that, the consumer checks the event
+  with a non-blocking ``query`` (it never enqueues a wait that a dead producer could leave pending
+  forever) and checks the producer's process is alive (and again after a synchronous copy).
+  The consumer copies into its own buffer [a received IPC tensor cannot be re-exported] and frees
+  the slot right after. When a producer dies, the consumer removes the ``/dev/shm/torch_<pid>_*``
+  ref-counter file that torch's export created and the dead process could not unlink.
+* **Shared memory without names.** The CPU ring is a sealed anonymous ``memfd`` handed to each
+  consumer over an abstract-namespace unix socket (``SCM_RIGHTS``): nothing is ever created in
+  ``/dev/shm`` or on disk, so nothing can survive any exit, SIGKILL of either side included (the
+  kernel frees the memory with the last mapping). The alternative, a named segment unlinked once
+  every consumer mapped it, leaks whenever the producer dies before that moment.
+* **tcp.** The same protocol; the slot's bytes follow READY in one zmq frame (sent zero-copy: the
+  credits guarantee the slot is not refilled before the consumer's FREE).
+
 Routing: each producer binds one ROUTER endpoint (``ipc://`` in the run dir, or ``tcp://``); every
 consumer connects a DEALER (identity = its name, e.g. ``drafter.0``) to every producer. A READY is
 addressed to one named consumer. A consumer restart (newer consumer epoch in HELLO) resets the

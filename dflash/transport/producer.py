@@ -111,6 +111,13 @@ class Producer:
         context: a zmq context (default: the process-wide instance).
         epoch: this incarnation's id (default :func:`~dflash.transport.messages.new_epoch`).
 
+    Attributes:
+        socket: the ROUTER socket; register it in a caller's ``zmq.Poller`` (``POLLIN``) and call
+            :meth:`poll` when it is readable, and at least every :meth:`next_timer_s` seconds.
+        endpoint: the bound endpoint (with the real port for ``tcp://host:0``).
+        epoch: this incarnation's id.
+        stats: counters ``published``, ``freed``, ``rejected``, ``lost``.
+
     Raises:
         TransportError: a bad carrier/device combination, a bad spec, an endpoint that cannot bind.
     """
