@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,6 +72,16 @@ RATIO_TARGET = 1.1
 #: Memory growth allowed between the first and the last snapshot (MiB).
 FLAT_LIMITS_MIB = {"rss_mib": 32.0, "allocated_mib": 1.0, "reserved_mib": 2.0, "device_used_mib": 16.0}
 PEER_WAIT_S = 180.0
+#: Whole-run budget (s): waits are cut to what is left; steps that cannot start are reported skipped.
+BUDGET_S = 290.0
+#: A step is not started with less than this left (s).
+MIN_STEP_S = 40.0
+_DEADLINE = [float("inf")]
+
+
+def _wait_s() -> float:
+    """Bound for one wait: PEER_WAIT_S, cut to the run's remaining budget (at least 5 s)."""
+    return max(5.0, min(PEER_WAIT_S, _DEADLINE[0] - time.monotonic()))
 HEARTBEAT_S = 0.1
 PEER_TIMEOUT_S = 10.0
 
@@ -99,15 +110,15 @@ def check_exchange(placement: str, prod_dev: str, cons_dev: str, count: int, run
                            "--fill-sleep-cycles", str(FILL_SLEEP_CYCLES), "--slots", "2", *common)
     consumer = None
     try:
-        producer.next_event("started", PEER_WAIT_S)
+        producer.next_event("started", _wait_s())
         consumer = PeerProcess("consumer", "--name", "drafter.0", "--producers", f"target.0={endpoint}",
-                               "--device", cons_dev, "--max-seconds", str(PEER_WAIT_S), *common)
-        done = consumer.next_event("done", PEER_WAIT_S)
-        pdone = producer.next_event("done", PEER_WAIT_S)
-        consumer.finish(PEER_WAIT_S)
-        producer.finish(PEER_WAIT_S)
+                               "--device", cons_dev, "--max-seconds", str(_wait_s()), *common)
+        done = consumer.next_event("done", _wait_s())
+        pdone = producer.next_event("done", _wait_s())
+        consumer.finish(_wait_s())
+        producer.finish(_wait_s())
         seconds = time.monotonic() - t0
-    except (TimeoutError, RuntimeError) as exc:
+    except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as exc:
         return {"name": "exchange", "placement": placement, "ok": False, "error": str(exc)[-3000:]}
     finally:
         for peer in (producer, consumer):
@@ -136,21 +147,21 @@ def check_restart(placement: str, prod_dev: str, cons_dev: str, run_dir: str, be
     first = PeerProcess("producer", *prod_args, "--first-batch", "0")
     second = consumer = None
     try:
-        first_epoch = first.next_event("started", PEER_WAIT_S)["epoch"]
+        first_epoch = first.next_event("started", _wait_s())["epoch"]
         consumer = PeerProcess("consumer", "--name", "drafter.0", "--producers", f"target.0={endpoint}",
                                "--device", cons_dev, "--count", str(total), "--progress-every", "10",
-                               "--max-seconds", str(PEER_WAIT_S), *common)
-        while consumer.next_event("progress", PEER_WAIT_S)["received"] < before_kill:
+                               "--max-seconds", str(_wait_s()), *common)
+        while consumer.next_event("progress", _wait_s())["received"] < before_kill:
             pass
         first.kill(signal.SIGKILL)  # mid-stream: slots in flight, READYs pending, fills running
         dead_pid = first.pid
         second = PeerProcess("producer", *prod_args, "--first-batch", "100000")
-        second_epoch = second.next_event("started", PEER_WAIT_S)["epoch"]
-        done = consumer.next_event("done", PEER_WAIT_S)
-        consumer.finish(PEER_WAIT_S)
+        second_epoch = second.next_event("started", _wait_s())["epoch"]
+        done = consumer.next_event("done", _wait_s())
+        consumer.finish(_wait_s())
         second.kill(signal.SIGTERM)
         consumer_log = consumer.log(20000)
-    except (TimeoutError, RuntimeError) as exc:
+    except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as exc:
         return {"name": "restart", "placement": placement, "ok": False, "error": str(exc)[-3000:]}
     finally:
         for peer in (first, second, consumer):
@@ -208,10 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer handoffs, two bench sizes")
     parser.add_argument("--sizes", default="16,64,256,1024", help="bench slot sizes (MiB)")
     parser.add_argument("--no-bench", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="whole-run time budget (s)")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the same orchestration with CPU peers (shm): tests this script without a GPU")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
+    _DEADLINE[0] = t0 + args.budget_s
     if args.cpu_dry_run:
         placements = [("cpu", "cpu", "cpu")]
     elif not torch.cuda.is_available():
@@ -226,18 +239,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dfg-") as run_dir:
         for placement, prod, cons in placements:
             spec = DRY_RUN_SPEC if args.cpu_dry_run else CHECK_SPEC
-            for check in (lambda: check_exchange(placement, prod, cons, count, run_dir, spec),
-                          lambda: check_restart(placement, prod, cons, run_dir, 200, 300, spec)):
-                res = check()
+            for name, check in (("exchange", lambda: check_exchange(placement, prod, cons, count, run_dir, spec)),
+                                 ("restart", lambda: check_restart(placement, prod, cons, run_dir, 200, 300, spec))):
+                if _DEADLINE[0] - time.monotonic() < MIN_STEP_S:
+                    res = {"name": name, "placement": placement, "ok": False, "error": "skipped: time budget spent"}
+                else:
+                    res = check()
                 results["checks"].append(res)
                 print(json.dumps(res), flush=True)
     sizes = [16, 1024] if args.quick else [int(s) for s in args.sizes.split(",")]
     if not args.no_bench:
         for placement, prod, cons in placements:
+            if _DEADLINE[0] - time.monotonic() < MIN_STEP_S:
+                results["checks"].append({"name": "bench", "placement": placement, "ok": False,
+                                          "error": "skipped: time budget spent"})
+                continue
             try:
                 rows = run_bench(sizes, device=prod, consumer_device=cons,
                                  carrier="auto" if args.cpu_dry_run else "cuda_ipc")
-            except (TimeoutError, RuntimeError) as exc:
+            except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as exc:
                 results["checks"].append({"name": "bench", "placement": placement, "ok": False, "error": str(exc)})
                 continue
             results["bench"] += rows
