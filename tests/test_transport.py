@@ -212,6 +212,37 @@ def test_credits_generations_and_lost_on_consumer_restart(run_dir, carrier):
         producer.close()
 
 
+def test_routing_two_producers_two_consumers(run_dir):
+    """Every consumer connects to every producer; each READY goes to the consumer it names."""
+    producers = [Producer(f"target.{i}", f"ipc://{run_dir}/t{i}", SPEC, num_slots=2, carrier="shm", **FAST)
+                 for i in range(2)]
+    endpoints = {p.name: p.endpoint for p in producers}
+    consumers = [Consumer(f"drafter.{j}", endpoints, SPEC, carrier="shm", **FAST) for j in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        while not all(len(c.attached()) == 2 for c in consumers) or not all(len(p.consumers) == 2 for p in producers):
+            assert time.monotonic() < deadline, "not everyone attached"
+            for x in producers + consumers:
+                x.poll(1)
+        got: dict[str, list] = {"drafter.0": [], "drafter.1": []}
+        for b in range(40):
+            producer, target = producers[b % 2], f"drafter.{(b // 2) % 2}"
+            slot = producer.acquire(2)
+            fill_pattern(producer.slots[slot], b)
+            producer.publish(slot, target, b, {"to": target})
+            consumer = consumers[int(target[-1])]
+            r = consumer.receive(2)
+            assert r is not None and r.meta["to"] == consumer.name and r.producer == producer.name
+            assert check_pattern(r.tensors, b)
+            got[consumer.name].append(b)
+        assert got == {"drafter.0": [b for b in range(40) if (b // 2) % 2 == 0],
+                       "drafter.1": [b for b in range(40) if (b // 2) % 2 == 1]}
+        assert all(c.stats["imports"] == 2 for c in consumers)
+    finally:
+        for x in consumers + producers:
+            x.close()
+
+
 def test_silent_consumer_is_evicted_and_reattaches_without_stale_reads(run_dir):
     producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=2, carrier="shm", **FAST)
     consumer = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier="shm", **FAST)

@@ -177,6 +177,7 @@ class Consumer:
         ctx = context or zmq.Context.instance()
         self._links: dict[str, _Link] = {}
         self._by_socket: dict[zmq.Socket, _Link] = {}
+        self._poller = zmq.Poller()
         for producer, endpoint in producers.items():
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, name.encode())
@@ -188,6 +189,7 @@ class Consumer:
             link = _Link(producer, endpoint, sock)
             self._links[producer] = link
             self._by_socket[sock] = link
+            self._poller.register(sock, zmq.POLLIN)
         log.info("%s: consumer epoch %d, carrier %s, device %s, producers %s", name, self.epoch, self.carrier,
                  self.device, ", ".join(f"{p}@{e}" for p, e in producers.items()))
         self._timers()
@@ -331,10 +333,7 @@ class Consumer:
             link = next(iter(self._links.values()))
             ready = [link.socket] if link.socket.poll(timeout_ms, zmq.POLLIN) else []
         else:
-            poller = zmq.Poller()
-            for sock in self._by_socket:
-                poller.register(sock, zmq.POLLIN)
-            ready = [s for s, _ in poller.poll(timeout_ms)]
+            ready = [s for s, _ in self._poller.poll(timeout_ms)]
         for sock in ready:
             link = self._by_socket[sock]
             while True:
