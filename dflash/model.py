@@ -21,7 +21,8 @@ Mask token (DESIGN.md §4 leaves the no-unused-row case to us). ``DFlashConfig.m
 used when it names a row of the target's embedding (Qwen3: 151669, the first row the tokenizer
 never emits); its frozen embedding is the mask. When it is ``None`` or not a row of the embedding
 (e.g. SmolLM2: 49,152 tokens, 49,152 rows, no unused row), the drafter owns a trained parameter
-``mask_embedding [D]``, initialised to the mean embedding row, saved in the checkpoint, and
+``mask_embedding [D]``, initialised like an embedding row (normal, the embedding's std), saved in
+the checkpoint, and
 ``config.json`` says ``dflash_config.mask_embedding: true`` with ``mask_token_id: null``.
 :func:`resolve_mask_token_id` makes that choice from the tokenizer and embedding sizes.
 
@@ -523,7 +524,7 @@ class DFlashDraftModel(nn.Module):
     # ----------------------------------------------------------------------- parameters
 
     def reset_parameters(self) -> None:
-        """Linear weights ~ N(0, initializer_range), norms = 1, mask embedding = mean embedding row."""
+        """Linear weights ~ N(0, initializer_range), norms = 1, mask embedding ~ N(0, std of the embedding)."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -531,8 +532,11 @@ class DFlashDraftModel(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         if self.use_mask_embedding:
+            # A random row with the embedding's own scale (its mean row would be near zero, and an
+            # RMSNorm of a near-zero input amplifies gradients by 1/rms).
             with torch.no_grad():
-                self.mask_embedding.copy_(self.embed_tokens.weight.float().mean(0).to(self.mask_embedding.device))
+                scale = self.embed_tokens.weight.float().std().item()
+                nn.init.normal_(self.mask_embedding, mean=0.0, std=scale)
 
     def num_trainable_params(self) -> int:
         """Parameters that train (the shared embedding and LM head are not among them)."""
