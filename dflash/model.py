@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import uuid
@@ -48,6 +47,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from dflash.objective import FULL_ATTENTION, SLIDING_ATTENTION, AttentionMask, build_attention_masks
@@ -321,7 +321,7 @@ class DFlashConfig:
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps) · weight`` over the last dim, computed in fp32 (Qwen3 style)."""
+    """``x / sqrt(mean(x²) + eps) · weight`` over the last dim, computed in fp32, returned in x's dtype."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -332,7 +332,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # Output in the input's dtype (bf16 under autocast): an fp32 weight must not promote it.
+        return self.weight.to(dtype) * h.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -396,10 +397,10 @@ class DFlashAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(r, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(kv_in).view(r, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(kv_in).view(r, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = _apply_rope(q, *rope_q)
-        k = _apply_rope(k, *rope_kv)
-        v = v.to(q.dtype)
+        q = _apply_rope(q, rope_q[0].to(q.dtype), rope_q[1].to(q.dtype))
+        k = _apply_rope(k, rope_kv[0].to(k.dtype), rope_kv[1].to(k.dtype))
         k = k.to(q.dtype)
+        v = v.to(q.dtype)
         if isinstance(mask, Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
@@ -478,6 +479,10 @@ class DFlashDraftModel(nn.Module):
             :meth:`forward` (the loss applies it in chunks), kept for callers.
         attention: ``auto`` (flex_attention on CUDA, dense SDPA mask on CPU; see
             :meth:`attention_backend`), ``flex`` or ``sdpa``.
+        gradient_checkpointing: recompute each decoder layer in the backward pass instead of
+            keeping its activations (gigabytes per packed row and layer at A = 512, B = 16 for a
+            Qwen3-8B-sized drafter), at the cost of one more forward pass of the layers.
+            Settable later as an attribute.
 
     Both shared modules get ``requires_grad_(False)`` and are stored outside the module tree, so
     ``model.to(...)`` does not move or cast them (they may be the target's own modules): put them
@@ -488,7 +493,7 @@ class DFlashDraftModel(nn.Module):
     """
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Module, lm_head: nn.Module,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", gradient_checkpointing: bool = False) -> None:
         super().__init__()
         if attention not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention: must be auto, flex or sdpa, got {attention!r}")
@@ -497,6 +502,7 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(f"embed_tokens width {emb_weight.shape[1]} != config.hidden_size {config.hidden_size}")
         self.config = config
         self.attention = attention
+        self.gradient_checkpointing = gradient_checkpointing
         self.block_size = config.block_size
         embed_tokens.requires_grad_(False)
         lm_head.requires_grad_(False)
@@ -614,8 +620,13 @@ class DFlashDraftModel(nn.Module):
             attn_masks = build_attention_masks(
                 anchors, anchor_keep, doc_ids, b, self.config.layer_types, self.config.sliding_window,
                 backend=self.attention_backend(input_ids.device))
+        checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, attn_masks[layer.layer_type])
+            mask = attn_masks[layer.layer_type]
+            if checkpointing:
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_q, rope_kv, mask, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_kv, mask)
         return self.norm(x).reshape(r, num_anchors, b, -1)
 
     # ----------------------------------------------------------------------- checkpoint

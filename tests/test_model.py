@@ -275,3 +275,15 @@ def test_flex_matches_sdpa_on_gpu() -> None:
     model.attention = "sdpa"
     ref = run(model, x)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-3)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    x = tiny_inputs()
+    grads = []
+    for ckpt in (False, True):
+        model = tiny_model().train()
+        model.gradient_checkpointing = ckpt
+        model(**x).pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
