@@ -16,9 +16,11 @@ arXiv 2602.06036, §3–4):
   when ``a + k < S``, same conversation, ``loss_mask[a + k]`` and the anchor is kept. Slot 0 never
   counts.
 * **Attention mask.** Keys are ``[S context positions ; A·B block positions]``, queries the
-  ``A·B`` block positions. A query of block ``i`` (anchor ``a``) sees context ``j`` iff
-  ``doc_ids[j] == doc_ids[a]`` and ``j < a`` (strict: at inference the anchor's own hidden state
-  does not exist yet) and, in a ``sliding_attention`` layer, ``j ≥ a − W``; it sees all ``B``
+  ``A·B`` block positions. A query of block ``i`` (anchor ``a``) sees context ``j`` iff ``j`` is
+  in ``a``'s conversation (the contiguous run of equal ``doc_ids`` around ``a``: with the batch
+  contract's back-to-back packing, ``doc_ids[j] == doc_ids[a]``) and ``j < a`` (strict: at
+  inference the anchor's own hidden state does not exist yet) and, in a ``sliding_attention``
+  layer, ``j ≥ a − W``; it sees all ``B``
   tokens of its own block and nothing else. A dropped block (``keep = False``) sees only itself,
   so no query row is ever fully masked (no NaN). One ``mask_mod`` defines both the
   flex_attention ``BlockMask`` (GPU) and the dense SDPA mask (CPU), so they cannot disagree; the
