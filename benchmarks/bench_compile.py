@@ -145,14 +145,19 @@ def main() -> int:
         res["target_speedup"] = res["target_eager_ms"] / res["target_compiled_ms"]
         del compiled
     features, target_tokens = feats_eager, toks_eager
-    embed, head = target.embed_tokens, target.lm_head
+    embed, head, target_config = target.embed_tokens, target.lm_head, target.config
+    del target, fwd_eager  # free the target's layers (and graph pools): the drafter runs alone
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
     tensors = dict(batch, features=features, target_tokens=target_tokens)
     print(json.dumps(res, indent=1), flush=True)
 
     # ---------------------------------------------------------------- drafter step
     def make_trainer(compile_: bool):
         cfg.drafter.compile = compile_
-        model = build_drafter(cfg, embed, head, args.mask_token_id, dev, target.config)
+        model = build_drafter(cfg, embed, head, args.mask_token_id, dev, target_config)
         return model, DrafterTrainer(model, cfg.train, cfg.drafter, args.steps, dev)
 
     runs = {}
