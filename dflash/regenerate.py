@@ -46,8 +46,8 @@ the sha256 of its canonical JSON; the k-th repeat (k >= 1) of an id in file orde
 Rows that :func:`dflash.data.normalize_row` rejects are counted by reason and never sent to a worker.
 
 **Sharding and resume.** Worker k of N (one per ``cluster.targets`` entry) owns the rows whose
-``sha256(id) mod N == k``, loads the target on ``cuda:<targets[k]>`` (CPU: ``cluster.cpu_threads_per_target``
-or cores / N torch threads), and appends finished rows to its own shard, one ``os.write`` plus
+``sha256(id) mod N == k``, loads the target on ``cuda:<targets[k]>`` (CPU: cores / N torch threads; the
+training layout's ``cluster.cpu_threads_per_target`` is not used), and appends finished rows to its own shard, one ``os.write`` plus
 ``fsync`` per round, under an exclusive ``flock`` on the shard. Rows already in ``<output>`` or in any
 shard (of any earlier N) are done and skipped. A worker first truncates its own shard after the last
 newline, so a line cut by a kill mid-write is dropped and regenerated, never duplicated. When every
@@ -480,7 +480,8 @@ class BatchGenerator:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
-        assert generators is not None and len(generators) == probs.shape[0]
+        if generators is None or len(generators) != probs.shape[0]:
+            raise ValueError("sampling needs one generator per row")
         return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)[0] for i, g in enumerate(generators)])
 
     @torch.no_grad()
@@ -669,6 +670,14 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator, tokenizer:
 # --------------------------------------------------------------------------- worker
 
 
+def _cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _on_sigterm(signum: int, _frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
@@ -695,7 +704,7 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
         device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(cfg.cluster.cpu_threads_per_target or max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, _cores() // world))
     path = shard_path(output, rank)
     fd = recover_shard(path)
     try:
