@@ -156,6 +156,11 @@ class ClusterConfig:
     #: least 1). Targets usually deserve more: drafters wait for them most of the time.
     cpu_threads_per_target: Optional[int] = None
     cpu_threads_per_drafter: Optional[int] = None
+    #: A crashed target is restarted (after 1, 2, 4 … × ``restart_backoff_s``), a crashed drafter
+    #: restarts the drafter group from the last checkpoint, up to this many times in a row without
+    #: progress in between; then the run stops with a report.
+    max_restarts: int = 3
+    restart_backoff_s: float = 1.0
 
 
 @dataclass
@@ -445,6 +450,8 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     need(len(set(c.targets)) == len(c.targets), "cluster.targets", f"lists a GPU twice: {c.targets}")
     need(len(set(c.drafters)) == len(c.drafters), "cluster.drafters", f"lists a GPU twice: {c.drafters}")
     need(all(i >= 0 for i in c.targets + c.drafters), "cluster.targets", "GPU ids must be >= 0")
+    need(c.max_restarts >= 0, "cluster.max_restarts", f"must be >= 0, got {c.max_restarts}")
+    need(c.restart_backoff_s >= 0, "cluster.restart_backoff_s", f"must be >= 0, got {c.restart_backoff_s}")
     for key in ("cpu_threads_per_target", "cpu_threads_per_drafter"):
         need(getattr(c, key) is None or getattr(c, key) >= 1, f"cluster.{key}", "must be >= 1")
     device = resolve_device(cfg, gpu_count)

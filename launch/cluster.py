@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import logging
 import socket
 import sys
@@ -45,6 +47,92 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class LocalCluster:
+    """The worker processes of this node: specs, stable slot-ring endpoints, (re)starts.
+
+    Implements :class:`dflash.workers.coordinator.ClusterControl` for the coordinator.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, control_endpoint: str, supervisor: Supervisor):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.supervisor = supervisor
+        self.targets = [f"target.{r}" for r in range(len(cfg.cluster.targets))]
+        self.drafters = [f"drafter.{r}" for r in range(len(cfg.cluster.drafters))]
+        # fixed ports: a restarted target binds the same endpoint, so drafters reconnect by themselves
+        self.endpoints = {t: f"tcp://{cfg.transport.host}:{_free_port(cfg.transport.host)}" for t in self.targets}
+        self.control_endpoint = control_endpoint
+        self.common = ["--run-dir", str(run_dir), "--control", control_endpoint]
+        self.master_port = _free_port()
+        self._reported: set[tuple[str, int]] = set()
+
+    def spec(self, name: str, resume_from: Optional[Path] = None) -> WorkerSpec:
+        role, rank = name.split(".")
+        r = int(rank)
+        if role == "target":
+            return WorkerSpec(name, role, r, "dflash.workers.target",
+                              ["--rank", rank, *self.common, "--endpoint", self.endpoints[name]])
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.master_port), "RANK": rank,
+               "WORLD_SIZE": str(len(self.drafters)), "LOCAL_RANK": rank}
+        resume = ["--resume-from", str(resume_from)] if resume_from is not None else []
+        return WorkerSpec(name, role, r, "dflash.workers.drafter", ["--rank", rank, *self.common, *resume], env=env)
+
+    def start_all(self, resume_from: Optional[Path]) -> None:
+        for name in self.targets:
+            self.supervisor.start(self.spec(name))
+        for name in self.drafters:
+            self.supervisor.start(self.spec(name, resume_from))
+
+    # ClusterControl
+    def restart(self, name: str, resume_from: Optional[Path]) -> None:
+        proc = self.supervisor.workers.get(name)
+        if proc is not None and proc.alive():
+            proc.signal(signal.SIGKILL)
+            proc.wait(10.0)
+        self.supervisor.start(self.spec(name, resume_from))
+
+    def kill(self, name: str) -> None:
+        proc = self.supervisor.workers.get(name)
+        if proc is not None and proc.alive():
+            proc.signal(signal.SIGKILL)
+            proc.wait(10.0)
+
+    def exited(self) -> list[str]:
+        out = []
+        for proc in self.supervisor.dead():
+            key = (proc.name, proc.starts)
+            if key not in self._reported:
+                self._reported.add(key)
+                out.append(proc.name)
+        return out
+
+    def pid(self, name: str) -> Optional[int]:
+        proc = self.supervisor.workers.get(name)
+        return proc.pid if proc is not None and proc.alive() else None
+
+    def report(self, name: str) -> str:
+        return self.supervisor.report(self.supervisor.workers[name])
+
+    def new_drafter_group(self) -> None:
+        self.master_port = _free_port()
+        write_cluster_file(self.run_dir, self.control_endpoint, self)
+
+    def latest_checkpoint(self) -> Optional[Path]:
+        return latest_checkpoint(self.run_dir)
+
+
+def write_cluster_file(run_dir: Path, endpoint: str, cluster: LocalCluster) -> None:
+    """``<run_dir>/cluster.json``: how ``status / restart / stop / attach`` reach this cluster."""
+    workers = {}
+    for name in cluster.targets + cluster.drafters:
+        spec = cluster.spec(name)
+        workers[name] = {"module": spec.module, "args": spec.args, "env": spec.env}
+    data = {"control": endpoint, "launcher_pid": os.getpid(), "workers": workers}
+    tmp = run_dir / "cluster.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, run_dir / "cluster.json")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launch.cluster", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,6 +158,102 @@ def derived_values(cfg: RunConfig, plan: StepPlan, heldout_batches: int) -> dict
     }
 
 
+CONTROL_COMMANDS = ("status", "restart", "stop", "attach")
+CONTROL_TIMEOUT_S = 15.0
+
+
+def _control_request(run_dir: Path, cmd: str, args: dict) -> dict:
+    """Send one ``ctl`` message to the running cluster of ``run_dir``; return the reply.
+
+    Raises:
+        RuntimeError: no running cluster, or no answer within ``CONTROL_TIMEOUT_S``.
+    """
+    import zmq
+
+    from dflash.workers.control import ControlError, decode, encode
+
+    info_file = run_dir / "cluster.json"
+    if not info_file.is_file():
+        raise RuntimeError(f"no running cluster in {run_dir} ({info_file.name} is missing)")
+    info = json.loads(info_file.read_text())
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"ctl-{os.getpid()}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(info["control"])
+    try:
+        sock.send(encode("ctl", cmd=cmd, args=args))
+        deadline = time.monotonic() + CONTROL_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                try:
+                    msg = decode(sock.recv())
+                except ControlError:
+                    continue
+                if msg["type"] == "ctl_reply":
+                    return msg
+        raise RuntimeError(f"the cluster at {info['control']} (launcher pid {info['launcher_pid']}) did not answer "
+                           f"within {CONTROL_TIMEOUT_S:.0f} s")
+    finally:
+        sock.close(linger=0)
+
+
+def _print_status(data: dict) -> None:
+    print(f"step {data['step']}/{data['total_steps']}  attempt {data['attempt']}  "
+          f"batches in flight {data['batches_in_flight']}  unassigned {data['unassigned_batches']}")
+    print(f"{'worker':<12}{'role':<9}{'pid':>8}  {'up':<4}{'ready':<7}{'failures':<9}external")
+    for name, w in data["workers"].items():
+        print(f"{name:<12}{w['role']:<9}{str(w['pid']):>8}  {str(w['up']):<4}{str(w['ready']):<7}"
+              f"{w['failures']:<9}{w['external']}")
+    for r in data.get("restarts", []):
+        print(f"restart: {r['worker']} back after {r['seconds']:.1f} s")
+
+
+def control_main(argv: list[str]) -> int:
+    """``status | restart WORKER | stop | attach WORKER`` against a running cluster."""
+    p = argparse.ArgumentParser(prog="python -m launch.cluster", description="control a running cluster")
+    p.add_argument("command", choices=CONTROL_COMMANDS)
+    p.add_argument("worker", nargs="?", help="target.N, drafter.N or drafters (restart); target.N / drafter.N (attach)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", type=Path)
+    where.add_argument("--config", help="the run's config (its run directory is used)")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.add_argument("overrides", nargs="*", default=[])
+    args = p.parse_args(argv)
+    setup_logging("ctl")
+    if args.command in ("restart", "attach") and not args.worker:
+        p.error(f"{args.command} needs a worker name")
+    try:
+        run_dir = args.run_dir or load_config(args.config, args.overrides, gpu_count=0).resolved_run_dir()
+        cmd = "detach" if args.command == "attach" else args.command
+        reply = _control_request(Path(run_dir).resolve(), cmd, {"worker": args.worker} if args.worker else {})
+    except (RuntimeError, ConfigError) as exc:
+        log.error("%s", exc)
+        return 1
+    if not reply["ok"]:
+        log.error("%s", reply["text"])
+        return 1
+    if args.json:
+        print(json.dumps(reply["data"], indent=1))
+    else:
+        if reply["text"] != "ok":
+            print(reply["text"])
+        _print_status(reply["data"])
+    if args.command != "attach":
+        return 0
+    # attach: run the worker here, in the foreground (pdb and prints work); the cluster waits for it
+    run_dir = Path(run_dir).resolve()
+    spec = json.loads((run_dir / "cluster.json").read_text())["workers"][args.worker]
+    worker_args = list(spec["args"])
+    if args.worker.startswith("drafter."):
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            worker_args += ["--resume-from", str(ckpt)]
+    env = {**os.environ, **spec["env"], "DFLASH_WORKER": args.worker, "PYTHONUNBUFFERED": "1"}
+    log.info("attaching %s in the foreground: python -m %s %s", args.worker, spec["module"], " ".join(worker_args))
+    os.execvpe(sys.executable, [sys.executable, "-m", spec["module"], *worker_args], env)
+    return 0  # not reached
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--mode=regenerate" in argv or ("--mode" in argv[:-1] and argv[argv.index("--mode") + 1] == "regenerate"):
@@ -80,6 +264,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "--mode" in rest:
             del rest[rest.index("--mode"):rest.index("--mode") + 2]
         return regenerate_main(rest)
+    if argv and argv[0] in CONTROL_COMMANDS:
+        return control_main(argv)
     args = parse_args(argv)
     setup_logging("cluster")
     try:
@@ -119,46 +305,38 @@ def main(argv: Optional[list[str]] = None) -> int:
              f", resuming at step {start_step}" if start_step else "", time.monotonic() - started)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-    items = build_work_items(plan, start_step, heldout_batches, cfg.train.eval_every, cfg.checkpoint.every,
-                             eval_batches=cfg.train.eval_batches)
+    item_args = {"heldout_batches": heldout_batches, "eval_every": cfg.train.eval_every,
+                 "checkpoint_every": cfg.checkpoint.every, "eval_batches": cfg.train.eval_batches}
+    items = build_work_items(plan, start_step, **item_args)
     sock = CoordinatorSocket(cfg.transport.host)
     progress = ProgressLine(plan.total_steps, start_step, every=cfg.log.every * 10)
-    supervisor = Supervisor(run_dir, progress.write)
-    master_port = _free_port()
-    common = ["--run-dir", str(run_dir), "--control", sock.endpoint]
-    resume_args = ["--resume-from", str(ckpt)] if ckpt is not None else []
-    targets = [f"target.{r}" for r in range(len(cfg.cluster.targets))]
-    drafters = [f"drafter.{r}" for r in range(len(cfg.cluster.drafters))]
-    for r in range(len(targets)):
-        supervisor.start(WorkerSpec(targets[r], "target", r, "dflash.workers.target", ["--rank", str(r), *common]))
-    for r in range(len(drafters)):
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(r),
-               "WORLD_SIZE": str(len(drafters)), "LOCAL_RANK": str(r)}
-        supervisor.start(WorkerSpec(drafters[r], "drafter", r, "dflash.workers.drafter",
-                                    ["--rank", str(r), *common, *resume_args], env=env))
-
+    control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir, progress.write))
+    control.start_all(ckpt)
+    write_cluster_file(run_dir, sock.endpoint, control)
     wandb_id_file = run_dir / "wandb_id"
     resume_id = wandb_id_file.read_text().strip() if (ckpt is not None and wandb_id_file.is_file()) else None
     wb = WandbRun(cfg.log.wandb, cfg.log.project, cfg.name, run_dir, {**cfg.to_dict(), **derived}, resume_id)
     if wb.id:
         wandb_id_file.write_text(wb.id)
 
-    def dead_workers() -> list[str]:
-        return [supervisor.report(w) for w in supervisor.dead()]
-
-    coordinator = Coordinator(sock, targets, drafters, plan, start_step, items, cfg.transport.slots,
-                              dead_workers=dead_workers, on_metrics=lambda step, m: wb.log(m, step),
-                              on_progress=progress.update, peer_timeout_s=cfg.transport.peer_timeout_s)
+    coordinator = Coordinator(sock, control.targets, control.drafters, control.endpoints, plan, start_step, items,
+                              {**item_args, "first_step": start_step}, cfg.transport.slots, control,
+                              on_metrics=lambda step, m: wb.log(m, step), on_progress=progress.update,
+                              peer_timeout_s=cfg.transport.peer_timeout_s, max_restarts=cfg.cluster.max_restarts,
+                              restart_backoff_s=cfg.cluster.restart_backoff_s)
     coordinator.install_signal_handlers()
     trainable_logged = False
+    last_logged = [start_step - 1]
 
     def on_metrics(step: int, metrics: dict) -> None:
         nonlocal trainable_logged
-        if not trainable_logged and wb.run is not None and "drafter.0" in coordinator.ready:
-            wb.run.config.update({"trainable_params_M": coordinator.ready["drafter.0"].get("trainable_params_M")},
-                                 allow_val_change=True)
+        params_m = coordinator.ready_info.get("drafter.0", {}).get("trainable_params_M")
+        if not trainable_logged and wb.run is not None and params_m is not None:
+            wb.run.config.update({"trainable_params_M": params_m}, allow_val_change=True)
             trainable_logged = True
-        wb.log(metrics, step)
+        if step > last_logged[0] or "eval/tau" in metrics:  # wandb steps never go back (after a rollback)
+            wb.log(metrics, max(step, last_logged[0]))
+            last_logged[0] = max(step, last_logged[0])
 
     metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed below
 
@@ -176,7 +354,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = None
     finally:
         progress.close()
-        supervisor.stop_all()
+        control.supervisor.stop_all()
+        (run_dir / "cluster.json").unlink(missing_ok=True)
         sock.close()
         wb.finish(exit_code)
         metrics_file.close()

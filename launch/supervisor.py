@@ -131,9 +131,10 @@ class Supervisor:
 
     def start(self, spec: WorkerSpec) -> WorkerProcess:
         proc = self.workers.get(spec.name)
-        if proc is None or proc.spec != spec:
+        if proc is None:
             proc = WorkerProcess(spec, self.log_dir, self.emit)
             self.workers[spec.name] = proc
+        proc.spec = spec
         proc.start()
         return proc
 

@@ -56,6 +56,7 @@ class WorkerContext:
     incarnation: Incarnation
     resume_from: Optional[Path]
     stats: dict
+    endpoint: Optional[str] = None
 
     def stop_heartbeat(self) -> None:
         """Stop the heartbeat; from here on the worker is exiting and ignores SIGTERM."""
@@ -107,6 +108,7 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
     parser.add_argument("--rank", required=True, type=int)
     parser.add_argument("--control", required=True, help="coordinator endpoint, tcp://host:port")
     parser.add_argument("--resume-from", type=Path, default=None)
+    parser.add_argument("--endpoint", default=None, help="target: slot-ring endpoint to bind (stable across restarts)")
     args = parser.parse_args(argv)
     name = f"{role}.{args.rank}"
     set_parent_death_signal(signal.SIGKILL)
@@ -133,7 +135,8 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
                      daemon=True, name="heartbeat").start()
     log.info("%s starting on %s (pid %d, %d torch threads)", name, device, os.getpid(), torch.get_num_threads())
     ctx = WorkerContext(cfg=cfg, name=name, role=role, rank=args.rank, run_dir=args.run_dir, device=device,
-                        link=link, incarnation=inc, resume_from=args.resume_from, stats=stats)
+                        link=link, incarnation=inc, resume_from=args.resume_from, stats=stats,
+                        endpoint=args.endpoint)
     ctx._hb_stop = stop  # type: ignore[attr-defined]
     return ctx
 

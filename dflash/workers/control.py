@@ -37,20 +37,26 @@ MESSAGE_FIELDS: dict[str, tuple[str, ...]] = {
     # worker -> coordinator
     "hello": ("name", "role", "rank", "pid", "incarnation"),
     "ready": ("name", "info"),
-    "produced": ("name", "epoch", "batch_id", "split", "drafter", "seconds", "tokens"),
-    "trained": ("name", "step", "epoch", "batch_id", "metrics"),
-    "evaluated": ("name", "round", "sums"),
+    "produced": ("name", "key", "epoch", "batch_id", "split", "drafter", "seconds", "tokens"),
+    "dropped": ("name", "key", "reason"),
+    "received": ("name", "key"),
+    "trained": ("name", "attempt", "step", "epoch", "batch_id", "metrics"),
+    "evaluated": ("name", "attempt", "round", "sums"),
     "checkpointed": ("name", "step", "path"),
     "heartbeat": ("name", "stats"),
     "failed": ("name", "error"),
     "bye": ("name",),
     # coordinator -> worker
     "targets": ("endpoints",),
-    "produce": ("epoch", "batch_id", "split", "drafter"),
-    "train": ("step", "epoch", "batch_id", "checkpoint"),
-    "evaluate": ("round", "batch_ids", "step"),
+    "produce": ("key", "epoch", "batch_id", "split", "drafter"),
+    "flush": ("drafters",),
+    "train": ("attempt", "step", "epoch", "batch_id", "key", "checkpoint"),
+    "evaluate": ("attempt", "round", "batch_ids", "keys", "step"),
     "save": ("step",),
     "stop": ("reason",),
+    # command-line client <-> coordinator (python -m launch.cluster status | restart | stop | attach)
+    "ctl": ("cmd", "args"),
+    "ctl_reply": ("ok", "text", "data"),
 }
 
 
@@ -143,6 +149,7 @@ class CoordinatorSocket:
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its name
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
 

@@ -13,17 +13,20 @@ drafters while slot credits bound memory.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
 
+from dflash.checkpoint import read_state
 from dflash.schedule import StepPlan
 from dflash.workers.control import CoordinatorSocket
 
-__all__ = ["WorkItem", "Ledger", "Coordinator", "CoordinatorResult", "build_work_items"]
+__all__ = ["WorkItem", "Ledger", "Coordinator", "CoordinatorResult", "ClusterControl", "build_work_items"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class WorkItem:
 
 def build_work_items(plan: StepPlan, start_step: int, heldout_batches: int, eval_every: int,
                      checkpoint_every: int, first_eval_round: int = 0,
-                     eval_batches: Optional[int] = None) -> list[WorkItem]:
+                     eval_batches: Optional[int] = None, eval_at_start: bool = True) -> list[WorkItem]:
     """The common work sequence from ``start_step`` to the end of the plan.
 
     Evaluation rounds run at the start (step ``start_step``), every ``eval_every`` steps and at
@@ -65,7 +68,7 @@ def build_work_items(plan: StepPlan, start_step: int, heldout_batches: int, eval
             items.append(WorkItem("eval", rnd, epoch=0, batches=eval_ids, at_step=at_step))
             rnd += 1
 
-    if start_step < plan.total_steps:
+    if start_step < plan.total_steps and eval_at_start:
         add_eval(start_step)
     for step in range(start_step, plan.total_steps):
         a = plan.assignment(step)
@@ -94,6 +97,14 @@ class Ledger:
         if self.trained[key] > 1:
             log.error("ledger: batch %d of epoch %d trained %d times", batch_id, epoch, self.trained[key])
 
+    def rollback(self, plan: StepPlan, from_step: int, to_step: int) -> None:
+        """Forget the training of steps ``[from_step, to_step)`` (a drafter rollback to a checkpoint)."""
+        for step in range(from_step, min(to_step, plan.total_steps)):
+            a = plan.assignment(step)
+            for b in a.batch_ids:
+                if b is not None:
+                    self.trained.pop((a.epoch, b), None)
+
     def check(self, plan: StepPlan, start_step: int, end_step: int) -> list[str]:
         """Problems with steps ``[start_step, end_step)``: batches missing or trained more than once."""
         expected = set()
@@ -116,58 +127,125 @@ class CoordinatorResult:
     history: list[dict] = field(default_factory=list)
 
 
+class ClusterControl(Protocol):
+    """What the coordinator needs from the launcher to (re)start and stop worker processes."""
+
+    def restart(self, name: str, resume_from: Optional[Path]) -> None: ...
+
+    def kill(self, name: str) -> None: ...
+
+    def exited(self) -> list[str]: ...
+
+    def pid(self, name: str) -> Optional[int]: ...
+
+    def report(self, name: str) -> str: ...
+
+    def new_drafter_group(self) -> None: ...
+
+    def latest_checkpoint(self) -> Optional[Path]: ...
+
+
+@dataclass
+class Job:
+    """One batch handed to a target for one drafter, until the drafter has taken its slot."""
+
+    key: str
+    split: str
+    epoch: int
+    batch_id: int
+    drafter: str
+    target: Optional[str] = None
+    received: bool = False
+
+
+@dataclass
+class WorkerInfo:
+    name: str
+    role: str
+    up: bool = False  # process started and said hello
+    ready: bool = False
+    pid: Optional[int] = None
+    #: restarts since the worker last made progress (a batch produced / a step trained)
+    failures: int = 0
+    restart_at: Optional[float] = None
+    down_since: Optional[float] = None
+    #: run by a developer in another terminal (``attach``): never restarted by the coordinator
+    external: bool = False
+
+
 class Coordinator:
-    """Drives one run from READY to the last checkpoint.
+    """Drives one run from READY to the last checkpoint, through worker failures and restarts.
 
     Args:
         socket: the bound control socket.
         targets / drafters: worker names (``target.0`` …, ``drafter.0`` … in rank order).
+        endpoints: ``{target name: slot-ring endpoint}`` (stable across target restarts).
         plan: global step plan; ``start_step``: steps already done (resume).
         items: the work sequence (:func:`build_work_items`).
+        item_args: the arguments of :func:`build_work_items` besides plan / start step (to
+            rebuild the sequence after a drafter rollback).
         slots_per_target: transport slots of each target (bounds the look-ahead).
-        alive: returns the names of workers whose process died (and their report), for failure.
+        control: starts / kills worker processes (:class:`ClusterControl`).
         on_metrics: called with ``(step, metrics)`` for every finished step / eval round.
         on_progress: called with ``(steps_done, text)`` for the console line.
-        ready_timeout_s: how long to wait for every worker to be READY.
+        max_restarts: restarts of one worker (a target, or the drafter group) without progress
+            in between before the run fails; ``restart_backoff_s``: first delay, doubled each time.
     """
 
-    def __init__(self, socket: CoordinatorSocket, targets: list[str], drafters: list[str], plan: StepPlan,
-                 start_step: int, items: list[WorkItem], slots_per_target: int,
-                 dead_workers: Callable[[], list[str]], on_metrics: Callable[[int, dict], None],
-                 on_progress: Callable[[int, str], None], ready_timeout_s: float = 1800.0,
-                 peer_timeout_s: float = 120.0):
+    def __init__(self, socket: CoordinatorSocket, targets: list[str], drafters: list[str],
+                 endpoints: dict[str, str], plan: StepPlan, start_step: int, items: list[WorkItem],
+                 item_args: dict, slots_per_target: int, control: ClusterControl,
+                 on_metrics: Callable[[int, dict], None], on_progress: Callable[[int, str], None],
+                 ready_timeout_s: float = 1800.0, peer_timeout_s: float = 120.0, max_restarts: int = 3,
+                 restart_backoff_s: float = 1.0):
         self.sock = socket
         self.targets = targets
         self.drafters = drafters
+        self.endpoints = endpoints
         self.plan = plan
-        self.start_step = start_step
-        self.items = items
+        self.item_args = item_args
         self.lookahead = max(2, math.ceil(len(targets) * slots_per_target / max(1, len(drafters))))
-        self.dead_workers = dead_workers
+        self.control = control
         self.on_metrics = on_metrics
         self.on_progress = on_progress
         self.ready_timeout_s = ready_timeout_s
         self.peer_timeout_s = peer_timeout_s
-        self.ready: dict[str, dict] = {}
+        self.max_restarts = max_restarts
+        self.restart_backoff_s = restart_backoff_s
+        self.workers = {n: WorkerInfo(n, "target") for n in targets}
+        self.workers.update({n: WorkerInfo(n, "drafter") for n in drafters})
         self.last_seen: dict[str, float] = {}
-        self.outstanding: dict[str, int] = {t: 0 for t in targets}
         self.ledger = Ledger()
         self.stop_reason: Optional[str] = None
         self.stop_signal: Optional[int] = None
         self.worker_stats: dict[str, dict] = {}
-        # progress of items
-        self.next_item = 0
-        self.item_done: list[set[str]] = [set() for _ in items]
-        self._item_index = {(item.kind, item.index): i for i, item in enumerate(items)}
-        self.eval_sums: dict[int, list[dict]] = {}
-        self.steps_done = start_step
         self.result = CoordinatorResult(exit_code=0, steps_done=start_step)
+        self.steps_done = start_step
+        self.attempt = 0
+        self.jobs: dict[str, Job] = {}
+        self.unassigned: collections.deque[str] = collections.deque()
+        self.drafter_failures = 0
+        self.group_down_since: Optional[float] = None
+        self.restarts: list[dict] = []
+        self.ready_info: dict[str, dict] = {}
+        self._set_items(items)
         self._window_start = time.monotonic()
         self._window_target_tokens = 0
         self._window_target_busy = 0.0
         self._window_drafter_tokens = 0
-        self._last_checkpoint: Optional[str] = None
+        self._rank0_metrics: dict = {}
         self._rr = 0
+        self._started = False
+
+    def _set_items(self, items: list[WorkItem]) -> None:
+        self.items = items
+        self.item_done: list[set[str]] = [set() for _ in items]
+        self._item_index = {(item.kind, item.index): i for i, item in enumerate(items)}
+        self.eval_sums: dict[int, list[dict]] = {}
+        self.next_item = 0
+        self.first_open = 0
+        self.next_eval_round = max((it.index + 1 for it in items if it.kind == "eval"),
+                                   default=getattr(self, "next_eval_round", 0))
 
     # ------------------------------------------------------------------ signals
     def request_stop(self, reason: str) -> None:
@@ -188,10 +266,9 @@ class Coordinator:
     # ------------------------------------------------------------------ main loop
     def run(self) -> CoordinatorResult:
         try:
-            if not self._wait_ready():
-                self.result.exit_code = 1
-                return self.result
-            self._train_loop()
+            self._wait_all_ready()
+            self._started = True
+            self._loop()
         except _Failure as exc:
             log.error("%s", exc)
             self.result.exit_code = 1
@@ -201,88 +278,182 @@ class Coordinator:
         self.result.steps_done = self.steps_done
         return self.result
 
-    def _check_dead(self) -> None:
-        dead = self.dead_workers()
-        if dead:
-            raise _Failure("worker failed: " + "\n".join(dead))
+    def _all_ready(self, names: list[str]) -> bool:
+        return all(self.workers[n].ready for n in names)
 
-    def _wait_ready(self) -> bool:
+    def _wait_all_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        sent_targets = False
-        everyone = set(self.targets + self.drafters)
-        while set(self.ready) != everyone or not sent_targets:
-            self._check_dead()
+        while not self._all_ready(self.targets + self.drafters):
             if self.stop_reason is not None:
-                return False
+                raise _Failure(f"stopped ({self.stop_reason}) before every worker was ready")
             if time.monotonic() > deadline:
-                missing = sorted(everyone - set(self.ready))
+                missing = [n for n, w in self.workers.items() if not w.ready]
                 raise _Failure(f"workers not ready after {self.ready_timeout_s:.0f} s: {missing}")
-            if not sent_targets and all(t in self.ready for t in self.targets):
-                endpoints = {t: self.ready[t]["endpoint"] for t in self.targets}
-                for d in self.drafters:
-                    self.sock.send(d, "targets", endpoints=endpoints)
-                sent_targets = True
-                log.info("all %d target(s) ready; drafters connect to %s", len(self.targets), endpoints)
-            got = self.sock.recv(POLL_S)
-            if got is not None:
-                self._handle(*got)
-        log.info("all %d drafter(s) ready (graphs captured): handing out batches", len(self.drafters))
-        return True
+            self._tick()
+        log.info("all %d target(s) and %d drafter(s) ready (graphs captured): handing out batches",
+                 len(self.targets), len(self.drafters))
 
-    def _train_loop(self) -> None:
-        first_open = 0
-        while first_open < len(self.items):
-            self._check_dead()
-            self._check_heartbeats()
-            # issue items within the look-ahead window (not after a stop request)
-            while (self.stop_reason is None and self.next_item < len(self.items)
-                   and self.next_item - first_open < self.lookahead):
+    def _tick(self) -> None:
+        """One round of supervision and message handling (at most ``POLL_S`` of waiting)."""
+        self._supervise()
+        self._assign_unassigned()
+        got = self.sock.recv(POLL_S)
+        if got is not None:
+            self._handle(*got)
+
+    def _loop(self) -> None:
+        while self.first_open < len(self.items):
+            group_ready = self._all_ready(self.drafters)
+            while (self.stop_reason is None and group_ready and self.next_item < len(self.items)
+                   and self.next_item - self.first_open < self.lookahead):
                 self._issue(self.next_item)
                 self.next_item += 1
-            if self.stop_reason is not None and first_open >= self.next_item:
+            if self.stop_reason is not None and self.first_open >= self.next_item:
                 break
-            got = self.sock.recv(POLL_S)
-            if got is not None:
-                self._handle(*got)
-            while first_open < len(self.items) and len(self.item_done[first_open]) == len(self.drafters):
-                self._finish_item(first_open)
-                first_open += 1
-        if self.stop_reason is not None and first_open < len(self.items):
+            self._tick()
+            while self.first_open < len(self.items) and len(self.item_done[self.first_open]) == len(self.drafters):
+                self._finish_item(self.first_open)
+                self.first_open += 1
+        if self.stop_reason is not None and self.first_open < len(self.items):
             self._final_save()
 
-    def _check_heartbeats(self) -> None:
+    # ------------------------------------------------------------------ supervision
+    def _supervise(self) -> None:
         now = time.monotonic()
-        for name, seen in self.last_seen.items():
-            if now - seen > self.peer_timeout_s:
-                raise _Failure(f"{name} sent nothing for {now - seen:.0f} s (peer_timeout_s = {self.peer_timeout_s:.0f})")
+        for name in self.control.exited():
+            self._on_exit(name, self.control.report(name))
+        for name, seen in list(self.last_seen.items()):
+            w = self.workers.get(name)
+            if w is not None and w.up and now - seen > self.peer_timeout_s:
+                log.error("%s sent nothing for %.0f s (transport.peer_timeout_s): killing it", name, now - seen)
+                self.last_seen.pop(name)
+                self.control.kill(name)
+        for w in self.workers.values():
+            if w.restart_at is not None and now >= w.restart_at:
+                w.restart_at = None
+                self.control.restart(w.name, None)
 
-    def _pick_target(self) -> str:
-        best = min(self.outstanding.values())
-        candidates = [t for t in self.targets if self.outstanding[t] == best]
+    def _on_exit(self, name: str, report: str) -> None:
+        w = self.workers[name]
+        w.up = w.ready = False
+        self.last_seen.pop(name, None)
+        if w.external:
+            log.warning("attached worker %s exited; `python -m launch.cluster restart %s` hands it back", name, name)
+            if w.role == "target":
+                self._target_down(name)
+            return
+        if w.role == "target":
+            self._target_down(name)
+            if w.restart_at is not None:  # a requested restart: already scheduled
+                return
+            w.failures += 1
+            if w.failures > self.max_restarts:
+                raise _Failure(f"{name} failed {w.failures} times in a row; giving up.\n{report}")
+            delay = self.restart_backoff_s * 2 ** (w.failures - 1)
+            log.error("%s died; restarting it in %.1f s (attempt %d of %d).\n%s", name, delay, w.failures,
+                      self.max_restarts, report)
+            w.restart_at = time.monotonic() + delay
+        else:
+            if self.group_down_since is not None:
+                return  # part of a group restart already under way
+            self.drafter_failures += 1
+            if self.drafter_failures > self.max_restarts:
+                raise _Failure(f"{name} failed; the drafter group failed {self.drafter_failures} times in a row; "
+                               f"giving up.\n{report}")
+            log.error("%s died: restarting the drafter group from the last checkpoint (attempt %d of %d).\n%s",
+                      name, self.drafter_failures, self.max_restarts, report)
+            self._restart_drafter_group(f"{name} died")
+
+    def _target_down(self, name: str) -> None:
+        w = self.workers[name]
+        w.down_since = time.monotonic()
+        moved = 0
+        for job in self.jobs.values():
+            if job.target == name and not job.received:
+                job.target = None
+                self.unassigned.append(job.key)
+                moved += 1
+        if moved:
+            log.warning("%s is down: re-assigning its %d batch(es) not yet taken by a drafter", name, moved)
+
+    def _restart_drafter_group(self, reason: str) -> None:
+        """Kill every drafter, roll the ledger back to the newest checkpoint, restart them from it."""
+        self.group_down_since = time.monotonic()
+        for name in self.drafters:
+            self.workers[name].ready = False
+            if self.workers[name].up and not self.workers[name].external:
+                self.control.kill(name)
+        ckpt = self.control.latest_checkpoint()
+        step = read_state(ckpt)["step"] if ckpt is not None else self.item_args["first_step"]
+        lost = range(step, self.steps_done + self.lookahead + 1)
+        self.ledger.rollback(self.plan, step, min(self.plan.total_steps, lost.stop))
+        log.warning("drafter group restart (%s): rolling back from step %d to checkpoint step %d", reason,
+                    self.steps_done, step)
+        self.steps_done = step
+        self.attempt += 1
+        self.jobs.clear()
+        self.unassigned.clear()
+        for t in self.targets:
+            self.sock.send(t, "flush", drafters=self.drafters)
+        args = dict(self.item_args)
+        args.pop("first_step", None)
+        self._set_items(build_work_items(self.plan, step, first_eval_round=self.next_eval_round,
+                                         eval_at_start=False, **args))
+        self.control.new_drafter_group()
+        for name in self.drafters:
+            if not self.workers[name].external:
+                self.control.restart(name, ckpt)
+
+    def _pick_target(self) -> Optional[str]:
+        live = [t for t in self.targets if self.workers[t].ready]
+        if not live:
+            return None
+        load = {t: sum(1 for j in self.jobs.values() if j.target == t and not j.received) for t in live}
+        best = min(load.values())
+        candidates = [t for t in live if load[t] == best]
         target = candidates[self._rr % len(candidates)]
         self._rr += 1
         return target
 
-    def _produce(self, split: str, epoch: int, batch_id: int, drafter: str) -> None:
+    def _assign(self, job: Job) -> bool:
         target = self._pick_target()
-        self.outstanding[target] += 1
-        self.sock.send(target, "produce", epoch=epoch, batch_id=batch_id, split=split, drafter=drafter)
+        if target is None:
+            return False
+        job.target = target
+        self.sock.send(target, "produce", epoch=job.epoch, batch_id=job.batch_id, split=job.split,
+                       drafter=job.drafter, key=job.key)
+        return True
+
+    def _assign_unassigned(self) -> None:
+        while self.unassigned:
+            job = self.jobs.get(self.unassigned[0])
+            if job is not None and job.target is None and not job.received and not self._assign(job):
+                return
+            self.unassigned.popleft()
+
+    def _new_job(self, split: str, epoch: int, batch_id: int, drafter: str, tag: str) -> str:
+        key = f"{split}:{tag}:{batch_id}:a{self.attempt}"
+        job = Job(key, split, epoch, batch_id, drafter)
+        self.jobs[key] = job
+        if not self._assign(job):
+            self.unassigned.append(key)
+        return key
 
     def _issue(self, i: int) -> None:
         item = self.items[i]
         if item.kind == "train":
-            for rank, batch_id in enumerate(item.batches):
-                if batch_id is not None:
-                    self._produce("train", item.epoch, batch_id, self.drafters[rank])
             for rank, name in enumerate(self.drafters):
-                self.sock.send(name, "train", step=item.index, epoch=item.epoch,
-                               batch_id=item.batches[rank], checkpoint=item.checkpoint)
+                batch_id = item.batches[rank]
+                key = (None if batch_id is None else
+                       self._new_job("train", item.epoch, batch_id, name, f"e{item.epoch}"))
+                self.sock.send(name, "train", attempt=self.attempt, step=item.index, epoch=item.epoch,
+                               batch_id=batch_id, checkpoint=item.checkpoint, key=key)
         else:
-            for rank, ids in enumerate(item.batches):
-                for batch_id in ids:
-                    self._produce("heldout", 0, batch_id, self.drafters[rank])
             for rank, name in enumerate(self.drafters):
-                self.sock.send(name, "evaluate", round=item.index, batch_ids=item.batches[rank], step=item.at_step)
+                ids = item.batches[rank]
+                keys = [self._new_job("heldout", 0, b, name, f"r{item.index}") for b in ids]
+                self.sock.send(name, "evaluate", attempt=self.attempt, round=item.index, batch_ids=ids,
+                               step=item.at_step, keys=keys)
 
     def _final_save(self) -> None:
         """After a stop request: all issued steps are trained; checkpoint the current state."""
@@ -291,7 +462,7 @@ class Coordinator:
         self.sock.send(self.drafters[0], "save", step=step)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            self._check_dead()
+            self._supervise()
             got = self.sock.recv(POLL_S)
             if got is None:
                 continue
@@ -303,66 +474,158 @@ class Coordinator:
 
     # ------------------------------------------------------------------ messages
     def _handle(self, sender: str, msg: dict) -> None:
-        sender = msg.get("name", sender)  # heartbeats come from a second socket of the worker
-        self.last_seen[sender] = time.monotonic()
         kind = msg["type"]
+        if kind == "ctl":
+            self._on_ctl(sender, msg)
+            return
+        sender = msg.get("name", sender)  # heartbeats come from a second socket of the worker
+        w = self.workers.get(sender)
+        if w is None:
+            log.error("message %s from unknown sender %s dropped", kind, sender)
+            return
+        self.last_seen[sender] = time.monotonic()
         if kind == "hello":
+            w.up, w.pid = True, msg["pid"]
             log.info("%s says hello (pid %s, incarnation %s)", sender, msg["pid"], msg["incarnation"])
+            if w.role == "drafter":
+                self.sock.send(sender, "targets", endpoints=self.endpoints)
         elif kind == "ready":
-            self.ready[sender] = msg["info"]
-            log.info("%s ready: %s", sender, {k: v for k, v in msg["info"].items() if k != "endpoint"})
+            self._on_ready(w, msg["info"])
         elif kind == "heartbeat":
             self.worker_stats[sender] = msg["stats"]
         elif kind == "produced":
-            if sender in self.outstanding:
-                self.outstanding[sender] = max(0, self.outstanding[sender] - 1)
-            self.ledger.mark_produced(msg["split"], msg["epoch"], msg["batch_id"])
-            if msg["split"] == "train":
-                self._window_target_tokens += msg["tokens"]
-                self._window_target_busy += msg["seconds"]
-            self.worker_stats.setdefault(sender, {}).update(msg.get("stats", {}))
+            job = self.jobs.get(msg.get("key", ""))
+            if job is not None:
+                self.ledger.mark_produced(msg["split"], msg["epoch"], msg["batch_id"])
+                if msg["split"] == "train":
+                    self._window_target_tokens += msg["tokens"]
+                    self._window_target_busy += msg["seconds"]
+            w.failures = 0
+        elif kind == "dropped":
+            job = self.jobs.get(msg["key"])
+            if job is not None and job.target == sender and not job.received:
+                log.warning("%s could not hand %s to %s (%s): re-assigning", sender, job.key, job.drafter,
+                            msg["reason"])
+                job.target = None
+                self.unassigned.append(job.key)
+        elif kind == "received":
+            job = self.jobs.get(msg["key"])
+            if job is not None:
+                job.received = True
+        elif kind in ("trained", "evaluated") and msg["attempt"] != self.attempt:
+            log.debug("%s reported work of attempt %d (now %d): ignored", sender, msg["attempt"], self.attempt)
         elif kind == "trained":
             self._on_trained(sender, msg)
         elif kind == "evaluated":
             self.eval_sums.setdefault(msg["round"], []).append(msg["sums"])
             self._mark_done("eval", msg["round"], sender)
         elif kind == "checkpointed":
-            self._last_checkpoint = msg["path"]
             log.info("checkpoint at step %d: %s", msg["step"], msg["path"])
         elif kind == "failed":
-            raise _Failure(f"{sender} failed: {msg['error']}")
+            log.error("%s reports a failure: %s", sender, msg["error"])
         elif kind == "bye":
             pass
         else:
             log.error("unexpected %s message from %s", kind, sender)
+
+    def _on_ready(self, w: WorkerInfo, info: dict) -> None:
+        w.ready = True
+        self.ready_info[w.name] = info
+        log.info("%s ready: %s", w.name, {k: v for k, v in info.items() if k != "endpoint"})
+        if w.role == "target" and w.down_since is not None and self._started:
+            seconds = time.monotonic() - w.down_since
+            log.warning("%s is back after %.1f s", w.name, seconds)
+            self.restarts.append({"worker": w.name, "seconds": seconds})
+            w.down_since = None
+        if w.role == "drafter" and self.group_down_since is not None and self._all_ready(self.drafters):
+            seconds = time.monotonic() - self.group_down_since
+            log.warning("drafter group is back after %.1f s, at step %d", seconds, self.steps_done)
+            self.restarts.append({"worker": "drafters", "seconds": seconds})
+            self.group_down_since = None
 
     def _mark_done(self, kind: str, index: int, sender: str) -> None:
         i = self._item_index.get((kind, index))
         if i is not None:
             self.item_done[i].add(sender)
             return
-        log.error("%s reported %s %d, which is not in the plan", sender, kind, index)
+        log.debug("%s reported %s %d from before a rollback: ignored", sender, kind, index)
 
     def _on_trained(self, sender: str, msg: dict) -> None:
+        i = self._item_index.get(("train", msg["step"]))
+        if i is None or i >= self.next_item or sender in self.item_done[i]:
+            log.debug("%s reported step %d from before a rollback: ignored", sender, msg["step"])
+            return
         if msg["batch_id"] is not None:
             self.ledger.mark_trained(msg["epoch"], msg["batch_id"])
         self.worker_stats.setdefault(sender, {}).update(msg["metrics"].get("stats", {}))
         if sender == self.drafters[0]:
             self._rank0_metrics = msg["metrics"]
         self._window_drafter_tokens += msg["metrics"].get("tokens", 0)
+        self.drafter_failures = 0
         self._mark_done("train", msg["step"], sender)
 
+    # ------------------------------------------------------------------ control commands
+    def status(self) -> dict:
+        return {
+            "step": self.steps_done, "total_steps": self.plan.total_steps, "attempt": self.attempt,
+            "stop_requested": self.stop_reason,
+            "unassigned_batches": len(self.unassigned),
+            "batches_in_flight": sum(1 for j in self.jobs.values() if not j.received),
+            "workers": {n: {"role": w.role, "pid": self.control.pid(n) if not w.external else w.pid, "up": w.up,
+                            "ready": w.ready, "failures": w.failures, "external": w.external}
+                        for n, w in self.workers.items()},
+            "restarts": self.restarts,
+        }
+
+    def _on_ctl(self, client: str, msg: dict) -> None:
+        cmd, args = msg["cmd"], msg.get("args") or {}
+        ok, text = True, ""
+        try:
+            if cmd == "status":
+                text = "ok"
+            elif cmd == "stop":
+                self.request_stop("requested by `launch.cluster stop`")
+                text = "stopping after the issued steps, with a final checkpoint"
+            elif cmd in ("restart", "detach"):
+                worker = args.get("worker", "")
+                if worker == "drafters" or worker.startswith("drafter."):
+                    if worker.startswith("drafter.") and worker not in self.workers:
+                        raise ValueError(f"no worker {worker!r}")
+                    if cmd == "detach":
+                        self.workers[worker].external = True
+                    elif worker in self.workers:
+                        self.workers[worker].external = False
+                    self._restart_drafter_group(f"{cmd} {worker} requested")
+                    text = f"drafter group restarting from the last checkpoint (step {self.steps_done})"
+                elif worker in self.workers:
+                    w = self.workers[worker]
+                    w.external = cmd == "detach"
+                    if not w.external:
+                        w.restart_at = time.monotonic()  # restart right after it exits
+                    self.control.kill(worker)
+                    if not w.up:  # already down: nothing will exit
+                        self._target_down(worker)
+                    text = f"{worker} {'detached' if w.external else 'restarting'}"
+                else:
+                    raise ValueError(f"no worker {worker!r} (known: {sorted(self.workers)} or 'drafters')")
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except ValueError as exc:
+            ok, text = False, str(exc)
+        self.sock.send(client, "ctl_reply", ok=ok, text=text, data=self.status())
+
+    # ------------------------------------------------------------------ metrics
     def _finish_item(self, i: int) -> None:
         item = self.items[i]
         if item.kind == "train":
             self.steps_done = item.index + 1
-            metrics = dict(getattr(self, "_rank0_metrics", {}))
+            metrics = dict(self._rank0_metrics)
             metrics.pop("stats", None)
             elapsed = max(1e-9, time.monotonic() - self._window_start)
             metrics["throughput/target_tokens_per_s"] = self._window_target_tokens / elapsed
             metrics["throughput/drafter_tokens_per_s"] = self._window_drafter_tokens / elapsed
             metrics["throughput/target_busy_fraction"] = self._window_target_busy / elapsed / max(1, len(self.targets))
-            metrics["queue/outstanding_batches"] = sum(self.outstanding.values())
+            metrics["queue/outstanding_batches"] = sum(1 for j in self.jobs.values() if not j.received)
             metrics["epoch"] = item.epoch
             for name, stats in self.worker_stats.items():
                 for key, value in stats.items():
@@ -371,10 +634,16 @@ class Coordinator:
             self._window_start = time.monotonic()
             self._window_target_tokens = self._window_drafter_tokens = 0
             self._window_target_busy = 0.0
+            # forget the finished step's jobs
+            for key in [k for k, j in self.jobs.items() if j.received and j.split == "train"
+                        and j.epoch == item.epoch and j.batch_id in item.batches]:
+                del self.jobs[key]
             self.result.history.append({"step": self.steps_done, **metrics})
             self.on_metrics(self.steps_done, metrics)
             self.on_progress(self.steps_done, self._progress_text(metrics))
         else:
+            for key in [k for k in self.jobs if k.startswith(f"heldout:r{item.index}:")]:
+                del self.jobs[key]
             sums = self.eval_sums.pop(item.index, [])
             ev = aggregate_eval(sums)
             ev["eval/round"] = item.index

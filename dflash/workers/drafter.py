@@ -38,13 +38,12 @@ from dflash.objective import LossOutput
 from dflash.reference import eval_sums
 from dflash.schedule import StepPlan
 from dflash.workers.base import WorkerContext, memory_gib, start_worker
-from dflash.workers.target import batch_key
 
 log = logging.getLogger("dflash.workers.drafter")
 
 WARMUP_ITERS = 3
 RECEIVE_SLICE_S = 0.5
-ATTACH_TIMEOUT_S = 120.0
+ATTACH_TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -90,6 +89,9 @@ class DrafterWorker:
         warm = self.watch.arm()
         ctx.stats.update(warmup_compiles=warm.compiles, warmup_cudagraph_records=warm.cudagraph_records)
         self.consumer = None
+        #: transport keys already taken: a duplicate READY (a batch re-assigned after its first
+        #: target died while we were copying it) is discarded, freeing its slot
+        self.consumed: set[str] = set()
         self.commands: collections.deque[dict] = collections.deque()
         self.stats = ctx.stats
         self.stats.update(trained=0, wait_s=0.0, step_s=0.0)
@@ -165,13 +167,17 @@ class DrafterWorker:
                 raise _Stop(msg["reason"])
             self.commands.append(msg)
 
-    def _receive(self, split: str, epoch: int, batch_id: int):
-        key = batch_key(split, epoch, batch_id)
+    def _receive(self, key: str):
+        """The slot of transport key ``key`` (waiting for it; duplicates of taken keys are freed)."""
         started = time.perf_counter()
         while True:
+            while self.consumer.receive(0, match=lambda bid, meta: bid in self.consumed) is not None:
+                log.info("discarded a duplicate batch")
             got = self.consumer.receive(RECEIVE_SLICE_S, match=lambda bid, meta: bid == key)
             if got is not None:
                 self.stats["wait_s"] += time.perf_counter() - started
+                self.consumed.add(key)
+                self.ctx.link.send("received", key=key)
                 return got
             self._check_stop()
 
@@ -182,8 +188,9 @@ class DrafterWorker:
         self.consumer = Consumer(self.ctx.name, endpoints, self.spec, self.device, tp.carrier,
                                  heartbeat_s=tp.heartbeat_s, peer_timeout_s=tp.peer_timeout_s)
         if not self.consumer.wait_attached(timeout=ATTACH_TIMEOUT_S):
-            raise RuntimeError(f"could not attach to the targets' slot rings within {ATTACH_TIMEOUT_S:.0f} s: "
-                               f"attached {self.consumer.attached()} of {sorted(endpoints)}")
+            # a target may be restarting: carry on, it attaches when it is back
+            log.warning("attached to %s of %s within %.0f s; continuing", sorted(self.consumer.attached()),
+                        sorted(endpoints), ATTACH_TIMEOUT_S)
 
     def train(self, cmd: dict) -> None:
         step, epoch, batch_id = cmd["step"], cmd["epoch"], cmd["batch_id"]
@@ -200,7 +207,7 @@ class DrafterWorker:
             local = torch.zeros(2 * b + 4, device=self.device)
             metrics = {"lr": lr, "grad_norm": grad_norm}
         else:
-            got = self._receive("train", epoch, batch_id)
+            got = self._receive(cmd["key"])
             started = time.perf_counter()
             metrics = self.trainer.step(got.tensors, epoch, batch_id)
             local = LossOutput(loss_sum=metrics["loss_sum"], weight_sum=metrics["weight_sum"],
@@ -226,14 +233,14 @@ class DrafterWorker:
                         "train/blocks": float(total.num_blocks), "time/step_s": step_s,
                         "time/drafter_wait_s": self.stats["wait_s"] - wait_before})
             out.update({f"train/acc_slot_{k}": a for k, a in enumerate(acc) if k > 0})
-        self.ctx.link.send("trained", step=step, epoch=epoch, batch_id=batch_id, metrics=out)
+        self.ctx.link.send("trained", attempt=cmd["attempt"], step=step, epoch=epoch, batch_id=batch_id, metrics=out)
         if cmd["checkpoint"]:
             self.save()
 
     def evaluate(self, cmd: dict) -> None:
         sums = None
-        for batch_id in cmd["batch_ids"]:
-            got = self._receive("heldout", 0, batch_id)
+        for batch_id, key in zip(cmd["batch_ids"], cmd["keys"]):
+            got = self._receive(key)
             s = eval_sums(self.trainer.evaluate(got.tensors, batch_id))
             if sums is None:
                 sums = s
@@ -243,7 +250,7 @@ class DrafterWorker:
         b = self.trainer.block_size
         sums = sums or {"loss_sum": 0.0, "weight_sum": 0.0, "tau_sum": 0.0, "blocks": 0.0,
                         "correct": [0.0] * b, "count": [0.0] * b}
-        self.ctx.link.send("evaluated", round=cmd["round"], sums=sums)
+        self.ctx.link.send("evaluated", attempt=cmd["attempt"], round=cmd["round"], sums=sums)
 
     def save(self) -> None:
         if self.rank != 0:

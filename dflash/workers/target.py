@@ -31,11 +31,6 @@ WARMUP_ITERS = 3
 IDLE_POLL_MS = 200
 
 
-def batch_key(split: str, epoch: int, batch_id: int) -> str:
-    """The transport batch id of a (split, epoch, batch id): ``train:0:17``."""
-    return f"{split}:{epoch}:{batch_id}"
-
-
 class TargetWorker:
     def __init__(self, ctx: WorkerContext):
         from dflash.target import load_target
@@ -58,7 +53,7 @@ class TargetWorker:
         self.watch = CompileWatch("target forward")
         warm = self.watch.arm()
         ctx.stats.update(warmup_compiles=warm.compiles, warmup_cudagraph_records=warm.cudagraph_records)
-        self.producer = Producer(ctx.name, f"tcp://{cfg.transport.host}:0", self.spec, cfg.transport.slots,
+        self.producer = Producer(ctx.name, ctx.endpoint or f"tcp://{cfg.transport.host}:0", self.spec, cfg.transport.slots,
                                  self.device, cfg.transport.carrier, heartbeat_s=cfg.transport.heartbeat_s,
                                  peer_timeout_s=cfg.transport.peer_timeout_s)
         self.queue: collections.deque[dict] = collections.deque()
@@ -87,6 +82,9 @@ class TargetWorker:
             self.inputs[key].copy_(value, non_blocking=True)
 
     def produce(self, job: dict, slot: int) -> None:
+        """Fill ``slot`` with the job's batch and the target's outputs; publish it to the job's drafter."""
+        from dflash.transport import PeerUnavailable
+
         split, epoch, batch_id = job["split"], job["epoch"], job["batch_id"]
         plan = self.plans.train if split == "train" else self.plans.heldout
         started = time.perf_counter()
@@ -101,15 +99,41 @@ class TargetWorker:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         seconds = time.perf_counter() - started
-        self.producer.publish(slot, job["drafter"], batch_key(split, epoch, batch_id),
-                              meta={"split": split, "epoch": epoch, "batch_id": batch_id})
+        try:
+            self.producer.publish(slot, job["drafter"], job["key"],
+                                  meta={"split": split, "epoch": epoch, "batch_id": batch_id})
+        except PeerUnavailable as exc:
+            self.producer.release(slot)
+            self.ctx.link.send("dropped", key=job["key"], reason=str(exc))
+            return
         self.stats["produced"] += 1
-        delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
-        self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
         self.stats["busy_s"] += seconds
         self.stats["mem_gib"] = memory_gib(self.device)
-        self.ctx.link.send("produced", epoch=epoch, batch_id=batch_id, split=split, drafter=job["drafter"],
-                           seconds=seconds, tokens=batch.num_tokens)
+        delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
+        self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
+        self.ctx.link.send("produced", key=job["key"], epoch=epoch, batch_id=batch_id, split=split,
+                           drafter=job["drafter"], seconds=seconds, tokens=batch.num_tokens)
+
+    def _handle_control(self) -> bool:
+        """Drain control messages; False when told to stop."""
+        while True:
+            msg = self.ctx.link.recv(0)
+            if msg is None:
+                return True
+            kind = msg["type"]
+            if kind == "produce":
+                self.queue.append(msg)
+            elif kind == "flush":  # the drafter group restarts: forget its queued batches and credits
+                dropped = len(self.queue)
+                self.queue.clear()
+                for name in msg["drafters"]:
+                    self.producer.evict(name, reason="drafter group restart")
+                log.info("flushed %d queued batch(es); credits of %s reset", dropped, msg["drafters"])
+            elif kind == "stop":
+                log.info("stop (%s): %d batches produced", msg["reason"], self.stats["produced"])
+                return False
+            else:
+                log.debug("ignoring %s", kind)
 
     def run(self) -> None:
         link = self.ctx.link
@@ -119,29 +143,29 @@ class TargetWorker:
         poller.register(link.socket, zmq.POLLIN)
         poller.register(self.producer.socket, zmq.POLLIN)
         waiting_since = None
-        while True:
-            while True:  # drain control messages
-                msg = link.recv(0)
-                if msg is None:
-                    break
-                if msg["type"] == "produce":
-                    self.queue.append(msg)
-                elif msg["type"] == "stop":
-                    log.info("stop (%s): %d batches produced", msg["reason"], self.stats["produced"])
-                    return
-                else:
-                    log.debug("ignoring %s", msg["type"])
+        unattached_since = None
+        while self._handle_control():
+            self.producer.poll(0)
             if self.queue:
-                slot = self.producer.acquire(timeout=0)
-                if slot is not None:
-                    if waiting_since is not None:
-                        self.stats["wait_slot_s"] += time.perf_counter() - waiting_since
-                        waiting_since = None
-                    self.produce(self.queue.popleft(), slot)
-                    continue
-                waiting_since = waiting_since or time.perf_counter()
-            else:
-                self.producer.poll(0)
+                job = self.queue[0]
+                if job["drafter"] not in self.producer.consumers:
+                    # a restarted drafter has not attached yet: wait for it, within the peer timeout
+                    unattached_since = unattached_since or time.monotonic()
+                    if time.monotonic() - unattached_since > self.ctx.cfg.transport.peer_timeout_s:
+                        self.queue.popleft()
+                        link.send("dropped", key=job["key"], reason=f"{job['drafter']} is not attached")
+                        unattached_since = None
+                        continue
+                else:
+                    unattached_since = None
+                    slot = self.producer.acquire(timeout=0)
+                    if slot is not None:
+                        if waiting_since is not None:
+                            self.stats["wait_slot_s"] += time.perf_counter() - waiting_since
+                            waiting_since = None
+                        self.produce(self.queue.popleft(), slot)
+                        continue
+                    waiting_since = waiting_since or time.perf_counter()
             poller.poll(min(IDLE_POLL_MS, max(1, int(self.producer.next_timer_s() * 1000))))
 
     def close(self) -> None:

@@ -1,0 +1,170 @@
+"""Fault tolerance on CPU: control commands, automatic restarts under random SIGKILLs, no orphans.
+
+The fault-injection test kills a random worker (target or drafter) with SIGKILL at random
+moments, 20 times over one run, through pids read with ``python -m launch.cluster status``.
+A dead target is restarted (its batches re-assigned), a dead drafter restarts the drafter group
+from the last checkpoint. The run must finish with an exact ledger and the same per-step losses
+as the single-process reference trainer (restores are exact, batches deterministic), leaving no
+worker process and no shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_pipeline import CONFIG, ROOT, SMALL, _env, reference_losses, train_losses
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT_S = 900
+FAULTS = ["cluster.drafters=[0, 1]", "train.max_steps=60", "train.eval_batches=0", "checkpoint.every=2",
+          "cluster.max_restarts=4", "cluster.restart_backoff_s=0.2", "transport.peer_timeout_s=20"]
+
+
+def ctl(run_dir: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cluster", *args, "--run-dir", str(run_dir)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def status(run_dir: Path) -> dict | None:
+    res = ctl(run_dir, "status", "--json")
+    return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the cluster exited while waiting for {what}:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.3)  # polling another process's state, bounded by the deadline
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def descendants(pid: int) -> set[int]:
+    """Live processes whose parent chain reaches ``pid`` (from /proc)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    out, frontier = set(), {pid}
+    while frontier:
+        children = {c for c, p in parents.items() if p in frontier}
+        frontier = children - out
+        out |= children
+    return out
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def launch(run_dir: Path, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "launch.cluster", "--config", str(CONFIG), *SMALL, *extra, f"run_dir={run_dir}"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def test_random_sigkills_run_finishes_with_exact_ledger(tmp_path):
+    run_dir = tmp_path / "run"
+    shm_before = shm_entries()
+    proc = launch(run_dir, FAULTS)
+    rng = random.Random(1234)
+    kills = []
+    wait_until(lambda: (s := status(run_dir)) and all(w["ready"] for w in s["workers"].values()), 180,
+               "all workers ready", proc)
+    while len(kills) < 20:
+        s = wait_until(lambda: (x := status(run_dir)) and all(w["ready"] for w in x["workers"].values()) and x,
+                       240, f"a healthy cluster before kill {len(kills) + 1}", proc)
+        if s["step"] >= 56:
+            break
+        time.sleep(rng.uniform(0.0, 2.0))  # a random moment: the fault injector's choice, not synchronisation
+        name = rng.choice(sorted(s["workers"]))
+        pid = s["workers"][name]["pid"]
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            kills.append((name, s["step"]))
+        except ProcessLookupError:
+            continue
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, out[-6000:]
+    assert len(kills) >= 10, f"only {len(kills)} kills before the run ended: {kills}"
+    assert "ledger:" not in out, out[-3000:]  # the launcher logs ledger problems, if any
+    assert "drafter group is back" in out or all(k[0].startswith("target") for k in kills)
+    # the same losses as an unfaulted run: every rollback restored the exact state
+    got = train_losses(run_dir)
+    ref = reference_losses(FAULTS, 2)
+    assert sorted(got) == list(range(1, len(ref) + 1))
+    for step, loss in enumerate(ref, start=1):
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), (step, kills)
+    # no orphans, no shared memory left behind
+    wait_until(lambda: not descendants(proc.pid), 10, "no worker process left")
+    assert shm_entries() - shm_before == set()
+
+
+def test_status_restart_and_stop_commands(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, ["cluster.drafters=[0]", "train.max_steps=400", "train.eval_batches=0",
+                            "checkpoint.every=3"])
+    s = wait_until(lambda: (x := status(run_dir)) and all(w["ready"] for w in x["workers"].values()) and x, 180,
+                   "all workers ready", proc)
+    assert set(s["workers"]) == {"target.0", "drafter.0"}
+    old_target = s["workers"]["target.0"]["pid"]
+    res = ctl(run_dir, "restart", "target.0")
+    assert res.returncode == 0, res.stderr
+    s = wait_until(lambda: (x := status(run_dir)) and x["workers"]["target.0"]["ready"]
+                   and x["workers"]["target.0"]["pid"] not in (None, old_target) and x, 120, "target.0 back", proc)
+    step_after_target = s["step"]
+    res = ctl(run_dir, "restart", "drafters")
+    assert res.returncode == 0 and "drafter group restarting" in res.stdout, res.stdout + res.stderr
+    wait_until(lambda: (x := status(run_dir)) and len(x["restarts"]) >= 2 and x["step"] > step_after_target, 180,
+               "the drafter group back and training", proc)
+    bad = ctl(run_dir, "restart", "target.7")
+    assert bad.returncode == 1 and "no worker 'target.7'" in bad.stderr
+    res = ctl(run_dir, "stop")
+    assert res.returncode == 0
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, out[-4000:]
+    assert "target.0 is back after" in out and "drafter group is back after" in out
+    assert not (run_dir / "cluster.json").exists()
+
+
+def test_launcher_sigkill_leaves_no_worker(tmp_path):
+    run_dir = tmp_path / "run"
+    shm_before = shm_entries()
+    proc = launch(run_dir, ["cluster.drafters=[0, 1]", "train.max_steps=400", "train.eval_batches=0"])
+    wait_until(lambda: (x := status(run_dir)) and all(w["ready"] for w in x["workers"].values()), 180,
+               "all workers ready", proc)
+    workers = descendants(proc.pid)
+    assert len(workers) >= 3
+    proc.kill()
+    proc.communicate(timeout=30)
+    wait_until(lambda: not any(Path(f"/proc/{p}").exists() and _alive(p) for p in workers), 10,
+               "every worker to exit after the launcher's SIGKILL")
+    assert shm_entries() - shm_before == set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
