@@ -47,7 +47,7 @@ def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | No
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the cluster exited while waiting for {what}:\n{proc.communicate()[0][-4000:]}")
+            raise AssertionError(f"the cluster exited while waiting for {what}:\n{finish(proc)[-4000:]}")
         time.sleep(0.3)  # polling another process's state, bounded by the deadline
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
@@ -75,10 +75,39 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_clusters():
+    """A failing test must not leave a cluster running."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 def launch(run_dir: Path, extra: list[str]) -> subprocess.Popen:
+    """Start a cluster; its output goes to ``<run_dir>.log`` (a pipe nobody reads would block it)."""
     cmd = [sys.executable, "-m", "launch.cluster", "--config", str(CONFIG), *SMALL, *extra, f"run_dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    log_file = open(f"{run_dir}.log", "w")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log_file, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    proc.log_path = Path(f"{run_dir}.log")  # type: ignore[attr-defined]
+    _STARTED.append(proc)
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> str:
+    """Wait for the launcher; its whole output."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
 def test_random_sigkills_run_finishes_with_exact_ledger(tmp_path):
@@ -104,7 +133,7 @@ def test_random_sigkills_run_finishes_with_exact_ledger(tmp_path):
             kills.append((name, s["step"]))
         except ProcessLookupError:
             continue
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    out = finish(proc)
     assert proc.returncode == 0, out[-6000:]
     assert len(kills) >= 10, f"only {len(kills)} kills before the run ended: {kills}"
     assert "ledger:" not in out, out[-3000:]  # the launcher logs ledger problems, if any
@@ -141,7 +170,7 @@ def test_status_restart_and_stop_commands(tmp_path):
     assert bad.returncode == 1 and "no worker 'target.7'" in bad.stderr
     res = ctl(run_dir, "stop")
     assert res.returncode == 0
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "target.0 is back after" in out and "drafter group is back after" in out
     assert not (run_dir / "cluster.json").exists()
@@ -156,7 +185,7 @@ def test_launcher_sigkill_leaves_no_worker(tmp_path):
     workers = descendants(proc.pid)
     assert len(workers) >= 3
     proc.kill()
-    proc.communicate(timeout=30)
+    proc.wait(timeout=30)
     wait_until(lambda: not any(Path(f"/proc/{p}").exists() and _alive(p) for p in workers), 10,
                "every worker to exit after the launcher's SIGKILL")
     assert shm_entries() - shm_before == set()
