@@ -27,7 +27,7 @@ from typing import Optional
 import yaml
 
 from dflash.checkpoint import latest_checkpoint, read_state
-from dflash.config import ConfigError, RunConfig, load_config, resolve_device
+from dflash.config import ConfigError, RunConfig, load_config
 from dflash.factory import build_batch_plans
 from dflash.logs import setup_logging
 from dflash.metrics import ProgressLine, WandbRun, format_duration
@@ -288,7 +288,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.resume and ckpt is None:
         log.info("--resume: no checkpoint in %s yet, starting fresh", run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg)
 
     started = time.monotonic()
     plans = build_batch_plans(cfg)

@@ -13,10 +13,9 @@ import logging
 import os
 import signal
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import zmq
@@ -25,7 +24,7 @@ from dflash.config import RunConfig, load_config, resolve_device
 from dflash.logs import setup_logging
 from dflash.workers.control import Incarnation, WorkerLink, encode, set_parent_death_signal
 
-__all__ = ["WorkerContext", "start_worker", "memory_gib"]
+__all__ = ["WorkerContext", "WorkerStop", "start_worker", "run_worker", "memory_gib"]
 
 log = logging.getLogger(__name__)
 
@@ -141,5 +140,32 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
     return ctx
 
 
-def now() -> float:
-    return time.perf_counter()
+class WorkerStop(Exception):
+    """Raised inside a worker's loop when the coordinator says stop while it waits."""
+
+
+def run_worker(role: str, build: Callable[[WorkerContext], Any], argv: Optional[list[str]] = None) -> int:
+    """A worker process's whole life: start-up, ``build(ctx).run()``, failure report, clean-up.
+
+    Any exception is logged with its traceback and reported to the coordinator (``failed``);
+    the exit code is then 1. ``worker.close()`` and the heartbeat stop run in every case.
+    """
+    ctx = start_worker(role, argv)
+    worker = None
+    try:
+        worker = build(ctx)
+        worker.run()
+        return 0
+    except WorkerStop as stop:
+        log.info("stop (%s) while waiting", stop)
+        return 0
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report any failure to the coordinator, then exit non-zero
+        log.exception("%s worker failed", role)
+        ctx.link.send("failed", error=f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        if worker is not None:
+            worker.close()
+        ctx.stop_heartbeat()

@@ -37,7 +37,7 @@ from dflash.factory import build_batch_plans, build_drafter, slot_spec, target_h
 from dflash.objective import LossOutput
 from dflash.reference import eval_sums
 from dflash.schedule import StepPlan
-from dflash.workers.base import WorkerContext, memory_gib, start_worker
+from dflash.workers.base import WorkerContext, WorkerStop, memory_gib, run_worker
 
 log = logging.getLogger("dflash.workers.drafter")
 
@@ -45,10 +45,6 @@ WARMUP_ITERS = 3
 RECEIVE_SLICE_S = 0.5
 ATTACH_TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-class _Stop(Exception):
-    pass
 
 
 class DrafterWorker:
@@ -164,7 +160,7 @@ class DrafterWorker:
             if msg is None:
                 return
             if msg["type"] == "stop":
-                raise _Stop(msg["reason"])
+                raise WorkerStop(msg["reason"])
             self.commands.append(msg)
 
     def _receive(self, key: str):
@@ -295,25 +291,7 @@ class DrafterWorker:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ctx = start_worker("drafter", argv)
-    worker = None
-    try:
-        worker = DrafterWorker(ctx)
-        worker.run()
-        return 0
-    except _Stop as stop:
-        log.info("stop (%s) while waiting for a batch", stop)
-        return 0
-    except SystemExit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - report any failure to the coordinator, then exit non-zero
-        log.exception("drafter worker failed")
-        ctx.link.send("failed", error=f"{type(exc).__name__}: {exc}")
-        return 1
-    finally:
-        if worker is not None:
-            worker.close()
-        ctx.stop_heartbeat()
+    return run_worker("drafter", DrafterWorker, argv)
 
 
 if __name__ == "__main__":

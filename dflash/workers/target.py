@@ -23,7 +23,7 @@ import zmq
 
 from dflash.compile_watch import CompileWatch
 from dflash.factory import build_batch_plans, slot_spec
-from dflash.workers.base import WorkerContext, memory_gib, start_worker
+from dflash.workers.base import WorkerContext, memory_gib, run_worker
 
 log = logging.getLogger("dflash.workers.target")
 
@@ -173,22 +173,7 @@ class TargetWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ctx = start_worker("target", argv)
-    worker = None
-    try:
-        worker = TargetWorker(ctx)
-        worker.run()
-        return 0
-    except SystemExit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - report any failure to the coordinator, then exit non-zero
-        log.exception("target worker failed")
-        ctx.link.send("failed", error=f"{type(exc).__name__}: {exc}")
-        return 1
-    finally:
-        if worker is not None:
-            worker.close()
-        ctx.stop_heartbeat()
+    return run_worker("target", TargetWorker, argv)
 
 
 if __name__ == "__main__":
