@@ -39,7 +39,9 @@ last run's report), ``<output>.lock``. Every line is one JSON object with a stab
   ``{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}], "regen": {"source_index",
   "turns", "new_tokens": [..], "finish": ["stop"|"length", ..], "retokenize_mismatch"}}``;
 * a skipped row (shards only; never in ``<output>``): ``{"id", "skipped": reason, "regen":
-  {"source_index"}}``, reasons :data:`SKIP_REASONS`. Skips are deterministic, so they count as done.
+  {"source_index"}}``, reasons :data:`SKIP_REASONS`. Skips are deterministic, so they count as done; after a merge
+  (which keeps only regenerated rows) a later run checks them again (no generation, except for
+  ``empty_response``).
 
 **Ids.** The row's ``id`` field when it is a non-empty string or a number, else the first 16 hex digits of
 the sha256 of its canonical JSON; the k-th repeat (k >= 1) of an id in file order becomes ``id#k``.
@@ -636,33 +638,40 @@ class ConversationJob:
 
 def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator, tokenizer: Any, options: GenerationOptions,
                     ) -> Iterator[list[dict]]:
-    """Regenerate ``rows``; yield the records of the conversations finished after each round.
+    """Regenerate ``rows``; yield the records of the conversations that finish, as soon as they do.
 
-    A pool of at most ``options.batch_size`` active conversations generates one turn per round
-    (one batch); finished ones are replaced from the queue.
+    A pool of at most ``options.batch_size`` active conversations, each with its next prompt ready,
+    generates one turn per round (one batch); finished conversations leave the pool and the queue
+    refills it. Rows skipped before any generation are yielded before the round that replaces them.
     """
     queue = list(reversed(rows))
-    active: list[ConversationJob] = []
+    active: list[tuple[ConversationJob, list[int]]] = []
     while queue or active:
-        finished: list[dict] = []
+        skipped: list[dict] = []
         while len(active) < options.batch_size and queue:
-            active.append(ConversationJob(queue.pop(), tokenizer, options))
-        prompts: list[list[int]] = []
-        ready: list[ConversationJob] = []
-        for job in active:
+            job = ConversationJob(queue.pop(), tokenizer, options)
+            prompt = job.next_prompt()
+            if prompt is None:
+                skipped.append(job.record())
+            else:
+                active.append((job, prompt))
+        if skipped:
+            yield skipped
+        if not active:
+            continue
+        seeds = [turn_seed(options.seed, job.row.id, job.turns) for job, _ in active]
+        outs = generator.generate([prompt for _, prompt in active], options.max_new_tokens, options.temperature,
+                                  options.top_p, seeds)
+        finished: list[dict] = []
+        still: list[tuple[ConversationJob, list[int]]] = []
+        for (job, _), out in zip(active, outs):
+            job.accept(out)
             prompt = job.next_prompt()
             if prompt is None:
                 finished.append(job.record())
             else:
-                prompts.append(prompt)
-                ready.append(job)
-        if ready:
-            seeds = [turn_seed(options.seed, job.row.id, job.turns) for job in ready]
-            outs = generator.generate(prompts, options.max_new_tokens, options.temperature, options.top_p, seeds)
-            for job, out in zip(ready, outs):
-                job.accept(out)
-        active = [job for job in ready if not job.done]
-        finished.extend(job.record() for job in ready if job.done)
+                still.append((job, prompt))
+        active = still
         if finished:
             yield finished
 
