@@ -80,6 +80,7 @@ __all__ = [
     "stop_token_ids",
     "resolve_checkpoint",
     "last_eval_tau",
+    "checkpoint_step",
     "main",
 ]
 
@@ -634,8 +635,17 @@ def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
     raise FileNotFoundError(f"{p}: neither a checkpoint (drafter/config.json) nor a drafter directory (config.json)")
 
 
-def last_eval_tau(run_dir: Optional[Path]) -> Optional[tuple[int, float]]:
-    """``(step, eval/tau)`` of the last evaluation in ``run_dir/metrics.jsonl``, or ``None``."""
+def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Optional[tuple[int, float]]:
+    """``(step, eval/tau)`` of the last held-out evaluation in ``run_dir/metrics.jsonl``.
+
+    Args:
+        run_dir: the run directory (``None`` = no run).
+        max_step: ignore evaluations after this optimizer step (the checkpoint's step), so an
+            older checkpoint is compared with the evaluation of its own weights or an earlier one.
+
+    Returns:
+        ``(step, tau)``, or ``None`` when there is no such evaluation (unreadable lines are skipped).
+    """
     if run_dir is None:
         return None
     path = Path(run_dir) / "metrics.jsonl"
@@ -647,9 +657,23 @@ def last_eval_tau(run_dir: Optional[Path]) -> Optional[tuple[int, float]]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(rec, dict) and "eval/tau" in rec:
-            found = (int(rec.get("step", -1)), float(rec["eval/tau"]))
+        if not isinstance(rec, dict) or "eval/tau" not in rec:
+            continue
+        step = int(rec.get("step", -1))
+        if max_step is None or step <= max_step:
+            found = (step, float(rec["eval/tau"]))
     return found
+
+
+def checkpoint_step(drafter_dir: Path) -> Optional[int]:
+    """The optimizer step of the training checkpoint holding ``drafter_dir`` (its ``state.json``), or ``None``."""
+    state = Path(drafter_dir).parent / "state.json"
+    if Path(drafter_dir).name != "drafter" or not state.is_file():
+        return None
+    try:
+        return int(json.loads(state.read_text())["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
 
 
 # --------------------------------------------------------------------------- CLI
@@ -760,14 +784,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                               labels=cfg.drafter.labels)
         for row, t in zip(rows, offline.per_conversation):
             row["offline_tau"] = t
-    trained = last_eval_tau(run_dir)
+    step = checkpoint_step(drafter_dir)
+    trained = last_eval_tau(run_dir, max_step=step)
 
     steps = sum(r["steps"] for r in rows)
     tau = sum(sum(r["accepted"]) for r in rows) / steps if steps else float("nan")
     tokens = sum(r["new_tokens"] for r in rows)
     spec_s = sum(r["spec_s"] for r in rows)
     base_s = sum(r["target_s"] for r in rows)
-    summary = {"checkpoint": str(args.checkpoint), "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
+    summary = {"checkpoint": str(args.checkpoint), "checkpoint_step": step, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
                "block_size": dcfg.block_size, "identical_all": all(r["identical"] for r in rows),
                "tau": tau, "verification_steps": steps, "new_tokens": tokens,
                "spec_tok_s": tokens / spec_s if spec_s else float("nan"),

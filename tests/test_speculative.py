@@ -24,6 +24,8 @@ from dflash.speculative import (
     naive_greedy_decode,
     offline_tau,
     prompts_from_corpus,
+    checkpoint_step,
+    last_eval_tau,
     resolve_checkpoint,
     speculative_decode,
 )
@@ -350,6 +352,21 @@ def test_resolve_checkpoint(tmp_path):
     assert resolve_checkpoint(ckpt / "drafter") == (ckpt / "drafter", tmp_path / "runs" / "r")
     with pytest.raises(FileNotFoundError):
         resolve_checkpoint(tmp_path)
+
+
+def test_training_eval_tau_of_the_checkpoint_step(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000150" / "drafter").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000150" / "state.json").write_text('{"step": 150, "epoch": 0}')
+    lines = ['{"step": 0, "eval/tau": 1.0}', '{"step": 50, "train/tau": 1.5}', "not json",
+             '{"step": 100, "eval/tau": 1.25}', '{"step": 200, "eval/tau": 1.75}']
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    step = checkpoint_step(run / "checkpoints" / "step-00000150" / "drafter")
+    assert step == 150
+    assert last_eval_tau(run, max_step=step) == (100, 1.25)
+    assert last_eval_tau(run) == (200, 1.75)
+    assert last_eval_tau(tmp_path / "none") is None and last_eval_tau(None) is None
+    assert checkpoint_step(tmp_path) is None
 
 
 # --------------------------------------------------------------------------- real SmolLM2
