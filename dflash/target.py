@@ -679,7 +679,10 @@ _RANDOM_INIT_STD = 0.02
 
 def _init_shared_random(embed: torch.Tensor, head: Optional[torch.Tensor], seed: int) -> None:
     """Draw a random target's embedding and LM head from their own seeded generator on their device,
-    so a drafter process can rebuild exactly the same two matrices without building the target."""
+    so a drafter process can rebuild exactly the same two matrices without building the target.
+    Nothing to draw on the meta device (shape-only models)."""
+    if embed.device.type == "meta":
+        return
     with torch.no_grad():
         gen = torch.Generator(device=embed.device).manual_seed(seed * 1_000_003 + 1)
         embed.normal_(0.0, _RANDOM_INIT_STD, generator=gen)
