@@ -67,7 +67,6 @@ thinking templates that strip earlier turns' reasoning are rendered as the templ
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fcntl
 import hashlib
 import inspect
