@@ -615,7 +615,12 @@ class TargetModel(nn.Module):
             hidden = decoder.embed_tokens(input_ids)
             rows, seq, _ = hidden.shape
             features = hidden.new_empty(rows, seq, len(self.layer_ids) * width)
-            rotary = decoder.rotary_emb(hidden, position_ids)
+            rope_positions = position_ids
+            if getattr(decoder.rotary_emb, "mrope_section", None) is not None:
+                # multimodal RoPE (Qwen3.5 family): text-only positions on all 3 axes, [3, R, S];
+                # transformers < 5.2x indexes the axes without broadcasting a 2-D input itself
+                rope_positions = position_ids.unsqueeze(0).expand(3, -1, -1)
+            rotary = decoder.rotary_emb(hidden, rope_positions)
             masks = self.attention_masks(doc_ids)
             last = self.num_layers - 1
             for i, layer in enumerate(decoder.layers):

@@ -1,32 +1,158 @@
-"""Diagnose the compiled drafter step: eager vs torch.compile (default) vs reduce-overhead on a tiny
-drafter with bf16 autocast; prints per-step (loss, grad norm). GPU only."""
+#!/usr/bin/env python3
+"""Why does the compiled drafter step not learn at the Qwen3-8B shape? Eager vs compiled variants.
+
+From the same initial weights and the same batch (and the same anchors at every step, so the loss
+must fall), each variant runs ``--steps`` optimizer steps and reports, per step: loss, gradient
+norm, parameters without a gradient, and at step 0 the per-parameter gradient agreement with
+eager (relative L2 difference, cosine), plus how far the weights moved.
+
+Variants: ``eager``; ``default`` (torch.compile, no CUDA graphs); ``reduce-overhead``;
+``reduce-overhead`` with SDPA (dense mask) instead of flex_attention; ``reduce-overhead`` with the
+masks built outside the compiled region.
+
+    python3 scripts/gpu_compile_diag.py --layers 2 --rows 4 --anchors 128     # GPU, ~3-4 min
+    python3 scripts/gpu_compile_diag.py --cpu-smoke                            # CPU, tiny shapes
+
+Writes ``$OUT/compile_diag.json`` when ``$OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from bench_compile import synthetic_batch  # noqa: E402
 from dflash.config import config_from_dict  # noqa: E402
-from dflash.factory import build_drafter  # noqa: E402
-from dflash.target import load_target  # noqa: E402
-from dflash.trainer import DrafterTrainer, metrics_to_host  # noqa: E402
+from dflash.factory import build_drafter, target_hf_config  # noqa: E402
+from dflash.objective import build_attention_masks  # noqa: E402
+from dflash.trainer import DrafterTrainer  # noqa: E402
 
-cfg = config_from_dict({"target": {"kind": "random", "arch": "tiny-qwen3", "tokenizer": "qwen3"},
-                        "drafter": {"num_layers": 2, "block_size": 16, "anchors_per_row": 32, "mask_token_id": 0},
-                        "data": {"max_length": 512, "token_budget": 2048}})
-dev = torch.device("cuda")
-t = load_target(cfg.target, dev, num_drafter_layers=2)
-b = synthetic_batch(4, 512, t.vocab_size, torch.Generator().manual_seed(0), dev)
-f, tok = t.forward_features(b["input_ids"], b["position_ids"], b["doc_ids"])
-tensors = dict(b, features=f, target_tokens=tok)
-for mode in [None, "default", "reduce-overhead"]:
-    cfg.drafter.compile = mode is not None
-    m = build_drafter(cfg, t.embed_tokens, t.lm_head, 0, dev, t.config)
-    tr = DrafterTrainer(m, cfg.train, cfg.drafter, 50, dev, compile_mode=mode or "default")
-    out = []
-    for s in range(6):
-        r = metrics_to_host(tr.step(tensors, 0, s))
-        out.append((round(r["loss"], 4), round(r["grad_norm"], 3)))
-    print(mode, out, flush=True)
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", default="qwen3-8b")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--seq", type=int, default=3072)
+    p.add_argument("--anchors", type=int, default=128)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--variants", default="eager,default,reduce-overhead,ro-sdpa,ro-masks-outside")
+    p.add_argument("--cpu-smoke", action="store_true")
+    args = p.parse_args()
+    if args.cpu_smoke:
+        args.arch, args.seq, args.rows, args.anchors, args.layers = "tiny-qwen3", 256, 2, 8, 1
+        args.variants = "eager,default,ro-masks-outside"
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    cfg = config_from_dict({"target": {"kind": "random", "arch": args.arch, "tokenizer": "qwen3"},
+                            "drafter": {"num_layers": args.layers, "block_size": 16, "anchors_per_row": args.anchors,
+                                        "mask_token_id": 0, "compile": True},
+                            "data": {"max_length": args.seq, "token_budget": args.seq * args.rows}})
+    tc = target_hf_config(cfg)
+    text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
+    d, vocab = int(text.hidden_size), int(text.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    embed = nn.Embedding(vocab, d).to(dev, dtype).requires_grad_(False)
+    head = nn.Linear(d, vocab, bias=False).to(dev, dtype).requires_grad_(False)
+    with torch.no_grad():
+        embed.weight.normal_(0, 0.02, generator=None)
+        head.weight.normal_(0, 0.02)
+    batch = synthetic_batch(args.rows, args.seq, vocab, gen, dev)
+    feat = torch.randn(args.rows, args.seq, args.layers * d, generator=gen).mul_(3.0).to(dev, dtype)
+    tok = torch.randint(0, vocab, (args.rows, args.seq), generator=gen).to(dev)
+    tensors = dict(batch, features=feat, target_tokens=tok)
+    base = build_drafter(cfg, embed, head, vocab, dev, tc)
+    init = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    del base
+    res = {"args": vars(args), "torch": torch.__version__, "variants": {}}
+    eager_grads = None
+    for variant in args.variants.split(","):
+        t0 = time.perf_counter()
+        cfg.drafter.attention = "sdpa" if variant == "ro-sdpa" else "auto"
+        model = build_drafter(cfg, embed, head, vocab, dev, tc)
+        model.load_state_dict(init, strict=False)
+        tr = DrafterTrainer(model, cfg.train, cfg.drafter, 100, dev, compile_mode=None)
+        mode = {"default": "default"}.get(variant, None if variant == "eager" else "reduce-overhead")
+        prepared_masks = None
+        if mode is not None:
+            if variant == "ro-masks-outside":
+                fn = torch.compile(lambda f, i, pos, doc, a, k, masks: _hidden(tr, f, i, pos, doc, a, k, masks),
+                                   mode=mode, dynamic=False)
+                prepared_masks = True
+
+                def fwd(f, i, pos, doc, a, k, fn=fn, model=model):
+                    masks = build_attention_masks(a, k, doc, model.block_size, model.config.layer_types,
+                                                  model.config.sliding_window, backend=model.attention_backend(dev))
+                    return fn(f, i, pos, doc, a, k, masks)
+                tr._forward = fwd
+            else:
+                tr._forward = torch.compile(tr._hidden, mode=mode, dynamic=False)
+        rows = []
+        params = dict((n, q) for n, q in model.named_parameters() if q.requires_grad)
+        for step in range(args.steps):
+            if mode == "reduce-overhead" and dev.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            out, w = tr.forward_backward(tensors, 0, 0)
+            loss = float(out.loss_sum / out.weight_sum)
+            none = [n for n, q in params.items() if q.grad is None]
+            gn = math.sqrt(sum(float(q.grad.float().pow(2).sum()) for q in params.values() if q.grad is not None))
+            row = {"step": step, "loss": round(loss, 5), "grad_norm": round(gn, 5), "no_grad": len(none),
+                   "no_grad_names": none[:5]}
+            if step == 0:
+                grads = {n: q.grad.detach().float().clone() for n, q in params.items() if q.grad is not None}
+                if variant == "eager":
+                    eager_grads = grads
+                elif eager_grads is not None:
+                    worst = []
+                    for n, g in eager_grads.items():
+                        c = grads.get(n)
+                        if c is None:
+                            worst.append((n, None, None))
+                            continue
+                        rel = float((c - g).norm() / g.norm().clamp_min(1e-30))
+                        cos = float(torch.nn.functional.cosine_similarity(c.flatten(), g.flatten(), dim=0))
+                        worst.append((n, round(rel, 4), round(cos, 4)))
+                    worst.sort(key=lambda x: -(x[1] if x[1] is not None else 1e9))
+                    row["grad_vs_eager_worst"] = worst[:8]
+                    row["grad_vs_eager_median_rel"] = sorted(x[1] for x in worst if x[1] is not None)[len(worst) // 2]
+                before = {n: q.detach().float().clone() for n, q in params.items()}
+            tr.optimizer_step()
+            if step == 0:
+                moved = math.sqrt(sum(float((q.detach().float() - before[n]).pow(2).sum()) for n, q in params.items()))
+                row["weights_moved"] = round(moved, 6)
+                del before
+            rows.append(row)
+            print(variant, json.dumps(row), flush=True)
+        res["variants"][variant] = {"rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
+        del tr, model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "compile_diag.json").write_text(json.dumps(res, indent=1))
+    for v, r in res["variants"].items():
+        print(f"{v:>18}: losses {[x['loss'] for x in r['rows']]} grad norms {[x['grad_norm'] for x in r['rows']]} "
+              f"no-grad {r['rows'][0]['no_grad']} moved {r['rows'][0].get('weights_moved')} "
+              f"median rel grad diff {r['rows'][0].get('grad_vs_eager_median_rel')} ({r['seconds']} s)")
+    return 0
+
+
+def _hidden(tr, f, i, pos, doc, a, k, masks):
+    if tr.autocast_dtype is None:
+        return tr.model(f, i, pos, doc, a, k, attn_masks=masks)
+    with torch.autocast(tr.device.type, dtype=tr.autocast_dtype):
+        return tr.model(f, i, pos, doc, a, k, attn_masks=masks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -253,6 +253,13 @@ class Consumer:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
+            if self._copies and not blocked:
+                # Nothing to take while slots we hold are still being copied out: a READY may
+                # need our FREE first, so wait for the oldest copy (GPU-bound, short) and free
+                # its slot now rather than at the next socket timeout.
+                if not self._wait(0):
+                    self._flush_copies(block=False, wait_oldest=True)
+                continue
             wait_s = max(0.001, min(self.heartbeat_s, self.next_timer_s()))
             if remaining is not None:
                 wait_s = min(wait_s, remaining)
@@ -561,12 +568,15 @@ class Consumer:
         del link.held[slot]
         self._send(link, Free(self.name, self.epoch, link.epoch, slot, generation))
 
-    def _flush_copies(self, block: bool) -> None:
-        """Send FREE for every finished copy, in order (``block``: wait for all of them)."""
+    def _flush_copies(self, block: bool, wait_oldest: bool = False) -> None:
+        """Send FREE for every finished copy, in order (``block``: wait for all of them;
+        ``wait_oldest``: wait for the first one only)."""
+        wait = block or wait_oldest
         while self._copies:
             done, link, slot, generation = self._copies[0]
-            if block:
+            if wait:
                 done.synchronize()
+                wait = block
             elif not done.query():
                 break
             self._copies.popleft()
