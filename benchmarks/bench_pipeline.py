@@ -844,6 +844,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def oom_hint(where: str) -> None:
+    batch = RESULT.get("batch", {})
+    RESULT["hint"] = (f"out of memory in {where} (anchors_per_row={batch.get('anchors_per_row')}, rows x seq = "
+                      f"{batch.get('rows')} x {batch.get('seq')}; memory: {RESULT.get('memory')}): lower "
+                      "drafter.anchors_per_row (128 anchors/row: ~63 GiB drafter peak at Qwen3-8B shape) or "
+                      "data.token_budget, or drop --single-gpu")
+    print(f"bench_pipeline: OUT OF MEMORY: {RESULT['hint']}", file=sys.stderr, flush=True)
+
+
 def run_name(mode: str, compiled: bool) -> str:
     return f"{mode}-compile" if compiled and mode != "limits" else mode
 
@@ -855,7 +864,7 @@ def run_many(args: argparse.Namespace, argv: list[str], runs: list[str]) -> int:
     started = time.monotonic()
     results: list[dict] = []
     peak = args.peak_tflops
-    drop = {"--mode", "--json", "--compile", "--peak-tflops"}
+    drop = {"--mode", "--json", "--compile", "--peak-tflops", "--timeout-s"}
     base: list[str] = []
     skip = False
     for tok in argv:
@@ -878,12 +887,14 @@ def run_many(args: argparse.Namespace, argv: list[str], runs: list[str]) -> int:
         path = out_path(run, None) or tmp / f"{run}.json"
         if path.exists():
             path.unlink()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--json", str(path)] + base
+        limit = min(args.run_timeout_s, left - 5)
+        # the child's own watchdog fires first and writes its partial JSON (phase, thread errors so far)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--json", str(path),
+               "--timeout-s", f"{max(10.0, limit - 10):.0f}"] + base
         if compiled:
             cmd.append("--compile")
         if peak is not None and mode != "limits":
             cmd += ["--peak-tflops", str(peak)]
-        limit = min(args.run_timeout_s, left - 5)
         print(f"\n=== {run} (limit {limit:.0f} s): {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, start_new_session=True)
@@ -984,6 +995,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         RESULT["error"] = err
         if err.get("oom"):
             RESULT["status"], rc = "oom", 3
+            oom_hint(f"{err['stage']} thread")
         elif args.compile and mode == "threaded":
             RESULT["status"] = "compile_failed"  # the documented failure of the threaded design
             RESULT["expected_failure"] = ("CUDAGraph Trees state is thread-local (DESIGN.md §1, pytorch#123177): "
@@ -1003,11 +1015,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.exception("run failed")
         if err["oom"]:
             RESULT["status"], rc = "oom", 3
-            batch = RESULT.get("batch", {})
-            RESULT["hint"] = (f"out of memory in phase '{RESULT.get('phase')}' (anchors_per_row="
-                              f"{batch.get('anchors_per_row')}, rows x seq = {batch.get('rows')} x {batch.get('seq')}): "
-                              "lower drafter.anchors_per_row or data.token_budget, or do not use --single-gpu")
-            print(f"bench_pipeline: OUT OF MEMORY: {RESULT['hint']}", file=sys.stderr)
+            oom_hint(f"phase '{RESULT.get('phase')}'")
         else:
             RESULT["status"], rc = "error", 1
     RESULT["total_s"] = round(time.perf_counter() - t_start, 2)
