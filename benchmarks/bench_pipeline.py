@@ -148,7 +148,9 @@ def describe_exception(exc: BaseException) -> dict:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
     return {"type": f"{type(exc).__module__}.{type(exc).__qualname__}".replace("builtins.", ""),
-            "message": msg.splitlines()[0][:500] if msg else "", "where": where,
+            # a bare ``assert`` has no message: show its source line instead
+            "message": (msg.splitlines()[0][:500] if msg else (frames[-1].line or "") if frames else ""),
+            "where": where,
             "oom": isinstance(exc, torch.OutOfMemoryError) or "out of memory" in msg.lower(),
             "frames": [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-8:]]}
 
@@ -571,6 +573,7 @@ def run_threaded(s: Setup, warmup: int, clock: "Clock", queue_size: int, first: 
         except BaseException as exc:  # noqa: BLE001
             fail("drafter", i, exc)
 
+    RESULT["phase"] = f"threads from step {first}"
     threads = [threading.Thread(target=target_loop, name="target-thread", daemon=True),
                threading.Thread(target=drafter_loop, name="drafter-thread", daemon=True)]
     for t in threads:
