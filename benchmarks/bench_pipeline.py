@@ -77,7 +77,7 @@ per multiply-add):
 Commands (the GPU machine: ``.gpu/`` holds a saved Qwen3 tokenizer and a ShareGPT JSONL)::
 
     # everything, 2 GPUs (h200-2gpu: target cuda:0, drafter cuda:1); ~6-7 min on 2×H200, most of it
-    # the two compiled runs' warm-ups (the 512 anchors/row of the config do not fit: use 128)
+    # the two compiled runs' warm-ups (128 anchors/row: ~63 GiB drafter peak; the config's 512 likely will not fit)
     python benchmarks/bench_pipeline.py --mode all --config configs/h200-2gpu.yaml --steps 6 \\
         target.tokenizer=.gpu/tokenizer-qwen3 data.dataset=.gpu/sharegpt.jsonl drafter.anchors_per_row=128
     # one run
