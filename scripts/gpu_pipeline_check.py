@@ -89,7 +89,9 @@ def main() -> int:
     run_dir = Path(args.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    launcher_log = run_dir / "launcher.log"
+    out_dir = os.environ.get("OUT")
+    # the launcher log goes straight to $OUT when set: it comes back even if this script is cut short
+    launcher_log = Path(out_dir, "pipeline_launcher.log") if out_dir else run_dir / "launcher.log"
     cmd = [sys.executable, "-m", "launch.cluster", "--config", args.config, "--overwrite", f"run_dir={run_dir}",
            *args.overrides]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
@@ -104,17 +106,22 @@ def main() -> int:
     pending.sort()
     metrics_path = run_dir / "metrics.jsonl"
     timed_out = False
+    reported = -1
+    print(f"launched: {' '.join(cmd)}", flush=True)
     while proc.poll() is None:
         if time.monotonic() > deadline:
             timed_out = True
             proc.terminate()
             try:
-                proc.wait(60)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
             break
         rows = train_rows(read_metrics(metrics_path))
         last = rows[-1]["step"] if rows else 0
+        if rows and rows[-1]["step"] != reported:
+            reported = rows[-1]["step"]
+            print(f"[{time.time() - t_start:6.1f} s] step {reported} loss {rows[-1]['train/loss']:.4f}", flush=True)
         if pending and last >= pending[0][0]:
             _, worker = pending.pop(0)
             ev = control(run_dir, "restart", worker)
@@ -179,8 +186,7 @@ def main() -> int:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "pipeline.json").write_text(json.dumps(res, indent=1))
-        text = log_text if len(log_text) < 12_000_000 else log_text[-12_000_000:]
-        Path(out, "pipeline_launcher.log").write_text(text)
+        shutil.copy(metrics_path, Path(out, "pipeline_metrics.jsonl")) if metrics_path.exists() else None
     return rc if rc is not None else 1
 
 
