@@ -126,11 +126,14 @@ class DrafterWorker:
         log.info("resumed from %s (step %d)", ckpt, self.steps_done)
 
     def _warm_up(self, batch) -> float:
-        """GPU with compile: run forward+backward on a synthetic batch until the graphs are captured.
+        """GPU: run forward+backward (and one held-out forward) on a synthetic batch until every
+        compiled piece is built: the whole step's graphs with ``drafter.compile``, and in eager
+        mode too the compiled flex_attention kernels (one for training, one without gradients),
+        so that the compile watch armed next sees no compilation in a healthy run.
 
         Gradients are discarded and no optimizer step is taken, so warm-up never changes weights.
         """
-        if not (self.cfg.drafter.compile and self.device.type == "cuda"):
+        if self.device.type != "cuda":
             return 0.0
         started = time.perf_counter()
         tensors = {k: v.to(self.device) for k, v in batch.to_dict().items()}
@@ -141,9 +144,11 @@ class DrafterWorker:
         for i in range(WARMUP_ITERS):
             self.trainer.forward_backward(tensors, -2, i, weight_sum_reduce=lambda w: w)
             self.trainer.optimizer.zero_grad(set_to_none=True)
+        self.trainer.evaluate(tensors, 0, epoch=-2)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
-        log.info("train step warmed up in %.1f s (compiled, graphs captured)", seconds)
+        log.info("train step warmed up in %.1f s (%s)", seconds,
+                 "compiled, graphs captured" if self.cfg.drafter.compile else "eager; attention kernels compiled")
         return seconds
 
     # ------------------------------------------------------------------ commands
