@@ -41,11 +41,17 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned.
+
+    The torch states must be CPU ``uint8`` tensors; a checkpoint loaded with a CUDA
+    ``map_location`` (the drafter worker loads onto its GPU) holds them on the GPU, so they are
+    moved back first.
+    """
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].to("cpu", torch.uint8))
 
 
 def save_checkpoint(run_dir: Path, step: int, epoch: int, model: Any, trainer_state: dict,

@@ -253,3 +253,24 @@ def test_gpu_step_matches_cpu(compile_step: bool) -> None:
         mg = gpu.step(cuda_batch, 0, i, anchors=tuple(a.cuda() for a in anchors))
         assert torch.allclose(mg["loss"].cpu(), mc["loss"], rtol=1e-3, atol=1e-3)
     torch.cuda.synchronize()
+
+
+def test_rng_state_round_trip_through_a_checkpoint_file(tmp_path):
+    """rng_state → trainer.pt → load_trainer_state → set_rng_state replays the same draws, also
+    when the states come back as another dtype / a non-contiguous copy (the GPU-mapped case is
+    covered by scripts/gpu_pipeline_check.py's drafter-group restart)."""
+    import random
+
+    from dflash.checkpoint import load_trainer_state, rng_state, set_rng_state
+
+    torch.manual_seed(123)
+    random.seed(7)
+    torch.save({"trainer": {}, "rng": rng_state()}, tmp_path / "trainer.pt")
+    want = (torch.rand(5), random.random())
+    torch.manual_seed(999)
+    random.seed(1)
+    saved = load_trainer_state(tmp_path)
+    saved["rng"]["torch"] = saved["rng"]["torch"].to(torch.int16)  # a state not in uint8 is converted
+    set_rng_state(saved["rng"])
+    got = (torch.rand(5), random.random())
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
