@@ -47,11 +47,13 @@ def main() -> int:
     p.add_argument("--anchors", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--variants", default="eager,default,reduce-overhead,ro-sdpa,ro-masks-outside")
+    p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"],
+                   help="drafter attention backend of every variant but ro-sdpa")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args()
     if args.cpu_smoke:
         args.arch, args.seq, args.rows, args.anchors, args.layers = "tiny-qwen3", 256, 2, 8, 1
-        args.variants = "eager,default,ro-masks-outside"
+        args.variants = args.variants if args.variants != p.get_default("variants") else "eager,default"
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
     cfg = config_from_dict({"target": {"kind": "random", "arch": args.arch, "tokenizer": "qwen3"},
                             "drafter": {"num_layers": args.layers, "block_size": 16, "anchors_per_row": args.anchors,
@@ -78,7 +80,7 @@ def main() -> int:
     eager_grads = None
     for variant in args.variants.split(","):
         t0 = time.perf_counter()
-        cfg.drafter.attention = "sdpa" if variant == "ro-sdpa" else "auto"
+        cfg.drafter.attention = "sdpa" if variant == "ro-sdpa" else args.attention
         model = build_drafter(cfg, embed, head, vocab, dev, tc)
         model.load_state_dict(init, strict=False)
         tr = DrafterTrainer(model, cfg.train, cfg.drafter, 100, dev, compile_mode=None)
