@@ -21,8 +21,10 @@
    decoding (:func:`dflash.speculative.speculative_decode`) on the first ``--spec-prompts`` held-out
    prompts: τ = tokens per target verification pass.
 
-Results: ``OUT/results.json`` (one entry per drafter, written as each finishes; a rerun skips
-finished entries) and a table on stdout.
+Results: ``OUT/results.json`` (one entry per drafter, written as each finishes; a rerun with the
+same settings skips finished entries) and a table on stdout. Trained weights:
+``OUT/drafter_<data>_<labels>_<steps>.pt``; a rerun with other evaluation settings loads them
+instead of training again.
 """
 
 from __future__ import annotations
@@ -182,19 +184,32 @@ def main(argv=None) -> int:
 
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    settings = {k: getattr(args, k) for k in ("steps", "eval_anchors", "spec_prompts", "spec_new_tokens", "seed",
+                                              "heldout", "limit", "overrides")}
     for labels in args.labels.split(","):
         for data_name in ("regen", "raw"):
             key = f"{data_name}/labels={labels}"
-            if key in results and results[key]["steps"] == args.steps:
+            if results.get(key, {}).get("settings") == settings:
                 log.info("%s: done before, skipped", key)
                 continue
             cfg = cfg_for(files[data_name], labels)
             plans = build_batch_plans(cfg, tok)
+            weights = out / f"drafter_{data_name}_{labels}_{args.steps}.pt"  # trained weights: re-evaluate only
             t0 = time.perf_counter()
-            res = run_reference(cfg, "cpu", steps=args.steps, evaluate=False, plans=plans, target=target)
-            entry = {"steps": len(res.losses), "train_conversations": len(plans.data.train),
-                     "train_minutes": round((time.perf_counter() - t0) / 60, 2),
-                     "train_loss_first_last": [round(res.losses[0], 4), round(res.losses[-1], 4)]}
+            if weights.is_file():
+                saved = torch.load(weights)
+                res = run_reference(cfg, "cpu", steps=0, evaluate=False, plans=plans, target=target)
+                res.model.load_state_dict(saved["model"], strict=False)
+                entry = saved["entry"]
+            else:
+                res = run_reference(cfg, "cpu", steps=args.steps, evaluate=False, plans=plans, target=target)
+                entry = {"steps": len(res.losses), "train_conversations": len(plans.data.train),
+                         "train_minutes": round((time.perf_counter() - t0) / 60, 2),
+                         "train_loss_first_last": [round(res.losses[0], 4), round(res.losses[-1], 4)]}
+                trainable = {n for n, q in res.model.named_parameters() if q.requires_grad}
+                torch.save({"model": {n: v for n, v in res.model.state_dict().items() if n in trainable},
+                            "entry": entry}, weights)
+            entry = {**entry, "settings": settings}
             trainer = res.trainer
             trainer.labels, trainer.num_anchors = "target", args.eval_anchors  # τ against the target's greedy
             for name, ep in evals.items():
