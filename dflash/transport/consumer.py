@@ -538,6 +538,7 @@ class Consumer:
         if ipc and link.ring.producer_gone():  # never read the memory of a dead producer
             self._drop_ring(link, "producer process gone", dead=True)
             return None
+        started = time.perf_counter()
         index = self._next_buffer
         self._next_buffer = (index + 1) % self.buffers.shape[0]
         dst = self.buffers[index]  # copies into one buffer are ordered by the stream
@@ -559,6 +560,8 @@ class Consumer:
         else:
             self._free(link, msg.slot, msg.generation)
         self.stats["received"] += 1
+        # host seconds spent taking slots: the copy until complete with ``sync``, its launch otherwise
+        self.stats["copy_s"] += time.perf_counter() - started
         return Received(link.producer, msg.epoch, msg.batch_id, msg.meta, msg.slot, msg.generation, index,
                         self._views[index])
 

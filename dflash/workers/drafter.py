@@ -171,12 +171,14 @@ class DrafterWorker:
     def _receive(self, key: str):
         """The slot of transport key ``key`` (waiting for it; duplicates of taken keys are freed)."""
         started = time.perf_counter()
+        copy_before = self.consumer.stats["copy_s"]
         while True:
             while self.consumer.receive(0, match=lambda bid, meta: bid in self.consumed) is not None:
                 log.info("discarded a duplicate batch")
             got = self.consumer.receive(RECEIVE_SLICE_S, match=lambda bid, meta: bid == key)
             if got is not None:
                 self.stats["wait_s"] += time.perf_counter() - started
+                self.stats["copy_s"] = self.consumer.stats["copy_s"] - copy_before
                 self.consumed.add(key)
                 self.ctx.link.send("received", key=key)
                 return got
@@ -225,6 +227,7 @@ class DrafterWorker:
         self.stats["step_s"] = step_s
         self.stats["mem_gib"] = memory_gib(self.device)
         out = {"tokens": tokens, "stats": {"wait_s": self.stats["wait_s"], "step_s": step_s,
+                                          "copy_s": self.stats.get("copy_s", 0.0),
                                           "mem_gib": self.stats["mem_gib"], "rerecords": delta.cudagraph_records,
                                           "recompiles": delta.compiles}}
         if self.rank == 0:
