@@ -6,9 +6,11 @@ must fall), each variant runs ``--steps`` optimizer steps and reports, per step:
 norm, parameters without a gradient, and at step 0 the per-parameter gradient agreement with
 eager (relative L2 difference, cosine), plus how far the weights moved.
 
-Variants: ``eager``; ``default`` (torch.compile, no CUDA graphs); ``reduce-overhead``;
-``reduce-overhead`` with SDPA (dense mask) instead of flex_attention; ``reduce-overhead`` with the
-masks built outside the compiled region.
+Variants: ``eager``; ``default`` (torch.compile, no CUDA graphs); ``reduce-overhead`` (with
+``cudagraph_mark_step_begin()`` before each step); ``ro-no-mark`` (without it, as
+``DrafterTrainer.step`` runs); ``ro-clone-grads`` (gradients cloned out of the CUDA-graph pool
+before the optimizer step); ``ro-sdpa`` (SDPA with a dense mask instead of flex_attention);
+``ro-masks-outside`` (the attention masks built outside the compiled region).
 
     python3 scripts/gpu_compile_diag.py --layers 2 --rows 4 --anchors 128     # GPU, ~3-4 min
     python3 scripts/gpu_compile_diag.py --cpu-smoke                            # CPU, tiny shapes
@@ -102,9 +104,13 @@ def main() -> int:
         rows = []
         params = dict((n, q) for n, q in model.named_parameters() if q.requires_grad)
         for step in range(args.steps):
-            if mode == "reduce-overhead" and dev.type == "cuda":
+            if mode == "reduce-overhead" and dev.type == "cuda" and variant != "ro-no-mark":
                 torch.compiler.cudagraph_mark_step_begin()
             out, w = tr.forward_backward(tensors, 0, 0)
+            if variant == "ro-clone-grads":  # gradients out of the CUDA-graph pool before the step
+                for q in params.values():
+                    if q.grad is not None:
+                        q.grad = q.grad.clone()
             loss = float(out.loss_sum / out.weight_sum)
             none = [n for n, q in params.items() if q.grad is None]
             gn = math.sqrt(sum(float(q.grad.float().pow(2).sum()) for q in params.values() if q.grad is not None))
