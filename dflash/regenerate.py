@@ -950,7 +950,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--worker-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -141,7 +141,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="continue from the newest checkpoint of the run directory (starts fresh when there is none)")
     p.add_argument("--overwrite", action="store_true", help="discard an existing run directory's checkpoints")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
 def derived_values(cfg: RunConfig, plan: StepPlan, heldout_batches: int) -> dict:
@@ -218,7 +218,10 @@ def control_main(argv: list[str]) -> int:
     where.add_argument("--config", help="the run's config (its run directory is used)")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.add_argument("overrides", nargs="*", default=[])
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
+    if args.worker and "=" in args.worker:  # `status run_dir=... --config X`: an override, not a worker
+        args.overrides.insert(0, args.worker)
+        args.worker = None
     setup_logging("ctl")
     if args.command in ("restart", "attach") and not args.worker:
         p.error(f"{args.command} needs a worker name")

@@ -66,6 +66,10 @@ class WorkerProcess:
         self.popen = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, errors="replace", bufsize=1,
+            # its own session: a signal sent to the launcher's process group (Ctrl-C, `timeout`,
+            # a batch scheduler's SIGTERM) reaches the launcher alone, which stops the run
+            # gracefully; the workers still die with it (parent-death signal, heartbeat check)
+            start_new_session=True,
         )
         self.starts += 1
         logfile = open(self.log_path, "a", buffering=1)  # noqa: SIM115 - closed by the reader threads

@@ -40,10 +40,11 @@ def _env() -> dict:
     return env
 
 
-def launch(run_dir: Path, extra: list[str], *args: str) -> subprocess.Popen:
+def launch(run_dir: Path, extra: list[str], *args: str, new_session: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "launch.cluster", "--config", str(CONFIG), *args, *SMALL, *extra,
            f"run_dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
 
 
 def run_cluster(run_dir: Path, extra: list[str], *args: str) -> str:
@@ -94,10 +95,10 @@ def test_two_drafters_match_reference_doubled_batch(tmp_path):
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), (step, got, ref)
 
 
-def test_sigterm_checkpoint_then_resume_matches_uninterrupted(tmp_path):
+def test_group_sigterm_checkpoint_then_resume_matches_uninterrupted(tmp_path):
     extra = ["cluster.drafters=[0]", "train.max_steps=8", "train.eval_batches=0"]
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, extra)
+    proc = launch(run_dir, extra, new_session=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
@@ -105,7 +106,9 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted(tmp_path):
             break
         time.sleep(0.2)  # polling a file written by another process; the run itself is not timed
     assert proc.poll() is None, proc.communicate()[0][-3000:]
-    proc.send_signal(signal.SIGTERM)
+    # to the launcher's whole process group, as `timeout`, Ctrl-C or a batch scheduler signal it:
+    # the workers (each in its own session) must not see it; the launcher stops the run gracefully
+    os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]  # stopped by the signal, checkpoint written
     assert "Traceback" not in out, out[-4000:]
