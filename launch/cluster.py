@@ -162,6 +162,38 @@ CONTROL_COMMANDS = ("status", "restart", "stop", "attach")
 CONTROL_TIMEOUT_S = 15.0
 
 
+def _lock_run_dir(run_dir: Path):
+    """An exclusive lock on ``<run_dir>/launcher.lock`` (the open file), or ``None`` after logging
+    which launcher holds it: two launchers must not share checkpoints, logs and the control socket."""
+    import fcntl
+
+    handle = open(run_dir / "launcher.lock", "a+")  # noqa: SIM115 - kept open for the whole run
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        log.error("another launcher (pid %s) is running on %s: stop it first (python -m launch.cluster stop "
+                  "--run-dir %s) or choose another run_dir / name", holder, run_dir, run_dir)
+        return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _control_request(run_dir: Path, cmd: str, args: dict) -> dict:
     """Send one ``ctl`` message to the running cluster of ``run_dir``; return the reply.
 
@@ -176,6 +208,10 @@ def _control_request(run_dir: Path, cmd: str, args: dict) -> dict:
     if not info_file.is_file():
         raise RuntimeError(f"no running cluster in {run_dir} ({info_file.name} is missing)")
     info = json.loads(info_file.read_text())
+    pid = info.get("launcher_pid")
+    if isinstance(pid, int) and not _pid_alive(pid):
+        raise RuntimeError(f"no running cluster in {run_dir}: its launcher (pid {pid}) is gone "
+                           f"({info_file.name} is stale; resume the run with --resume)")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"ctl-{os.getpid()}".encode())
     sock.setsockopt(zmq.LINGER, 0)
@@ -200,9 +236,9 @@ def _control_request(run_dir: Path, cmd: str, args: dict) -> dict:
 def _print_status(data: dict) -> None:
     print(f"step {data['step']}/{data['total_steps']}  attempt {data['attempt']}  "
           f"batches in flight {data['batches_in_flight']}  unassigned {data['unassigned_batches']}")
-    print(f"{'worker':<12}{'role':<9}{'pid':>8}  {'up':<4}{'ready':<7}{'failures':<9}external")
+    print(f"{'worker':<12}{'role':<9}{'pid':>8}  {'up':<6}{'ready':<7}{'failures':<9}external")
     for name, w in data["workers"].items():
-        print(f"{name:<12}{w['role']:<9}{str(w['pid']):>8}  {str(w['up']):<4}{str(w['ready']):<7}"
+        print(f"{name:<12}{w['role']:<9}{str(w['pid']):>8}  {str(w['up']):<6}{str(w['ready']):<7}"
               f"{w['failures']:<9}{w['external']}")
     for r in data.get("restarts", []):
         print(f"restart: {r['worker']} back after {r['seconds']:.1f} s")
@@ -278,6 +314,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_CONFIG
     setup_logging("cluster", cfg.log.level)
     run_dir = cfg.resolved_run_dir().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock_run_dir(run_dir)  # held (open) until this process exits
+    if lock is None:
+        return EXIT_CONFIG
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None and not (args.resume or args.overwrite):
         log.error("%s already holds checkpoints (newest: %s): pass --resume to continue it or --overwrite to "
