@@ -672,11 +672,13 @@ def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Op
 
 def checkpoint_step(drafter_dir: Path) -> Optional[int]:
     """The optimizer step of the training checkpoint holding ``drafter_dir`` (its ``state.json``), or ``None``."""
-    state = Path(drafter_dir).parent / "state.json"
-    if Path(drafter_dir).name != "drafter" or not state.is_file():
+    from dflash.checkpoint import read_state
+
+    ckpt = Path(drafter_dir).parent
+    if Path(drafter_dir).name != "drafter" or not (ckpt / "state.json").is_file():
         return None
     try:
-        return int(json.loads(state.read_text())["step"])
+        return int(read_state(ckpt)["step"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
 

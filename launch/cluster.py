@@ -184,16 +184,6 @@ def _lock_run_dir(run_dir: Path):
     return handle
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _control_request(run_dir: Path, cmd: str, args: dict) -> dict:
     """Send one ``ctl`` message to the running cluster of ``run_dir``; return the reply.
 
@@ -208,8 +198,10 @@ def _control_request(run_dir: Path, cmd: str, args: dict) -> dict:
     if not info_file.is_file():
         raise RuntimeError(f"no running cluster in {run_dir} ({info_file.name} is missing)")
     info = json.loads(info_file.read_text())
+    from dflash.transport.carriers import process_gone
+
     pid = info.get("launcher_pid")
-    if isinstance(pid, int) and not _pid_alive(pid):
+    if isinstance(pid, int) and process_gone(pid):
         raise RuntimeError(f"no running cluster in {run_dir}: its launcher (pid {pid}) is gone "
                            f"({info_file.name} is stale; resume the run with --resume)")
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -330,7 +322,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         ckpt = None
     if args.resume and ckpt is None:
         log.info("--resume: no checkpoint in %s yet, starting fresh", run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
 
     started = time.monotonic()
     plans = build_batch_plans(cfg)

@@ -130,7 +130,7 @@ def pid_namespace() -> int:
         return 0
 
 
-def _process_gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
     """True when ``pid`` does not exist or is a zombie (its CUDA context and memory are gone
     before it is reaped)."""
     try:
@@ -478,7 +478,7 @@ class ImportedRing:
 
     def producer_gone(self) -> bool:
         """True when the producer's process provably no longer exists (same host and pid namespace)."""
-        return self.same_process_space and _process_gone(self.producer_pid)
+        return self.same_process_space and process_gone(self.producer_pid)
 
 
 class CudaIpcImport(ImportedRing):
@@ -533,7 +533,7 @@ class CudaIpcImport(ImportedRing):
         it. Done only when the producer's pid is provably gone (same host, same pid namespace).
         """
         name = self.ref_counter_handle.decode(errors="replace").lstrip("/")
-        if not name.startswith("torch_") or "/" in name or not self.same_process_space or not _process_gone(self.producer_pid):
+        if not name.startswith("torch_") or "/" in name or not self.same_process_space or not process_gone(self.producer_pid):
             return
         try:
             os.unlink(os.path.join(SHM_DIR, name))

@@ -90,7 +90,7 @@ class DrafterWorker:
         self.consumed: set[str] = set()
         self.commands: collections.deque[dict] = collections.deque()
         self.stats = ctx.stats
-        self.stats.update(trained=0, wait_s=0.0, step_s=0.0)
+        self.stats.update(trained=0, wait_s=0.0, step_s=0.0, copy_s=0.0)
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -227,7 +227,7 @@ class DrafterWorker:
         self.stats["step_s"] = step_s
         self.stats["mem_gib"] = memory_gib(self.device)
         out = {"tokens": tokens, "stats": {"wait_s": self.stats["wait_s"], "step_s": step_s,
-                                          "copy_s": self.stats.get("copy_s", 0.0),
+                                          "copy_s": self.stats["copy_s"],
                                           "mem_gib": self.stats["mem_gib"], "rerecords": delta.cudagraph_records,
                                           "recompiles": delta.compiles}}
         if self.rank == 0:
