@@ -37,8 +37,9 @@ Measured per pipeline run (JSON ``$OUT/bench_pipeline_<run>.json`` when ``$OUT``
 
 * ``steps`` (= batches; the first ``warmup_steps`` excluded from every steady-state number),
   ``wall_s`` (first step start → last step end), ``steady_s_per_step`` (time between the end of the
-  last warm-up step and the end of the last step, over the steps in between; the drafter's step
-  ends in threaded mode).
+  last warm-up step and the end of the last step, over the steps in between; in threaded mode the
+  slower of the two stages, each timed over its own completions, since the bounded queue lets the
+  drafter finish its last steps on batches made earlier).
 * tokens/s over that window: ``target_tokens_per_s`` / ``drafter_tokens_per_s`` = **real
   (non-padding) tokens** of the batches that went through the stage (``Batch.num_tokens``);
   ``drafter_block_tokens_per_s`` = block tokens computed, ``R·A·B`` per batch (all anchor slots);
@@ -636,8 +637,17 @@ def summarise(s: Setup, records: list[dict], warmup: int, threaded: bool, sample
         return
     t_begin = max(r["end"] for r in records if r["step"] < warmup) if warmup else min(r["start"] for r in steady)
     t_end = steady[-1]["end"]
-    window = t_end - t_begin
     n = len(steady)
+    window = t_end - t_begin
+    if threaded and warmup and all(r.get("target_end") is not None for r in records):
+        # A bounded queue lets the drafter finish its last steps on batches the target made
+        # earlier, so the drafter's own window alone can beat the slower stage: the pipeline's
+        # rate is that of the slower stage, each measured over its own completions.
+        t_window = steady[-1]["target_end"] - max(r["target_end"] for r in records if r["step"] < warmup)
+        RESULT["stage_windows_s"] = {"target": round(t_window, 3), "drafter": round(window, 3)}
+        if t_window > window:
+            t_end = t_begin + t_window
+            window = t_window
     real = sum(r["real_tokens"] for r in steady)
     block = sum(r["block_tokens"] for r in steady)
     t_fwd = [r.get("target_s") for r in steady]

@@ -33,8 +33,10 @@ from dflash.config import default_gamma
 from dflash.model import DFlashDraftModel
 from dflash.objective import (
     LOSS_CHUNK_ROWS,
+    AttentionMask,
     LossOutput,
     anchor_generator,
+    build_attention_masks,
     build_block_labels,
     dflash_loss,
     label_weights,
@@ -177,13 +179,29 @@ class DrafterTrainer:
         return PreparedBatch(anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
                              weight_sum=label_weights(valid, self.gamma).sum())
 
+    def attention_masks(self, doc_ids: Tensor, anchors: Tensor, anchor_keep: Tensor) -> dict[str, AttentionMask]:
+        """The drafter's attention masks of a batch, built eagerly (never inside the compiled region).
+
+        Built outside ``torch.compile`` on purpose: on CUDA (torch 2.11), a flex_attention
+        ``BlockMask`` built *inside* the compiled drafter forward (its ``argsort``-based block
+        indices) gave a slightly different forward and gradients ~500× off the eager ones, so the
+        compiled step did not learn (``scripts/gpu_compile_diag.py``, docs/benchmarks.md, session 3).
+        Built here, the compiled gradients match eager to ~1 % (bf16).
+
+        Returns:
+            ``{layer type: mask}`` (:func:`dflash.objective.build_attention_masks`).
+        """
+        m = self.module
+        return build_attention_masks(anchors, anchor_keep, doc_ids, m.block_size, m.config.layer_types,
+                                     m.config.sliding_window, backend=m.attention_backend(anchors.device))
+
     def _hidden(self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
-                anchors: Tensor, anchor_keep: Tensor) -> Tensor:
+                anchors: Tensor, anchor_keep: Tensor, attn_masks: dict[str, AttentionMask]) -> Tensor:
         """Drafter forward under the trainer's autocast: ``[R, A, B, D]`` (what gets compiled)."""
         if self.autocast_dtype is None:
-            return self.model(features, input_ids, position_ids, doc_ids, anchors, anchor_keep)
+            return self.model(features, input_ids, position_ids, doc_ids, anchors, anchor_keep, attn_masks)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-            return self.model(features, input_ids, position_ids, doc_ids, anchors, anchor_keep)
+            return self.model(features, input_ids, position_ids, doc_ids, anchors, anchor_keep, attn_masks)
 
     def forward_loss(self, tensors: dict[str, Tensor], prepared: PreparedBatch, compiled: bool = True) -> LossOutput:
         """Forward pass and loss of a prepared batch (grad mode as the caller set it).
@@ -193,8 +211,9 @@ class DrafterTrainer:
         """
         t = self._batch(tensors)
         fn = self._forward if compiled else self._hidden
+        masks = self.attention_masks(t["doc_ids"], prepared.anchors, prepared.anchor_keep)
         hidden = fn(t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors,
-                    prepared.anchor_keep)
+                    prepared.anchor_keep, masks)
         return dflash_loss(hidden, self.module.lm_head, prepared.labels, prepared.valid, self.gamma,
                            chunk=self.loss_chunk, block_keep=prepared.anchor_keep)
 

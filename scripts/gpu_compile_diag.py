@@ -10,7 +10,9 @@ Variants: ``eager``; ``default`` (torch.compile, no CUDA graphs); ``reduce-overh
 ``cudagraph_mark_step_begin()`` before each step); ``ro-no-mark`` (without it, as
 ``DrafterTrainer.step`` runs); ``ro-clone-grads`` (gradients cloned out of the CUDA-graph pool
 before the optimizer step); ``ro-sdpa`` (SDPA with a dense mask instead of flex_attention);
-``ro-masks-outside`` (the attention masks built outside the compiled region).
+``ro-masks-inside`` / ``default-masks-inside`` (the attention masks built *inside* the compiled
+region, as the trainer did before session 3: on CUDA its gradients were ~500× off eager; the
+trainer now builds them eagerly, :meth:`dflash.trainer.DrafterTrainer.attention_masks`).
 
     python3 scripts/gpu_compile_diag.py --layers 2 --rows 4 --anchors 128     # GPU, ~3-4 min
     python3 scripts/gpu_compile_diag.py --cpu-smoke                            # CPU, tiny shapes
@@ -36,7 +38,7 @@ from torch import nn  # noqa: E402
 from bench_compile import synthetic_batch  # noqa: E402
 from dflash.config import config_from_dict  # noqa: E402
 from dflash.factory import build_drafter, target_hf_config  # noqa: E402
-from dflash.objective import build_attention_masks  # noqa: E402
+from dflash.objective import anchor_generator, flex_block_mask, sample_anchors  # noqa: E402
 from dflash.trainer import DrafterTrainer  # noqa: E402
 
 
@@ -48,7 +50,9 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=3072)
     p.add_argument("--anchors", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--variants", default="eager,default,reduce-overhead,ro-sdpa,ro-masks-outside")
+    p.add_argument("--variants", default="eager,default,reduce-overhead,ro-sdpa,ro-masks-inside")
+    p.add_argument("--mask-check", action="store_true",
+                   help="compare a flex BlockMask built under torch.compile with the eager one first")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"],
                    help="drafter attention backend of every variant but ro-sdpa")
     p.add_argument("--cpu-smoke", action="store_true")
@@ -75,10 +79,13 @@ def main() -> int:
     feat = torch.randn(args.rows, args.seq, args.layers * d, generator=gen).mul_(3.0).to(dev, dtype)
     tok = torch.randint(0, vocab, (args.rows, args.seq), generator=gen).to(dev)
     tensors = dict(batch, features=feat, target_tokens=tok)
+    res = {"args": vars(args), "torch": torch.__version__, "variants": {}}
+    if args.mask_check:
+        res["mask_check"] = mask_check(tensors, args.anchors, dev)
+        print("mask_check", json.dumps(res["mask_check"]), flush=True)
     base = build_drafter(cfg, embed, head, vocab, dev, tc)
     init = {k: v.detach().clone() for k, v in base.state_dict().items()}
     del base
-    res = {"args": vars(args), "torch": torch.__version__, "variants": {}}
     eager_grads = None
     for variant in args.variants.split(","):
         t0 = time.perf_counter()
@@ -86,19 +93,12 @@ def main() -> int:
         model = build_drafter(cfg, embed, head, vocab, dev, tc)
         model.load_state_dict(init, strict=False)
         tr = DrafterTrainer(model, cfg.train, cfg.drafter, 100, dev, compile_mode=None)
-        mode = {"default": "default"}.get(variant, None if variant == "eager" else "reduce-overhead")
-        prepared_masks = None
+        mode = ("default" if variant.startswith("default") else None if variant == "eager" else "reduce-overhead")
         if mode is not None:
-            if variant == "ro-masks-outside":
-                fn = torch.compile(lambda f, i, pos, doc, a, k, masks: _hidden(tr, f, i, pos, doc, a, k, masks),
+            if variant in ("ro-masks-inside", "default-masks-inside"):  # the old, broken layout
+                fn = torch.compile(lambda f, i, pos, doc, a, k: _hidden(tr, f, i, pos, doc, a, k, None),
                                    mode=mode, dynamic=False)
-                prepared_masks = True
-
-                def fwd(f, i, pos, doc, a, k, fn=fn, model=model):
-                    masks = build_attention_masks(a, k, doc, model.block_size, model.config.layer_types,
-                                                  model.config.sliding_window, backend=model.attention_backend(dev))
-                    return fn(f, i, pos, doc, a, k, masks)
-                tr._forward = fwd
+                tr._forward = lambda f, i, pos, doc, a, k, masks, fn=fn: fn(f, i, pos, doc, a, k)
             else:
                 tr._forward = torch.compile(tr._hidden, mode=mode, dynamic=False)
         rows = []
@@ -153,6 +153,35 @@ def main() -> int:
               f"no-grad {r['rows'][0]['no_grad']} moved {r['rows'][0].get('weights_moved')} "
               f"median rel grad diff {r['rows'][0].get('grad_vs_eager_median_rel')} ({r['seconds']} s)")
     return 0
+
+
+def mask_check(tensors: dict, num_anchors: int, dev: torch.device) -> dict:
+    """Fields of a flex ``BlockMask`` built eagerly vs inside ``torch.compile``: mismatch counts.
+
+    Indices are compared within each row's valid prefix (``num`` entries), as sets and in order.
+    """
+    gen = anchor_generator(0, 0, 0, dev)
+    anc, keep = sample_anchors(tensors["loss_mask"], tensors["doc_ids"], num_anchors, gen)
+
+    def fields(a, k, doc):
+        m = flex_block_mask(a, k, doc, 16)
+        return (m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices,
+                m.q_num_blocks, m.q_indices, m.full_q_num_blocks, m.full_q_indices)
+
+    eager = fields(anc, keep, tensors["doc_ids"])
+    comp = torch.compile(fields, dynamic=False, fullgraph=True)(anc, keep, tensors["doc_ids"])
+    names = ("kv", "full_kv", "q", "full_q")
+    out = {}
+    for j, name in enumerate(names):
+        ne, ie, nc, ic = eager[2 * j], eager[2 * j + 1], comp[2 * j], comp[2 * j + 1]
+        out[f"{name}_num_mismatch"] = int((ne != nc).sum())
+        valid = torch.arange(ie.shape[-1], device=ie.device) < ne.unsqueeze(-1)
+        out[f"{name}_idx_in_order_mismatch"] = int(((ie != ic) & valid).sum())
+        se = torch.where(valid, ie, -1).sort(-1).values
+        sc = torch.where(valid, ic, -1).sort(-1).values
+        out[f"{name}_idx_as_set_mismatch"] = int((se != sc).sum())
+        out[f"{name}_valid_entries"] = int(valid.sum())
+    return out
 
 
 def _hidden(tr, f, i, pos, doc, a, k, masks):
