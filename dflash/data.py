@@ -94,6 +94,12 @@ READ_CHUNK_CHARS = 1 << 22
 CHARS_PER_TOKEN_GUESS = 8
 #: Log progress every this many rows while tokenising.
 PROGRESS_EVERY_ROWS = 5000
+#: Dropped rows kept per reason in :attr:`DataReport.drop_examples` (the first ones, in file order).
+DROP_EXAMPLES_PER_REASON = 5
+#: Of those, shown per reason in :meth:`DataReport.summary` (the log line).
+DROP_EXAMPLES_LOGGED = 3
+#: A row's ``id`` is cut to this many characters in a drop example.
+DROP_EXAMPLE_ID_CHARS = 64
 
 # Drop reasons, one per row that is not used.
 INVALID_JSON = "invalid_json"              # a JSONL line that does not parse
@@ -150,6 +156,11 @@ class DataReport:
     conversations: int = 0
     #: Rows dropped, by reason (keys from :data:`DROP_REASONS`).
     dropped: dict[str, int] = field(default_factory=dict)
+    #: The first :data:`DROP_EXAMPLES_PER_REASON` dropped rows of each reason, in file order, each
+    #: ``{"row": 0-based row index (numbered as TokenizedCorpus.source_rows), "line": 1-based line
+    #: of a JSONL file (absent for a JSON array), "id": the row's ``id`` field (absent when it has
+    #: none)}``. Empty in a report cached before this field existed.
+    drop_examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     #: Kept conversations cut at ``data.max_length``.
     truncated: int = 0
     #: Tokens kept, and the assistant (loss-mask) tokens among them.
@@ -168,25 +179,74 @@ class DataReport:
     def num_dropped(self) -> int:
         return sum(self.dropped.values())
 
-    def drop(self, reason: str) -> None:
+    def drop(self, reason: str, example: Optional[dict[str, Any]] = None) -> None:
+        """Count one dropped row under ``reason``; keep ``example`` (see :attr:`drop_examples`) while
+        fewer than :data:`DROP_EXAMPLES_PER_REASON` are kept for that reason."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if example is not None:
+            kept = self.drop_examples.setdefault(reason, [])
+            if len(kept) < DROP_EXAMPLES_PER_REASON:
+                kept.append(example)
 
     def summary(self) -> str:
-        """One line: ``prepared 3968 conversations from 4000 rows; dropped 32: a=20, b=12; ...``."""
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items(), key=lambda kv: (-kv[1], kv[0])))
+        """One line: ``prepared 3968 conversations from 4000 rows; dropped 32: a=20, b=12; ...``.
+
+        When rows were dropped and examples kept, it ends with the first
+        :data:`DROP_EXAMPLES_LOGGED` of each reason: ``; first dropped: a [row 4 (line 5, id x),
+        row 9 (line 10), ...]`` (all kept examples are in :attr:`drop_examples`).
+        """
+        by_count = sorted(self.dropped.items(), key=lambda kv: (-kv[1], kv[0]))
+        reasons = ", ".join(f"{k}={v}" for k, v in by_count)
         dropped = f"dropped {self.num_dropped}" + (f": {reasons}" if reasons else "")
         where = " (from cache)" if self.from_cache else f" in {self.seconds:.1f} s"
+        examples = []
+        for reason, count in by_count:
+            shown = self.drop_examples.get(reason, [])[:DROP_EXAMPLES_LOGGED]
+            if shown:
+                more = ", ..." if count > len(shown) else ""
+                examples.append(f"{reason} [{', '.join(_format_example(e) for e in shown)}{more}]")
+        first = f"; first dropped: {'; '.join(examples)}" if examples else ""
         return (f"prepared {self.conversations} conversations from {self.rows_read} rows of {self.source}; "
                 f"{dropped}; {self.truncated} truncated; {self.tokens} tokens, {self.assistant_tokens} "
-                f"assistant{where}")
+                f"assistant{where}{first}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "DataReport":
+        """The report of :meth:`to_dict` (e.g. a cached ``report.json``); unknown keys are ignored and
+        missing ones (a cache written by an older version) keep their defaults."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _format_example(example: dict[str, Any]) -> str:
+    """``row 4 (line 5, id x)`` for one entry of :attr:`DataReport.drop_examples`."""
+    extra = [f"line {example['line']}"] if example.get("line") is not None else []
+    if example.get("id") is not None:
+        extra.append(f"id {example['id']}")
+    return f"row {example.get('row')}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _drop_example(row: Any, row_number: int, line: Optional[int] = None) -> dict[str, Any]:
+    """What identifies a dropped row: ``{"row": row_number, "line": line, "id": row["id"]}``.
+
+    ``line`` is left out when None, ``id`` when ``row`` is not an object or has no string / integer
+    ``id`` (a string id is cut to :data:`DROP_EXAMPLE_ID_CHARS` characters). Never raises.
+
+    Returns:
+        The example, JSON-serialisable.
+    """
+    example: dict[str, Any] = {"row": int(row_number)}
+    if line is not None:
+        example["line"] = int(line)
+    row_id = row.get("id") if isinstance(row, dict) else None
+    if isinstance(row_id, str):
+        example["id"] = row_id[:DROP_EXAMPLE_ID_CHARS]
+    elif isinstance(row_id, int) and not isinstance(row_id, bool):
+        example["id"] = row_id
+    return example
 
 
 # --------------------------------------------------------------------------- corpus
@@ -334,16 +394,24 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
             pos = _SKIP_SEPARATORS.match(buf, end).end()
 
 
-def iter_jsonl(path: Union[str, os.PathLike]) -> Iterator[Any]:
-    """Yield each non-blank line of a JSONL file parsed, or an ``_Invalid`` marker if it does not parse."""
+def iter_jsonl(path: Union[str, os.PathLike], stats: Optional[dict] = None) -> Iterator[Any]:
+    """Yield each non-blank line of a JSONL file parsed, or an ``_Invalid`` marker if it does not parse.
+
+    Args:
+        stats: if given, ``stats["line"]`` is the 1-based line number of the row just yielded (blank
+            lines are skipped, so it can differ from the row's index + 1).
+    """
+    stats = stats if stats is not None else {}
     with open(path, "rb") as handle:
-        for raw in handle:
+        for line, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue
+            stats["line"] = line
             try:
-                yield json.loads(raw.decode("utf-8"))
+                row = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                yield _Invalid(str(exc))
+                row = _Invalid(str(exc))
+            yield row
 
 
 def _dataset_path(dataset: str) -> Path:
@@ -359,13 +427,14 @@ def read_rows(dataset: str, limit: Optional[int] = None, stats: Optional[dict] =
     """Rows of ``data.dataset`` in file order (at most ``limit``): parsed JSON or ``_Invalid`` markers.
 
     ``sharegpt`` (or any ``.json`` file) is read as a JSON array with :func:`iter_json_array`;
-    anything else as JSONL.
+    anything else as JSONL with :func:`iter_jsonl`. ``stats`` is passed to the reader (JSON array:
+    ``tail_chars`` etc.; JSONL: ``line`` of the row just yielded).
 
     Raises:
         ConfigError: ``data.dataset`` is neither ``sharegpt`` nor an existing file.
     """
     path = _dataset_path(dataset)
-    rows = iter_json_array(path, stats) if dataset == SHAREGPT or path.suffix == ".json" else iter_jsonl(path)
+    rows = iter_json_array(path, stats) if dataset == SHAREGPT or path.suffix == ".json" else iter_jsonl(path, stats)
     for count, row in enumerate(rows):
         if limit is not None and count >= limit:
             break
@@ -539,9 +608,16 @@ def tokenize_conversation(messages: list[dict[str, str]], tokenizer: PreTrainedT
 
 
 def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_length: int,
-                  enable_thinking: Optional[bool], source: str = "rows",
+                  enable_thinking: Optional[bool], source: str = "rows", stats: Optional[dict] = None,
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
     """Normalise and tokenise every row; never raises on a bad row.
+
+    Each dropped row is counted by reason and the first ones are kept as examples (row index, line,
+    ``id``: :attr:`DataReport.drop_examples`).
+
+    Args:
+        stats: the dict given to :func:`read_rows` for ``rows``: its ``line`` when a row arrives is
+            that row's line in a JSONL file (for the drop examples).
 
     Returns:
         ``(tokens int32 [T], loss_mask uint8 [T], offsets int64 [N + 1], source_rows int64 [N], report)``.
@@ -566,7 +642,7 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
                 source_rows.append(row_number)
                 report.truncated += info["truncated"]
         if reason is not None:
-            report.drop(reason)
+            report.drop(reason, _drop_example(row, row_number, stats.get("line") if stats is not None else None))
         if report.rows_read % PROGRESS_EVERY_ROWS == 0:
             log.info("tokenised %d rows (%.1f s)", report.rows_read, time.perf_counter() - start)
     tokens = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int32)
@@ -672,7 +748,7 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared
             source = d.dataset if d.dataset == SHAREGPT else str(path)
             tokens, loss_mask, offsets, source_rows, report = tokenize_rows(
                 read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
-                source=source)
+                source=source, stats=stats)
             report.unparsed_tail_chars = int(stats.get("tail_chars", 0))
             meta = {"dataset": str(path), "key": key, "tokenizer": fingerprint, "max_length": d.max_length,
                     "max_conversations": d.max_conversations, "enable_thinking": d.enable_thinking}

@@ -403,6 +403,37 @@ def build_attention_masks(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor,
     return masks
 
 
+def restage_attention_mask(mask: AttentionMask, stage: Callable[[Any, Tensor], Tensor], key: Any) -> AttentionMask:
+    """Move every tensor a mask holds into caller-owned buffers: ``stage(name, tensor) -> buffer``.
+
+    For CUDA graphs every tensor the compiled drafter forward reads must keep its address from
+    step to step. A dense mask is one tensor; a flex ``BlockMask`` holds its block-index tensors
+    and, through its ``mask_mod`` closure, the per-block context ranges
+    (:func:`context_ranges`), all freshly allocated per batch. ``stage`` (e.g. the trainer's
+    persistent-buffer copy) returns a tensor equal to its argument, with the same address every
+    call for the same name; the BlockMask's attributes and its ``mask_mod``'s closure cells are
+    then pointed at those buffers, in place.
+
+    Args:
+        mask: a dense ``[R, 1, Q, S + Q]`` bool tensor or a ``BlockMask``
+            (:func:`build_attention_masks`).
+        stage: ``(name, tensor) -> tensor`` copy into a persistent buffer.
+        key: prefix of the names passed to ``stage`` (e.g. the layer type).
+
+    Returns:
+        the dense mask's buffer, or ``mask`` itself (modified).
+    """
+    if isinstance(mask, Tensor):
+        return stage((key, "dense"), mask)
+    for name, value in list(vars(mask).items()):
+        if isinstance(value, Tensor):
+            setattr(mask, name, stage((key, name), value))
+    for j, cell in enumerate(getattr(mask.mask_mod, "__closure__", None) or ()):
+        if isinstance(cell.cell_contents, Tensor):
+            cell.cell_contents = stage((key, "mask_mod", j), cell.cell_contents)
+    return mask
+
+
 # --------------------------------------------------------------------------- loss
 
 

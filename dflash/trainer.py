@@ -40,6 +40,7 @@ from dflash.objective import (
     build_block_labels,
     dflash_loss,
     label_weights,
+    restage_attention_mask,
     sample_anchors,
 )
 from dflash.optim import build_optimizer, build_scheduler
@@ -143,7 +144,7 @@ class DrafterTrainer:
         self.step_count = 0
 
         self._forward = self._hidden
-        self._staging: dict[int, Tensor] = {}
+        self._staging: dict[Any, Tensor] = {}
         if drafter_cfg.compile and self.device.type == "cuda" and compile_mode is not None:
             self._forward = torch.compile(self._hidden, mode=compile_mode, dynamic=False)
             logger.info("drafter forward compiled (mode=%s)", compile_mode)
@@ -180,17 +181,21 @@ class DrafterTrainer:
         return PreparedBatch(anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
                              weight_sum=label_weights(valid, self.gamma).sum())
 
-    def _stage(self, index: int, x: Tensor) -> Tensor:
-        """Copy a compiled-forward input into this trainer's persistent buffer ``index``.
+    def _stage(self, name: Any, x: Tensor) -> Tensor:
+        """Copy a compiled-forward input into this trainer's persistent buffer ``name``.
 
-        The compiled step then sees the same tensors (addresses, strides, alignment) at warm-up
+        The compiled step then reads the same tensors (addresses, strides, alignment) at warm-up
         and at every step, whatever the caller hands in: views into the transport's receive
-        buffers, which alternate between steps, or fresh tensors. One device copy per input
-        (~2 GiB of features at the Qwen3-8B shape: ~1 ms on an H200).
+        buffers, which alternate between steps, or fresh tensors (anchors, masks). One device
+        copy per input (~2 GiB of features at the Qwen3-8B shape: ~1 ms on an H200).
+
+        Measured before (docs/benchmarks.md, session 3): with the masks built per step outside
+        the graph and passed in fresh, the compiled step re-recorded its CUDA graphs on 10 of
+        17 steps in one process and on every step in the drafter worker.
         """
-        buf = self._staging.get(index)
+        buf = self._staging.get(name)
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype or buf.device != x.device:
-            buf = self._staging[index] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            buf = self._staging[name] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return buf.copy_(x, non_blocking=True)
 
     def attention_masks(self, doc_ids: Tensor, anchors: Tensor, anchor_keep: Tensor) -> dict[str, AttentionMask]:
@@ -224,12 +229,19 @@ class DrafterTrainer:
         stays eager (a Python loop over row chunks that compilation would only unroll).
         """
         t = self._batch(tensors)
-        masks = self.attention_masks(t["doc_ids"], prepared.anchors, prepared.anchor_keep)
         args = (t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors, prepared.anchor_keep)
         if compiled and self._forward is not self._hidden:
-            hidden = self._forward(*(self._stage(i, x) for i, x in enumerate(args)), masks)
+            # Every tensor the compiled forward reads lives in a persistent buffer (CUDA graphs
+            # re-record when an input they treat as static moves), masks included.
+            staged = [self._stage(("input", i), x) for i, x in enumerate(args)]
+            masks = {lt: restage_attention_mask(m, self._stage, ("mask", lt))
+                     for lt, m in self.attention_masks(staged[3], staged[4], staged[5]).items()}
+            # Each call is a new step for CUDAGraph Trees: the previous step's graph outputs (its
+            # hidden states, and gradients, dropped by ``zero_grad(set_to_none=True)``) are dead.
+            torch.compiler.cudagraph_mark_step_begin()
+            hidden = self._forward(*staged, masks)
         else:
-            hidden = self._hidden(*args, masks)
+            hidden = self._hidden(*args, self.attention_masks(t["doc_ids"], prepared.anchors, prepared.anchor_keep))
         return dflash_loss(hidden, self.module.lm_head, prepared.labels, prepared.valid, self.gamma,
                            chunk=self.loss_chunk, block_keep=prepared.anchor_keep)
 

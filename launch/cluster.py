@@ -14,6 +14,7 @@ checkpoint → workers stopped.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import signal
@@ -160,6 +161,50 @@ def derived_values(cfg: RunConfig, plan: StepPlan, heldout_batches: int) -> dict
 
 CONTROL_COMMANDS = ("status", "restart", "stop", "attach")
 CONTROL_TIMEOUT_S = 15.0
+#: Options of the training and control parsers that take a value (the next argument is not a command).
+VALUE_OPTIONS = ("--config", "--run-dir")
+#: Flags a bare word may have been meant as (``resume`` → ``--resume``).
+FLAG_OPTIONS = ("--resume", "--overwrite", "--json")
+USAGE = ("python -m launch.cluster --config configs/X.yaml [section.key=value ...] [--resume | --overwrite], "
+         "or python -m launch.cluster {status | restart WORKER | stop | attach WORKER} --run-dir runs/NAME")
+
+
+def first_word(argv: list[str]) -> Optional[str]:
+    """The first argument of ``argv`` that is neither an option nor an option's value, or None.
+
+    ``--config X`` / ``--run-dir D`` consume ``X`` / ``D``; everything after ``--`` is ignored.
+    """
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--":
+            return None
+        if arg.startswith("-"):
+            skip = arg in VALUE_OPTIONS
+            continue
+        return arg
+    return None
+
+
+def unknown_command(word: str) -> str:
+    """The error for a first word that is not a control command nor a ``section.key=value`` override.
+
+    Returns:
+        A message naming ``word`` and the closest control command (:func:`difflib.get_close_matches`),
+        or the flag / ``--config`` it was likely meant as, and the usage.
+    """
+    close = difflib.get_close_matches(word.lower(), CONTROL_COMMANDS, n=1)
+    if close:
+        hint = f"did you mean '{close[0]}'?"
+    elif f"--{word.lower()}" in FLAG_OPTIONS:
+        hint = f"did you mean '--{word.lower()}'?"
+    elif word.endswith((".yaml", ".yml")):
+        hint = f"did you mean '--config {word}'?"
+    else:
+        hint = f"control commands are {', '.join(CONTROL_COMMANDS)}; overrides look like section.key=value"
+    return f"unknown command {word!r}: {hint}\nusage: {USAGE}"
 
 
 def _lock_run_dir(run_dir: Path):
@@ -295,8 +340,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "--mode" in rest:
             del rest[rest.index("--mode"):rest.index("--mode") + 2]
         return regenerate_main(rest)
-    if argv and argv[0] in CONTROL_COMMANDS:
+    word = first_word(argv)
+    if word in CONTROL_COMMANDS:  # `status --run-dir D`, also `--run-dir D status`
         return control_main(argv)
+    if word is not None and "=" not in word:  # a mistyped command: stop before any config or worker
+        setup_logging("cluster")
+        log.error("%s", unknown_command(word))
+        return EXIT_CONFIG
     args = parse_args(argv)
     setup_logging("cluster")
     try:

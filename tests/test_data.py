@@ -281,6 +281,80 @@ def test_cache_second_prepare_does_not_tokenise(smollm2, tmp_path, monkeypatch):
     assert len(calls) == 3
 
 
+def _jsonl_line(row) -> str:
+    return row if isinstance(row, str) else json.dumps(row)
+
+
+def test_drop_examples_name_rows_lines_and_ids(smollm2, tmp_path, caplog):
+    def good(name):
+        return {"id": name, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+
+    lines = [
+        good("ok-1"),                                                       # line 1, row 0
+        '{"id": "broken", "messages": [',                                   # line 2, row 1: invalid_json
+        "",                                                                 # line 3: blank, not a row
+        {"id": "empty", "conversations": []},                              # line 4, row 2: empty_conversation
+        good("ok-2"),                                                       # line 5, row 3
+        "[1, 2]",                                                           # line 6, row 4: not_object
+        {"id": 7, "messages": [{"role": "user", "content": "anyone?"}]},   # line 7, row 5: no_assistant_turn
+        {"conversations": []},                                              # line 8, row 6: empty, no id
+        *({"id": f"e{k}", "conversations": []} for k in range(5)),          # lines 9-13, rows 7-11: empty
+        {"id": "too-long", "messages": [{"role": "user", "content": "word " * 400},
+                                        {"role": "assistant", "content": "ok"}]},  # line 14, row 12
+        good("ok-3"),                                                       # line 15, row 13
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(_jsonl_line(r) for r in lines) + "\n")
+    cfg = make_cfg(str(path), tmp_path / "cache", max_length=64, heldout_conversations=1)
+    with caplog.at_level("INFO", logger="dflash.data"):
+        prepared = prepare_data(cfg, smollm2)
+    report = prepared.report
+    assert report.rows_read == 14 and report.conversations == 3
+    assert report.dropped == {"invalid_json": 1, "empty_conversation": 7, "not_object": 1, "no_assistant_turn": 1,
+                              "no_assistant_tokens": 1}
+    expected = {
+        "invalid_json": [{"row": 1, "line": 2}],
+        "empty_conversation": [{"row": 2, "line": 4, "id": "empty"}, {"row": 6, "line": 8},
+                               {"row": 7, "line": 9, "id": "e0"}, {"row": 8, "line": 10, "id": "e1"},
+                               {"row": 9, "line": 11, "id": "e2"}],  # the first 5 of 7
+        "not_object": [{"row": 4, "line": 6}],
+        "no_assistant_turn": [{"row": 5, "line": 7, "id": 7}],
+        "no_assistant_tokens": [{"row": 12, "line": 14, "id": "too-long"}],
+    }
+    assert report.drop_examples == expected
+    kept = sorted(corpus.source_row(i) for corpus in (prepared.train, prepared.heldout) for i in range(len(corpus)))
+    assert kept == [0, 3, 13]  # the same row numbering as the examples
+    summary = report.summary()
+    assert ("empty_conversation [row 2 (line 4, id empty), row 6 (line 8), row 7 (line 9, id e0), ...]"
+            in summary), summary
+    assert "invalid_json [row 1 (line 2)]" in summary and "no_assistant_turn [row 5 (line 7, id 7)]" in summary
+    assert "no_assistant_tokens [row 12 (line 14, id too-long)]" in caplog.text
+
+    # The cached report keeps the examples ...
+    cached = prepare_data(cfg, smollm2)
+    assert cached.report.from_cache and cached.report.drop_examples == expected
+    # ... and a cache written before the field existed still loads (without examples).
+    report_file = prepared.cache_path / "report.json"
+    old = json.loads(report_file.read_text())
+    del old["drop_examples"]
+    report_file.write_text(json.dumps(old))
+    legacy = prepare_data(cfg, smollm2)
+    assert legacy.report.from_cache and legacy.report.drop_examples == {}
+    assert legacy.report.dropped == report.dropped and "first dropped" not in legacy.report.summary()
+
+
+def test_drop_examples_of_a_json_array_have_no_line(smollm2, tmp_path):
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]},
+            {"id": "b" * 100, "conversations": []}, "text", {"id": True, "conversations": [{"from": "gpt"}]}]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    stats: dict = {}
+    *_, report = data_mod.tokenize_rows(data_mod.read_rows(str(path), stats=stats), smollm2, 64, None, stats=stats)
+    assert report.conversations == 1
+    assert report.drop_examples == {"empty_conversation": [{"row": 1, "id": "b" * data_mod.DROP_EXAMPLE_ID_CHARS}],
+                                    "not_object": [{"row": 2}], "bad_turn": [{"row": 3}]}
+
+
 def test_max_conversations_and_heldout_split(smollm2, tmp_path):
     cfg = make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path, max_length=128, heldout_conversations=1,
                    max_conversations=3)

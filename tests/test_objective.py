@@ -22,6 +22,7 @@ from dflash.objective import (
     dense_attention_mask,
     dflash_loss,
     flex_block_mask,
+    restage_attention_mask,
     mask_tiles,
     sample_anchors,
     slot_weights,
@@ -252,6 +253,41 @@ def test_flex_block_mask_matches_dense(window: int | None) -> None:
         block_mask = flex_block_mask(anchors, keep, b["doc_ids"], bs, window, tile=tile)
         out = flex.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
         assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_restaged_block_mask_keeps_addresses_and_meaning() -> None:
+    """Two batches' BlockMasks restaged into the same buffers: every tensor (index tensors and the
+    mask_mod's context ranges) at the same address for both, and attention unchanged (== dense)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    buffers: dict = {}
+
+    def stage(name, x):
+        buf = buffers.setdefault(name, torch.empty_like(x))
+        return buf.copy_(x)
+
+    bs, a, s = 4, 7, 37
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, a * bs, 8, generator=g)
+    k = torch.randn(2, 2, s + a * bs, 8, generator=g)
+    v = torch.randn(2, 2, s + a * bs, 8, generator=g)
+    addresses = []
+    for seed in (0, 1):
+        b = packed_batch(r=2, s=s, seed=seed)
+        anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], a, anchor_generator(0, 0, seed))
+        mask = restage_attention_mask(flex_block_mask(anchors, keep, b["doc_ids"], bs, None, tile=16), stage, "full")
+        tensors = {n: x for n, x in vars(mask).items() if isinstance(x, torch.Tensor)}
+        closure = [c.cell_contents for c in mask.mask_mod.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+        assert len(tensors) == 8 and len(closure) == 2  # kv/q (full) num + indices; lo, hi
+        assert all(any(x is buf for buf in buffers.values()) for x in [*tensors.values(), *closure])
+        addresses.append(sorted(x.data_ptr() for x in [*tensors.values(), *closure]))
+        dense = dense_attention_mask(anchors, keep, b["doc_ids"], bs, None)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+        out = flex.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert addresses[0] == addresses[1] and len(buffers) == 10
+    dense = dense_attention_mask(anchors, keep, b["doc_ids"], bs, None)
+    assert restage_attention_mask(dense, stage, "full") is buffers[("full", "dense")]
 
 
 @pytest.mark.parametrize("window", [None, 6])

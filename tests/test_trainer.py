@@ -234,6 +234,33 @@ def test_missing_tensor_is_reported() -> None:
 # --------------------------------------------------------------------------- GPU only
 
 
+def test_compiled_path_stages_inputs_and_builds_masks_outside() -> None:
+    """The compiled-forward path (a stand-in for torch.compile on CPU) gets the same staged input
+    tensors at every step, prebuilt attention masks, and takes exactly the eager steps."""
+    eager = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu", seed=3)
+    staged = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu", seed=3)
+    seen: list[tuple[list[int], object]] = []
+
+    def fake_compiled(*args):
+        *tensors, masks = args
+        seen.append(([t.data_ptr() for t in tensors], masks))
+        return staged._hidden(*args)
+
+    staged._forward = fake_compiled
+    for i in range(3):
+        batch = random_batch(seed=10 + i)  # fresh tensors (new addresses) every step
+        me, ms = eager.step(batch, 0, i), staged.step(batch, 0, i)
+        assert torch.allclose(ms["loss"], me["loss"], rtol=1e-6, atol=1e-7)
+        assert torch.allclose(ms["grad_norm"], me["grad_norm"], rtol=1e-6, atol=1e-7)
+        assert seen[-1][0][0] != batch["features"].data_ptr()  # a copy, not the caller's tensor
+    assert len(seen) == 3 and seen[0][0] == seen[1][0] == seen[2][0]
+    assert set(seen[0][1]) == {"full_attention"}  # masks built outside, one per layer type
+    mask_ptrs = [m["full_attention"].data_ptr() for _, m in seen]  # dense (CPU) mask: one buffer
+    assert mask_ptrs[0] == mask_ptrs[1] == mask_ptrs[2]
+    for pe, ps in zip(eager.params, staged.params):
+        assert torch.allclose(pe, ps, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compile_step", [False, True])

@@ -5,8 +5,10 @@ It runs in the launcher's main thread (one loop) and talks to the workers over
 (split, epoch, batch id), so the ledger holds ids only and any target can (re)compute any batch.
 
 The work is a sequence of items, identical for every drafter rank:
-``eval 0, step 0 … step k, eval 1, step k+1 …, final eval``. Item i is issued (``produce`` to a
-target for each of its batches, ``train``/``evaluate`` to every drafter) once every drafter is
+``eval 0, step 0 … step k, eval 1, step k+1 …, final eval``; an evaluation round's number is a
+function of its step (:func:`eval_round`), the same in a fresh, resumed or rolled-back run. Item i
+is issued (``produce`` to a target for each of its batches, ``train``/``evaluate`` to every drafter)
+once every drafter is
 READY and at most ``lookahead`` items are unfinished, so targets fill slots ahead of the
 drafters while slot credits bound memory.
 """
@@ -20,13 +22,14 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Collection, Optional, Protocol
 
 from dflash.checkpoint import read_state
 from dflash.schedule import StepPlan
 from dflash.workers.control import CoordinatorSocket
 
-__all__ = ["WorkItem", "Ledger", "Coordinator", "CoordinatorResult", "ClusterControl", "build_work_items"]
+__all__ = ["WorkItem", "Ledger", "Coordinator", "CoordinatorResult", "ClusterControl", "build_work_items",
+           "eval_round"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class WorkItem:
     """One item of the drafters' common work sequence."""
 
     kind: str  # "train" | "eval"
-    index: int  # the global step (train) or the eval round (eval)
+    index: int  # the global step (train) or the eval round (eval: :func:`eval_round`, or -step off-schedule)
     epoch: int = 0
     #: train: one batch id (or None) per drafter rank; eval: a list of held-out ids per rank.
     batches: list[Any] = field(default_factory=list)
@@ -47,36 +50,77 @@ class WorkItem:
     at_step: int = 0
 
 
+def eval_round(step: int, total_steps: int, eval_every: int) -> Optional[int]:
+    """The round number of the evaluation at ``step`` in the run's schedule, or None off the schedule.
+
+    The schedule's evaluation points are step 0 (the run's fresh start), every ``eval_every``
+    steps (``eval_every > 0``) and the last step ``total_steps``; a point's round is its index
+    among them (``0, 1, 2, …``). It depends on the step alone, so a fresh run, a ``--resume`` and a
+    drafter-group rollback give the same step the same round (only the final evaluation's round
+    depends on ``total_steps``, i.e. on ``train.max_steps``).
+    """
+    if step == 0:
+        return 0
+    if not 0 < step <= total_steps:
+        return None
+    if eval_every > 0:
+        if step % eval_every == 0:
+            return step // eval_every
+        return step // eval_every + 1 if step == total_steps else None
+    return 1 if step == total_steps else None
+
+
 def build_work_items(plan: StepPlan, start_step: int, heldout_batches: int, eval_every: int,
-                     checkpoint_every: int, first_eval_round: int = 0,
-                     eval_batches: Optional[int] = None, eval_at_start: bool = True) -> list[WorkItem]:
+                     checkpoint_every: int, eval_batches: Optional[int] = None, eval_at_start: bool = True,
+                     done_rounds: Collection[int] = ()) -> list[WorkItem]:
     """The common work sequence from ``start_step`` to the end of the plan.
 
-    Evaluation rounds run at the start (step ``start_step``), every ``eval_every`` steps and at
-    the end; each round spreads ``min(heldout_batches, eval_batches)`` held-out batches over the
-    drafter ranks round-robin. Checkpoints every ``checkpoint_every`` steps and at the last step.
+    Evaluation rounds run at the schedule's evaluation points (see :func:`eval_round`: step 0,
+    every ``eval_every`` steps and the last step) and are numbered by it; each round spreads
+    ``min(heldout_batches, eval_batches)`` held-out batches over the drafter ranks round-robin.
+    Checkpoints every ``checkpoint_every`` steps and at the last step.
+
+    At ``start_step`` itself:
+
+    * ``eval_at_start=True`` (the launcher: a fresh run or ``--resume``): a baseline evaluation
+      of the starting weights. At an evaluation point it is that point's round (after a resume
+      possibly a second time: the previous launch may have completed it); off the schedule
+      (a resume from a checkpoint at a step ``k`` that is no evaluation point, e.g. with
+      ``checkpoint.every`` not a multiple of ``eval_every`` or after a stop) it is an extra,
+      off-schedule round numbered ``-k`` (negative: it collides with no scheduled round, and
+      ``-round`` is its step; ``eval/step`` in the metrics says the same).
+    * ``eval_at_start=False`` (a drafter-group rollback to a checkpoint at ``start_step``): an
+      evaluation only if ``start_step`` is an evaluation point (its scheduled round).
+
+    Either way the start evaluation is left out when its round is in ``done_rounds`` (rounds
+    already completed, on the same weights, before a rollback). Evaluations after ``start_step``
+    are always part of the sequence: after a rollback they run again on the retrained weights,
+    under the same round numbers.
     """
     d = plan.num_drafters
+    total = plan.total_steps
     n_eval = heldout_batches if eval_batches is None else min(heldout_batches, eval_batches)
     eval_ids = [[b for b in range(n_eval) if b % d == r] for r in range(d)]
     items: list[WorkItem] = []
-    rnd = first_eval_round
 
-    def add_eval(at_step: int) -> None:
-        nonlocal rnd
+    def add_eval(at_step: int, rnd: int) -> None:
         if n_eval > 0:
             items.append(WorkItem("eval", rnd, epoch=0, batches=eval_ids, at_step=at_step))
-            rnd += 1
 
-    if start_step < plan.total_steps and eval_at_start:
-        add_eval(start_step)
-    for step in range(start_step, plan.total_steps):
+    if start_step < total:
+        rnd = eval_round(start_step, total, eval_every)
+        if rnd is None and eval_at_start:
+            rnd = -start_step  # off-schedule baseline (start_step > 0: step 0 is always on the schedule)
+        if rnd is not None and rnd not in done_rounds:
+            add_eval(start_step, rnd)
+    for step in range(start_step, total):
         a = plan.assignment(step)
         done = step + 1
-        ckpt = done == plan.total_steps or (checkpoint_every > 0 and done % checkpoint_every == 0)
+        ckpt = done == total or (checkpoint_every > 0 and done % checkpoint_every == 0)
         items.append(WorkItem("train", step, epoch=a.epoch, batches=list(a.batch_ids), checkpoint=ckpt, at_step=step))
-        if done == plan.total_steps or (eval_every > 0 and done % eval_every == 0):
-            add_eval(done)
+        rnd = eval_round(done, total, eval_every)
+        if rnd is not None:
+            add_eval(done, rnd)
     return items
 
 
@@ -227,6 +271,8 @@ class Coordinator:
         self.drafter_failures = 0
         self.group_down_since: Optional[float] = None
         self.restarts: list[dict] = []
+        #: evaluation rounds whose results were reported (kept across rollbacks)
+        self.done_rounds: set[int] = set()
         self.ready_info: dict[str, dict] = {}
         self._set_items(items)
         self._window_start = time.monotonic()
@@ -244,8 +290,6 @@ class Coordinator:
         self.eval_sums: dict[int, list[dict]] = {}
         self.next_item = 0
         self.first_open = 0
-        self.next_eval_round = max((it.index + 1 for it in items if it.kind == "eval"),
-                                   default=getattr(self, "next_eval_round", 0))
 
     # ------------------------------------------------------------------ signals
     def request_stop(self, reason: str) -> None:
@@ -396,9 +440,11 @@ class Coordinator:
         for t in self.targets:
             self.sock.send(t, "flush", drafters=self.drafters)
         args = dict(self.item_args)
-        args.pop("first_step", None)
-        self._set_items(build_work_items(self.plan, step, first_eval_round=self.next_eval_round,
-                                         eval_at_start=False, **args))
+        first_step = args.pop("first_step", None)
+        # the evaluation at the checkpoint's step runs again unless it completed before the rollback:
+        # a scheduled one, or this launch's baseline (eval_at_start) when rolling back to the start
+        self._set_items(build_work_items(self.plan, step, eval_at_start=step == first_step,
+                                         done_rounds=self.done_rounds, **args))
         self.control.new_drafter_group()
         for name in self.drafters:
             if not self.workers[name].external:
@@ -647,7 +693,10 @@ class Coordinator:
             sums = self.eval_sums.pop(item.index, [])
             ev = aggregate_eval(sums)
             ev["eval/round"] = item.index
-            log.info("held-out eval %d at step %d: loss %.4f, τ %.3f over %d blocks", item.index, item.at_step,
+            ev["eval/step"] = item.at_step
+            self.done_rounds.add(item.index)
+            log.info("held-out eval %d%s at step %d: loss %.4f, τ %.3f over %d blocks", item.index,
+                     " (off-schedule baseline)" if item.index < 0 else "", item.at_step,
                      ev.get("eval/loss", float("nan")), ev.get("eval/tau", float("nan")), ev.get("eval/blocks", 0))
             if self.result.first_eval is None:
                 self.result.first_eval = {"step": item.at_step, **ev}

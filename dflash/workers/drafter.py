@@ -84,7 +84,6 @@ class DrafterWorker:
         self.watch = CompileWatch("drafter train step")
         warm = self.watch.arm()
         ctx.stats.update(warmup_compiles=warm.compiles, warmup_cudagraph_records=warm.cudagraph_records)
-        self.first_step = True
         self.consumer = None
         #: transport keys already taken: a duplicate READY (a batch re-assigned after its first
         #: target died while we were copying it) is discarded, freeing its slot
@@ -223,16 +222,6 @@ class DrafterWorker:
         step_s = time.perf_counter() - started
         self.steps_done = step + 1
         self.stats["trained"] += 1
-        if self.first_step:
-            # The first step after (re)start may capture graphs once more (its inputs are the
-            # transport's buffers, not warm-up's); allowed once, logged, then the watch re-arms.
-            self.first_step = False
-            first = self.watch.since_arm()
-            if first.compiles or first.cudagraph_records:
-                log.warning("first step compiled %d graph(s) and recorded %d CUDA graph(s) beyond warm-up; "
-                            "any later one fails the run", first.compiles, first.cudagraph_records)
-                self.stats.update(first_step_compiles=first.compiles, first_step_records=first.cudagraph_records)
-            self.watch.arm()
         delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
         self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
         self.stats["step_s"] = step_s
