@@ -162,7 +162,7 @@ def derived_values(cfg: RunConfig, plan: StepPlan, heldout_batches: int) -> dict
 CONTROL_COMMANDS = ("status", "restart", "stop", "attach")
 CONTROL_TIMEOUT_S = 15.0
 #: Options of the training and control parsers that take a value (the next argument is not a command).
-VALUE_OPTIONS = ("--config", "--run-dir")
+VALUE_OPTIONS = ("--config", "--run-dir", "--mode")
 #: Flags a bare word may have been meant as (``resume`` → ``--resume``).
 FLAG_OPTIONS = ("--resume", "--overwrite", "--json")
 USAGE = ("python -m launch.cluster --config configs/X.yaml [section.key=value ...] [--resume | --overwrite], "
@@ -172,7 +172,8 @@ USAGE = ("python -m launch.cluster --config configs/X.yaml [section.key=value ..
 def first_word(argv: list[str]) -> Optional[str]:
     """The first argument of ``argv`` that is neither an option nor an option's value, or None.
 
-    ``--config X`` / ``--run-dir D`` consume ``X`` / ``D``; everything after ``--`` is ignored.
+    The options of :data:`VALUE_OPTIONS` (``--config X``, ``--run-dir D``) consume their value;
+    everything after ``--`` is ignored.
     """
     skip = False
     for arg in argv:
@@ -331,6 +332,15 @@ def control_main(argv: list[str]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The CLI: ``--mode regenerate``, a control command (:func:`control_main`) or a training run.
+
+    A first word (see :func:`first_word`) that is neither a control command nor a
+    ``section.key=value`` override is refused at once with :func:`unknown_command`'s message.
+
+    Returns:
+        The exit code: 0 done, :data:`EXIT_CONFIG` (2) for a bad command line or config, a locked or
+        non-empty run directory; 1 a failed run; 128 + N stopped by signal N; 130 interrupted twice.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--mode=regenerate" in argv or ("--mode" in argv[:-1] and argv[argv.index("--mode") + 1] == "regenerate"):
         # issue 10: the target rewrites the training responses (dflash/regenerate.py)

@@ -1,11 +1,12 @@
 """Step plan, work sequence and ledger: exactly-once over epochs, against a naive enumeration."""
 
+import json
 import random
 
 import pytest
 
 from dflash.schedule import StepPlan
-from dflash.workers.coordinator import Ledger, aggregate_eval, build_work_items
+from dflash.workers.coordinator import Coordinator, Ledger, aggregate_eval, build_work_items, eval_round
 
 
 def naive_steps(batches_per_epoch, d):
@@ -84,3 +85,144 @@ def test_aggregate_eval_sums_ranks():
     assert ev["eval/blocks"] == 6
     assert ev["eval/acc_slot_1"] == pytest.approx(4 / 6)
     assert ev["eval/acc_slot_2"] == pytest.approx(2 / 6)
+
+
+# ---------------------------------------------------------------- evaluation rounds: a function of the step
+def evals(items):
+    """(round, at_step) of the eval items, in order."""
+    return [(it.index, it.at_step) for it in items if it.kind == "eval"]
+
+
+EVAL_ARGS = {"heldout_batches": 3, "eval_every": 4, "checkpoint_every": 2}  # 10 steps: evals at 0, 4, 8, 10
+
+
+def test_eval_round_is_the_index_among_eval_points():
+    assert [eval_round(s, 10, 4) for s in range(12)] == [0, None, None, None, 1, None, None, None, 2, None, 3, None]
+    assert [eval_round(s, 8, 4) for s in range(9)] == [0, None, None, None, 1, None, None, None, 2]  # last = 8
+    assert [eval_round(s, 5, 0) for s in range(6)] == [0, None, None, None, None, 1]  # start and end only
+
+
+def test_eval_rounds_fresh_run():
+    items = build_work_items(StepPlan([10], 1), 0, **EVAL_ARGS)
+    assert evals(items) == [(0, 0), (1, 4), (2, 8), (3, 10)]
+    assert items[0].kind == "eval" and items[-1].kind == "eval"
+    # each eval comes right after the train step that completes its at_step
+    for i, it in enumerate(items):
+        if it.kind == "eval" and it.at_step > 0:
+            assert (items[i - 1].kind, items[i - 1].index) == ("train", it.at_step - 1)
+
+
+def test_eval_rounds_resume_at_eval_point():
+    plan = StepPlan([10], 1)
+    items = build_work_items(plan, 4, **EVAL_ARGS)
+    assert evals(items) == [(1, 4), (2, 8), (3, 10)]  # baseline at 4 is round 1, as in the fresh run
+    fresh = build_work_items(plan, 0, **EVAL_ARGS)
+    assert [(it.kind, it.index, it.at_step) for it in items] == \
+        [(it.kind, it.index, it.at_step) for it in fresh[-len(items):]]
+
+
+def test_eval_rounds_resume_off_eval_point():
+    plan = StepPlan([10], 1)
+    # a baseline at step 6 (checkpoint.every=2, eval_every=4) keyed off the schedule as round -6
+    assert evals(build_work_items(plan, 6, **EVAL_ARGS)) == [(-6, 6), (2, 8), (3, 10)]
+    assert evals(build_work_items(plan, 9, **EVAL_ARGS)) == [(-9, 9), (3, 10)]
+    # eval_every=0: start and end only; the end keeps round 1
+    assert evals(build_work_items(plan, 0, 3, 0, 0)) == [(0, 0), (1, 10)]
+    assert evals(build_work_items(plan, 5, 3, 0, 0)) == [(-5, 5), (1, 10)]
+
+
+def test_eval_rounds_rollback():
+    plan = StepPlan([10], 1)
+    # rollback onto eval point 4, whose round 1 had not completed: it runs again, as round 1
+    assert evals(build_work_items(plan, 4, eval_at_start=False, done_rounds={0}, **EVAL_ARGS)) == \
+        [(1, 4), (2, 8), (3, 10)]
+    # ... had completed: not again; later rounds run again on the retrained weights, same numbers
+    assert evals(build_work_items(plan, 4, eval_at_start=False, done_rounds={0, 1, 2}, **EVAL_ARGS)) == \
+        [(2, 8), (3, 10)]
+    # rollback onto step 6, no eval point: no evaluation at 6
+    assert evals(build_work_items(plan, 6, eval_at_start=False, done_rounds={0, 1}, **EVAL_ARGS)) == \
+        [(2, 8), (3, 10)]
+    # rollback onto step 0 (no checkpoint yet) before the first evaluation completed
+    assert evals(build_work_items(plan, 0, eval_at_start=False, **EVAL_ARGS))[0] == (0, 0)
+    # rollback onto a resume's off-schedule start (eval_at_start=True): its baseline again unless done
+    assert evals(build_work_items(plan, 6, done_rounds=set(), **EVAL_ARGS))[0] == (-6, 6)
+    assert evals(build_work_items(plan, 6, done_rounds={-6}, **EVAL_ARGS))[0] == (2, 8)
+    assert [it.index for it in build_work_items(plan, 6, eval_at_start=False, **EVAL_ARGS)
+            if it.kind == "train"] == [6, 7, 8, 9]
+
+
+class _Sock:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, name, kind, **fields):
+        self.sent.append((name, kind, fields))
+
+
+class _Control:
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def kill(self, name):
+        pass
+
+    def restart(self, name, resume_from):
+        pass
+
+    def new_drafter_group(self):
+        pass
+
+    def latest_checkpoint(self):
+        return self.ckpt
+
+
+def _coordinator(tmp_path, start_step, ckpt_step):
+    plan = StepPlan([10], 1)
+    ckpt = tmp_path / f"step-{ckpt_step:08d}"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(json.dumps({"step": ckpt_step}))
+    metrics = []
+    c = Coordinator(_Sock(), ["target.0"], ["drafter.0"], {"target.0": "tcp://x"}, plan, start_step,
+                    build_work_items(plan, start_step, **EVAL_ARGS), {**EVAL_ARGS, "first_step": start_step}, 2,
+                    _Control(ckpt), on_metrics=lambda step, m: metrics.append((step, m)),
+                    on_progress=lambda *a: None)
+    return c, metrics
+
+
+def _finish_evals_up_to(c, step):
+    """Finish the items in order up to the eval at ``step`` (no drafters: empty eval sums)."""
+    for i, it in enumerate(c.items):
+        c.item_done[i].add("drafter.0")
+        c._finish_item(i)
+        if it.kind == "eval" and it.at_step == step:
+            return
+
+
+def test_coordinator_rollback_reruns_an_unfinished_eval_at_the_checkpoint(tmp_path):
+    c, metrics = _coordinator(tmp_path, 0, 8)
+    _finish_evals_up_to(c, 4)
+    assert [(m["eval/round"], m["eval/step"], step) for step, m in metrics if "eval/round" in m] == [(0, 0, 0), (1, 4, 4)]
+    c.steps_done = 8  # steps 4..7 trained, checkpoint at 8 written, eval round 2 not finished
+    c._restart_drafter_group("test")
+    assert evals(c.items) == [(2, 8), (3, 10)]
+    assert c.items[1].kind == "train" and c.items[1].index == 8
+
+
+def test_coordinator_rollback_skips_a_finished_eval_at_the_checkpoint(tmp_path):
+    c, metrics = _coordinator(tmp_path, 0, 8)
+    _finish_evals_up_to(c, 8)
+    assert [m["eval/round"] for _, m in metrics if "eval/round" in m] == [0, 1, 2]
+    c._restart_drafter_group("test")
+    assert evals(c.items) == [(3, 10)]
+    assert c.items[0].kind == "train" and c.items[0].index == 8
+
+
+def test_coordinator_resume_off_schedule_rollback_to_start(tmp_path):
+    c, metrics = _coordinator(tmp_path, 6, 6)
+    assert evals(c.items) == [(-6, 6), (2, 8), (3, 10)]
+    c._restart_drafter_group("before the baseline finished")
+    assert evals(c.items) == [(-6, 6), (2, 8), (3, 10)]
+    _finish_evals_up_to(c, 6)
+    assert [(m["eval/round"], m["eval/step"]) for _, m in metrics] == [(-6, 6)]
+    c._restart_drafter_group("after the baseline")
+    assert evals(c.items) == [(2, 8), (3, 10)]

@@ -8,9 +8,8 @@ The work is a sequence of items, identical for every drafter rank:
 ``eval 0, step 0 … step k, eval 1, step k+1 …, final eval``; an evaluation round's number is a
 function of its step (:func:`eval_round`), the same in a fresh, resumed or rolled-back run. Item i
 is issued (``produce`` to a target for each of its batches, ``train``/``evaluate`` to every drafter)
-once every drafter is
-READY and at most ``lookahead`` items are unfinished, so targets fill slots ahead of the
-drafters while slot credits bound memory.
+once every drafter is READY and at most ``lookahead`` items are unfinished, so targets fill slots
+ahead of the drafters while slot credits bound memory.
 """
 
 from __future__ import annotations
