@@ -201,7 +201,8 @@ def _finish_evals_up_to(c, step):
 def test_coordinator_rollback_reruns_an_unfinished_eval_at_the_checkpoint(tmp_path):
     c, metrics = _coordinator(tmp_path, 0, 8)
     _finish_evals_up_to(c, 4)
-    assert [(m["eval/round"], m["eval/step"], step) for step, m in metrics if "eval/round" in m] == [(0, 0, 0), (1, 4, 4)]
+    got = [(m["eval/round"], m["eval/step"], step) for step, m in metrics if "eval/round" in m]
+    assert got == [(0, 0, 0), (1, 4, 4)]
     c.steps_done = 8  # steps 4..7 trained, checkpoint at 8 written, eval round 2 not finished
     c._restart_drafter_group("test")
     assert evals(c.items) == [(2, 8), (3, 10)]
