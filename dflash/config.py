@@ -192,6 +192,9 @@ class CheckpointConfig:
     #: Save every N optimizer steps (0 = only at the end).
     every: int = 500
     keep_last: int = 2
+    #: Write checkpoints in a background thread from a host copy of the state (training goes on
+    #: while the files are written; one write in flight at most); ``false`` = write in the step.
+    background: bool = True
 
 
 @dataclass

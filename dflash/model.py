@@ -631,12 +631,19 @@ class DFlashDraftModel(nn.Module):
 
     # ----------------------------------------------------------------------- checkpoint
 
-    def save_pretrained(self, directory: Union[str, os.PathLike]) -> Path:
+    def save_pretrained(self, directory: Union[str, os.PathLike],
+                        state_dict: Optional[dict[str, Tensor]] = None) -> Path:
         """Write ``config.json`` + ``model.safetensors`` into ``directory``, atomically.
 
         Files go to a temporary sibling directory first, which then replaces ``directory``
         (an existing one is moved aside and deleted only after the rename). Holds no embedding
         and no LM head.
+
+        Args:
+            directory: the HF directory to write.
+            state_dict: the weights to write instead of the live ones (a host snapshot taken
+                earlier, :class:`dflash.checkpoint.CheckpointWriter`); same keys as
+                :meth:`state_dict`.
 
         Returns:
             the directory.
@@ -648,7 +655,8 @@ class DFlashDraftModel(nn.Module):
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+            source = self.state_dict() if state_dict is None else state_dict
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in source.items()}
             save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
             cfg = self.config.to_hf_dict(use_mask_embedding=self.use_mask_embedding)
             (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dflash.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
+from dflash.checkpoint import CheckpointWriter, load_trainer_state, set_rng_state
 from dflash.compile_watch import CompileWatch
 from dflash.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
 from dflash.objective import LossOutput
@@ -78,6 +78,8 @@ class DrafterWorker:
         self.trainer = DrafterTrainer(self.model, cfg.train, cfg.drafter, self.total_steps, self.device,
                                       weight_sum_reduce=self._all_reduce, grad_sync=self._grad_sync)
         self.steps_done = 0
+        self.writer = (CheckpointWriter(ctx.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.background)
+                       if self.rank == 0 else None)
         if ctx.resume_from is not None:
             self._restore(ctx.resume_from)
         self.warmup_s = self._warm_up(plans.train.batch(0, 0))
@@ -154,6 +156,7 @@ class DrafterWorker:
     # ------------------------------------------------------------------ commands
     def _next_command(self) -> dict:
         while not self.commands:
+            self._report_checkpoints()
             msg = self.ctx.link.recv(1.0)
             if msg is not None:
                 self.commands.append(msg)
@@ -240,6 +243,8 @@ class DrafterWorker:
         self.ctx.link.send("trained", attempt=cmd["attempt"], step=step, epoch=epoch, batch_id=batch_id, metrics=out)
         if cmd["checkpoint"]:
             self.save()
+        else:
+            self._report_checkpoints()
 
     def evaluate(self, cmd: dict) -> None:
         sums = None
@@ -256,12 +261,28 @@ class DrafterWorker:
                         "correct": [0.0] * b, "count": [0.0] * b}
         self.ctx.link.send("evaluated", attempt=cmd["attempt"], round=cmd["round"], sums=sums)
 
-    def save(self) -> None:
+    def save(self, block: bool = False) -> None:
+        """Rank 0: checkpoint the current step (``block``: wait until it is on disk).
+
+        The state is copied to host memory here and written by a background thread
+        (``checkpoint.background``); ``checkpointed`` goes to the coordinator when the files are
+        in place (:meth:`_report_checkpoints`, polled between commands).
+        """
         if self.rank != 0:
             return
-        path = save_checkpoint(self.ctx.run_dir, self.steps_done, 0, self.model, self.trainer.state_dict(),
-                               keep_last=self.cfg.checkpoint.keep_last)
-        self.ctx.link.send("checkpointed", step=self.steps_done, path=str(path))
+        self._announce(self.writer.save(self.steps_done, 0, self.model, self.trainer.state_dict()))
+        self.stats["checkpoint_block_s"] = self.writer.last_blocking_s
+        if block:
+            self._announce(self.writer.wait())
+
+    def _report_checkpoints(self) -> None:
+        if self.writer is not None:
+            self._announce(self.writer.poll())
+
+    def _announce(self, done) -> None:
+        if done is not None:
+            step, path = done
+            self.ctx.link.send("checkpointed", step=step, path=str(path))
 
     def run(self) -> None:
         link = self.ctx.link
@@ -282,9 +303,11 @@ class DrafterWorker:
             elif kind == "evaluate":
                 self.evaluate(cmd)
             elif kind == "save":
-                self.save()
+                self.save(block=True)
             elif kind == "stop":
                 log.info("stop (%s) after %d steps", cmd["reason"], self.steps_done)
+                if self.writer is not None:  # the last checkpoint may still be being written
+                    self._announce(self.writer.wait())
                 return
             elif kind == "targets":
                 log.info("new target endpoints: %s", cmd["endpoints"])
@@ -292,6 +315,12 @@ class DrafterWorker:
                 log.debug("ignoring %s", kind)
 
     def close(self) -> None:
+        writer = getattr(self, "writer", None)
+        if writer is not None and writer.in_flight:
+            try:  # never leave with a half-written checkpoint when the write can finish
+                writer.wait()
+            except Exception:  # noqa: BLE001 - the worker is already failing or stopping
+                log.exception("background checkpoint write failed")
         if self.consumer is not None:
             self.consumer.close()
         if dist.is_initialized():
