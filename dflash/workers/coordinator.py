@@ -259,6 +259,8 @@ class Coordinator:
         self.workers.update({n: WorkerInfo(n, "drafter") for n in drafters})
         self.last_seen: dict[str, float] = {}
         self.ledger = Ledger()
+        #: newest step whose checkpoint rank 0 reported on disk (checkpoints are written in the background)
+        self.checkpointed_step = -1
         self.stop_reason: Optional[str] = None
         self.stop_signal: Optional[int] = None
         self.worker_stats: dict[str, dict] = {}
@@ -344,8 +346,15 @@ class Coordinator:
         if got is not None:
             self._handle(*got)
 
+    def _awaiting_last_checkpoint(self) -> bool:
+        """Every step is trained but the last step's checkpoint is not yet reported on disk."""
+        steps = [it.index + 1 for it in self.items if it.kind == "train" and it.checkpoint]
+        return self.stop_reason is None and bool(steps) and self.checkpointed_step < max(steps)
+
     def _loop(self) -> None:
-        while self.first_open < len(self.items):
+        # the run is over once every item is done and the final checkpoint is on disk (a drafter
+        # group rollback meanwhile re-opens items and the loop goes on)
+        while self.first_open < len(self.items) or self._awaiting_last_checkpoint():
             group_ready = self._all_ready(self.drafters)
             while (self.stop_reason is None and group_ready and self.next_item < len(self.items)
                    and self.next_item - self.first_open < self.lookahead):
@@ -565,6 +574,7 @@ class Coordinator:
             self.eval_sums.setdefault(msg["round"], []).append(msg["sums"])
             self._mark_done("eval", msg["round"], sender)
         elif kind == "checkpointed":
+            self.checkpointed_step = max(self.checkpointed_step, int(msg["step"]))
             log.info("checkpoint at step %d: %s", msg["step"], msg["path"])
         elif kind == "failed":
             log.error("%s reports a failure: %s", sender, msg["error"])
