@@ -92,6 +92,7 @@ def main() -> int:
     out_dir = os.environ.get("OUT")
     # the launcher log goes straight to $OUT when set: it comes back even if this script is cut short
     launcher_log = Path(out_dir, "pipeline_launcher.log") if out_dir else run_dir / "launcher.log"
+    launcher_log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "launch.cluster", "--config", args.config, "--overwrite", f"run_dir={run_dir}",
            *args.overrides]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")

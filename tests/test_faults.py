@@ -110,6 +110,7 @@ def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> str:
     return proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
+@pytest.mark.timeout(1500)  # 20 kills, each followed by a full recovery: ~4 min alone, far more on a busy 2-core box
 def test_random_sigkills_run_finishes_with_exact_ledger(tmp_path):
     run_dir = tmp_path / "run"
     shm_before = shm_entries()

@@ -160,14 +160,34 @@ class _Sock:
 
 
 class _Control:
+    """Processes by name: ``restart`` starts a new (live) one, ``die`` ends the current one."""
+
     def __init__(self, ckpt):
         self.ckpt = ckpt
+        self.live: dict[str, bool] = {}
+        self.restarts: list[str] = []
+        self.dead: list[str] = []
 
     def kill(self, name):
-        pass
+        self.live[name] = False
 
     def restart(self, name, resume_from):
-        pass
+        self.live[name] = True
+        self.restarts.append(name)
+
+    def die(self, name):
+        self.live[name] = False
+        self.dead.append(name)
+
+    def exited(self):
+        out, self.dead = self.dead, []
+        return out
+
+    def pid(self, name):
+        return 1000 if self.live.get(name, True) else None
+
+    def report(self, name):
+        return f"{name} exited"
 
     def new_drafter_group(self):
         pass
@@ -227,3 +247,27 @@ def test_coordinator_resume_off_schedule_rollback_to_start(tmp_path):
     assert [(m["eval/round"], m["eval/step"]) for _, m in metrics] == [(-6, 6)]
     c._restart_drafter_group("after the baseline")
     assert evals(c.items) == [(2, 8), (3, 10)]
+
+
+def test_drafters_dying_after_a_group_restart_are_retried_then_the_run_fails(tmp_path):
+    """A restarted drafter that dies before it is ready (bad checkpoint, OOM at load) counts as
+    another failure of the group: retried up to max_restarts, then the run stops with a report
+    (it used to be ignored while the group restart was 'under way': the launcher hung)."""
+    plan = StepPlan([10], 2)
+    ckpt = tmp_path / "step-00000000"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(json.dumps({"step": 0}))
+    control = _Control(ckpt)
+    c = Coordinator(_Sock(), ["target.0"], ["drafter.0", "drafter.1"], {"target.0": "tcp://x"}, plan, 0,
+                    build_work_items(plan, 0, **EVAL_ARGS), {**EVAL_ARGS, "first_step": 0}, 2, control,
+                    on_metrics=lambda *a: None, on_progress=lambda *a: None, max_restarts=2)
+    control.die("drafter.0")
+    control.die("drafter.1")  # both in one poll: one group restart, the second exit is the replaced process'
+    c._supervise()
+    assert c.drafter_failures == 1 and control.restarts == ["drafter.0", "drafter.1"]
+    control.die("drafter.1")  # the restarted drafter dies during start-up
+    c._supervise()
+    assert c.drafter_failures == 2 and control.restarts.count("drafter.1") == 2
+    control.die("drafter.0")
+    with pytest.raises(Exception, match="failed 3 times in a row"):
+        c._supervise()

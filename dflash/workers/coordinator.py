@@ -406,8 +406,10 @@ class Coordinator:
                       self.max_restarts, report)
             w.restart_at = time.monotonic() + delay
         else:
-            if self.group_down_since is not None:
-                return  # part of a group restart already under way
+            if self.control.pid(name) is not None:
+                # an earlier process of this name, already replaced by a group restart (several
+                # drafters die together when one does); a restarted one that dies has no pid
+                return
             self.drafter_failures += 1
             if self.drafter_failures > self.max_restarts:
                 raise _Failure(f"{name} failed; the drafter group failed {self.drafter_failures} times in a row; "
