@@ -87,6 +87,7 @@ class ProgressLine:
         self.start_step = start_step
         self.every = max(1, every)
         self.started = time.monotonic()
+        self._first: Optional[tuple[int, float]] = None
         self.tty = sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, file=sys.stderr,
                         bar_format="{n_fmt}/{total_fmt} {postfix}", disable=not self.tty) if self.tty else None
@@ -100,11 +101,16 @@ class ProgressLine:
             print(line, file=sys.stderr, flush=True)
 
     def eta(self, step_done: int) -> float:
-        done = step_done - self.start_step
+        """Seconds left at the rate since the first reported step (start-up and the first
+        evaluation, which come before it, do not count); ``nan`` before two reports."""
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (step_done, now)
+        first_step, first_t = self._first
+        done = step_done - first_step
         if done <= 0:
             return float("nan")
-        rate = (time.monotonic() - self.started) / done
-        return rate * (self.total - step_done)
+        return (now - first_t) / done * (self.total - step_done)
 
     def update(self, step_done: int, text: str) -> None:
         """``step_done`` optimizer steps are finished; ``text`` is the rest of the line."""

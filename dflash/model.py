@@ -290,9 +290,11 @@ class DFlashConfig:
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
         rope = getattr(tc, "rope_parameters", None) or {}
         theta = getattr(tc, "rope_theta", None) or rope.get("rope_theta") or 10000.0
-        if rope.get("rope_type", "default") != "default" or getattr(tc, "rope_scaling", None):
-            logger.warning("target RoPE type %r is not modelled by the drafter: default RoPE with theta=%s",
-                           rope.get("rope_type"), theta)
+        scaling = getattr(tc, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            logger.warning("target RoPE type %r is not modelled by the drafter, which uses default RoPE "
+                           "(theta=%s)", rope_type, theta)
         n_target = int(tc.num_hidden_layers)
         ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
             n_target, drafter_cfg.num_layers)

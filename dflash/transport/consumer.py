@@ -360,9 +360,12 @@ class Consumer:
             log.debug("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, link.producer, exc)
             return False
 
-    def _reject(self, link: _Link, what: str) -> None:
+    def _reject(self, link: _Link, what: str, stale: bool = False) -> None:
+        """Count and log a message that is not acted on: an error, or (``stale``) a warning for
+        a message of an earlier incarnation of this consumer or its producer (normal after restarts)."""
         self.stats["rejected"] += 1
-        log.error("%s: rejected message from %s: %s", self.name, link.producer, what)
+        log.log(logging.WARNING if stale else logging.ERROR, "%s: %s message from %s: %s", self.name,
+                "ignored stale" if stale else "rejected", link.producer, what)
 
     def _hello(self, link: _Link) -> bool:
         return self._send(link, Hello(self.name, self.epoch, os.getpid(), self.host, self.carrier, self.layout.digest,
@@ -397,7 +400,7 @@ class Consumer:
         a newer one means the producer restarted: drop the old ring (its handles are never
         touched again) and say HELLO to the new incarnation."""
         if msg.epoch < link.newest:
-            self._reject(link, f"{type(msg).__name__} from stale producer epoch {msg.epoch} (current {link.newest})")
+            self._reject(link, f"{type(msg).__name__} from stale producer epoch {msg.epoch} (current {link.newest})", stale=True)
             return False
         if msg.epoch > link.newest:
             if link.newest:
@@ -412,10 +415,10 @@ class Consumer:
 
     def _on_slots(self, link: _Link, msg: Slots) -> None:
         if msg.consumer_epoch != self.epoch:
-            self._reject(link, f"SLOTS for stale consumer epoch {msg.consumer_epoch} (this is {self.epoch})")
+            self._reject(link, f"SLOTS for stale consumer epoch {msg.consumer_epoch} (this is {self.epoch})", stale=True)
             return
         if msg.epoch < link.newest:
-            self._reject(link, f"SLOTS from stale producer epoch {msg.epoch} (current {link.newest})")
+            self._reject(link, f"SLOTS from stale producer epoch {msg.epoch} (current {link.newest})", stale=True)
             return
         link.newest = msg.epoch
         link.last_seen = time.monotonic()
@@ -457,7 +460,7 @@ class Consumer:
             return
         link.last_seen = time.monotonic()
         if msg.consumer_epoch != self.epoch:
-            self._reject(link, f"READY for stale consumer epoch {msg.consumer_epoch} (this is {self.epoch})")
+            self._reject(link, f"READY for stale consumer epoch {msg.consumer_epoch} (this is {self.epoch})", stale=True)
             return
         assert link.ring is not None
         if not 0 <= msg.slot < link.ring.num_slots:
@@ -485,7 +488,7 @@ class Consumer:
 
     def _on_stop(self, link: _Link, msg: Stop) -> None:
         if msg.epoch < link.newest:
-            self._reject(link, f"STOP from stale producer epoch {msg.epoch} (current {link.newest})")
+            self._reject(link, f"STOP from stale producer epoch {msg.epoch} (current {link.newest})", stale=True)
             return
         level = logging.INFO if msg.reason == StopReason.DONE else logging.ERROR
         log.log(level, "%s: %s sent STOP (%s%s)", self.name, link.producer, msg.reason,

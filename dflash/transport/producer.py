@@ -329,9 +329,12 @@ class Producer:
             log.debug("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, identity, exc)
             return False
 
-    def _reject(self, sender: str, what: str) -> None:
+    def _reject(self, sender: str, what: str, stale: bool = False) -> None:
+        """Count and log a message that is not acted on: an error, or (``stale``) a warning for
+        a message of an earlier incarnation of its sender or of this ring (normal after restarts)."""
         self.stats["rejected"] += 1
-        log.error("%s: rejected message from %s: %s", self.name, sender, what)
+        log.log(logging.WARNING if stale else logging.ERROR, "%s: %s message from %s: %s", self.name,
+                "ignored stale" if stale else "rejected", sender, what)
 
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -361,7 +364,7 @@ class Producer:
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         known = self._consumers.get(msg.sender)
         if known is not None and msg.epoch < known.epoch:
-            self._reject(msg.sender, f"HELLO with stale consumer epoch {msg.epoch} (current {known.epoch})")
+            self._reject(msg.sender, f"HELLO with stale consumer epoch {msg.epoch} (current {known.epoch})", stale=True)
             return
         problem = ""
         if msg.carrier != self.carrier:
@@ -397,11 +400,11 @@ class Producer:
     def _on_free(self, msg: Free) -> None:
         peer = self._consumers.get(msg.sender)
         if msg.producer_epoch != self.epoch:
-            self._reject(msg.sender, f"FREE for stale producer epoch {msg.producer_epoch} (current {self.epoch})")
+            self._reject(msg.sender, f"FREE for stale producer epoch {msg.producer_epoch} (current {self.epoch})", stale=True)
             return
         if peer is None or peer.epoch != msg.epoch:
             have = "unknown" if peer is None else str(peer.epoch)
-            self._reject(msg.sender, f"FREE from stale consumer epoch {msg.epoch} (attached: {have})")
+            self._reject(msg.sender, f"FREE from stale consumer epoch {msg.epoch} (attached: {have})", stale=True)
             return
         peer.last_seen = time.monotonic()
         if not 0 <= msg.slot < self.num_slots:
@@ -422,7 +425,7 @@ class Producer:
             peer.last_seen = time.monotonic()
             return
         if peer is not None and msg.epoch < peer.epoch:
-            self._reject(msg.sender, f"HEARTBEAT from stale consumer epoch {msg.epoch} (current {peer.epoch})")
+            self._reject(msg.sender, f"HEARTBEAT from stale consumer epoch {msg.epoch} (current {peer.epoch})", stale=True)
             return
         # The consumer knows another incarnation of us, or we do not know it: tell it our epoch;
         # it answers with HELLO.
@@ -431,7 +434,7 @@ class Producer:
     def _on_stop(self, msg: Stop) -> None:
         peer = self._consumers.get(msg.sender)
         if peer is None or peer.epoch != msg.epoch:
-            self._reject(msg.sender, f"STOP from unknown or stale consumer epoch {msg.epoch}")
+            self._reject(msg.sender, f"STOP from unknown or stale consumer epoch {msg.epoch}", stale=True)
             return
         log.info("%s: consumer %s stopped (%s%s)", self.name, msg.sender, msg.reason,
                  f": {msg.detail}" if msg.detail else "")

@@ -335,7 +335,7 @@ class Coordinator:
                 missing = [n for n, w in self.workers.items() if not w.ready]
                 raise _Failure(f"workers not ready after {self.ready_timeout_s:.0f} s: {missing}")
             self._tick()
-        log.info("all %d target(s) and %d drafter(s) ready (graphs captured): handing out batches",
+        log.info("all %d target(s) and %d drafter(s) ready (warmed up): handing out batches",
                  len(self.targets), len(self.drafters))
 
     def _tick(self) -> None:
