@@ -93,6 +93,18 @@ def test_two_drafters_match_reference_doubled_batch(tmp_path):
     assert sorted(got) == list(range(1, len(ref) + 1))
     for step, loss in enumerate(ref, start=1):
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), (step, got, ref)
+    # each step's "tokens" counts both ranks' batches (real tokens, from the batch plan)
+    from dflash.factory import build_batch_plans
+    from dflash.schedule import StepPlan
+
+    cfg = load_config(CONFIG, [*SMALL, *extra])
+    plans = build_batch_plans(cfg)
+    plan = StepPlan([plans.train.num_batches(e) for e in range(cfg.train.epochs)], 2, cfg.train.max_steps)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    tokens = {r["step"]: r["tokens"] for r in rows if "train/loss" in r}
+    for step, n in tokens.items():
+        a = plan.assignment(step - 1)
+        assert n == sum(plans.train.batch(a.epoch, b).num_tokens for b in a.batch_ids if b is not None), step
 
 
 def test_group_sigterm_checkpoint_then_resume_matches_uninterrupted(tmp_path):

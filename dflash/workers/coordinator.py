@@ -281,6 +281,8 @@ class Coordinator:
         self._window_target_busy = 0.0
         self._window_drafter_tokens = 0
         self._rank0_metrics: dict = {}
+        #: real tokens trained per step, summed over the drafter ranks
+        self._step_tokens: dict[int, int] = {}
         self._rr = 0
         self._started = False
 
@@ -447,6 +449,7 @@ class Coordinator:
         self.attempt += 1
         self.jobs.clear()
         self.unassigned.clear()
+        self._step_tokens.clear()
         for t in self.targets:
             self.sock.send(t, "flush", drafters=self.drafters)
         args = dict(self.item_args)
@@ -618,6 +621,7 @@ class Coordinator:
         if sender == self.drafters[0]:
             self._rank0_metrics = msg["metrics"]
         self._window_drafter_tokens += msg["metrics"].get("tokens", 0)
+        self._step_tokens[msg["step"]] = self._step_tokens.get(msg["step"], 0) + msg["metrics"].get("tokens", 0)
         self.drafter_failures = 0
         self._mark_done("train", msg["step"], sender)
 
@@ -678,6 +682,7 @@ class Coordinator:
             self.steps_done = item.index + 1
             metrics = dict(self._rank0_metrics)
             metrics.pop("stats", None)
+            metrics["tokens"] = self._step_tokens.pop(item.index, 0)  # all ranks (rank 0 reported its own)
             elapsed = max(1e-9, time.monotonic() - self._window_start)
             metrics["throughput/target_tokens_per_s"] = self._window_target_tokens / elapsed
             metrics["throughput/drafter_tokens_per_s"] = self._window_drafter_tokens / elapsed
