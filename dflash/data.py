@@ -345,7 +345,8 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
             reached) and ``tail_chars`` (characters left undecoded at the end).
 
     Raises:
-        ValueError: the file does not start with ``[``.
+        ValueError: the file does not start with ``[`` (the message says how ``.json`` and
+            ``.jsonl`` files are read).
     """
     stats = stats if stats is not None else {}
     stats.update(elements=0, complete=False, tail_chars=0)
@@ -355,7 +356,9 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
         eof = len(buf) < chunk_chars
         pos = _SKIP_SEPARATORS.match(buf, 0).end()
         if pos >= len(buf) or buf[pos] != "[":
-            raise ValueError(f"{path}: not a JSON array")
+            raise ValueError(f"{path}: not a JSON array (it does not start with '['): a .json file is read as "
+                             f"one JSON array of conversations; a JSON-lines file (one conversation per line) "
+                             f"must end in .jsonl")
         pos = _SKIP_SEPARATORS.match(buf, pos + 1).end()
         while True:
             if pos >= len(buf) and eof:
@@ -431,14 +434,23 @@ def read_rows(dataset: str, limit: Optional[int] = None, stats: Optional[dict] =
     ``tail_chars`` etc.; JSONL: ``line`` of the row just yielded).
 
     Raises:
-        ConfigError: ``data.dataset`` is neither ``sharegpt`` nor an existing file.
+        ConfigError: ``data.dataset`` is neither ``sharegpt`` nor an existing file, or is a ``.json``
+            file that is not a JSON array (e.g. JSON lines saved as ``.json``).
     """
     path = _dataset_path(dataset)
-    rows = iter_json_array(path, stats) if dataset == SHAREGPT or path.suffix == ".json" else iter_jsonl(path, stats)
-    for count, row in enumerate(rows):
-        if limit is not None and count >= limit:
-            break
-        yield row
+    as_array = dataset == SHAREGPT or path.suffix == ".json"
+    rows = iter_json_array(path, stats) if as_array else iter_jsonl(path, stats)
+    try:
+        for count, row in enumerate(rows):
+            if limit is not None and count >= limit:
+                break
+            yield row
+    except ValueError as exc:
+        if not as_array or isinstance(exc, ConfigError):
+            raise
+        if isinstance(exc, UnicodeDecodeError):
+            raise ConfigError(f"data.dataset: {path} is not UTF-8 text ({exc})") from None
+        raise ConfigError(f"data.dataset: {exc}") from None
 
 
 # --------------------------------------------------------------------------- normalisation

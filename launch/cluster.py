@@ -5,7 +5,8 @@ GPUs, drafter ranks on theirs (on CPU, one process per entry of ``cluster.target
 ``cluster.drafters``). Supervises them, forwards their logs with the worker's name, writes
 metrics (console line with ETA, wandb) and exits non-zero when the run fails.
 
-Order of events: validate the config (before any model loads) → prepare and cache the data →
+Order of events: validate the config (before any model loads) → with ``--resume``, check that
+the newest checkpoint's drafter has the shape this config builds → prepare and cache the data →
 start workers → every target READY (model loaded, forward compiled and warmed up, slots
 exported) → drafters connect → every drafter READY (graphs captured) → batches flow → final
 checkpoint → workers stopped.
@@ -29,7 +30,7 @@ import yaml
 
 from dflash.checkpoint import latest_checkpoint, read_state
 from dflash.config import ConfigError, RunConfig, load_config
-from dflash.factory import build_batch_plans
+from dflash.factory import build_batch_plans, target_hf_config
 from dflash.logs import setup_logging
 from dflash.metrics import ProgressLine, WandbRun, format_duration
 from dflash.schedule import StepPlan
@@ -40,6 +41,16 @@ from launch.supervisor import Supervisor, WorkerSpec
 log = logging.getLogger("dflash.cluster")
 
 EXIT_CONFIG = 2
+#: ``status | head -1``: stdout's reader went away; what a shell reports for a process killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def load_tokenizer(target_cfg):
+    """:func:`dflash.tokenizer.load_tokenizer`, imported when first needed (transformers takes
+    ~0.7 s to import; control commands need none)."""
+    from dflash.tokenizer import load_tokenizer as load
+
+    return load(target_cfg)
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -138,9 +149,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launch.cluster", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint of the run directory (starts fresh when there is none)")
-    p.add_argument("--overwrite", action="store_true", help="discard an existing run directory's checkpoints")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint of the run directory (starts fresh when there is "
+                            "none); its drafter must have this config's shape")
+    start.add_argument("--overwrite", action="store_true", help="discard an existing run directory's checkpoints")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after the options
 
@@ -157,6 +170,176 @@ def derived_values(cfg: RunConfig, plan: StepPlan, heldout_batches: int) -> dict
         "num_targets": len(cfg.cluster.targets),
         "num_drafters": len(cfg.cluster.drafters),
     }
+
+
+TARGET_SOURCE = "the target model: target.kind / path / arch / arch_overrides"
+#: Fields of a drafter's ``config.json`` that ``--resume`` compares with what this run's config
+#: builds (:func:`resume_mismatches`): each changes a parameter's shape or what the weights mean.
+#: Value: the run-config key that sets it.
+RESUME_FIELDS = {
+    "num_hidden_layers": "drafter.num_layers",
+    "block_size": "drafter.block_size",
+    "layer_types": "drafter.layer_types",
+    "sliding_window": "drafter.sliding_window",
+    "intermediate_size": "drafter.intermediate_size",
+    "target_layer_ids": "target.layer_ids",
+    "mask_token_id": "drafter.mask_token_id",
+    "mask_embedding": "drafter.mask_token_id",
+    "hidden_size": TARGET_SOURCE,
+    "num_attention_heads": TARGET_SOURCE,
+    "num_key_value_heads": TARGET_SOURCE,
+    "head_dim": TARGET_SOURCE,
+    "vocab_size": TARGET_SOURCE,
+    "num_target_layers": TARGET_SOURCE,
+    "rope_theta": TARGET_SOURCE,
+}
+#: Keys of the run's saved ``config.yaml`` quoted when they differ (what the run was started with).
+RESUME_CONFIG_KEYS = ("target.kind", "target.path", "target.arch", "target.arch_overrides", "target.tokenizer",
+                      "target.layer_ids", "drafter.num_layers", "drafter.block_size", "drafter.mask_token_id",
+                      "drafter.layer_types", "drafter.sliding_window", "drafter.intermediate_size")
+
+
+def _cheap_target_config(cfg: RunConfig):
+    """The target's HF config when reading it loads no weights and converts nothing, else ``None``
+    (a GGUF target whose conversion is not cached)."""
+    if cfg.target.kind == "gguf":
+        from dflash import assets
+        from dflash.target import _cache_complete, _gguf_cache_dir
+
+        path = Path(cfg.target.path) if cfg.target.path is not None else assets.smollm2_gguf_path()
+        if not path.is_file() or not _cache_complete(_gguf_cache_dir(path)):
+            return None
+    return target_hf_config(cfg)
+
+
+def expected_drafter_fields(cfg: RunConfig, tokenizer_size: int) -> dict:
+    """The :data:`RESUME_FIELDS` of the drafter this run would build (as ``dflash.factory.build_drafter``
+    does), without loading any weights.
+
+    The target's HF config is read as the factory reads it; a GGUF target that is not converted
+    yet is described from its metadata instead (:func:`dflash.target.describe_target`), which
+    leaves out the fields it cannot tell (heads, head_dim, RoPE, the default intermediate size).
+
+    Raises:
+        ConfigError: a bad ``target.layer_ids`` / ``target.arch`` for this target.
+        OSError: a missing model file or directory.
+    """
+    from dflash.model import DFlashConfig, resolve_mask_token_id
+    from dflash.objective import FULL_ATTENTION, SLIDING_ATTENTION
+    from dflash.target import describe_target, resolve_layer_ids
+
+    d = cfg.drafter
+    quiet = logging.getLogger("dflash.model")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its RoPE / mask warnings are the workers' to give
+    try:
+        tc = _cheap_target_config(cfg)
+        if tc is not None:
+            text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
+            layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), d.num_layers)
+            mask_id = resolve_mask_token_id(d.mask_token_id, tokenizer_size, int(text.vocab_size))
+            try:
+                dcfg = DFlashConfig.from_target(tc, d, target_layer_ids=layer_ids, mask_token_id=mask_id)
+            except ValueError as exc:
+                raise ConfigError(f"drafter: {exc}") from None
+            out = {name: getattr(dcfg, name) for name in RESUME_FIELDS if name != "mask_embedding"}
+        else:
+            info = describe_target(cfg.target, d.num_layers)
+            mask_id = resolve_mask_token_id(d.mask_token_id, tokenizer_size, info.vocab_size)
+            out = {"num_hidden_layers": d.num_layers, "block_size": d.block_size,
+                   "layer_types": list(d.layer_types) if d.layer_types else [FULL_ATTENTION] * d.num_layers,
+                   "sliding_window": d.sliding_window, "target_layer_ids": list(info.layer_ids),
+                   "mask_token_id": mask_id, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
+                   "num_target_layers": info.num_layers}
+            if d.intermediate_size is not None:
+                out["intermediate_size"] = d.intermediate_size
+    finally:
+        quiet.setLevel(level)
+    out["mask_embedding"] = out["mask_token_id"] is None
+    out["_sliding"] = SLIDING_ATTENTION in out["layer_types"]
+    return out
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key in ("target", "drafter") and not prefix:
+            out.update(_flat(value, f"{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resume_mismatches(cfg: RunConfig, ckpt: Path, tokenizer_size: int) -> list[str]:
+    """How the drafter in checkpoint ``ckpt`` differs from the one this run's config builds.
+
+    Compares the checkpoint's ``drafter/config.json`` with :func:`expected_drafter_fields`, field
+    by field (:data:`RESUME_FIELDS`; ``sliding_window`` only when a layer of either uses it).
+
+    Returns:
+        One ``field (key): checkpoint X, this run Y`` per differing field; empty when they match.
+        An unreadable ``config.json`` is one entry saying so.
+
+    Raises:
+        ConfigError / OSError: from :func:`expected_drafter_fields`.
+    """
+    from dflash.model import DFlashDraftModel
+    from dflash.objective import FULL_ATTENTION, SLIDING_ATTENTION
+
+    directory = Path(ckpt) / "drafter"
+    try:
+        saved_cfg = DFlashDraftModel.load_config(directory)
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        return [f"{directory / 'config.json'} cannot be read as a DFlash drafter config ({exc})"]
+    saved = {name: getattr(saved_cfg, name) for name in RESUME_FIELDS if hasattr(saved_cfg, name)}
+    flags = raw.get("dflash_config") or {}
+    saved["mask_embedding"] = (bool(flags["mask_embedding"]) if "mask_embedding" in flags
+                               else saved_cfg.mask_token_id is None)
+    expected = expected_drafter_fields(cfg, tokenizer_size)
+    sliding = expected.pop("_sliding") or SLIDING_ATTENTION in (saved_cfg.layer_types or [FULL_ATTENTION])
+    out = []
+    for name, key in RESUME_FIELDS.items():
+        if name not in expected or name not in saved or (name == "sliding_window" and not sliding):
+            continue
+        a, b = saved[name], expected[name]
+        same = (abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(a)))) if name == "rope_theta" else a == b
+        if not same:
+            out.append(f"{name} (set by {_field_source(cfg, name, key)}): checkpoint {json.dumps(a)}, "
+                       f"this run {json.dumps(b)}")
+    return out
+
+
+def _field_source(cfg: RunConfig, name: str, key: str) -> str:
+    """What sets field ``name`` in this run: ``key``, or what a ``null`` there defaults to."""
+    if name == "target_layer_ids" and cfg.target.layer_ids is None:
+        return "target.layer_ids=null: the DFlash rule for drafter.num_layers and the target's depth"
+    if name == "layer_types" and cfg.drafter.layer_types is None:
+        return "drafter.layer_types=null: full attention in each of drafter.num_layers"
+    if name == "intermediate_size" and cfg.drafter.intermediate_size is None:
+        return "drafter.intermediate_size=null: the target's"
+    if name in ("mask_token_id", "mask_embedding") and cfg.drafter.mask_token_id is None:
+        return "drafter.mask_token_id=null: the target's first unused embedding row, else a trained mask embedding"
+    return key
+
+
+def resume_mismatch_message(cfg: RunConfig, run_dir: Path, ckpt: Path, mismatches: list[str]) -> str:
+    """The one-paragraph error for :func:`resume_mismatches`: the fields, what the run was started
+    with (its saved ``config.yaml``, where it differs), and how to proceed."""
+    text = (f"--resume: this run's drafter does not match the checkpoint it would continue "
+            f"({ckpt / 'drafter' / 'config.json'}): {'; '.join(mismatches)}.")
+    saved_file = run_dir / "config.yaml"
+    try:
+        saved = _flat(yaml.safe_load(saved_file.read_text()) or {})
+    except (OSError, yaml.YAMLError, AttributeError):
+        saved = {}
+    now = _flat(cfg.to_dict())
+    started_with = [f"{k}={json.dumps(saved[k])}" for k in RESUME_CONFIG_KEYS if k in saved and saved[k] != now.get(k)]
+    if started_with:
+        text += f" The run's {saved_file} was written with {', '.join(started_with)}."
+    return (text + " To continue this run, drop or fix the override(s) so that these fields match; to start a "
+            "new run in this directory instead, pass --overwrite (its checkpoints are deleted), or choose "
+            "another run_dir / name.")
 
 
 CONTROL_COMMANDS = ("status", "restart", "stop", "attach")
@@ -241,15 +424,22 @@ def _control_request(run_dir: Path, cmd: str, args: dict) -> dict:
     from dflash.workers.control import ControlError, decode, encode
 
     info_file = run_dir / "cluster.json"
+    if not run_dir.is_dir():
+        raise RuntimeError(f"no running cluster: {run_dir} does not exist")
     if not info_file.is_file():
+        ended = ended_run_summary(run_dir)
+        if ended is not None:
+            raise RuntimeError(f"no running cluster in {run_dir}: the run has ended; {ended}")
         raise RuntimeError(f"no running cluster in {run_dir} ({info_file.name} is missing)")
     info = json.loads(info_file.read_text())
     from dflash.transport.carriers import process_gone
 
     pid = info.get("launcher_pid")
     if isinstance(pid, int) and process_gone(pid):
+        ended = ended_run_summary(run_dir)
         raise RuntimeError(f"no running cluster in {run_dir}: its launcher (pid {pid}) is gone "
-                           f"({info_file.name} is stale; resume the run with --resume)")
+                           f"({info_file.name} is stale; resume the run with --resume)"
+                           + (f"; {ended}" if ended else ""))
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"ctl-{os.getpid()}".encode())
     sock.setsockopt(zmq.LINGER, 0)
@@ -271,15 +461,125 @@ def _control_request(run_dir: Path, cmd: str, args: dict) -> dict:
         sock.close(linger=0)
 
 
+def _last_metrics(path: Path, tail_bytes: int = 1 << 16) -> tuple[Optional[dict], Optional[dict]]:
+    """The last record of ``metrics.jsonl`` and the last one with ``eval/tau`` (within its last
+    ``tail_bytes``); ``(None, None)`` when there is none."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - tail_bytes))
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None, None
+    last = last_eval = None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or "step" not in record:
+            continue
+        last = last or record
+        if "eval/tau" in record:
+            last_eval = record
+            break
+    return last, last_eval
+
+
+def ended_run_summary(run_dir: Path) -> Optional[str]:
+    """What a run directory without a running cluster says about its run, or ``None`` when it
+    holds no checkpoint and no metrics (no run has trained there).
+
+    Names the newest checkpoint (step, whether that is ``train.max_steps`` of the run's saved
+    ``config.yaml``, when it was written) and the last step and held-out τ of ``metrics.jsonl``.
+    """
+    run_dir = Path(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    last, last_eval = _last_metrics(run_dir / "metrics.jsonl")
+    if ckpt is None and last is None:
+        return None
+    try:
+        max_steps = ((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("train") or {}).get("max_steps")
+    except (OSError, yaml.YAMLError, AttributeError):
+        max_steps = None
+    parts = []
+    complete = False
+    if ckpt is not None:
+        try:
+            state = read_state(ckpt)
+        except (OSError, ValueError):
+            state = {}
+        step = state.get("step")
+        when = (time.strftime(" on %Y-%m-%d %H:%M:%S", time.localtime(state["time"]))
+                if isinstance(state.get("time"), (int, float)) else "")
+        complete = isinstance(max_steps, int) and isinstance(step, int) and step >= max_steps
+        of = f" of {max_steps} (train.max_steps)" if isinstance(max_steps, int) else ""
+        parts.append(f"its last checkpoint is {ckpt} (step {step}{of}, written{when})")
+    else:
+        parts.append(f"it wrote no checkpoint (nothing under {run_dir / 'checkpoints'})")
+    if last is not None:
+        tau = (f", last held-out τ {last_eval['eval/tau']:.3f} at step {last_eval['step']}"
+               if last_eval is not None and isinstance(last_eval.get("eval/tau"), (int, float)) else "")
+        parts.append(f"metrics up to step {last['step']} are in {run_dir / 'metrics.jsonl'}{tau}")
+    text = "; ".join(parts)
+    if complete:
+        return text + "; it is complete"
+    if ckpt is not None:
+        return text + "; continue it with --resume (python -m launch.cluster --config <its config> --resume)"
+    return text
+
+
+def worker_view(w: dict) -> dict:
+    """One worker of the coordinator's status, made consistent, with a ``state``.
+
+    The coordinator reports ``up`` / ``ready`` as last heard from the worker's process, and its
+    pid from the supervisor: right after a kill (``restart target.N``, a crash before the exit is
+    handled) ``pid`` is already ``None`` while ``up`` / ``ready`` still say ``True``. A worker the
+    launcher runs is up only while it has a pid, and ready only when up.
+
+    ``state``: ``restarting`` (no process: killed or crashed, to be started again), ``starting``
+    (a process, no hello yet), ``loading`` (up, not ready), ``ready``; an ``attach``-ed worker is
+    ``attached`` while its process is connected, else ``detached``.
+    """
+    external = bool(w.get("external"))
+    up = bool(w.get("up")) and (external or w.get("pid") is not None)
+    ready = bool(w.get("ready")) and up
+    if external:
+        state = "attached" if up else "detached"
+    elif w.get("pid") is None:
+        state = "restarting"
+    else:
+        state = "ready" if ready else "loading" if up else "starting"
+    return {**w, "up": up, "ready": ready, "state": state}
+
+
+def status_view(data: dict) -> dict:
+    """The coordinator's status with every worker passed through :func:`worker_view`."""
+    return {**data, "workers": {name: worker_view(w) for name, w in data.get("workers", {}).items()}}
+
+
 def _print_status(data: dict) -> None:
+    data = status_view(data)
     print(f"step {data['step']}/{data['total_steps']}  attempt {data['attempt']}  "
           f"batches in flight {data['batches_in_flight']}  unassigned {data['unassigned_batches']}")
-    print(f"{'worker':<12}{'role':<9}{'pid':>8}  {'up':<6}{'ready':<7}{'failures':<9}external")
+    print(f"{'worker':<12}{'role':<9}{'pid':>8}  {'state':<12}{'up':<6}{'ready':<7}{'failures':<9}external")
     for name, w in data["workers"].items():
-        print(f"{name:<12}{w['role']:<9}{str(w['pid']):>8}  {str(w['up']):<6}{str(w['ready']):<7}"
+        pid = "-" if w["pid"] is None else str(w["pid"])
+        print(f"{name:<12}{w['role']:<9}{pid:>8}  {w['state']:<12}{str(w['up']):<6}{str(w['ready']):<7}"
               f"{w['failures']:<9}{w['external']}")
     for r in data.get("restarts", []):
         print(f"restart: {r['worker']} back after {r['seconds']:.1f} s")
+
+
+def _stdout_closed() -> int:
+    """stdout's reader has gone (``status --json | head -1``): send the rest of this process's
+    output, including the flush at exit, to /dev/null; return :data:`EXIT_BROKEN_PIPE`."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout file descriptor (captured): nothing to silence
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def control_main(argv: list[str]) -> int:
@@ -309,12 +609,16 @@ def control_main(argv: list[str]) -> int:
     if not reply["ok"]:
         log.error("%s", reply["text"])
         return 1
-    if args.json:
-        print(json.dumps(reply["data"], indent=1))
-    else:
-        if reply["text"] != "ok":
-            print(reply["text"])
-        _print_status(reply["data"])
+    try:
+        if args.json:
+            print(json.dumps(status_view(reply["data"]), indent=1))
+        else:
+            if reply["text"] != "ok":
+                print(reply["text"])
+            _print_status(reply["data"])
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _stdout_closed()
     if args.command != "attach":
         return 0
     # attach: run the worker here, in the foreground (pdb and prints work); the cluster waits for it
@@ -338,8 +642,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ``section.key=value`` override is refused at once with :func:`unknown_command`'s message.
 
     Returns:
-        The exit code: 0 done, :data:`EXIT_CONFIG` (2) for a bad command line or config, a locked or
-        non-empty run directory; 1 a failed run; 128 + N stopped by signal N; 130 interrupted twice.
+        The exit code: 0 done, :data:`EXIT_CONFIG` (2) for a bad command line or config (also
+        ``--resume`` with ``--overwrite``, a config whose drafter does not match the checkpoint
+        ``--resume`` would continue, data that cannot be prepared), a locked or non-empty run
+        directory; 1 a failed run; 128 + N stopped by signal N; 130 interrupted twice. A control
+        command: 0 done, 1 no running cluster / refused, :data:`EXIT_BROKEN_PIPE` (141) when its
+        stdout was closed early (``status | head -1``), quietly.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--mode=regenerate" in argv or ("--mode" in argv[:-1] and argv[argv.index("--mode") + 1] == "regenerate"):
@@ -384,7 +692,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.info("--resume: no checkpoint in %s yet, starting fresh", run_dir)
 
     started = time.monotonic()
-    plans = build_batch_plans(cfg)
+    try:  # still before any worker starts and any model loads
+        tokenizer = load_tokenizer(cfg.target)
+        if ckpt is not None:
+            mismatches = resume_mismatches(cfg, ckpt, len(tokenizer))
+            if mismatches:
+                log.error("%s", resume_mismatch_message(cfg, run_dir, ckpt, mismatches))
+                return EXIT_CONFIG
+        plans = build_batch_plans(cfg, tokenizer)
+    except ConfigError as exc:
+        log.error("config error: %s", exc)
+        return EXIT_CONFIG
+    except OSError as exc:  # an unreadable dataset or model file, a cache directory that is not writable
+        log.error("preparing the data failed: %s", exc)
+        return EXIT_CONFIG
     batches_per_epoch = [plans.train.num_batches(e) for e in range(cfg.train.epochs)]
     plan = StepPlan(batches_per_epoch, len(cfg.cluster.drafters), cfg.train.max_steps)
     heldout_batches = plans.heldout.num_batches(0) if plans.heldout is not None else 0

@@ -72,6 +72,9 @@ BAD_CASES = [
     (["train.warmup_ratio=1.5"], 0, r"^train\.warmup_ratio: must be in"),
     (["cluster.device=cpu", "transport.carrier=cuda_ipc"], 0, r"^transport\.carrier: cuda_ipc needs CUDA"),
     (["target.layer_ids=[3, 3]"], 0, r"^target\.layer_ids: has duplicates"),
+    (["train.eval_batches=-1"], 0,
+     r"^train\.eval_batches: must be >= 0 \(0 = no held-out evaluation, null = all held-out batches\), got -1$"),
+    (["train.eval_every=-5"], 0, r"^train\.eval_every: must be >= 0, got -5$"),
 ]
 
 
@@ -118,3 +121,9 @@ def test_default_gamma_matches_paper_points():
     assert default_gamma(8) == 4.0
     assert 4.0 < default_gamma(9) < 5.0
     assert default_gamma(2) >= 1.0
+
+
+@pytest.mark.parametrize("value, expected", [("0", 0), ("null", None), ("3", 3)])
+def test_eval_batches_zero_means_off_and_null_all(value, expected):
+    cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml", [f"train.eval_batches={value}"], gpu_count=0)
+    assert cfg.train.eval_batches == expected

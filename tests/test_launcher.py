@@ -1,15 +1,18 @@
-"""Launcher guards that need no running cluster: the run-directory lock, a stale cluster.json, mistyped commands."""
+"""Launcher guards that need no running cluster: the run-directory lock, a stale cluster.json, mistyped commands,
+``--resume`` against the checkpoint's drafter, data errors, and ``status`` (consistent view, closed pipe, ended run)."""
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import launch.cluster as cluster
-from dflash.config import ConfigError
+from dflash.config import ConfigError, load_config
 from launch.cluster import _control_request, _lock_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,3 +103,352 @@ def test_mistyped_command_exit_code_from_the_shell(tmp_path):
     assert res.returncode == 2
     assert "unknown command 'restrat': did you mean 'restart'?" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- --resume against the checkpoint
+
+CPU_CONFIG = ROOT / "configs" / "smollm2-135m-cpu.yaml"
+TINY = ["target.kind=random", "target.arch=tiny-qwen3", "target.tokenizer=qwen3", "cluster.device=cpu",
+        "drafter.num_layers=2", "drafter.block_size=4", "data.max_length=64", "data.token_budget=128"]
+TINY_TOKENS = 500  # < the 512 embedding rows: the mask token is row 500
+
+
+def write_checkpoint(run_dir: Path, cfg, tokenizer_size: int, step: int = 100) -> Path:
+    """A checkpoint whose drafter/config.json is what dflash.factory.build_drafter builds for ``cfg``
+    (written as save_pretrained writes it); no weights (the launcher's check reads none)."""
+    import torch
+
+    from dflash.factory import build_drafter, target_hf_config
+
+    tc = target_hf_config(cfg)
+    text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
+    embed = torch.nn.Embedding(int(text.vocab_size), int(text.hidden_size))
+    head = torch.nn.Linear(int(text.hidden_size), int(text.vocab_size), bias=False)
+    model = build_drafter(cfg, embed, head, tokenizer_size, torch.device("cpu"), tc)
+    ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
+    (ckpt / "drafter").mkdir(parents=True)
+    config = model.config.to_hf_dict(use_mask_embedding=model.use_mask_embedding)
+    (ckpt / "drafter" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (ckpt / "state.json").write_text(json.dumps({"step": step, "epoch": 0, "time": 1_800_000_000.0}))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tiny-run")
+    return run_dir, write_checkpoint(run_dir, load_config(None, TINY, gpu_count=0), TINY_TOKENS)
+
+
+@pytest.mark.parametrize("overrides, tokens", [
+    ([], TINY_TOKENS),
+    (["drafter.num_layers=2", "drafter.block_size=4"], TINY_TOKENS),  # the same values, restated
+    (["train.lr=1e-4", "data.max_length=32", "drafter.anchors_per_row=4", "train.eval_batches=0"], TINY_TOKENS),
+])
+def test_resume_accepts_the_same_drafter(tiny_checkpoint, overrides, tokens):
+    _, ckpt = tiny_checkpoint
+    assert cluster.resume_mismatches(load_config(None, TINY + overrides, gpu_count=0), ckpt, tokens) == []
+
+
+@pytest.mark.parametrize("overrides, tokens, expected", [
+    (["drafter.num_layers=3"], TINY_TOKENS,
+     ["num_hidden_layers (set by drafter.num_layers): checkpoint 2, this run 3",
+      "layer_types (set by drafter.layer_types=null: full attention in each of drafter.num_layers): "
+      'checkpoint ["full_attention", "full_attention"], this run ["full_attention", "full_attention", '
+      '"full_attention"]',
+      "target_layer_ids (set by target.layer_ids=null: the DFlash rule for drafter.num_layers and the target's "
+      "depth): checkpoint [1, 5], this run [1, 3, 5]"]),
+    (["drafter.block_size=8"], TINY_TOKENS, ["block_size (set by drafter.block_size): checkpoint 4, this run 8"]),
+    (["target.layer_ids=[2, 6]"], TINY_TOKENS,
+     ["target_layer_ids (set by target.layer_ids): checkpoint [1, 5], this run [2, 6]"]),
+    (["drafter.intermediate_size=96"], TINY_TOKENS,
+     ["intermediate_size (set by drafter.intermediate_size): checkpoint 128, this run 96"]),
+    (["drafter.layer_types=[sliding_attention, full_attention]"], TINY_TOKENS,
+     ['layer_types (set by drafter.layer_types): checkpoint ["full_attention", "full_attention"], '
+      'this run ["sliding_attention", "full_attention"]']),
+    (["drafter.mask_token_id=7"], TINY_TOKENS,
+     ["mask_token_id (set by drafter.mask_token_id): checkpoint 500, this run 7"]),
+    ([], 512, ["mask_token_id (set by drafter.mask_token_id=null: the target's first unused embedding row, else a "
+               "trained mask embedding): checkpoint 500, this run null",
+               "mask_embedding (set by drafter.mask_token_id=null: the target's first unused embedding row, else a "
+               "trained mask embedding): checkpoint false, this run true"]),
+    (["target.arch_overrides={hidden_size: 128, num_attention_heads: 8}"], TINY_TOKENS,
+     ["hidden_size (set by the target model: target.kind / path / arch / arch_overrides): checkpoint 64, this run 128",
+      "num_attention_heads (set by the target model: target.kind / path / arch / arch_overrides): checkpoint 4, "
+      "this run 8"]),
+    (["target.arch=tiny-llama"], TINY_TOKENS,
+     ["rope_theta (set by the target model: target.kind / path / arch / arch_overrides): checkpoint 1000000.0, "
+      "this run 10000.0"]),
+])
+def test_resume_names_each_differing_field(tiny_checkpoint, overrides, tokens, expected):
+    _, ckpt = tiny_checkpoint
+    assert cluster.resume_mismatches(load_config(None, TINY + overrides, gpu_count=0), ckpt, tokens) == expected
+
+
+def test_resume_check_without_the_target_config(tiny_checkpoint, monkeypatch):
+    """A GGUF target not converted yet: described from its metadata (no conversion), fewer fields."""
+    _, ckpt = tiny_checkpoint
+    monkeypatch.setattr(cluster, "_cheap_target_config", lambda cfg: None)
+    assert cluster.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, TINY_TOKENS) == []
+    cfg = load_config(None, TINY + ["drafter.block_size=8", "target.arch_overrides={hidden_size: 128}"], gpu_count=0)
+    assert cluster.resume_mismatches(cfg, ckpt, TINY_TOKENS) == [
+        "block_size (set by drafter.block_size): checkpoint 4, this run 8",
+        "hidden_size (set by the target model: target.kind / path / arch / arch_overrides): checkpoint 64, "
+        "this run 128"]
+
+
+def test_resume_compares_the_sliding_window_only_where_a_layer_slides(tmp_path):
+    sliding = TINY + ["drafter.layer_types=[sliding_attention, full_attention]", "drafter.sliding_window=16"]
+    ckpt = write_checkpoint(tmp_path, load_config(None, sliding, gpu_count=0), TINY_TOKENS)
+    assert cluster.resume_mismatches(load_config(None, sliding + ["drafter.sliding_window=32"], gpu_count=0), ckpt,
+                                     TINY_TOKENS) == [
+        "sliding_window (set by drafter.sliding_window): checkpoint 16, this run 32"]
+    full = TINY + ["drafter.sliding_window=32"]  # no sliding layer on either side: the window means nothing
+    plain = write_checkpoint(tmp_path / "plain", load_config(None, TINY, gpu_count=0), TINY_TOKENS)
+    assert cluster.resume_mismatches(load_config(None, full, gpu_count=0), plain, TINY_TOKENS) == []
+
+
+def test_resume_with_an_unreadable_drafter_config(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "step-00000010"
+    (ckpt / "drafter").mkdir(parents=True)
+    (ckpt / "drafter" / "config.json").write_text("{not json")
+    out = cluster.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, TINY_TOKENS)
+    assert len(out) == 1 and out[0].startswith(f"{ckpt / 'drafter' / 'config.json'} cannot be read as a DFlash "
+                                               "drafter config (")
+
+
+class _Tokenizer:
+    def __len__(self) -> int:
+        return TINY_TOKENS
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("reached past the --resume check")
+
+
+def test_resume_mismatch_stops_before_data_and_workers(tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    run_dir, ckpt = tiny_checkpoint
+    monkeypatch.setenv("DFLASH_WORKER", "test")
+    monkeypatch.setattr(cluster, "load_tokenizer", lambda target_cfg: _Tokenizer())
+    for name in ("build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "WandbRun"):
+        monkeypatch.setattr(cluster, name, _must_not_run)
+    before = (run_dir / "config.yaml").read_text()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(load_config(None, TINY, gpu_count=0).to_dict()))
+    with caplog.at_level("ERROR"):
+        rc = cluster.main(["--config", str(config), "--resume", "drafter.num_layers=3", "drafter.block_size=8",
+                           f"run_dir={run_dir}"])
+    assert rc == cluster.EXIT_CONFIG == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert errors[0].startswith(f"--resume: this run's drafter does not match the checkpoint it would continue "
+                                f"({ckpt / 'drafter' / 'config.json'}): num_hidden_layers (set by drafter.num_layers): "
+                                f"checkpoint 2, this run 3; block_size (set by drafter.block_size): checkpoint 4, "
+                                f"this run 8; ")
+    assert (f"The run's {run_dir / 'config.yaml'} was written with drafter.num_layers=2, drafter.block_size=4. "
+            in errors[0])
+    assert errors[0].endswith("To continue this run, drop or fix the override(s) so that these fields match; to "
+                              "start a new run in this directory instead, pass --overwrite (its checkpoints are "
+                              "deleted), or choose another run_dir / name.")
+    assert (run_dir / "config.yaml").read_text() == before and not (run_dir / "cluster.json").exists()
+    assert not (run_dir / "logs").exists()
+
+
+def test_resume_with_the_same_drafter_goes_on_to_the_data(tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    run_dir, _ = tiny_checkpoint
+    monkeypatch.setenv("DFLASH_WORKER", "test")
+    monkeypatch.setattr(cluster, "load_tokenizer", lambda target_cfg: _Tokenizer())
+
+    def data_fails(cfg, tokenizer):
+        assert isinstance(tokenizer, _Tokenizer)  # the tokenizer of the check is reused
+        raise ConfigError("data.dataset: stop here")
+
+    monkeypatch.setattr(cluster, "build_batch_plans", data_fails)
+    monkeypatch.setattr(cluster, "LocalCluster", _must_not_run)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(load_config(None, TINY, gpu_count=0).to_dict()))
+    with caplog.at_level("ERROR"):
+        assert cluster.main(["--config", str(config), "--resume", "train.lr=1e-4", f"run_dir={run_dir}"]) == 2
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "config error: data.dataset: stop here"]
+
+
+def test_resume_mismatch_from_the_shell(tmp_path):
+    """The reported case: the embedded CPU config's 1-layer checkpoint resumed with drafter.num_layers=2."""
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir, load_config(CPU_CONFIG, gpu_count=0), 49152, step=300)
+    res = subprocess.run([sys.executable, "-m", "launch.cluster", "--config", str(CPU_CONFIG), "--resume",
+                          "drafter.num_layers=2", f"run_dir={run_dir}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and "size mismatch" not in res.stderr
+    assert "num_hidden_layers (set by drafter.num_layers): checkpoint 1, this run 2" in res.stderr
+    assert "pass --overwrite" in res.stderr
+    assert not (run_dir / "logs").exists() and not (run_dir / "cluster.json").exists()
+
+
+# --------------------------------------------------------------------------- data errors, --resume/--overwrite
+
+def _launch(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cluster", "--config", str(CPU_CONFIG), *overrides,
+                           f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _only_error(stderr: str) -> str:
+    """The one error line of the launcher's log; asserts there is no traceback."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if " E [cluster] " in line]
+    assert len(errors) == 1, stderr
+    return errors[0].split(" dflash.cluster: ", 1)[1]
+
+
+def test_too_few_conversations_for_the_held_out_set(tmp_path):
+    res = _launch(tmp_path, "data.max_conversations=10")
+    assert res.returncode == 2
+    assert _only_error(res.stderr) == ("config error: data.heldout_conversations: 32 held out of 9 conversations "
+                                       "leaves none to train on")
+
+
+def test_a_dataset_without_a_usable_row(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"id": "a", "text": "no messages"}\n[1, 2]\n')
+    res = _launch(tmp_path, f"data.dataset={data}")
+    assert res.returncode == 2
+    assert _only_error(res.stderr).startswith(f"config error: data.dataset: no usable conversation in {data} "
+                                              f"(prepared 0 conversations from 2 rows")
+
+
+def test_json_lines_saved_as_json(tmp_path):
+    data = tmp_path / "x.json"
+    data.write_text((ROOT / "tests" / "fixtures" / "bad_rows.jsonl").read_text())
+    res = _launch(tmp_path, f"data.dataset={data}")
+    assert res.returncode == 2
+    assert _only_error(res.stderr) == (
+        f"config error: data.dataset: {data}: not a JSON array (it does not start with '['): a .json file is read "
+        f"as one JSON array of conversations; a JSON-lines file (one conversation per line) must end in .jsonl")
+
+
+def test_resume_and_overwrite_are_exclusive(monkeypatch, capsys):
+    monkeypatch.setattr(cluster, "load_config", _must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        cluster.main(["--config", "c.yaml", "--resume", "--overwrite"])
+    assert exc.value.code == 2
+    assert "error: argument --overwrite: not allowed with argument --resume" in capsys.readouterr().err
+    assert cluster.parse_args(["--config", "c.yaml", "--resume"]).resume
+    assert cluster.parse_args(["--overwrite", "--config", "c.yaml", "a.b=1"]).overwrite
+
+
+# --------------------------------------------------------------------------- status
+
+RESTARTING = {"step": 7, "total_steps": 60, "attempt": 0, "stop_requested": None, "unassigned_batches": 2,
+              "batches_in_flight": 1, "restarts": [],
+              "workers": {"target.0": {"role": "target", "pid": None, "up": True, "ready": True, "failures": 1,
+                                       "external": False},
+                          "drafter.0": {"role": "drafter", "pid": 4242, "up": True, "ready": True, "failures": 0,
+                                        "external": False},
+                          "drafter.1": {"role": "drafter", "pid": 4243, "up": False, "ready": False, "failures": 0,
+                                        "external": False}}}
+
+
+def test_status_shows_a_worker_without_a_process_as_restarting(capsys):
+    cluster._print_status(RESTARTING)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["worker", "role", "pid", "state", "up", "ready", "failures", "external"]
+    assert lines[2].split() == ["target.0", "target", "-", "restarting", "False", "False", "1", "False"]
+    assert lines[3].split() == ["drafter.0", "drafter", "4242", "ready", "True", "True", "0", "False"]
+    assert lines[4].split() == ["drafter.1", "drafter", "4243", "starting", "False", "False", "0", "False"]
+    view = cluster.worker_view
+    assert view({"pid": 5, "up": True, "ready": False, "external": False})["state"] == "loading"
+    assert view({"pid": 5, "up": True, "ready": True, "external": True})["state"] == "attached"
+    assert view({"pid": 5, "up": False, "ready": False, "external": True})["state"] == "detached"
+
+
+@pytest.fixture
+def fake_cluster(tmp_path):
+    """A run directory whose cluster.json points at a socket answering every ctl with RESTARTING."""
+    import threading
+
+    from dflash.workers.control import CoordinatorSocket
+
+    sock = CoordinatorSocket("127.0.0.1")
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            got = sock.recv(0.05)
+            if got is not None and got[1]["type"] == "ctl":
+                sock.send(got[0], "ctl_reply", ok=True, text="ok", data=RESTARTING)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    (tmp_path / "cluster.json").write_text(json.dumps({"control": sock.endpoint, "launcher_pid": os.getpid(),
+                                                       "workers": {}}))
+    yield tmp_path
+    done.set()
+    thread.join(5)
+    sock.close()
+
+
+def test_status_json_is_consistent(fake_cluster):
+    res = subprocess.run([sys.executable, "-m", "launch.cluster", "status", "--json", "--run-dir", str(fake_cluster)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    workers = json.loads(res.stdout)["workers"]
+    assert workers["target.0"] == {"role": "target", "pid": None, "up": False, "ready": False, "failures": 1,
+                                   "external": False, "state": "restarting"}
+    assert workers["drafter.0"]["state"] == "ready" and workers["drafter.1"]["state"] == "starting"
+
+
+@pytest.mark.parametrize("json_flag", [["--json"], []])
+def test_status_into_a_closed_pipe_exits_quietly(fake_cluster, json_flag):
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cluster", "status", *json_flag, "--run-dir",
+                             str(fake_cluster)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # `| head -1` gone before the answer is printed
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == cluster.EXIT_BROKEN_PIPE == 141
+    assert err == "", err
+
+
+def _ended_run(run_dir: Path, max_steps: int, step: int = 300) -> Path:
+    ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"step": step, "epoch": 0, "time": 1_800_000_000.0}))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"name": "r", "train": {"max_steps": max_steps}}))
+    lines = [{"step": step, "time": 1.0, "eval/tau": 1.125, "eval/loss": 6.4},
+             {"step": step, "time": 2.0, "train/loss": 6.7}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return ckpt
+
+
+def _status_error(run_dir: Path, monkeypatch, caplog) -> str:
+    monkeypatch.setenv("DFLASH_WORKER", "test")
+    with caplog.at_level("ERROR"):
+        assert cluster.main(["status", "--run-dir", str(run_dir)]) == 1
+    (message,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    return message
+
+
+def test_status_of_a_finished_run(tmp_path, monkeypatch, caplog):
+    ckpt = _ended_run(tmp_path, max_steps=300)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1_800_000_000.0))
+    assert _status_error(tmp_path, monkeypatch, caplog) == (
+        f"no running cluster in {tmp_path.resolve()}: the run has ended; its last checkpoint is "
+        f"{tmp_path.resolve() / 'checkpoints' / ckpt.name} (step 300 of 300 (train.max_steps), written on {when}); "
+        f"metrics up to step 300 are in {tmp_path.resolve() / 'metrics.jsonl'}, last held-out τ 1.125 at step 300; "
+        f"it is complete")
+
+
+def test_status_of_a_stopped_run(tmp_path, monkeypatch, caplog):
+    _ended_run(tmp_path, max_steps=400)
+    message = _status_error(tmp_path, monkeypatch, caplog)
+    assert "the run has ended; its last checkpoint is " in message and "(step 300 of 400 (train.max_steps)" in message
+    assert message.endswith("; continue it with --resume (python -m launch.cluster --config <its config> --resume)")
+
+
+def test_status_without_a_run(tmp_path, monkeypatch, caplog):
+    assert _status_error(tmp_path, monkeypatch, caplog) == (
+        f"no running cluster in {tmp_path.resolve()} (cluster.json is missing)")
+    caplog.clear()
+    assert _status_error(tmp_path / "nope", monkeypatch, caplog) == (
+        f"no running cluster: {(tmp_path / 'nope').resolve()} does not exist")
