@@ -732,11 +732,11 @@ def split_heldout(num_conversations: int, heldout: int, seed: int) -> tuple[np.n
     return np.sort(order[:cut]).astype(np.int64), np.sort(order[cut:]).astype(np.int64)
 
 
-def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
+def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report: bool = True) -> PreparedData:
     """Read, tokenise (or load from the cache) and split ``cfg.data``; log the report.
 
     Several processes may call this at once: one tokenises under a file lock, the others then load
-    its cache.
+    its cache. ``log_report=False`` logs the report at DEBUG (worker processes).
 
     Returns:
         :class:`PreparedData` with ``train`` / ``heldout`` corpora and the :class:`DataReport`.
@@ -772,6 +772,7 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared
         raise ConfigError(f"data.dataset: no usable conversation in {d.dataset} ({report.summary()})")
     corpus = TokenizedCorpus(arrays["tokens"], arrays["loss_mask"], arrays["offsets"], arrays["source_rows"])
     train_idx, heldout_idx = split_heldout(len(corpus), d.heldout_conversations, d.seed)
-    log.info("%s; train %d, held-out %d", report.summary(), len(train_idx), len(heldout_idx))
+    log.log(logging.INFO if log_report else logging.DEBUG, "%s; train %d, held-out %d", report.summary(),
+            len(train_idx), len(heldout_idx))
     return PreparedData(train=corpus.subset(train_idx), heldout=corpus.subset(heldout_idx), report=report,
                         cache_path=directory)

@@ -38,8 +38,10 @@ def pad_token_id(tokenizer: Any) -> int:
     return 0
 
 
-def build_batch_plans(cfg: RunConfig, tokenizer: Any = None) -> DataPlans:
+def build_batch_plans(cfg: RunConfig, tokenizer: Any = None, log_report: bool = True) -> DataPlans:
     """Tokenise ``cfg.data`` (or load the cache) and plan its batches.
+
+    ``log_report=False`` logs the data report at DEBUG (workers: the launcher already logged it).
 
     Raises:
         ConfigError: from data preparation (missing dataset, nothing usable, …).
@@ -48,7 +50,7 @@ def build_batch_plans(cfg: RunConfig, tokenizer: Any = None) -> DataPlans:
     from dflash.tokenizer import load_tokenizer
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
-    data = prepare_data(cfg, tokenizer)
+    data = prepare_data(cfg, tokenizer, log_report)
     pad_id = pad_token_id(tokenizer)
     rows, seq = cfg.rows_per_batch, cfg.data.max_length
     train = BatchPlan(data.train, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)

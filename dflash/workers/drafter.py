@@ -64,7 +64,7 @@ class DrafterWorker:
                                 timeout=COLLECTIVE_TIMEOUT, **kwargs)
         log.info("joined the drafter group: rank %d of %d (%s)", self.rank, self.world, backend)
 
-        plans = build_batch_plans(cfg)
+        plans = build_batch_plans(cfg, log_report=False)
         plan = StepPlan([plans.train.num_batches(e) for e in range(cfg.train.epochs)], self.world,
                         cfg.train.max_steps)
         self.total_steps = plan.total_steps

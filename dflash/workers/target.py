@@ -39,7 +39,7 @@ class TargetWorker:
         self.ctx = ctx
         cfg = ctx.cfg
         self.device = ctx.device
-        self.plans = build_batch_plans(cfg)
+        self.plans = build_batch_plans(cfg, log_report=False)
         self.target = load_target(cfg.target, self.device, num_drafter_layers=cfg.drafter.num_layers)
         self.spec = slot_spec(cfg, self.target.feature_size, self.target.dtype)
         # Static inputs: the compiled forward always reads the same addresses.
