@@ -231,6 +231,7 @@ class DrafterWorker:
         self.stats["mem_gib"] = memory_gib(self.device)
         out = {"tokens": tokens, "stats": {"wait_s": self.stats["wait_s"], "step_s": step_s,
                                           "copy_s": self.stats["copy_s"],
+                                          "checkpoint_block_s": self.stats.get("checkpoint_block_s", 0.0),
                                           "mem_gib": self.stats["mem_gib"], "rerecords": delta.cudagraph_records,
                                           "recompiles": delta.compiles}}
         if self.rank == 0:
