@@ -335,7 +335,8 @@ def gguf_hf_dir(gguf_path: str | os.PathLike | None = None) -> Path:
         if _cache_complete(final):
             return final
         if final.exists():  # left by hand or by an older layout: never trust it
-            logger.warning("removing incomplete cache %s", final)
+            logger.warning("removing incomplete cache %s (has: %s)", final,
+                           sorted(p.name for p in final.iterdir()) if final.is_dir() else "not a directory")
             shutil.rmtree(final)
         tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()

@@ -339,6 +339,8 @@ class Producer:
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
         sender = identity.decode("utf-8", errors="replace")
+        if not sender.isprintable():  # a socket without a name: its raw identity would garble the log
+            sender = "0x" + identity.hex()
         if len(frames) != _ROUTER_FRAMES:
             self._reject(sender, f"{len(frames) - 1} frames (expected 1 header frame)")
             return

@@ -119,12 +119,17 @@ class DrafterWorker:
 
         from dflash.checkpoint import read_state
 
-        state = load_file(str(ckpt / "drafter" / "model.safetensors"), device=str(self.device))
-        self.model.load_state_dict(state, strict=True)
-        saved = load_trainer_state(ckpt, self.device)
-        self.trainer.load_state_dict(saved["trainer"])
-        set_rng_state(saved["rng"])
-        self.steps_done = read_state(ckpt)["step"]
+        try:
+            state = load_file(str(ckpt / "drafter" / "model.safetensors"), device=str(self.device))
+            self.model.load_state_dict(state, strict=True)
+            saved = load_trainer_state(ckpt, self.device)
+            self.trainer.load_state_dict(saved["trainer"])
+            set_rng_state(saved["rng"])
+            self.steps_done = read_state(ckpt)["step"]
+        except Exception as exc:
+            raise RuntimeError(
+                f"checkpoint {ckpt} cannot be loaded ({type(exc).__name__}: {exc}). If it is damaged, move it "
+                f"out of {ckpt.parent} and resume: the run continues from the previous checkpoint") from exc
         log.info("resumed from %s (step %d)", ckpt, self.steps_done)
 
     def _warm_up(self, batch) -> float:
