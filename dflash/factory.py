@@ -85,6 +85,22 @@ def target_hf_config(cfg: RunConfig) -> Any:
     return AutoConfig.from_pretrained(directory)
 
 
+def drafter_config(cfg: RunConfig, target_config: Any, tokenizer_size: int, embedding_rows: int):
+    """The :class:`dflash.model.DFlashConfig` this run's drafter gets (no weights touched).
+
+    Raises:
+        ConfigError: a bad ``target.layer_ids`` for this target.
+        ValueError: a drafter setting the target's shape cannot take.
+    """
+    from dflash.model import DFlashConfig, resolve_mask_token_id
+    from dflash.target import resolve_layer_ids
+
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), cfg.drafter.num_layers)
+    mask_id = resolve_mask_token_id(cfg.drafter.mask_token_id, tokenizer_size, embedding_rows)
+    return DFlashConfig.from_target(target_config, cfg.drafter, target_layer_ids=layer_ids, mask_token_id=mask_id)
+
+
 def build_drafter(cfg: RunConfig, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, tokenizer_size: int,
                   device: torch.device, target_config: Any = None):
     """A fresh DFlash drafter (seeded by ``train.seed``) around the target's frozen embedding and head.
@@ -92,14 +108,11 @@ def build_drafter(cfg: RunConfig, embed_tokens: torch.nn.Module, lm_head: torch.
     Returns:
         :class:`dflash.model.DFlashDraftModel` on ``device`` in fp32 (bf16 autocast on GPU).
     """
-    from dflash.model import DFlashConfig, DFlashDraftModel, resolve_mask_token_id
-    from dflash.target import resolve_layer_ids
+    from dflash.model import DFlashDraftModel
 
     tc = target_config if target_config is not None else target_hf_config(cfg)
-    text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
-    layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), cfg.drafter.num_layers)
-    mask_id = resolve_mask_token_id(cfg.drafter.mask_token_id, tokenizer_size, embed_tokens.weight.shape[0])
-    dcfg = DFlashConfig.from_target(tc, cfg.drafter, target_layer_ids=layer_ids, mask_token_id=mask_id)
+    dcfg = drafter_config(cfg, tc, tokenizer_size, embed_tokens.weight.shape[0])
+    layer_ids, mask_id = dcfg.target_layer_ids, dcfg.mask_token_id
     torch.manual_seed(cfg.train.seed)
     model = DFlashDraftModel(dcfg, embed_tokens, lm_head, attention=cfg.drafter.attention).to(device)
     log.info("drafter: %d layer(s), B=%d, mask token %s, target layers %s, %.2fM trainable params",

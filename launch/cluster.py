@@ -224,9 +224,10 @@ def expected_drafter_fields(cfg: RunConfig, tokenizer_size: int) -> dict:
         ConfigError: a bad ``target.layer_ids`` / ``target.arch`` for this target.
         OSError: a missing model file or directory.
     """
-    from dflash.model import DFlashConfig, resolve_mask_token_id
+    from dflash.factory import drafter_config
+    from dflash.model import resolve_mask_token_id
     from dflash.objective import FULL_ATTENTION, SLIDING_ATTENTION
-    from dflash.target import describe_target, resolve_layer_ids
+    from dflash.target import describe_target
 
     d = cfg.drafter
     quiet = logging.getLogger("dflash.model")
@@ -236,10 +237,8 @@ def expected_drafter_fields(cfg: RunConfig, tokenizer_size: int) -> dict:
         tc = _cheap_target_config(cfg)
         if tc is not None:
             text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
-            layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), d.num_layers)
-            mask_id = resolve_mask_token_id(d.mask_token_id, tokenizer_size, int(text.vocab_size))
             try:
-                dcfg = DFlashConfig.from_target(tc, d, target_layer_ids=layer_ids, mask_token_id=mask_id)
+                dcfg = drafter_config(cfg, tc, tokenizer_size, int(text.vocab_size))
             except ValueError as exc:
                 raise ConfigError(f"drafter: {exc}") from None
             out = {name: getattr(dcfg, name) for name in RESUME_FIELDS if name != "mask_embedding"}

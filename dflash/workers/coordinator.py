@@ -288,6 +288,9 @@ class Coordinator:
 
     def _set_items(self, items: list[WorkItem]) -> None:
         self.items = items
+        #: the step of the last checkpoint these items write (the run ends once it is on disk)
+        self.final_checkpoint_step = max((it.index + 1 for it in items if it.kind == "train" and it.checkpoint),
+                                         default=None)
         self.item_done: list[set[str]] = [set() for _ in items]
         self._item_index = {(item.kind, item.index): i for i, item in enumerate(items)}
         self.eval_sums: dict[int, list[dict]] = {}
@@ -350,8 +353,8 @@ class Coordinator:
 
     def _awaiting_last_checkpoint(self) -> bool:
         """Every step is trained but the last step's checkpoint is not yet reported on disk."""
-        steps = [it.index + 1 for it in self.items if it.kind == "train" and it.checkpoint]
-        return self.stop_reason is None and bool(steps) and self.checkpointed_step < max(steps)
+        return (self.stop_reason is None and self.final_checkpoint_step is not None
+                and self.checkpointed_step < self.final_checkpoint_step)
 
     def _loop(self) -> None:
         # the run is over once every item is done and the final checkpoint is on disk (a drafter
