@@ -65,6 +65,58 @@ def timed(fn, iters: int) -> float:
     return times[len(times) // 2]
 
 
+def phase_times(trainer, tensors: dict, batch_id: int) -> dict[str, float]:
+    """GPU ms of one drafter step's phases, by CUDA events: where the step's time goes.
+
+    Phases: ``prepare`` (anchors, labels), ``forward`` (masks + drafter layers, compiled or
+    not), ``loss`` (the eager chunked LM-head cross-entropy, which also forms the hidden-state
+    gradient), ``backward`` (through the drafter layers) and ``optimizer`` (clip, fused AdamW).
+    Runs :meth:`DrafterTrainer.step`'s pieces in its order (one extra optimizer step).
+    """
+    import dflash.trainer as tr
+
+    names = ["prepare", "forward", "loss", "backward", "optimizer"]
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
+    real_loss = tr.dflash_loss
+
+    def timed_loss(*a, **k):
+        ev[2].record()
+        return real_loss(*a, **k)
+
+    tr.dflash_loss = timed_loss
+    try:
+        torch.cuda.synchronize()
+        trainer.model.train()
+        ev[0].record()
+        prepared = trainer.prepare(tensors, 0, batch_id)
+        ev[1].record()
+        out = trainer.forward_loss(tensors, prepared)
+        ev[3].record()
+        (out.loss_sum * (trainer.grads_averaged_over / prepared.weight_sum)).backward()
+        ev[4].record()
+        trainer.optimizer_step()
+        ev[5].record()
+        torch.cuda.synchronize()
+    finally:
+        tr.dflash_loss = real_loss
+    return {n: ev[i].elapsed_time(ev[i + 1]) for i, n in enumerate(names)}
+
+
+def top_kernels(trainer, tensors: dict, batch_id: int, rows: int = 15) -> list[dict]:
+    """The ``rows`` CUDA kernels with the most GPU time in one drafter step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        trainer.step(tensors, 0, batch_id)
+        torch.cuda.synchronize()
+    table = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        table.append({"name": e.key[:120], "ms": t / 1e3, "calls": e.count})
+    table.sort(key=lambda r: -r["ms"])
+    return table[:rows]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="qwen3-8b")
@@ -77,6 +129,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--skip-target-compile", action="store_true")
     p.add_argument("--mask-token-id", type=int, default=151669)
+    p.add_argument("--profile", action="store_true", help="also list each mode's top CUDA kernels")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no CUDA graphs)")
     args = p.parse_args()
     on_gpu = args.device == "cuda"
@@ -182,6 +235,10 @@ def main() -> int:
                 watch.arm()
         steady = sorted(times[3:])
         res[f"drafter_{mode}_ms"] = steady[len(steady) // 2]
+        if on_gpu:
+            res[f"drafter_{mode}_phases_ms"] = phase_times(trainer, tensors, args.steps)
+            if args.profile:
+                res[f"drafter_{mode}_top_kernels"] = top_kernels(trainer, tensors, args.steps + 1)
         res[f"drafter_{mode}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         res[f"drafter_{mode}_losses"] = losses
         if watch is not None:
@@ -209,6 +266,9 @@ def main() -> int:
           f"{res.get('drafter_compiled_rerecords_after_warmup')} |")
     print(f"loss agreement over {args.steps} steps: max rel diff {res['drafter_loss_max_rel_diff']:.2e}; "
           f"peak GiB eager {res['drafter_eager_peak_gib']:.1f} / compiled {res['drafter_compiled_peak_gib']:.1f}")
+    for mode in ("eager", "compiled"):
+        if f"drafter_{mode}_phases_ms" in res:
+            print(f"{mode} phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in res[f"drafter_{mode}_phases_ms"].items()))
     return 0
 
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Run named GPU checks of docs/gpu-runbook.md in one device call, within a wall-clock budget.
+#
+#   bash scripts/gpu_runbook.sh BUDGET_S STEP [STEP ...]
+#
+# STEP is one of: pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints.
+# Each step runs under `timeout` (its own limit, cut to what is left of BUDGET_S), writes into
+# /tmp/gpu-res/STEP/, and after every step everything so far is packed into $OUT/results.tgz
+# (one file: the device returns at most 8) with a one-line status per step in $OUT/steps.txt.
+# A step that would get under 60 s is skipped and says so.
+set -u
+budget=$1; shift
+start=$(date +%s)
+res=/tmp/gpu-res
+mkdir -p "$res"
+: "${OUT:?OUT must be set (the device sets it)}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$res/pip.log" 2>&1 && export PYTHONPATH=/tmp/site || { cat "$res/pip.log"; exit 1; }
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+G="target.tokenizer=.gpu/tokenizer-qwen3 data.dataset=.gpu/sharegpt.jsonl"
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv >"$res/gpus.csv" 2>&1
+
+run_step() {  # name, own limit (s), command...
+    local name=$1 limit=$2; shift 2
+    local left=$(( budget - ($(date +%s) - start) - 15 ))
+    (( limit > left )) && limit=$left
+    if (( limit < 60 )); then echo "$name: skipped ($left s left)" >>"$OUT/steps.txt"; return; fi
+    mkdir -p "$res/$name"
+    local t0=$(date +%s)
+    OUT="$res/$name" timeout "$limit" "$@" >"$res/$name/stdout.log" 2>&1
+    local rc=$?
+    echo "$name: rc $rc in $(( $(date +%s) - t0 )) s (limit $limit s)" >>"$OUT/steps.txt"
+    tail -n 25 "$res/$name/stdout.log" >"$OUT/${name}_tail.txt"
+    tar czf "$OUT/results.tgz" -C "$res" . 2>/dev/null
+}
+
+for step in "$@"; do
+    case $step in
+    pytest) run_step pytest 240 python3 -m pytest -q -rs tests/test_gpu_compile.py tests/test_trainer.py \
+                -k "gpu or two_processes" ;;
+    compile) run_step compile 330 python3 benchmarks/bench_compile.py --arch qwen3-8b --steps 20 --anchors 128 \
+                --skip-target-compile --profile ;;
+    compiled_pipeline) run_step compiled_pipeline 230 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r1 \
+                --warm-steps 5 --budget-s 215 train.max_steps=50 checkpoint.every=0 drafter.compile=true $G ;;
+    deep_target) run_step deep_target 160 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r2 --warm-steps 5 \
+                --budget-s 145 train.max_steps=30 checkpoint.every=0 "target.arch_overrides={num_hidden_layers: 12}" $G ;;
+    threaded) run_step threaded 200 python3 benchmarks/bench_pipeline.py --mode threaded --steps 12 --timeout-s 185 $G ;;
+    checkpoints) run_step checkpoints 200 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r3 --warm-steps 5 \
+                --budget-s 185 train.max_steps=30 checkpoint.every=10 $G ;;
+    *) echo "$step: unknown step" >>"$OUT/steps.txt" ;;
+    esac
+done
+echo "total $(( $(date +%s) - start )) s" >>"$OUT/steps.txt"
