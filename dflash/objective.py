@@ -64,6 +64,8 @@ __all__ = [
     "flex_block_mask",
     "build_attention_masks",
     "dflash_loss",
+    "linear_ce_chunk",
+    "compiled_linear_ce_chunk",
     "acceptance_lengths",
 ]
 
@@ -437,17 +439,66 @@ def restage_attention_mask(mask: AttentionMask, stage: Callable[[Any, Tensor], T
 # --------------------------------------------------------------------------- loss
 
 
+def linear_ce_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, w: Tensor,
+                    need_grad: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Weighted cross entropy of one chunk of rows through the LM head, with its hidden gradient.
+
+    ``z = h Wᵀ + b`` (in ``weight``'s dtype, then fp32); ``Σ_n w_n (logsumexp(z_n) − z_n[y_n])``;
+    ``argmax z_n``; and, when ``need_grad``, ``d/dh = (w_n (softmax(z_n) − onehot(y_n))) W``.
+    Pure tensor code with static shapes, so ``torch.compile`` can fuse the fp32 softmax passes
+    over the ``[c, V]`` logits (cast, log-sum-exp, exp, one-hot subtraction, scaling, cast back)
+    into a few kernels.
+
+    Args:
+        h: ``[c, D]`` hidden states; weight: ``[V, D]``; bias: ``[V]`` or ``None``.
+        y: ``[c]`` int64 labels; w: ``[c]`` fp32 row weights.
+        need_grad: also return the ``[c, D]`` gradient (in ``h``'s dtype).
+
+    Returns:
+        ``(Σ w·CE fp32 scalar, argmax [c] int64, gradient [c, D] or None)``.
+    """
+    logits = F.linear(h.to(weight.dtype), weight, bias).float()  # [c, V]
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    total = (ce * w).sum()
+    pred = logits.argmax(dim=-1)
+    if not need_grad:
+        return total, pred, None
+    probs = torch.exp(logits - lse.unsqueeze(1))
+    probs = probs.scatter_add(1, y.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))
+    grad = ((probs * w.unsqueeze(1)).to(weight.dtype) @ weight).to(h.dtype)
+    return total, pred, grad
+
+
+_compiled_ce_chunk: Optional[Callable[..., Any]] = None
+
+
+def compiled_linear_ce_chunk() -> Callable[..., Any]:
+    """:func:`linear_ce_chunk` under ``torch.compile(dynamic=False)`` (inductor, no CUDA graphs).
+
+    One compiled function per process, shared by every caller; it compiles once per chunk shape
+    and ``need_grad`` value (the trainer's step uses one or two: full chunks and the last one).
+    Measured on the H200 (docs/benchmarks.md, session 4) against the eager chunk loop.
+    """
+    global _compiled_ce_chunk
+    if _compiled_ce_chunk is None:
+        _compiled_ce_chunk = torch.compile(linear_ce_chunk, dynamic=False)
+    return _compiled_ce_chunk
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """``Σ_n w_n · CE(h_n W^T + b, y_n)`` and ``argmax`` over row chunks, gradient computed in forward.
 
     For one row, ``d CE / d h = (softmax(z) − onehot(y)) W`` (z = logits). The forward pass keeps
     only that ``[N, D]`` gradient (scaled by ``w``); backward multiplies it by the incoming scalar
-    gradient. The frozen head (``W``, ``b``) gets no gradient.
+    gradient. The frozen head (``W``, ``b``) gets no gradient. Each chunk runs
+    ``chunk_fn`` (:func:`linear_ce_chunk` or its compiled form).
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                row_weights: Tensor, chunk: int, need_grad: bool) -> tuple[Tensor, Tensor]:
+                row_weights: Tensor, chunk: int, need_grad: bool,
+                chunk_fn: Callable[..., Any]) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = []
@@ -455,19 +506,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
-                h = hidden[start:end].to(weight.dtype)
-                logits = F.linear(h, weight, bias).float()  # [c, V]
-                y = labels[start:end]
-                w = row_weights[start:end]
-                lse = torch.logsumexp(logits, dim=-1)
-                ce = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
-                total = total + (ce * w).sum()
-                preds.append(logits.argmax(dim=-1))
+                part, pred, grad = chunk_fn(hidden[start:end], weight, bias, labels[start:end],
+                                            row_weights[start:end], need_grad)
+                total = total + part
+                preds.append(pred)
                 if need_grad:
-                    probs = torch.exp(logits - lse.unsqueeze(1))
-                    probs.scatter_add_(1, y.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))
-                    probs = probs * w.unsqueeze(1)
-                    grads.append((probs.to(weight.dtype) @ weight).to(hidden.dtype))
+                    grads.append(grad)
         pred = torch.cat(preds) if preds else labels.new_zeros(0)
         ctx.mark_non_differentiable(pred)
         if need_grad:
@@ -481,7 +525,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         if ctx.need_grad:
             (g,) = ctx.saved_tensors
             grad_hidden = g * grad_total.to(g.dtype)
-        return grad_hidden, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None
 
 
 @dataclass
@@ -544,7 +588,8 @@ def acceptance_lengths(correct: Tensor, valid: Tensor) -> Tensor:
 
 
 def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tensor, gamma: float,
-                chunk: int = LOSS_CHUNK_ROWS, block_keep: Optional[Tensor] = None) -> LossOutput:
+                chunk: int = LOSS_CHUNK_ROWS, block_keep: Optional[Tensor] = None,
+                chunk_fn: Optional[Callable[..., Any]] = None) -> LossOutput:
     """Decayed cross entropy of the drafter's block predictions, with accuracy and τ.
 
     ``loss_sum = Σ_{r,i,k} w_k · valid · CE(lm_head(hidden[r,i,k]), labels[r,i,k])`` with
@@ -559,6 +604,8 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
         gamma: γ of the decay (``dflash.config.default_gamma(B)`` by default in the trainer).
         chunk: rows of logits per chunk (``LOSS_CHUNK_ROWS``).
         block_keep: ``[R, A]`` bool blocks counted by τ; ``None`` = blocks with a valid slot.
+        chunk_fn: the per-chunk computation (default :func:`linear_ce_chunk`, eager; the trainer
+            passes :func:`compiled_linear_ce_chunk` when it compiles).
 
     Returns:
         :class:`LossOutput`; only ``loss_sum`` carries a gradient (to ``hidden``).
@@ -578,7 +625,8 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     bias = getattr(lm_head, "bias", None)
     loss_sum, pred = _ChunkedLinearCE.apply(h, lm_head.weight, bias, labels[:, :, 1:].reshape(n),
-                                            weights[:, :, 1:].reshape(n), chunk, need_grad)
+                                            weights[:, :, 1:].reshape(n), chunk, need_grad,
+                                            chunk_fn or linear_ce_chunk)
     with torch.no_grad():
         pred = torch.cat([labels[:, :, :1], pred.view(r, a, b - 1)], dim=2)  # slot 0: placeholder
         correct = (pred == labels) & valid

@@ -38,6 +38,7 @@ from dflash.objective import (
     anchor_generator,
     build_attention_masks,
     build_block_labels,
+    compiled_linear_ce_chunk,
     dflash_loss,
     label_weights,
     restage_attention_mask,
@@ -242,8 +243,11 @@ class DrafterTrainer:
             hidden = self._forward(*staged, masks)
         else:
             hidden = self._hidden(*args, self.attention_masks(t["doc_ids"], prepared.anchors, prepared.anchor_keep))
+        # Compiled runs also compile the LM-head loss chunks (fused fp32 softmax passes); the
+        # eval path (compiled=False) stays eager, so it never triggers a compile after warm-up.
+        chunk_fn = compiled_linear_ce_chunk() if compiled and self._forward is not self._hidden else None
         return dflash_loss(hidden, self.module.lm_head, prepared.labels, prepared.valid, self.gamma,
-                           chunk=self.loss_chunk, block_keep=prepared.anchor_keep)
+                           chunk=self.loss_chunk, block_keep=prepared.anchor_keep, chunk_fn=chunk_fn)
 
     def forward_backward(self, tensors: dict[str, Tensor], epoch: int, batch_id: int, *,
                          anchors: Optional[tuple[Tensor, Tensor]] = None,

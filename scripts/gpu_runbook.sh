@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_runbook.sh BUDGET_S STEP [STEP ...]
 #
-# STEP is one of: pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints.
+# STEP is one of: pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu.
 # Each step runs under `timeout` (its own limit, cut to what is left of BUDGET_S), writes into
 # /tmp/gpu-res/STEP/, and after every step everything so far is packed into $OUT/results.tgz
 # (one file: the device returns at most 8) with a one-line status per step in $OUT/steps.txt.
@@ -47,6 +47,8 @@ for step in "$@"; do
     threaded) run_step threaded 200 python3 benchmarks/bench_pipeline.py --mode threaded --steps 12 --timeout-s 185 $G ;;
     checkpoints) run_step checkpoints 200 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r3 --warm-steps 5 \
                 --budget-s 185 train.max_steps=30 checkpoint.every=10 $G ;;
+    single_gpu) run_step single_gpu 200 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r4 --warm-steps 5 \
+                --budget-s 185 train.max_steps=30 checkpoint.every=0 "cluster.drafters=[0]" cluster.allow_shared_gpu=true $G ;;
     *) echo "$step: unknown step" >>"$OUT/steps.txt" ;;
     esac
 done

@@ -367,6 +367,41 @@ def test_loss_equals_per_block_loop(chunk: int) -> None:
     assert out.per_slot_count.tolist() == valid.float().sum((0, 1)).tolist()
 
 
+def test_compiled_loss_chunks_equal_the_loop_and_compile_once_per_shape() -> None:
+    """The compiled LM-head chunk (what a compiled trainer uses) against the naive loop.
+
+    Chunks of 8 rows over 2·5·5 = 50 rows: six full chunks (one shape, different offsets into
+    the hidden states) and one of 2 rows: two compilations, none for the second call.
+    """
+    from dflash.compile_watch import compile_counts
+    from dflash.objective import compiled_linear_ce_chunk
+
+    torch.manual_seed(1)
+    r, a, bs, d, v = 2, 5, 6, 16, 40
+    head = nn.Linear(d, v, bias=True)
+    labels = torch.randint(0, v, (r, a, bs))
+    valid = torch.rand(r, a, bs) < 0.7
+    gamma = 2.5
+    fn = compiled_linear_ce_chunk()
+    before = compile_counts().compiles
+    for call in range(2):
+        hidden = torch.randn(r, a, bs, d, requires_grad=True)
+        out = dflash_loss(hidden, head, labels, valid, gamma, chunk=8, chunk_fn=fn)
+        (grad,) = torch.autograd.grad(out.loss, hidden)
+        hidden2 = hidden.detach().clone().requires_grad_(True)
+        num, den = naive_loss(hidden2, head, labels, valid, gamma)
+        (grad_ref,) = torch.autograd.grad(num / den, hidden2)
+        assert torch.allclose(out.loss_sum, num, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(grad, grad_ref, atol=1e-6, rtol=1e-4)
+        eager = dflash_loss(hidden.detach(), head, labels, valid, gamma, chunk=8)
+        assert torch.equal(out.per_slot_correct, eager.per_slot_correct)
+        assert torch.equal(out.tau_sum, eager.tau_sum)
+        if call == 0:
+            after_first = compile_counts().compiles
+    assert after_first - before <= 2
+    assert compile_counts().compiles == after_first
+
+
 def test_loss_gives_the_frozen_head_no_gradient() -> None:
     head = nn.Linear(8, 20, bias=False)
     hidden = torch.randn(1, 2, 3, 8, requires_grad=True)
