@@ -146,7 +146,9 @@ class DrafterTrainer:
 
         self._forward = self._hidden
         self._staging: dict[Any, Tensor] = {}
-        if drafter_cfg.compile and self.device.type == "cuda" and compile_mode is not None:
+        #: whether the drafter forward (and the LM-head loss chunks) run compiled.
+        self.compiled = bool(drafter_cfg.compile and self.device.type == "cuda" and compile_mode is not None)
+        if self.compiled:
             self._forward = torch.compile(self._hidden, mode=compile_mode, dynamic=False)
             logger.info("drafter forward compiled (mode=%s)", compile_mode)
         logger.info("drafter trainer: %d trainable params, B=%d, A=%d, gamma=%.3g, labels=%s, %d steps",
@@ -231,7 +233,7 @@ class DrafterTrainer:
         """
         t = self._batch(tensors)
         args = (t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors, prepared.anchor_keep)
-        if compiled and self._forward is not self._hidden:
+        if compiled and self.compiled:
             # Every tensor the compiled forward reads lives in a persistent buffer (CUDA graphs
             # re-record when an input they treat as static moves), masks included.
             staged = [self._stage(("input", i), x) for i, x in enumerate(args)]
@@ -245,7 +247,7 @@ class DrafterTrainer:
             hidden = self._hidden(*args, self.attention_masks(t["doc_ids"], prepared.anchors, prepared.anchor_keep))
         # Compiled runs also compile the LM-head loss chunks (fused fp32 softmax passes); the
         # eval path (compiled=False) stays eager, so it never triggers a compile after warm-up.
-        chunk_fn = compiled_linear_ce_chunk() if compiled and self._forward is not self._hidden else None
+        chunk_fn = compiled_linear_ce_chunk() if compiled and self.compiled else None
         return dflash_loss(hidden, self.module.lm_head, prepared.labels, prepared.valid, self.gamma,
                            chunk=self.loss_chunk, block_keep=prepared.anchor_keep, chunk_fn=chunk_fn)
 

@@ -246,7 +246,7 @@ def test_compiled_path_stages_inputs_and_builds_masks_outside() -> None:
         seen.append(([t.data_ptr() for t in tensors], masks))
         return staged._hidden(*args)
 
-    staged._forward = fake_compiled
+    staged._forward, staged.compiled = fake_compiled, True
     for i in range(3):
         batch = random_batch(seed=10 + i)  # fresh tensors (new addresses) every step
         me, ms = eager.step(batch, 0, i), staged.step(batch, 0, i)
@@ -257,8 +257,9 @@ def test_compiled_path_stages_inputs_and_builds_masks_outside() -> None:
     assert set(seen[0][1]) == {"full_attention"}  # masks built outside, one per layer type
     mask_ptrs = [m["full_attention"].data_ptr() for _, m in seen]  # dense (CPU) mask: one buffer
     assert mask_ptrs[0] == mask_ptrs[1] == mask_ptrs[2]
-    for pe, ps in zip(eager.params, staged.params):
-        assert torch.allclose(pe, ps, rtol=1e-6, atol=1e-7)
+    for pe, ps in zip(eager.params, staged.params):  # the compiled loss sums in another order
+        assert (pe - ps).abs().max() < 1e-6, (pe - ps).abs().max()
+    assert not eager.compiled and not eager._staging  # eager runs read the caller's tensors
 
 
 @pytest.mark.gpu
