@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_runbook.sh BUDGET_S STEP [STEP ...]
 #
-# STEP is one of: pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu.
+# STEP is one of: gpu_tests (every test marked gpu), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu.
 # Each step runs under `timeout` (its own limit, cut to what is left of BUDGET_S), writes into
 # /tmp/gpu-res/STEP/, and after every step everything so far is packed into $OUT/results.tgz
 # (one file: the device returns at most 8) with a one-line status per step in $OUT/steps.txt.
@@ -38,6 +38,7 @@ for step in "$@"; do
     case $step in
     pytest) run_step pytest 240 python3 -m pytest -q -rs tests/test_gpu_compile.py tests/test_trainer.py \
                 -k "gpu or two_processes" ;;
+    gpu_tests) run_step gpu_tests 240 python3 -m pytest -q -rs -m gpu tests/ ;;
     compile) run_step compile 330 python3 benchmarks/bench_compile.py --arch qwen3-8b --steps 20 --anchors 128 \
                 --skip-target-compile --profile ;;
     compiled_pipeline) run_step compiled_pipeline 230 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r1 \
