@@ -53,8 +53,8 @@ for step in "$@"; do
                 --skip-target-compile --profile ;;
     compiled_pipeline) run_step compiled_pipeline 230 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r1 \
                 --warm-steps 5 --budget-s 215 train.max_steps=50 checkpoint.every=0 drafter.compile=true $G ;;
-    deep_target) run_step deep_target 160 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r2 --warm-steps 5 \
-                --budget-s 145 train.max_steps=30 checkpoint.every=0 "target.arch_overrides={num_hidden_layers: 12}" $G ;;
+    deep_target) run_step deep_target 190 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r2 --warm-steps 5 \
+                --budget-s 175 train.max_steps=30 checkpoint.every=0 "target.arch_overrides={num_hidden_layers: 12}" $G ;;
     threaded) run_step threaded 200 $PY benchmarks/bench_pipeline.py --mode threaded --steps 12 --timeout-s 185 $G ;;
     checkpoints) run_step checkpoints 200 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r3 --warm-steps 5 \
                 --budget-s 185 train.max_steps=30 checkpoint.every=10 $G ;;
