@@ -10,6 +10,12 @@ A checkpoint is written under ``step-XXXXXXXX.tmp-<pid>`` and renamed into place
 mid-write never leaves a checkpoint that looks complete. ``latest_checkpoint`` ignores temporary
 directories; the next checkpoint written removes those of processes that are gone.
 
+A checkpoint damaged afterwards (a truncated copy, a full disk, a bad file) is found by
+:func:`checkpoint_problem` before it is used (``latest_checkpoint(..., verify=True)``, at
+``--resume`` and at every drafter-group restart) or fails to load in a drafter; either way it is
+moved aside to ``step-XXXXXXXX.damaged`` (never deleted: the files stay for inspection) with the
+reason in ``DAMAGED.txt``, and the run goes on from the previous checkpoint.
+
 :class:`CheckpointWriter` writes from a host copy of the state in a background thread, so
 training goes on while the files are written (a checkpoint of the 1.05 B-parameter Qwen3-8B
 drafter with its AdamW state is ~12.6 GB and blocked a GPU drafter for ~13 s when written in
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
+import zipfile
 import os
 import random
 import re
@@ -32,7 +40,8 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["CheckpointError", "CheckpointWriter", "host_copy", "save_checkpoint", "latest_checkpoint",
-           "load_trainer_state", "read_state", "rng_state", "set_rng_state"]
+           "checkpoint_problem", "is_damage_error", "quarantine", "load_trainer_state", "read_state",
+           "rng_state", "set_rng_state"]
 
 log = logging.getLogger(__name__)
 
@@ -263,11 +272,101 @@ def _list_steps(root: Path) -> list[int]:
     return out
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint directory of a run, or None."""
+def latest_checkpoint(run_dir: Path, verify: bool = False) -> Optional[Path]:
+    """The newest complete checkpoint directory of a run, or None.
+
+    Args:
+        verify: check each candidate, newest first, with :func:`checkpoint_problem`; a damaged
+            one is moved aside (:func:`quarantine`) and the next older one is tried.
+    """
     root = Path(run_dir) / "checkpoints"
-    steps = _list_steps(root)
-    return root / f"step-{max(steps):08d}" if steps else None
+    for step in sorted(_list_steps(root), reverse=True):
+        ckpt = root / f"step-{step:08d}"
+        problem = checkpoint_problem(ckpt) if verify else None
+        if problem is None:
+            return ckpt
+        quarantine(ckpt, problem)
+    return None
+
+
+def checkpoint_problem(ckpt: Path) -> Optional[str]:
+    """What makes a checkpoint directory unusable, found without loading its tensors; ``None`` if nothing.
+
+    Reads ``state.json`` (a JSON object with an integer ``step``) and ``drafter/config.json``,
+    opens ``drafter/model.safetensors`` (its header must cover the whole file: a truncated file
+    fails) and ``trainer.pt`` (a zip archive: its directory must be readable and the pickle entry
+    pass its CRC). Costs milliseconds; damage inside the tensor data is not seen here (a drafter
+    that fails to load it reports it: :func:`is_damage_error`).
+    """
+    ckpt = Path(ckpt)
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            return "state.json has no integer 'step'"
+        json.loads((ckpt / "drafter" / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(ckpt / "drafter" / "model.safetensors"), framework="pt") as f:
+            f.keys()
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file is unusable either way
+        return f"drafter/model.safetensors: {type(exc).__name__}: {exc}"
+    try:
+        with zipfile.ZipFile(ckpt / "trainer.pt") as z:
+            pickles = [n for n in z.namelist() if n.endswith("data.pkl")]
+            if not pickles:
+                return "trainer.pt: no data.pkl entry"
+            z.read(pickles[0])
+    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
+        return f"trainer.pt: {type(exc).__name__}: {exc}"
+    return None
+
+
+def is_damage_error(exc: BaseException) -> bool:
+    """Whether an exception raised while loading a checkpoint means its files are damaged.
+
+    True for unreadable / truncated / corrupt files (missing file, bad JSON, safetensors header
+    errors, bad zip or pickle, torch's zip reader errors); False for everything else, e.g. out of
+    memory, or a model or optimizer state that does not fit (``RuntimeError`` / ``ValueError`` of
+    ``load_state_dict``: a config mismatch, not damage).
+    """
+    if isinstance(exc, (FileNotFoundError, json.JSONDecodeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError)):
+        return True
+    if type(exc).__name__ == "SafetensorError":
+        return True
+    return isinstance(exc, RuntimeError) and "PytorchStreamReader" in str(exc)
+
+
+def quarantine(ckpt: Path, reason: str) -> Optional[Path]:
+    """Move a damaged checkpoint aside: ``step-X`` → ``step-X.damaged`` (``.damaged-2``, … if taken).
+
+    Writes ``DAMAGED.txt`` with ``reason`` inside and logs a warning. Several processes may find
+    the same damage at once: the first moves it, the others find it gone and return ``None``.
+
+    Returns:
+        the new path, or ``None`` when ``ckpt`` was already gone.
+    """
+    ckpt = Path(ckpt)
+    for n in range(1, 100):
+        dest = ckpt.with_name(ckpt.name + (".damaged" if n == 1 else f".damaged-{n}"))
+        if dest.exists():
+            continue
+        try:
+            os.rename(ckpt, dest)
+        except FileNotFoundError:
+            return None
+        except OSError:  # dest appeared meanwhile: try the next name
+            continue
+        try:
+            (dest / "DAMAGED.txt").write_text(f"{reason}\n")
+        except OSError:
+            pass
+        log.warning("checkpoint %s is damaged (%s): moved aside to %s; using the previous checkpoint",
+                    ckpt, reason, dest.name)
+        return dest
+    raise OSError(f"cannot move damaged checkpoint {ckpt} aside: 99 .damaged names taken")
 
 
 def read_state(ckpt: Path) -> dict:

@@ -130,7 +130,7 @@ class LocalCluster:
         write_cluster_file(self.run_dir, self.control_endpoint, self)
 
     def latest_checkpoint(self) -> Optional[Path]:
-        return latest_checkpoint(self.run_dir)
+        return latest_checkpoint(self.run_dir, verify=True)
 
 
 def write_cluster_file(run_dir: Path, endpoint: str, cluster: LocalCluster) -> None:
@@ -625,7 +625,7 @@ def control_main(argv: list[str]) -> int:
     spec = json.loads((run_dir / "cluster.json").read_text())["workers"][args.worker]
     worker_args = list(spec["args"])
     if args.worker.startswith("drafter."):
-        ckpt = latest_checkpoint(run_dir)
+        ckpt = latest_checkpoint(run_dir, verify=True)
         if ckpt is not None:
             worker_args += ["--resume-from", str(ckpt)]
     env = {**os.environ, **spec["env"], "DFLASH_WORKER": args.worker, "PYTHONUNBUFFERED": "1"}
@@ -677,7 +677,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     lock = _lock_run_dir(run_dir)  # held (open) until this process exits
     if lock is None:
         return EXIT_CONFIG
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = latest_checkpoint(run_dir, verify=args.resume)
     if ckpt is not None and not (args.resume or args.overwrite):
         log.error("%s already holds checkpoints (newest: %s): pass --resume to continue it or --overwrite to "
                   "start again, or choose another run_dir / name", run_dir, ckpt.name)

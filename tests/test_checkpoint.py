@@ -13,9 +13,12 @@ from safetensors.torch import load_file
 from dflash.checkpoint import (
     CheckpointError,
     CheckpointWriter,
+    checkpoint_problem,
     host_copy,
+    is_damage_error,
     latest_checkpoint,
     load_trainer_state,
+    quarantine,
     read_state,
     save_checkpoint,
 )
@@ -128,3 +131,87 @@ def test_orphaned_temporary_directories_are_swept(tmp_path) -> None:
     save_checkpoint(tmp_path, 5, 0, tr.model, tr.state_dict())
     names = sorted(p.name for p in root.iterdir())
     assert names == ["step-00000004.tmp-1", "step-00000005"]
+
+
+# --------------------------------------------------------------------------- damaged checkpoints
+
+
+def _three_checkpoints(tmp_path):
+    tr = trained()
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step, 0, tr.module, tr.state_dict(), keep_last=3)
+    return tmp_path / "checkpoints"
+
+
+def _truncate(path, keep: float = 0.5) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep))
+
+
+@pytest.mark.parametrize("damage", ["weights_truncated", "trainer_truncated", "state_garbage", "pickle_corrupt",
+                                    "config_missing"])
+def test_verify_moves_a_damaged_newest_checkpoint_aside(tmp_path, damage) -> None:
+    root = _three_checkpoints(tmp_path)
+    newest = root / "step-00000006"
+    assert checkpoint_problem(newest) is None
+    if damage == "weights_truncated":
+        _truncate(newest / "drafter" / "model.safetensors")
+    elif damage == "trainer_truncated":
+        _truncate(newest / "trainer.pt")
+    elif damage == "state_garbage":
+        (newest / "state.json").write_text('{"step": 6, "epo')
+    elif damage == "pickle_corrupt":  # the zip directory is intact; the pickle entry's CRC is not
+        data = bytearray((newest / "trainer.pt").read_bytes())
+        start = data.index(b"data.pkl") + len(b"data.pkl") + 64
+        data[start:start + 32] = b"\xff" * 32
+        (newest / "trainer.pt").write_bytes(bytes(data))
+    else:
+        (newest / "drafter" / "config.json").unlink()
+    problem = checkpoint_problem(newest)
+    assert problem is not None
+    assert latest_checkpoint(tmp_path) == newest  # without verify: only names are looked at
+    assert latest_checkpoint(tmp_path, verify=True) == root / "step-00000004"
+    moved = root / "step-00000006.damaged"
+    assert not newest.exists() and moved.is_dir()
+    assert (moved / "DAMAGED.txt").read_text().strip() == problem
+    assert latest_checkpoint(tmp_path, verify=True) == root / "step-00000004"  # stays put
+    # the next checkpoint written prunes good ones only; the damaged one stays for inspection
+    tr = trained(1)
+    save_checkpoint(tmp_path, 8, 0, tr.module, tr.state_dict(), keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000006.damaged", "step-00000008"]
+
+
+def test_every_checkpoint_damaged_means_none(tmp_path) -> None:
+    root = _three_checkpoints(tmp_path)
+    for step in (2, 4, 6):
+        _truncate(root / f"step-{step:08d}" / "drafter" / "model.safetensors", 0.9)
+    assert latest_checkpoint(tmp_path, verify=True) is None
+    assert sorted(p.name for p in root.iterdir()) == [f"step-{s:08d}.damaged" for s in (2, 4, 6)]
+
+
+def test_quarantine_names_and_races(tmp_path) -> None:
+    root = _three_checkpoints(tmp_path)
+    (root / "step-00000006.damaged").mkdir()  # an earlier damaged copy of the same step
+    assert quarantine(root / "step-00000006", "bad") == root / "step-00000006.damaged-2"
+    assert quarantine(root / "step-00000006", "bad") is None  # another rank moved it first
+
+
+def test_damage_errors_are_told_from_other_load_errors(tmp_path) -> None:
+    root = _three_checkpoints(tmp_path)
+    ckpt = root / "step-00000006"
+    _truncate(ckpt / "drafter" / "model.safetensors")
+    with pytest.raises(Exception) as weights:
+        load_file(str(ckpt / "drafter" / "model.safetensors"))
+    _truncate(ckpt / "trainer.pt")
+    with pytest.raises(Exception) as trainer:
+        load_trainer_state(ckpt)
+    with pytest.raises(Exception) as missing:
+        read_state(root / "step-00000009")
+    assert is_damage_error(weights.value) and is_damage_error(trainer.value) and is_damage_error(missing.value)
+    # not damage: a state that does not fit this model or optimizer, or no memory
+    with pytest.raises(RuntimeError) as mismatch:
+        tiny_model(0, head_dim=16).load_state_dict(load_file(str(root / "step-00000004" / "drafter" / "model.safetensors")))
+    assert not is_damage_error(mismatch.value)
+    assert not is_damage_error(ValueError("loaded state dict contains a parameter group that doesn't match"))
+    assert not is_damage_error(torch.OutOfMemoryError("CUDA out of memory"))

@@ -115,8 +115,10 @@ TINY_TOKENS = 500  # < the 512 embedding rows: the mask token is row 500
 
 def write_checkpoint(run_dir: Path, cfg, tokenizer_size: int, step: int = 100) -> Path:
     """A checkpoint whose drafter/config.json is what dflash.factory.build_drafter builds for ``cfg``
-    (written as save_pretrained writes it); no weights (the launcher's check reads none)."""
+    (written as save_pretrained writes it), with its weights and an empty trainer state: enough for
+    the launcher's checks (``--resume`` verifies the files are whole; it loads no tensor)."""
     import torch
+    from safetensors.torch import save_file
 
     from dflash.factory import build_drafter, target_hf_config
 
@@ -129,6 +131,8 @@ def write_checkpoint(run_dir: Path, cfg, tokenizer_size: int, step: int = 100) -
     (ckpt / "drafter").mkdir(parents=True)
     config = model.config.to_hf_dict(use_mask_embedding=model.use_mask_embedding)
     (ckpt / "drafter" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "drafter" / "model.safetensors"))
+    torch.save({"trainer": {}, "rng": {}}, ckpt / "trainer.pt")
     (ckpt / "state.json").write_text(json.dumps({"step": step, "epoch": 0, "time": 1_800_000_000.0}))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return ckpt
@@ -413,6 +417,8 @@ def test_status_into_a_closed_pipe_exits_quietly(fake_cluster, json_flag):
 def _ended_run(run_dir: Path, max_steps: int, step: int = 300) -> Path:
     ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
     ckpt.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "drafter" / "model.safetensors"))
+    torch.save({"trainer": {}, "rng": {}}, ckpt / "trainer.pt")
     (ckpt / "state.json").write_text(json.dumps({"step": step, "epoch": 0, "time": 1_800_000_000.0}))
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"name": "r", "train": {"max_steps": max_steps}}))
     lines = [{"step": step, "time": 1.0, "eval/tau": 1.125, "eval/loss": 6.4},

@@ -141,6 +141,28 @@ def test_group_sigterm_checkpoint_then_resume_matches_uninterrupted(tmp_path):
         assert resumed[step] == pytest.approx(loss, rel=1e-6, abs=1e-6), (step, stopped_at, resumed, ref)
 
 
+def test_resume_past_a_damaged_newest_checkpoint(tmp_path):
+    """--resume finds the newest checkpoint truncated (say, a copy that ran out of disk), moves it
+    aside and goes on from the previous one: the same losses as an uninterrupted run."""
+    extra = ["cluster.drafters=[0]", "train.max_steps=4", "checkpoint.every=2", "train.eval_batches=0"]
+    run_dir = tmp_path / "run"
+    run_cluster(run_dir, extra)
+    root = run_dir / "checkpoints"
+    weights = root / "step-00000004" / "drafter" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    out = run_cluster(run_dir, extra, "--resume")
+    assert "Traceback" not in out, out[-4000:]
+    assert "step-00000004 is damaged" in out and "moved aside to step-00000004.damaged" in out, out[-4000:]
+    assert "incomplete metadata" in (root / "step-00000004.damaged" / "DAMAGED.txt").read_text()
+    assert json.loads((root / "step-00000004" / "state.json").read_text())["step"] == 4  # written again
+    resumed = train_losses(run_dir)
+    ref = reference_losses(extra, 1)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step, loss in enumerate(ref, start=1):
+        assert resumed[step] == pytest.approx(loss, rel=1e-6, abs=1e-6), (step, resumed, ref)
+
+
 def test_bad_config_fails_before_workers_start(tmp_path):
     res = subprocess.run([sys.executable, "-m", "launch.cluster", "--config", str(CONFIG), "drafter.block_size=1",
                           f"run_dir={tmp_path / 'run'}"], cwd=ROOT, env=_env(), capture_output=True, text=True,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dflash.checkpoint import CheckpointWriter, load_trainer_state, set_rng_state
+from dflash.checkpoint import CheckpointWriter, is_damage_error, load_trainer_state, quarantine, set_rng_state
 from dflash.compile_watch import CompileWatch
 from dflash.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
 from dflash.objective import LossOutput
@@ -127,6 +127,11 @@ class DrafterWorker:
             set_rng_state(saved["rng"])
             self.steps_done = read_state(ckpt)["step"]
         except Exception as exc:
+            if is_damage_error(exc):  # the group restarts from the previous checkpoint
+                moved = quarantine(ckpt, f"{type(exc).__name__} while loading it: {exc}")
+                raise RuntimeError(f"checkpoint {ckpt} is damaged ({type(exc).__name__}: {exc}); "
+                                   f"moved aside to {moved.name if moved else 'a .damaged directory'}; "
+                                   f"the drafter group restarts from the previous checkpoint") from exc
             raise RuntimeError(
                 f"checkpoint {ckpt} cannot be loaded ({type(exc).__name__}: {exc}). If it is damaged, move it "
                 f"out of {ckpt.parent} and resume: the run continues from the previous checkpoint") from exc
