@@ -148,6 +148,9 @@ class DrafterTrainer:
         self._staging: dict[Any, Tensor] = {}
         #: whether the drafter forward (and the LM-head loss chunks) run compiled.
         self.compiled = bool(drafter_cfg.compile and self.device.type == "cuda" and compile_mode is not None)
+        if drafter_cfg.compile and self.device.type != "cuda":
+            logger.info("drafter.compile: ignored on %s (CUDA graphs need a GPU); the drafter runs eager",
+                        self.device.type)
         if self.compiled:
             self._forward = torch.compile(self._hidden, mode=compile_mode, dynamic=False)
             logger.info("drafter forward compiled (mode=%s)", compile_mode)

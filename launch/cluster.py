@@ -146,8 +146,15 @@ def write_cluster_file(run_dir: Path, endpoint: str, cluster: LocalCluster) -> N
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    epilog = ("a running cluster (--run-dir runs/<name> or --config):\n"
+              "  python -m launch.cluster status   --run-dir DIR [--json]   workers, pids, step, restarts\n"
+              "  python -m launch.cluster restart  target.K|drafters --run-dir DIR\n"
+              "  python -m launch.cluster attach   WORKER --run-dir DIR     run it here in the foreground\n"
+              "  python -m launch.cluster stop     --run-dir DIR            final checkpoint, then exit\n"
+              "regenerating the data with the target:\n"
+              "  python -m launch.cluster --mode regenerate --config X.yaml --output OUT.jsonl [--help]")
     p = argparse.ArgumentParser(prog="python -m launch.cluster", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
     p.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",

@@ -231,6 +231,13 @@ def test_missing_tensor_is_reported() -> None:
     assert data_labels.step(batch, 0, 0)["num_blocks"].item() > 0
 
 
+def test_compile_on_cpu_is_ignored_and_says_so(caplog) -> None:
+    with caplog.at_level("INFO", logger="dflash.trainer"):
+        tr = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(compile=True), 10, "cpu")
+    assert not tr.compiled
+    assert "drafter.compile: ignored on cpu (CUDA graphs need a GPU); the drafter runs eager" in caplog.text
+
+
 # --------------------------------------------------------------------------- GPU only
 
 
