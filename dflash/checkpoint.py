@@ -24,6 +24,7 @@ the step).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import pickle
@@ -50,7 +51,7 @@ _TMP_DIR = re.compile(r"^step-\d{8}\.tmp-(\d+)$")
 
 
 class CheckpointError(RuntimeError):
-    """A background checkpoint write failed (the cause is chained)."""
+    """A background checkpoint write failed, or a damaged checkpoint cannot be moved aside (the cause is chained)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -295,15 +296,26 @@ def checkpoint_problem(ckpt: Path) -> Optional[str]:
     Reads ``state.json`` (a JSON object with an integer ``step``) and ``drafter/config.json``,
     opens ``drafter/model.safetensors`` (its header must cover the whole file: a truncated file
     fails) and ``trainer.pt`` (a zip archive: its directory must be readable and the pickle entry
-    pass its CRC). Costs milliseconds; damage inside the tensor data is not seen here (a drafter
-    that fails to load it reports it: :func:`is_damage_error`).
+    pass its CRC). Costs milliseconds. Not seen here: bytes changed inside the tensor data (the
+    formats carry no checksum of it); a drafter refuses to checkpoint a non-finite loss, so such
+    weights never replace good checkpoints.
+
+    Raises:
+        PermissionError: a file cannot be read (not damage: nothing is moved).
     """
     ckpt = Path(ckpt)
     try:
         state = json.loads((ckpt / "state.json").read_text())
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-            return "state.json has no integer 'step'"
-        json.loads((ckpt / "drafter" / "config.json").read_text())
+        step = state.get("step") if isinstance(state, dict) else None
+        if type(step) is not int or step < 0:
+            return f"state.json: 'step' must be an integer >= 0, got {step!r}"
+        named = _STEP_DIR.match(ckpt.name)
+        if named and int(named.group(1)) != step:
+            return f"state.json says step {step} in a directory named {ckpt.name}"
+        if not isinstance(json.loads((ckpt / "drafter" / "config.json").read_text()), dict):
+            return "drafter/config.json is not a JSON object"
+    except PermissionError:
+        raise  # not damage: the files may be fine (the caller reports it)
     except (OSError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     try:
@@ -311,6 +323,8 @@ def checkpoint_problem(ckpt: Path) -> Optional[str]:
 
         with safe_open(str(ckpt / "drafter" / "model.safetensors"), framework="pt") as f:
             f.keys()
+    except PermissionError:
+        raise
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file is unusable either way
         return f"drafter/model.safetensors: {type(exc).__name__}: {exc}"
     try:
@@ -319,6 +333,8 @@ def checkpoint_problem(ckpt: Path) -> Optional[str]:
             if not pickles:
                 return "trainer.pt: no data.pkl entry"
             z.read(pickles[0])
+    except PermissionError:
+        raise
     except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
         return f"trainer.pt: {type(exc).__name__}: {exc}"
     return None
@@ -332,7 +348,9 @@ def is_damage_error(exc: BaseException) -> bool:
     memory, or a model or optimizer state that does not fit (``RuntimeError`` / ``ValueError`` of
     ``load_state_dict``: a config mismatch, not damage).
     """
-    if isinstance(exc, (FileNotFoundError, json.JSONDecodeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError)):
+    if isinstance(exc, pickle.UnpicklingError):  # torch's refusal of an unsupported type is not damage
+        return "Weights only load failed" not in str(exc)
+    if isinstance(exc, (FileNotFoundError, json.JSONDecodeError, EOFError, zipfile.BadZipFile)):
         return True
     if type(exc).__name__ == "SafetensorError":
         return True
@@ -347,6 +365,9 @@ def quarantine(ckpt: Path, reason: str) -> Optional[Path]:
 
     Returns:
         the new path, or ``None`` when ``ckpt`` was already gone.
+
+    Raises:
+        CheckpointError: it cannot be renamed (read-only file system, permissions).
     """
     ckpt = Path(ckpt)
     for n in range(1, 100):
@@ -357,16 +378,19 @@ def quarantine(ckpt: Path, reason: str) -> Optional[Path]:
             os.rename(ckpt, dest)
         except FileNotFoundError:
             return None
-        except OSError:  # dest appeared meanwhile: try the next name
-            continue
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # dest appeared meanwhile: the next name
+                continue
+            raise CheckpointError(f"checkpoint {ckpt} is damaged ({reason}) and cannot be moved aside: "
+                                  f"{type(exc).__name__}: {exc}; move it out of {ckpt.parent} by hand") from exc
         try:
             (dest / "DAMAGED.txt").write_text(f"{reason}\n")
         except OSError:
             pass
-        log.warning("checkpoint %s is damaged (%s): moved aside to %s; using the previous checkpoint",
-                    ckpt, reason, dest.name)
+        log.warning("checkpoint %s is damaged (%s): moved aside to %s", ckpt, reason, dest.name)
         return dest
-    raise OSError(f"cannot move damaged checkpoint {ckpt} aside: 99 .damaged names taken")
+    raise CheckpointError(f"checkpoint {ckpt} is damaged ({reason}) and cannot be moved aside: "
+                          f"{ckpt.name}.damaged … .damaged-99 all exist")
 
 
 def read_state(ckpt: Path) -> dict:

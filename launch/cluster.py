@@ -28,7 +28,7 @@ from typing import Optional
 
 import yaml
 
-from dflash.checkpoint import latest_checkpoint, read_state
+from dflash.checkpoint import CheckpointError, checkpoint_problem, latest_checkpoint, read_state
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.factory import build_batch_plans, target_hf_config
 from dflash.logs import setup_logging
@@ -520,6 +520,14 @@ def ended_run_summary(run_dir: Path) -> Optional[str]:
         complete = isinstance(max_steps, int) and isinstance(step, int) and step >= max_steps
         of = f" of {max_steps} (train.max_steps)" if isinstance(max_steps, int) else ""
         parts.append(f"its last checkpoint is {ckpt} (step {step}{of}, written{when})")
+        try:
+            problem = checkpoint_problem(ckpt)
+        except OSError as exc:
+            problem = f"unreadable: {exc}"
+        if problem is not None:
+            complete = False
+            parts.append(f"that checkpoint is damaged ({problem}): --resume moves it aside and continues "
+                         f"from the previous one")
     else:
         parts.append(f"it wrote no checkpoint (nothing under {run_dir / 'checkpoints'})")
     if last is not None:
@@ -684,7 +692,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     lock = _lock_run_dir(run_dir)  # held (open) until this process exits
     if lock is None:
         return EXIT_CONFIG
-    ckpt = latest_checkpoint(run_dir, verify=args.resume)
+    try:
+        ckpt = latest_checkpoint(run_dir, verify=args.resume)
+    except (CheckpointError, PermissionError) as exc:
+        log.error("--resume: %s", exc)
+        return EXIT_CONFIG
+    if ckpt is not None and args.resume:
+        log.info("--resume: continuing from %s", ckpt)
     if ckpt is not None and not (args.resume or args.overwrite):
         log.error("%s already holds checkpoints (newest: %s): pass --resume to continue it or --overwrite to "
                   "start again, or choose another run_dir / name", run_dir, ckpt.name)
@@ -695,6 +709,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(run_dir / "checkpoints")
         ckpt = None
     if args.resume and ckpt is None:
+        damaged = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.damaged*")) \
+            if (run_dir / "checkpoints").is_dir() else []
+        if damaged:
+            log.error("--resume: every checkpoint in %s is damaged (moved aside: %s; the reasons are in their "
+                      "DAMAGED.txt); nothing to continue from: pass --overwrite to start again",
+                      run_dir / "checkpoints", ", ".join(damaged))
+            return EXIT_CONFIG
         log.info("--resume: no checkpoint in %s yet, starting fresh", run_dir)
 
     started = time.monotonic()
@@ -781,7 +802,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         metrics_file.close()
     if result is None:
         return 130
-    problems = coordinator.ledger.check(plan, start_step, result.steps_done)
+    # a rollback below this launch's first step (its checkpoint moved aside) re-planned from there
+    problems = coordinator.ledger.check(plan, min(start_step, coordinator.lowest_step), result.steps_done)
     if problems:
         log.error("ledger: %d problem(s): %s", len(problems), "; ".join(problems[:10]))
         exit_code = exit_code or 1

@@ -215,3 +215,69 @@ def test_damage_errors_are_told_from_other_load_errors(tmp_path) -> None:
     assert not is_damage_error(mismatch.value)
     assert not is_damage_error(ValueError("loaded state dict contains a parameter group that doesn't match"))
     assert not is_damage_error(torch.OutOfMemoryError("CUDA out of memory"))
+
+
+@pytest.mark.parametrize("state, expected", [
+    ('{"step": true}', "state.json: 'step' must be an integer >= 0, got True"),
+    ('{"step": -1}', "state.json: 'step' must be an integer >= 0, got -1"),
+    ('{"step": 5}', "state.json says step 5 in a directory named step-00000006"),
+    ('[6]', "state.json: 'step' must be an integer >= 0, got None"),
+])
+def test_state_json_contents_are_checked(tmp_path, state, expected) -> None:
+    root = _three_checkpoints(tmp_path)
+    (root / "step-00000006" / "state.json").write_text(state)
+    assert checkpoint_problem(root / "step-00000006") == expected
+
+
+def test_unreadable_is_not_damaged_and_a_failed_move_says_why(tmp_path, monkeypatch) -> None:
+    import errno
+    import os
+    from pathlib import Path
+
+    root = _three_checkpoints(tmp_path)
+    real_read = Path.read_text
+
+    def denied(self, *a, **k):
+        if self.name == "state.json":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(PermissionError):
+        latest_checkpoint(tmp_path, verify=True)
+    assert (root / "step-00000006").is_dir()  # nothing moved
+    monkeypatch.setattr(Path, "read_text", real_read)
+
+    def read_only(src, dst):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "rename", read_only)
+    with pytest.raises(CheckpointError, match=r"step-00000006 is damaged \(bad\) and cannot be moved aside: "
+                                              r"OSError: \[Errno \d+\] Read-only file system"):
+        quarantine(root / "step-00000006", "bad")
+
+
+def test_an_unsupported_type_is_not_damage() -> None:
+    import pickle
+
+    assert not is_damage_error(pickle.UnpicklingError("Weights only load failed. ... Unsupported global: GLOBAL x.Y"))
+    assert is_damage_error(pickle.UnpicklingError("invalid load key, '\\xff'."))
+
+
+def test_the_drafter_refuses_to_checkpoint_a_non_finite_loss() -> None:
+    """Weights that give a NaN loss (diverged, or restored from silently corrupt tensors) must not
+    be checkpointed: pruning would then delete the good checkpoints before them."""
+    from types import SimpleNamespace
+
+    from dflash.workers.drafter import DrafterWorker
+
+    saved = []
+    fake = SimpleNamespace(rank=0, steps_done=7, _last_loss=float("nan"), model=None,
+                           trainer=SimpleNamespace(state_dict=lambda: {}),
+                           writer=SimpleNamespace(save=lambda *a: saved.append(a), last_blocking_s=0.0),
+                           stats={}, _announce=lambda done: None)
+    with pytest.raises(RuntimeError, match="step 7: the training loss is nan; not writing a checkpoint"):
+        DrafterWorker.save(fake)
+    fake._last_loss = 2.5
+    DrafterWorker.save(fake)
+    assert len(saved) == 1

@@ -456,3 +456,68 @@ def test_status_without_a_run(tmp_path, monkeypatch, caplog):
     caplog.clear()
     assert _status_error(tmp_path / "nope", monkeypatch, caplog) == (
         f"no running cluster: {(tmp_path / 'nope').resolve()} does not exist")
+
+
+# --------------------------------------------------------------------------- damaged checkpoints
+
+
+def test_resume_refuses_when_every_checkpoint_is_damaged(tmp_path, monkeypatch, caplog):
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, TINY, gpu_count=0)
+    for step in (2, 4):
+        ckpt = write_checkpoint(run_dir, cfg, TINY_TOKENS, step=step)
+        (ckpt / "trainer.pt").write_bytes(b"")
+    monkeypatch.setenv("DFLASH_WORKER", "test")
+    for name in ("load_tokenizer", "build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "WandbRun"):
+        monkeypatch.setattr(cluster, name, _must_not_run)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    with caplog.at_level("WARNING"):
+        rc = cluster.main(["--config", str(config), "--resume", f"run_dir={run_dir}"])
+    assert rc == cluster.EXIT_CONFIG
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged (moved aside: "
+                      f"step-00000002.damaged, step-00000004.damaged; the reasons are in their DAMAGED.txt); "
+                      f"nothing to continue from: pass --overwrite to start again"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("moved aside to step-0000000" in w for w in warnings)
+
+
+def test_resume_when_a_damaged_checkpoint_cannot_be_moved(tmp_path, monkeypatch, caplog):
+    import errno
+    import os
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, TINY, gpu_count=0)
+    ckpt = write_checkpoint(run_dir, cfg, TINY_TOKENS, step=2)
+    (ckpt / "state.json").write_text('{"step": 2, "epo')
+
+    def read_only(src, dst):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "rename", read_only)
+    monkeypatch.setenv("DFLASH_WORKER", "test")
+    for name in ("load_tokenizer", "build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "WandbRun"):
+        monkeypatch.setattr(cluster, name, _must_not_run)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    with caplog.at_level("ERROR"):
+        rc = cluster.main(["--config", str(config), "--resume", f"run_dir={run_dir}"])
+    assert rc == cluster.EXIT_CONFIG
+    (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert error.startswith(f"--resume: checkpoint {ckpt} is damaged (JSONDecodeError: ")
+    assert error.endswith(f"and cannot be moved aside: OSError: [Errno {errno.EROFS}] Read-only file system; "
+                          f"move it out of {ckpt.parent} by hand")
+
+
+def test_status_of_an_ended_run_names_a_damaged_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, TINY, gpu_count=0)
+    ckpt = write_checkpoint(run_dir, cfg, TINY_TOKENS, step=100)
+    weights = ckpt / "drafter" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    text = cluster.ended_run_summary(run_dir)
+    assert "that checkpoint is damaged (drafter/model.safetensors: SafetensorError" in text
+    assert text.endswith("--resume moves it aside and continues from the previous one; continue it with --resume "
+                         "(python -m launch.cluster --config <its config> --resume)")
+    assert ckpt.is_dir()  # status only looks

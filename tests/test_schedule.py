@@ -249,6 +249,36 @@ def test_coordinator_resume_off_schedule_rollback_to_start(tmp_path):
     assert evals(c.items) == [(2, 8), (3, 10)]
 
 
+def test_rollback_below_the_launch_step_is_tracked(tmp_path):
+    """Launched with --resume at step 6; that checkpoint is later found damaged and moved aside,
+    the group rolls back to step 4: the ledger must be checked from 4 (not from 6)."""
+    c, _ = _coordinator(tmp_path, 6, 4)
+    assert c.lowest_step == 6
+    c.steps_done = 7
+    c._restart_drafter_group("checkpoint step 6 damaged")
+    assert c.steps_done == 4 and c.lowest_step == 4
+    assert [it.index for it in c.items if it.kind == "train"][0] == 4
+
+
+def test_no_checkpoint_left_in_a_resumed_launch_fails_instead_of_starting_from_scratch(tmp_path):
+    """Every checkpoint moved aside as damaged while a launch that resumed at step 6 runs: the
+    group cannot rebuild its weights; restarting it from random weights at step 6 (what happened)
+    would train on silently. The run stops with the reason."""
+    from dflash.workers.coordinator import _Failure
+
+    c, _ = _coordinator(tmp_path, 6, 6)
+    c.control.ckpt = None
+    c.steps_done = 8
+    with pytest.raises(_Failure, match="no usable checkpoint is left .* resumed at step 6"):
+        c._restart_drafter_group("restart drafters requested")
+    (tmp_path / "fresh").mkdir()
+    fresh, _ = _coordinator(tmp_path / "fresh", 0, 2)
+    fresh.control.ckpt = None  # a launch from step 0: restarting from scratch is right
+    fresh.steps_done = 1
+    fresh._restart_drafter_group("test")
+    assert fresh.steps_done == 0
+
+
 def test_drafters_dying_after_a_group_restart_are_retried_then_the_run_fails(tmp_path):
     """A restarted drafter that dies before it is ready (bad checkpoint, OOM at load) counts as
     another failure of the group: retried up to max_restarts, then the run stops with a report

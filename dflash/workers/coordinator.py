@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, Optional, Protocol
 
-from dflash.checkpoint import read_state
+from dflash.checkpoint import CheckpointError, read_state
 from dflash.schedule import StepPlan
 from dflash.workers.control import CoordinatorSocket
 
@@ -247,6 +247,9 @@ class Coordinator:
         self.endpoints = endpoints
         self.plan = plan
         self.item_args = item_args
+        #: the lowest step training (re)started from in this launch: its first step, or lower after
+        #: a rollback to an older checkpoint (the newer one was damaged)
+        self.lowest_step = item_args.get("first_step") or 0
         self.lookahead = max(2, math.ceil(len(targets) * slots_per_target / max(1, len(drafters))))
         self.control = control
         self.on_metrics = on_metrics
@@ -442,8 +445,17 @@ class Coordinator:
             self.workers[name].ready = False
             if self.workers[name].up and not self.workers[name].external:
                 self.control.kill(name)
-        ckpt = self.control.latest_checkpoint()
-        step = read_state(ckpt)["step"] if ckpt is not None else self.item_args["first_step"]
+        try:
+            ckpt = self.control.latest_checkpoint()  # verified: damaged ones are moved aside
+        except (CheckpointError, PermissionError) as exc:
+            raise _Failure(f"the drafter group cannot restart: {exc}") from exc
+        first_step = self.item_args.get("first_step") or 0
+        if ckpt is None and first_step > 0:
+            raise _Failure(f"the drafter group cannot restart: no usable checkpoint is left in the run directory "
+                           f"(damaged ones are moved aside to step-*.damaged) and this launch resumed at step "
+                           f"{first_step}, so its weights cannot be rebuilt")
+        step = read_state(ckpt)["step"] if ckpt is not None else first_step
+        self.lowest_step = min(self.lowest_step, step)
         lost = range(step, self.steps_done + self.lookahead + 1)
         self.ledger.rollback(self.plan, step, min(self.plan.total_steps, lost.stop))
         log.warning("drafter group restart (%s): rolling back from step %d to checkpoint step %d", reason,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -246,7 +247,8 @@ class DrafterWorker:
                                           "recompiles": delta.compiles}}
         if self.rank == 0:
             acc = (total.per_slot_correct / total.per_slot_count.clamp_min(1)).tolist()
-            out.update({"train/loss": float(total.loss), "train/tau": float(total.tau),
+            self._last_loss = float(total.loss)
+            out.update({"train/loss": self._last_loss, "train/tau": float(total.tau),
                         "train/lr": float(metrics["lr"]), "train/grad_norm": float(metrics["grad_norm"]),
                         "train/blocks": float(total.num_blocks), "time/step_s": step_s,
                         "time/drafter_wait_s": self.stats["wait_s"] - wait_before})
@@ -281,6 +283,14 @@ class DrafterWorker:
         """
         if self.rank != 0:
             return
+        loss = getattr(self, "_last_loss", None)
+        if loss is not None and not math.isfinite(loss):
+            # weights that give a non-finite loss must not replace good checkpoints (pruning would
+            # delete those): fail, and the group restarts from the last checkpoint
+            raise RuntimeError(f"step {self.steps_done}: the training loss is {loss}; not writing a checkpoint of "
+                               f"these weights. If it recurs after the restart from the last checkpoint, that "
+                               f"checkpoint's tensors may be corrupt (move it aside) or training diverged "
+                               f"(lower train.lr)")
         self._announce(self.writer.save(self.steps_done, 0, self.model, self.trainer.state_dict()))
         self.stats["checkpoint_block_s"] = self.writer.last_blocking_s
         if block:
