@@ -415,8 +415,14 @@ def test_status_into_a_closed_pipe_exits_quietly(fake_cluster, json_flag):
 
 
 def _ended_run(run_dir: Path, max_steps: int, step: int = 300) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
     ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
-    ckpt.mkdir(parents=True)
+    (ckpt / "drafter").mkdir(parents=True)
+    (ckpt / "drafter" / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(ckpt / "drafter" / "model.safetensors"))
+    torch.save({"trainer": {}, "rng": {}}, ckpt / "trainer.pt")
     (ckpt / "state.json").write_text(json.dumps({"step": step, "epoch": 0, "time": 1_800_000_000.0}))
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"name": "r", "train": {"max_steps": max_steps}}))
     lines = [{"step": step, "time": 1.0, "eval/tau": 1.125, "eval/loss": 6.4},
