@@ -6,9 +6,10 @@ Layout of ``<run_dir>/checkpoints/step-00000100/``::
     trainer.pt                                        optimizer + scheduler state, RNG states
     state.json                                        step (data position), epoch, run name, time
 
-A checkpoint is written under ``step-XXXXXXXX.tmp-<pid>`` and renamed into place, so a crash
-mid-write never leaves a checkpoint that looks complete. ``latest_checkpoint`` ignores temporary
-directories; the next checkpoint written removes those of processes that are gone.
+A checkpoint is written under ``step-XXXXXXXX.tmp-<pid>``, flushed to disk (``fsync``) and renamed
+into place, so a crash or a power loss mid-write never leaves a checkpoint that looks complete.
+``latest_checkpoint`` ignores temporary directories; the next checkpoint written removes those of
+processes that are gone.
 
 A checkpoint damaged afterwards (a truncated copy, a full disk, a bad file) is found by
 :func:`checkpoint_problem` before it is used (``latest_checkpoint(..., verify=True)``, at
@@ -106,15 +107,40 @@ def save_checkpoint(run_dir: Path, step: int, epoch: int, model: Any, trainer_st
     torch.save({"trainer": trainer_state, "rng": rng_state() if rng is None else rng}, tmp / "trainer.pt")
     state = {"step": step, "epoch": epoch, "time": time.time(), **(extra or {})}
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    _fsync_tree(tmp)  # on disk before the rename makes it the newest and older ones get pruned
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(root)
     log.info("checkpoint step %d written to %s in %.1f s", step, final, time.perf_counter() - started)
     steps = sorted(_list_steps(root))
     for old in steps[:-keep_last]:
         shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
     _sweep_orphans(root)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # a platform without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """``fsync`` every file and directory under ``root``: a power loss after the rename cannot
+    leave a checkpoint that looks complete with zero-filled files."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
 
 
 def _sweep_orphans(root: Path) -> None:

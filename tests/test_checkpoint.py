@@ -281,3 +281,25 @@ def test_the_drafter_refuses_to_checkpoint_a_non_finite_loss() -> None:
     fake._last_loss = 2.5
     DrafterWorker.save(fake)
     assert len(saved) == 1
+
+
+def test_files_are_on_disk_before_the_rename(tmp_path, monkeypatch) -> None:
+    """Every file of a checkpoint is fsync'ed before the rename that makes it the newest (after
+    which older checkpoints are pruned): a power loss cannot leave zero-filled files behind a
+    complete-looking directory."""
+    import os
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b))[1])
+    tr = trained()
+    final = save_checkpoint(tmp_path, 3, 0, tr.module, tr.state_dict())
+    tmp = tmp_path / "checkpoints" / f"step-00000003.tmp-{os.getpid()}"
+    (rename,) = [i for i, e in enumerate(events) if e == ("replace", str(tmp))]
+    synced = {p for kind, p in events[:rename] if kind == "fsync"}
+    files = [p.relative_to(final) for p in final.rglob("*") if p.is_file()]
+    assert len(files) >= 4
+    assert all(str(tmp / f) in synced for f in files), (files, synced)
+    assert ("fsync", str(tmp_path / "checkpoints")) in events[rename:]
