@@ -330,6 +330,7 @@ def checkpoint_problem(ckpt: Path) -> Optional[str]:
         PermissionError: a file cannot be read (not damage: nothing is moved).
     """
     ckpt = Path(ckpt)
+    part = ""  # the file being checked, named in the problem (state.json / config.json: by the error)
     try:
         state = json.loads((ckpt / "state.json").read_text())
         step = state.get("step") if isinstance(state, dict) else None
@@ -340,29 +341,21 @@ def checkpoint_problem(ckpt: Path) -> Optional[str]:
             return f"state.json says step {step} in a directory named {ckpt.name}"
         if not isinstance(json.loads((ckpt / "drafter" / "config.json").read_text()), dict):
             return "drafter/config.json is not a JSON object"
-    except PermissionError:
-        raise  # not damage: the files may be fine (the caller reports it)
-    except (OSError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    try:
         from safetensors import safe_open
 
+        part = "drafter/model.safetensors: "
         with safe_open(str(ckpt / "drafter" / "model.safetensors"), framework="pt") as f:
             f.keys()
-    except PermissionError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file is unusable either way
-        return f"drafter/model.safetensors: {type(exc).__name__}: {exc}"
-    try:
+        part = "trainer.pt: "
         with zipfile.ZipFile(ckpt / "trainer.pt") as z:
             pickles = [n for n in z.namelist() if n.endswith("data.pkl")]
             if not pickles:
                 return "trainer.pt: no data.pkl entry"
             z.read(pickles[0])
     except PermissionError:
-        raise
-    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
-        return f"trainer.pt: {type(exc).__name__}: {exc}"
+        raise  # not damage: the files may be fine (the caller reports it)
+    except Exception as exc:  # noqa: BLE001 - bad JSON, SafetensorError, BadZipFile, OSError: unusable either way
+        return f"{part}{type(exc).__name__}: {exc}"
     return None
 
 

@@ -465,7 +465,7 @@ def linear_ce_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor
     if not need_grad:
         return total, pred, None
     probs = torch.exp(logits - lse.unsqueeze(1))
-    probs = probs.scatter_add(1, y.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))
+    probs.scatter_add_(1, y.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))  # in place: no [c, V] copy
     grad = ((probs * w.unsqueeze(1)).to(weight.dtype) @ weight).to(h.dtype)
     return total, pred, grad
 

@@ -709,8 +709,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(run_dir / "checkpoints")
         ckpt = None
     if args.resume and ckpt is None:
-        damaged = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.damaged*")) \
-            if (run_dir / "checkpoints").is_dir() else []
+        damaged = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.damaged*"))
         if damaged:
             log.error("--resume: every checkpoint in %s is damaged (moved aside: %s; the reasons are in their "
                       "DAMAGED.txt); nothing to continue from: pass --overwrite to start again",

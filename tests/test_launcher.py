@@ -467,19 +467,24 @@ def test_status_without_a_run(tmp_path, monkeypatch, caplog):
 # --------------------------------------------------------------------------- damaged checkpoints
 
 
+def _resume_main(tmp_path, cfg, run_dir, monkeypatch) -> int:
+    """``cluster.main --resume`` on ``run_dir``; fails the test if it gets past the checkpoint checks."""
+    monkeypatch.setenv("DFLASH_WORKER", "test")
+    for name in ("load_tokenizer", "build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "WandbRun"):
+        monkeypatch.setattr(cluster, name, _must_not_run)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    return cluster.main(["--config", str(config), "--resume", f"run_dir={run_dir}"])
+
+
 def test_resume_refuses_when_every_checkpoint_is_damaged(tmp_path, monkeypatch, caplog):
     run_dir = tmp_path / "run"
     cfg = load_config(None, TINY, gpu_count=0)
     for step in (2, 4):
         ckpt = write_checkpoint(run_dir, cfg, TINY_TOKENS, step=step)
         (ckpt / "trainer.pt").write_bytes(b"")
-    monkeypatch.setenv("DFLASH_WORKER", "test")
-    for name in ("load_tokenizer", "build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "WandbRun"):
-        monkeypatch.setattr(cluster, name, _must_not_run)
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(cfg.to_dict()))
     with caplog.at_level("WARNING"):
-        rc = cluster.main(["--config", str(config), "--resume", f"run_dir={run_dir}"])
+        rc = _resume_main(tmp_path, cfg, run_dir, monkeypatch)
     assert rc == cluster.EXIT_CONFIG
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == [f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged (moved aside: "
@@ -502,13 +507,8 @@ def test_resume_when_a_damaged_checkpoint_cannot_be_moved(tmp_path, monkeypatch,
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(os, "rename", read_only)
-    monkeypatch.setenv("DFLASH_WORKER", "test")
-    for name in ("load_tokenizer", "build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "WandbRun"):
-        monkeypatch.setattr(cluster, name, _must_not_run)
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(cfg.to_dict()))
     with caplog.at_level("ERROR"):
-        rc = cluster.main(["--config", str(config), "--resume", f"run_dir={run_dir}"])
+        rc = _resume_main(tmp_path, cfg, run_dir, monkeypatch)
     assert rc == cluster.EXIT_CONFIG
     (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert error.startswith(f"--resume: checkpoint {ckpt} is damaged (JSONDecodeError: ")

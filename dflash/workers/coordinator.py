@@ -249,7 +249,8 @@ class Coordinator:
         self.item_args = item_args
         #: the lowest step training (re)started from in this launch: its first step, or lower after
         #: a rollback to an older checkpoint (the newer one was damaged)
-        self.lowest_step = item_args.get("first_step") or 0
+        self.first_step = item_args.get("first_step") or 0
+        self.lowest_step = self.first_step
         self.lookahead = max(2, math.ceil(len(targets) * slots_per_target / max(1, len(drafters))))
         self.control = control
         self.on_metrics = on_metrics
@@ -449,12 +450,11 @@ class Coordinator:
             ckpt = self.control.latest_checkpoint()  # verified: damaged ones are moved aside
         except (CheckpointError, PermissionError) as exc:
             raise _Failure(f"the drafter group cannot restart: {exc}") from exc
-        first_step = self.item_args.get("first_step") or 0
-        if ckpt is None and first_step > 0:
+        if ckpt is None and self.first_step > 0:
             raise _Failure(f"the drafter group cannot restart: no usable checkpoint is left in the run directory "
                            f"(damaged ones are moved aside to step-*.damaged) and this launch resumed at step "
-                           f"{first_step}, so its weights cannot be rebuilt")
-        step = read_state(ckpt)["step"] if ckpt is not None else first_step
+                           f"{self.first_step}, so its weights cannot be rebuilt")
+        step = read_state(ckpt)["step"] if ckpt is not None else self.first_step
         self.lowest_step = min(self.lowest_step, step)
         lost = range(step, self.steps_done + self.lookahead + 1)
         self.ledger.rollback(self.plan, step, min(self.plan.total_steps, lost.stop))

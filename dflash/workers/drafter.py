@@ -93,6 +93,7 @@ class DrafterWorker:
         self.consumed: set[str] = set()
         self.commands: collections.deque[dict] = collections.deque()
         self.stats = ctx.stats
+        self._last_loss: Optional[float] = None  # rank 0: the last step's training loss
         self.stats.update(trained=0, wait_s=0.0, step_s=0.0, copy_s=0.0)
 
     # ------------------------------------------------------------------ collectives
@@ -283,7 +284,7 @@ class DrafterWorker:
         """
         if self.rank != 0:
             return
-        loss = getattr(self, "_last_loss", None)
+        loss = self._last_loss
         if loss is not None and not math.isfinite(loss):
             # weights that give a non-finite loss must not replace good checkpoints (pruning would
             # delete those): fail, and the group restarts from the last checkpoint
