@@ -1,6 +1,6 @@
 """Pipeline throughput of one process: threaded vs sequential stages, eager vs compiled, and the device limits.
 
-The question (issue 9): what does the old design (target and drafter as threads of one process)
+The question: what does the threaded design (target and drafter as threads of one process)
 and the plain single-thread loop achieve on the same config, and how close is that to what the
 hardware can do? For ``--config`` plus ``section.key=value`` overrides (:func:`dflash.config.load_config`)
 and ``--steps`` batches:
@@ -13,7 +13,7 @@ and ``--steps`` batches:
   drafter device. With ``--compile`` each thread compiles its stage with
   ``torch.compile(mode="reduce-overhead")`` and captures its CUDA graphs itself
   (``--compile-warmup main``: captured in the main thread first, then replayed in the threads, as
-  the predecessor did). This is the design that broke (DESIGN.md §1: CUDAGraph Trees keep their
+  a threaded pipeline would). This design cannot work (docs/ARCHITECTURE.md: CUDAGraph Trees keep their
   state in thread-local storage, pytorch#123177): the first exception of each thread is caught and
   its type, first line and innermost frame go to the JSON (``status: compile_failed``, exit 0).
 * ``--mode sequential``: one process, one thread, per batch the target forward then the drafter
@@ -746,7 +746,7 @@ def run_pipeline(args: argparse.Namespace, cfg: Any, t_dev: torch.device, d_dev:
         else:
             first = 0
             if compiled and args.compile_warmup == "main":
-                RESULT["phase"] = "main-thread capture"  # the predecessor: capture first, then threads
+                RESULT["phase"] = "main-thread capture"  # as a threaded pipeline would: capture first, then threads
                 total, s.steps = s.steps, warmup
                 try:
                     records = run_sequential(s, warmup, clock)
@@ -1012,7 +1012,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             oom_hint(f"{err['stage']} thread")
         elif args.compile and mode == "threaded":
             RESULT["status"] = "compile_failed"  # the documented failure of the threaded design
-            RESULT["expected_failure"] = ("CUDAGraph Trees state is thread-local (DESIGN.md §1, pytorch#123177): "
+            RESULT["expected_failure"] = ("CUDAGraph Trees state is thread-local (pytorch#123177): "
                                           "reduce-overhead graphs in threads fail")
         else:
             RESULT["status"], rc = "error", 1

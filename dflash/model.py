@@ -1,6 +1,6 @@
 """The DFlash drafter: a block-diffusion draft model conditioned on the target's hidden states.
 
-What is trained (DESIGN.md §4; DFlash paper, arXiv 2602.06036, §3):
+What is trained (docs/DFLASH.md; DFlash paper, arXiv 2602.06036, §3):
 
 * **Context features.** The outputs of ``L`` chosen target layers, concatenated per position
   (``[R, S, L·D]``), go through ``fc`` (Linear ``L·D → D``, no bias) and ``hidden_norm``
@@ -17,7 +17,7 @@ What is trained (DESIGN.md §4; DFlash paper, arXiv 2602.06036, §3):
   attributes, *not* registered sub-modules: they never appear in ``parameters()``,
   ``state_dict()``, the optimizer, DDP's buckets or the checkpoint.
 
-Mask token (DESIGN.md §4 leaves the no-unused-row case to us). ``DFlashConfig.mask_token_id`` is
+Mask token (docs/DFLASH.md, Block and mask token). ``DFlashConfig.mask_token_id`` is
 used when it names a row of the target's embedding (Qwen3: 151669, the first row the tokenizer
 never emits); its frozen embedding is the mask. When it is ``None`` or not a row of the embedding
 (e.g. SmolLM2: 49,152 tokens, 49,152 rows, no unused row), the drafter owns a trained parameter
@@ -26,7 +26,7 @@ the checkpoint, and
 ``config.json`` says ``dflash_config.mask_embedding: true`` with ``mask_token_id: null``.
 :func:`resolve_mask_token_id` makes that choice from the tokenizer and embedding sizes.
 
-Checkpoint format (DESIGN.md §4): a Hugging Face directory with ``config.json``
+Checkpoint format (docs/DFLASH.md, Checkpoint format): a Hugging Face directory with ``config.json``
 (``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers``,
 ``dflash_config: {mask_token_id, target_layer_ids}`` and the Qwen3 fields) and
 ``model.safetensors`` whose tensor names follow the public DFlash drafters (``fc.weight``,
@@ -79,7 +79,7 @@ _LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layer ids fused into the context features (DESIGN.md §4).
+    """Target layer ids fused into the context features (docs/DFLASH.md, Target layer ids).
 
     ``round(1 + i·(N − 4)/(L − 1))`` for i = 0 … L−1 (Qwen3-8B: N = 36, L = 5 → 1, 9, 17, 25, 33);
     a single layer takes the middle one, ``N // 2`` (as the public DFlash code does). "Output of
@@ -363,7 +363,7 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class DFlashAttention(nn.Module):
-    """Block queries over ``[context ; block]`` keys/values (KV injection, DESIGN.md §4)."""
+    """Block queries over ``[context ; block]`` keys/values (KV injection, docs/DFLASH.md)."""
 
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -472,7 +472,7 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: flo
 
 
 class DFlashDraftModel(nn.Module):
-    """The DFlash drafter (DESIGN.md §4).
+    """The DFlash drafter (docs/DFLASH.md; DFlash paper, arXiv 2602.06036, §3).
 
     Args:
         config: shapes and DFlash settings.

@@ -1,6 +1,6 @@
 """The DFlash training objective: anchors, blocks, labels, attention mask, decayed CE loss, τ.
 
-Everything here follows DESIGN.md §4 and the label rule of docs/ARCHITECTURE.md (DFlash paper,
+Everything here follows docs/DFLASH.md and the label rule of docs/ARCHITECTURE.md (DFlash paper,
 arXiv 2602.06036, §3–4):
 
 * **Anchors.** Position ``p`` of a row is a valid anchor when ``loss_mask[p]``,
@@ -224,7 +224,7 @@ def build_block_labels(input_ids: Tensor, target_tokens: Optional[Tensor], loss_
 
 
 def slot_weights(block_size: int, gamma: float, device: Optional[torch.device] = None) -> Tensor:
-    """``[B]`` fp32: ``w_0 = 0``, ``w_k = exp(−(k − 1)/γ)`` (DFlash paper §4, DESIGN.md §4).
+    """``[B]`` fp32: ``w_0 = 0``, ``w_k = exp(−(k − 1)/γ)`` (DFlash paper §4; docs/DFLASH.md, Labels and loss).
 
     Raises:
         ValueError: ``gamma <= 0``.
@@ -478,7 +478,7 @@ def compiled_linear_ce_chunk() -> Callable[..., Any]:
 
     One compiled function per process, shared by every caller; it compiles once per chunk shape
     and ``need_grad`` value (the trainer's step uses one or two: full chunks and the last one).
-    Measured on the H200 (docs/benchmarks.md, session 4) against the eager chunk loop.
+    Measured on the H200 against the eager chunk loop (docs/benchmarks.md, Drafter train step).
     """
     global _compiled_ce_chunk
     if _compiled_ce_chunk is None:

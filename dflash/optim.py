@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule of the DFlash recipe (DESIGN.md §4).
+"""AdamW and the learning-rate schedule of the DFlash recipe (docs/DFLASH.md, Recipe).
 
 AdamW at ``train.lr`` (6e-4) over the drafter's *trainable* parameters only (the target's shared
 embedding and LM head are not drafter parameters at all). Weight decay applies to matrices;

@@ -1,6 +1,6 @@
 """Data regeneration: the target rewrites the assistant turns of the training conversations.
 
-DFlash trains on responses the target generated itself (DESIGN.md §4): a drafter trained on another
+DFlash trains on responses the target generated itself (docs/DFLASH.md, Recipe): a drafter trained on another
 model's responses accepts less. This module replaces every assistant turn of ``data.dataset`` with the
 target's own response and writes a JSONL file the trainer reads directly (``data.dataset=<output>``).
 
@@ -934,7 +934,7 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.regenerate",
-                                description="The target rewrites the assistant turns of data.dataset (DESIGN.md §4).")
+                                description="The target rewrites the assistant turns of data.dataset.")
     p.add_argument("--config", required=True, help="YAML config (target, data, cluster sections are used)")
     p.add_argument("--output", required=True, type=Path, help="output JSONL (ShareGPT form)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="per assistant turn")

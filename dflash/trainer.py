@@ -195,8 +195,8 @@ class DrafterTrainer:
         buffers, which alternate between steps, or fresh tensors (anchors, masks). One device
         copy per input (~2 GiB of features at the Qwen3-8B shape: ~1 ms on an H200).
 
-        Measured before (docs/benchmarks.md, session 3): with the masks built per step outside
-        the graph and passed in fresh, the compiled step re-recorded its CUDA graphs on 10 of
+        Measured without it (docs/benchmarks.md, Correctness of the compiled step): with the masks built per step outside
+        the graph and passed in fresh, the compiled step re-records its CUDA graphs on 10 of
         17 steps in one process and on every step in the drafter worker.
         """
         buf = self._staging.get(name)
@@ -210,7 +210,7 @@ class DrafterTrainer:
         Built outside ``torch.compile`` on purpose: on CUDA (torch 2.11), a flex_attention
         ``BlockMask`` built *inside* the compiled drafter forward (its ``argsort``-based block
         indices) gave a slightly different forward and gradients ~500× off the eager ones, so the
-        compiled step did not learn (``scripts/gpu_compile_diag.py``, docs/benchmarks.md, session 3).
+        compiled step did not learn (``scripts/gpu_compile_diag.py``; docs/benchmarks.md, Correctness of the compiled step).
         Built here, the compiled gradients match eager to ~1 % (bf16).
 
         Returns:

@@ -665,7 +665,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--mode=regenerate" in argv or ("--mode" in argv[:-1] and argv[argv.index("--mode") + 1] == "regenerate"):
-        # issue 10: the target rewrites the training responses (dflash/regenerate.py)
+        # the target rewrites the training responses (dflash/regenerate.py)
         from dflash.regenerate import main as regenerate_main
 
         rest = [a for a in argv if a != "--mode=regenerate"]

@@ -11,8 +11,8 @@ Variants: ``eager``; ``default`` (torch.compile, no CUDA graphs); ``reduce-overh
 ``DrafterTrainer.step`` runs); ``ro-clone-grads`` (gradients cloned out of the CUDA-graph pool
 before the optimizer step); ``ro-sdpa`` (SDPA with a dense mask instead of flex_attention);
 ``ro-masks-inside`` / ``default-masks-inside`` (the attention masks built *inside* the compiled
-region, as the trainer did before session 3: on CUDA its gradients were ~500× off eager; the
-trainer now builds them eagerly, :meth:`dflash.trainer.DrafterTrainer.attention_masks`).
+region: on CUDA, torch 2.11, their gradients are ~500× off eager (docs/benchmarks.md); the
+trainer builds them eagerly, :meth:`dflash.trainer.DrafterTrainer.attention_masks`).
 
     python3 scripts/gpu_compile_diag.py --layers 2 --rows 4 --anchors 128     # GPU, ~3-4 min
     python3 scripts/gpu_compile_diag.py --cpu-smoke                            # CPU, tiny shapes

@@ -4,7 +4,7 @@
 Runs ``python -m launch.cluster`` on a config (default ``configs/h200-2gpu.yaml``: one target
 process on cuda:0, one drafter process on cuda:1, slots over CUDA IPC) while sampling each GPU's
 busy fraction with ``nvidia-smi``; optionally restarts workers through the control socket while
-the drafter is mid-stream (issue 7):
+the drafter is mid-stream:
 
 * ``--restart-target-at N``: once step N is logged, ``restart target.0`` (the CUDA IPC producer
   is killed and started again, re-loads and re-compiles its model, exports a new ring with a new

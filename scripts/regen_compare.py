@@ -1,4 +1,4 @@
-"""Raw vs target-regenerated ShareGPT: held-out τ of drafters trained on each (issue 10).
+"""Raw vs target-regenerated ShareGPT: held-out τ of drafters trained on each.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 .venv/bin/python scripts/regen_compare.py \\
         [--config configs/smollm2-135m-cpu.yaml] [--out runs/regen_compare] [--limit 400] [--heldout 32] \\

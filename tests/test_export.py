@@ -3,7 +3,7 @@
 The checkpoint is written by the pipeline's own code path: ``factory.build_drafter`` around the
 embedding and head a drafter worker loads (``load_embedding_and_head``), a few ``DrafterTrainer``
 steps on real target features, then ``checkpoint.save_checkpoint``. Checked: the DFlash fields of
-``config.json`` (DESIGN.md §4), the tensor names and values of ``model.safetensors``, that
+``config.json`` (docs/DFLASH.md, Checkpoint format), the tensor names and values of ``model.safetensors``, that
 transformers reads the config, and that a reload gives bit-identical outputs.
 """
 
@@ -96,7 +96,7 @@ def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
     cfg = json.loads((directory / "config.json").read_text())
 
-    # The DFlash fields engines read (DESIGN.md §4).
+    # The DFlash fields engines read (docs/DFLASH.md, Checkpoint format).
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["block_size"] == BLOCK
     assert cfg["num_target_layers"] == NUM_TARGET_LAYERS

@@ -1,4 +1,4 @@
-"""Per-process CUDA graphs (issue 6): two OS processes each compile the drafter train step with
+"""Per-process CUDA graphs: two OS processes each compile the drafter train step with
 ``torch.compile(mode="reduce-overhead")`` in their own main thread, capture their own graphs,
 and replay them at the eager losses, with no CUDA-graph re-recording after warm-up.
 

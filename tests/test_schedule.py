@@ -282,7 +282,7 @@ def test_no_checkpoint_left_in_a_resumed_launch_fails_instead_of_starting_from_s
 def test_drafters_dying_after_a_group_restart_are_retried_then_the_run_fails(tmp_path):
     """A restarted drafter that dies before it is ready (bad checkpoint, OOM at load) counts as
     another failure of the group: retried up to max_restarts, then the run stops with a report
-    (it used to be ignored while the group restart was 'under way': the launcher hung)."""
+    (also while the group restart is still under way, so the launcher cannot hang)."""
     plan = StepPlan([10], 2)
     ckpt = tmp_path / "step-00000000"
     ckpt.mkdir()

@@ -60,7 +60,7 @@ def _packed_row(lengths: list[int], seq: int, vocab: int, seed: int = 0):
 # --------------------------------------------------------------------------- layer ids
 
 def test_default_layer_ids_dflash_rule():
-    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B (DESIGN.md §4)
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B (docs/DFLASH.md, Target layer ids)
     assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]  # Qwen3.6-27B
     # Python's round-half-to-even, as the public DFlash code: 20.5 → 20 (half-up would give 21).
     assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2-135M

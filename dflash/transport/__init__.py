@@ -1,6 +1,6 @@
 """The data plane: slot rings between producers (target workers) and consumers (drafter workers).
 
-DESIGN.md §3 in code. A producer owns K fixed-shape slots (one ring, exported once per producer
+docs/ARCHITECTURE.md, The data plane, in code. A producer owns K fixed-shape slots (one ring, exported once per producer
 incarnation, announced with its *epoch*); consumers import each ring once per (producer, epoch)
 and copy each READY slot into their own static buffer, then return the credit (FREE).
 
@@ -25,7 +25,7 @@ Usage (one loop per process; see :mod:`.producer` and :mod:`.consumer` for the f
     p.publish(slot, "drafter.0", batch_id, meta)       # poll c.sockets in your zmq.Poller with
     lost = p.lost_batches()          # re-assign them  # your coordinator socket; call c.poll(0)
 
-Design decisions (DESIGN.md §3 pitfalls in brackets)
+Design decisions (the pitfalls they avoid in brackets)
 
 * **Epochs.** Every process incarnation has an epoch (ms timestamp << 20 | random bits: later
   starts are larger). Every message carries its sender's epoch; READY and FREE carry both sides'.

@@ -1,6 +1,6 @@
 """Carriers: how a ring of slots is shared between a producer and a consumer.
 
-One protocol, three carriers (DESIGN.md §3). A producer owns a *ring*: one ``[K, slot_nbytes]``
+One protocol, three carriers (docs/ARCHITECTURE.md, The data plane). A producer owns a *ring*: one ``[K, slot_nbytes]``
 uint8 buffer (K slots, each laid out by :class:`~dflash.transport.layout.SlotLayout`), allocated
 and exported **once** per producer incarnation. A consumer *imports* it once per (producer, epoch)
 and copies one slot at a time into its own buffer.
@@ -154,7 +154,7 @@ def _device_uuid(index: int) -> str:
 
 @contextlib.contextmanager
 def _no_expandable_segments() -> Iterator[None]:
-    """Allocate with ``expandable_segments`` off (DESIGN.md §3 pitfall: its IPC needs pidfd_getfd)."""
+    """Allocate with ``expandable_segments`` off (its IPC needs ``pidfd_getfd``, refused in containers)."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     enabled = "expandable_segments:true" in conf.replace(" ", "").lower()
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)

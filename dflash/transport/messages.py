@@ -7,7 +7,7 @@ fields and the type of every field against the dataclass annotations, and raises
 :class:`MessageError` for anything else; receivers log that error naming the sender and drop the
 message (a malformed message never crashes a receiver). :func:`encode` checks the same at the send,
 so a tensor (or anything else msgpack cannot carry) in ``meta`` fails in the sender
-(the "tensor-free control messages guarded at the send" of DESIGN.md §3).
+(tensor-free messages checked at the send: docs/ARCHITECTURE.md, The data plane).
 
 Conversation (producer = target worker, ROUTER; consumer = drafter worker, one DEALER per producer)::
 

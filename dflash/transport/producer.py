@@ -63,7 +63,7 @@ class LostBatch:
     """A batch that was in flight to a consumer that restarted, stopped or went silent.
 
     The slot has been returned to the pool; the batch must be recomputed / re-assigned (batches
-    are deterministic functions of (epoch, batch id), DESIGN.md §3).
+    are deterministic functions of (data epoch, batch id): docs/ARCHITECTURE.md, The batch contract).
     """
 
     consumer: str
