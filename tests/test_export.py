@@ -88,7 +88,7 @@ def outputs(model: DFlashDraftModel, data: dict[str, torch.Tensor]) -> torch.Ten
         return model.lm_head(hidden)
 
 
-@pytest.mark.parametrize("tokenizer_size", [VOCAB, 500], ids=["trained-mask-embedding", "mask-token-row"])
+@pytest.mark.parametrize("tokenizer_size", [VOCAB, 500], ids=["no-free-row", "mask-token-row"])
 def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
     ckpt, drafter, data = trained_checkpoint(tmp_path, target, tokenizer_size)
     assert ckpt.name == f"step-{STEP:08d}" and latest_checkpoint(tmp_path / "run") == ckpt
@@ -101,9 +101,9 @@ def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
     assert cfg["block_size"] == BLOCK
     assert cfg["num_target_layers"] == NUM_TARGET_LAYERS
     assert cfg["dflash_config"]["target_layer_ids"] == target.layer_ids == [1, 5]
-    uses_embedding = tokenizer_size == VOCAB  # no unused embedding row: a trained mask embedding
-    assert cfg["dflash_config"]["mask_embedding"] is uses_embedding
-    assert cfg["dflash_config"]["mask_token_id"] == (None if uses_embedding else 500)
+    no_free_row = tokenizer_size == VOCAB  # every row a token: the target's eos (tiny-llama: no unk / pad)
+    assert cfg["dflash_config"]["mask_token_id"] == (2 if no_free_row else 500)
+    assert "mask_embedding" not in cfg["dflash_config"]
     # The Qwen3 decoder fields of the drafter layers, sized like the target.
     assert cfg["model_type"] == "qwen3" and cfg["num_hidden_layers"] == 2
     assert (cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
@@ -125,8 +125,6 @@ def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
                      "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                      "input_layernorm", "post_attention_layernorm"):
             expected.add(f"layers.{i}.{name}.weight")
-    if uses_embedding:
-        expected.add("mask_embedding")
     assert keys == expected
     assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
     with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
@@ -139,7 +137,6 @@ def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
 
     # Reload around the target's own embedding and head: bit-identical logits.
     reloaded = DFlashDraftModel.from_pretrained(directory, target.embed_tokens, target.lm_head).eval()
-    assert reloaded.use_mask_embedding is uses_embedding
     before, after = outputs(drafter, data), outputs(reloaded, data)
     assert before.shape == (2, 3, BLOCK, VOCAB) and before.abs().max() > 1e-3
     assert torch.equal(before, after)
@@ -154,4 +151,4 @@ def test_transformers_reads_the_config(tmp_path, target):
     assert type(hf).__name__ == "Qwen3Config"
     assert hf.architectures == ["DFlashDraftModel"] and hf.block_size == BLOCK
     assert hf.num_target_layers == NUM_TARGET_LAYERS and hf.num_hidden_layers == 2
-    assert hf.dflash_config["target_layer_ids"] == [1, 5] and hf.dflash_config["mask_token_id"] is None
+    assert hf.dflash_config["target_layer_ids"] == [1, 5] and hf.dflash_config["mask_token_id"] == 2
