@@ -549,3 +549,27 @@ def test_loss_output_stats_vector_round_trip() -> None:
     both = LossOutput.from_stats_vector(vec)
     assert both.loss.item() == 1.75 and both.tau.item() == 1.5
     assert both.per_slot_accuracy.tolist() == [0.0, 0.5, 0.5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 6, 100])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_compiled_flex_matches_dense_on_gpu(window: int | None, bs: int) -> None:
+    """On CUDA, compiled flex_attention with our BlockMask == SDPA with the dense mask (engines' rule)."""
+    from dflash.model import _flex_attention
+
+    b = {k: v.cuda() for k, v in packed_batch(r=2, s=300, seed=4).items()}
+    anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 24, anchor_generator(0, 0, 7, "cuda"))
+    keep[1, -1] = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_len, kv_len = 24 * bs, 300 + 24 * bs
+    q = torch.randn(2, 4, q_len, 32, generator=g, device="cuda")
+    k = torch.randn(2, 2, kv_len, 32, generator=g, device="cuda")
+    v = torch.randn(2, 2, kv_len, 32, generator=g, device="cuda")
+    dense = dense_attention_mask(anchors, keep, b["doc_ids"], bs, window)
+    assert torch.equal(dense.cpu(), loop_mask(anchors.cpu(), keep.cpu(), b["doc_ids"].cpu(), bs, window))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    block_mask = flex_block_mask(anchors, keep, b["doc_ids"], bs, window)
+    out = _flex_attention(q, k, v, block_mask, 32 ** -0.5, True)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4)
