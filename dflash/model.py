@@ -24,7 +24,8 @@ that: the frozen target row ``embed_tokens.weight[mask_token_id]``, an integer i
 :func:`resolve_mask_token_id` picks the first unused embedding row when the target has one
 (Qwen3: 151669); when every row is a token (SmolLM2: 49,152 tokens, 49,152 rows) it picks an
 existing special token of the target's config (unk, then pad, eos, bos: SpecForge likewise falls
-back to a pad / eos / unk id), so that every engine reproduces training exactly.
+back to a pad / eos / unk id; the last row when the config names none), so that every engine
+reproduces training exactly.
 
 Checkpoint format (DESIGN.md §4): a Hugging Face directory with ``config.json``
 (``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers``,
@@ -169,11 +170,12 @@ def resolve_mask_token_id(requested: Optional[int], tokenizer_size: int, embeddi
 
     Returns:
         ``requested`` when given; else the first unused row (``tokenizer_size``) when the
-        embedding has one (Qwen3: 151669); else the first of ``fallback_ids`` that is a row.
+        embedding has one (Qwen3: 151669); else the first of ``fallback_ids`` that is a row; else
+        (a config naming no special token, e.g. a random test target) the last row, with a
+        warning.
 
     Raises:
-        ValueError: ``requested`` is not a row of the embedding, or no id can be chosen (naming
-            ``drafter.mask_token_id``).
+        ValueError: ``requested`` is not a row of the embedding (naming ``drafter.mask_token_id``).
     """
     if requested is not None:
         if not 0 <= requested < embedding_rows:
@@ -185,8 +187,10 @@ def resolve_mask_token_id(requested: Optional[int], tokenizer_size: int, embeddi
     for candidate in fallback_ids:
         if 0 <= candidate < embedding_rows:
             return int(candidate)
-    raise ValueError(f"drafter.mask_token_id: the target's {embedding_rows}-row embedding has no unused row and its "
-                     f"config names no unk / pad / eos / bos token: set drafter.mask_token_id to a token id")
+    logger.warning("the target's %d-row embedding has no unused row and its config names no unk / pad / eos / bos "
+                   "token: the mask token is the last row, %d (set drafter.mask_token_id to choose)",
+                   embedding_rows, embedding_rows - 1)
+    return int(embedding_rows - 1)
 
 
 @dataclass

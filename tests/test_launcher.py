@@ -187,11 +187,12 @@ def test_resume_names_each_differing_field(tiny_checkpoint, overrides, tokens, e
     assert cluster.resume_mismatches(load_config(None, TINY + overrides, gpu_count=0), ckpt, tokens) == expected
 
 
-def test_resume_needs_a_mask_token_when_no_row_is_free(tiny_checkpoint):
-    """tiny-qwen3 names no unk / pad / eos / bos token: with every row a token, the run must set one."""
+def test_resume_without_a_free_row_or_a_special_token(tiny_checkpoint):
+    """tiny-qwen3 names no unk / pad / eos / bos token: with every row a token, the mask is the last row."""
     _, ckpt = tiny_checkpoint
-    with pytest.raises(ConfigError, match="drafter.mask_token_id"):
-        cluster.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, 512)
+    assert cluster.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, 512) == [
+        "mask_token_id (set by drafter.mask_token_id=null: the target's first unused embedding row, else its unk / "
+        "pad / eos / bos token): checkpoint 500, this run 511"]
 
 
 def test_resume_check_without_the_target_config(tiny_checkpoint, monkeypatch):

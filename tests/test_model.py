@@ -88,8 +88,7 @@ def test_resolve_mask_token_id() -> None:
     assert resolve_mask_token_id(None, 49152, 49152, [60000, 5]) == 5       # the first that is a row
     with pytest.raises(ValueError, match="drafter.mask_token_id"):
         resolve_mask_token_id(60000, 49152, 49152)                          # not a row
-    with pytest.raises(ValueError, match="drafter.mask_token_id"):
-        resolve_mask_token_id(None, 49152, 49152, [])                       # nothing to fall back to
+    assert resolve_mask_token_id(None, 49152, 49152, []) == 49151          # no special token: the last row
 
 
 def test_config_from_target_and_round_trip() -> None:
