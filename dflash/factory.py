@@ -92,12 +92,13 @@ def drafter_config(cfg: RunConfig, target_config: Any, tokenizer_size: int, embe
         ConfigError: a bad ``target.layer_ids`` for this target.
         ValueError: a drafter setting the target's shape cannot take.
     """
-    from dflash.model import DFlashConfig, resolve_mask_token_id
+    from dflash.model import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
     from dflash.target import resolve_layer_ids
 
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), cfg.drafter.num_layers)
-    mask_id = resolve_mask_token_id(cfg.drafter.mask_token_id, tokenizer_size, embedding_rows)
+    mask_id = resolve_mask_token_id(cfg.drafter.mask_token_id, tokenizer_size, embedding_rows,
+                                    mask_fallback_token_ids(target_config))
     return DFlashConfig.from_target(target_config, cfg.drafter, target_layer_ids=layer_ids, mask_token_id=mask_id)
 
 
@@ -115,7 +116,6 @@ def build_drafter(cfg: RunConfig, embed_tokens: torch.nn.Module, lm_head: torch.
     layer_ids, mask_id = dcfg.target_layer_ids, dcfg.mask_token_id
     torch.manual_seed(cfg.train.seed)
     model = DFlashDraftModel(dcfg, embed_tokens, lm_head, attention=cfg.drafter.attention).to(device)
-    log.info("drafter: %d layer(s), B=%d, mask token %s, target layers %s, %.2fM trainable params",
-             dcfg.num_hidden_layers, dcfg.block_size, mask_id if mask_id is not None else "trained embedding",
-             layer_ids, model.num_trainable_params() / 1e6)
+    log.info("drafter: %d layer(s), B=%d, mask token %d, target layers %s, %.2fM trainable params",
+             dcfg.num_hidden_layers, dcfg.block_size, mask_id, layer_ids, model.num_trainable_params() / 1e6)
     return model

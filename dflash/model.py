@@ -9,22 +9,23 @@ What is trained (docs/DFLASH.md; DFlash paper, arXiv 2602.06036, §3):
   ``[input_ids[a], MASK × (B − 1)]`` at positions ``position_ids[a] + k`` (k = 0 … B−1).
 * **Layers.** ``num_hidden_layers`` Qwen3-style decoder layers (pre-RMSNorm, per-head q/k
   RMSNorm, RoPE, SwiGLU MLP). Queries come only from the block tokens; keys and values come from
-  ``[ctx ; block tokens]`` through the same ``k_proj`` / ``v_proj`` (*KV injection*). Attention is
-  bidirectional inside a block; a block sees the context positions ``j < a`` of its own
-  conversation (``a − W ≤ j`` in a ``sliding_attention`` layer) and nothing of other blocks. The
-  mask lives in :mod:`dflash.objective`.
+  ``[ctx ; block tokens]`` through the same ``k_proj`` / ``v_proj`` (*KV injection*). A block sees
+  the context positions ``j < a`` of its own conversation and nothing of other blocks. A
+  ``full_attention`` layer is bidirectional inside the block; a ``sliding_attention`` layer is
+  causal inside the block with a window of ``W`` key positions that counts the query itself, as
+  the serving engines run it. The mask lives in :mod:`dflash.objective`.
 * **Shared, frozen.** ``embed_tokens`` and ``lm_head`` are the target's. They are held as plain
   attributes, *not* registered sub-modules: they never appear in ``parameters()``,
   ``state_dict()``, the optimizer, DDP's buckets or the checkpoint.
 
-Mask token (docs/DFLASH.md, Block and mask token). ``DFlashConfig.mask_token_id`` is
-used when it names a row of the target's embedding (Qwen3: 151669, the first row the tokenizer
-never emits); its frozen embedding is the mask. When it is ``None`` or not a row of the embedding
-(e.g. SmolLM2: 49,152 tokens, 49,152 rows, no unused row), the drafter owns a trained parameter
-``mask_embedding [D]``, initialised like an embedding row (normal, the embedding's std), saved in
-the checkpoint, and
-``config.json`` says ``dflash_config.mask_embedding: true`` with ``mask_token_id: null``.
-:func:`resolve_mask_token_id` makes that choice from the tokenizer and embedding sizes.
+Mask token. Every serving engine embeds the ``B − 1`` mask positions by looking
+``dflash_config.mask_token_id`` up in the target's embedding, so the drafter trains with exactly
+that: the frozen target row ``embed_tokens.weight[mask_token_id]``, an integer id always.
+:func:`resolve_mask_token_id` picks the first unused embedding row when the target has one
+(Qwen3: 151669); when every row is a token (SmolLM2: 49,152 tokens, 49,152 rows) it picks an
+existing special token of the target's config (unk, then pad, eos, bos: SpecForge likewise falls
+back to a pad / eos / unk id; the last row when the config names none), so that every engine
+reproduces training exactly.
 
 Checkpoint format (docs/DFLASH.md, Checkpoint format): a Hugging Face directory with ``config.json``
 (``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers``,
@@ -43,7 +44,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +55,16 @@ from dflash.objective import FULL_ATTENTION, SLIDING_ATTENTION, AttentionMask, b
 
 __all__ = [
     "ARCHITECTURE",
+    "AUTO_MAP",
     "CONFIG_FILE",
+    "MODELING_FILE",
     "WEIGHTS_FILE",
     "DFlashConfig",
     "DFlashDraftModel",
     "default_target_layer_ids",
+    "mask_fallback_token_ids",
     "resolve_mask_token_id",
+    "write_drafter_directory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,38 @@ FLEX_MIN_HEAD_DIM = 16
 #: Std of the normal init of the drafter's linear layers (Qwen3 ``initializer_range``).
 DEFAULT_INIT_STD = 0.02
 _LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+#: ``config.json`` keys read but never carried over: ``is_causal`` would force one causality on every
+#: layer (vLLM ``_dflash_layer_causal``, the reference model; refused on read when it contradicts
+#: ``layer_types``), ``auto_map`` is written only beside the modeling file it names.
+_DROPPED_KEYS = ("is_causal", "auto_map")
+#: File name of the modeling code shipped beside exported weights (``auto_map`` points at it).
+MODELING_FILE = "modeling_dflash.py"
+#: ``auto_map`` of an exported drafter: ``AutoModel.from_pretrained(dir, trust_remote_code=True)``.
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+#: dtypes :meth:`DFlashDraftModel.save_pretrained` writes.
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _check_causality(data: dict[str, Any]) -> None:
+    """Refuse a ``config.json`` whose global causality override contradicts ``layer_types``.
+
+    vLLM (``_dflash_layer_causal``) and the reference model let ``is_causal`` (or vLLM's
+    ``dflash_config.causal``) force one causality on every layer; this drafter runs sliding layers
+    causal and full layers bidirectional, so an override is accepted only where it agrees.
+
+    Raises:
+        ValueError: naming the field.
+    """
+    layer_types = data.get("layer_types") or [FULL_ATTENTION] * int(data.get("num_hidden_layers") or 0)
+    for name, value in (("is_causal", data.get("is_causal")),
+                        ("dflash_config.causal", (data.get("dflash_config") or {}).get("causal"))):
+        if value is None:
+            continue
+        wrong = [i for i, t in enumerate(layer_types) if bool(value) != (t == SLIDING_ATTENTION)]
+        if wrong:
+            raise ValueError(f"config.json: {name}={value} makes layer(s) {wrong} "
+                             f"{'causal' if value else 'bidirectional'}, but this drafter runs sliding_attention "
+                             f"layers causal and full_attention layers bidirectional (layer_types {layer_types})")
 
 
 # --------------------------------------------------------------------------- config helpers
@@ -97,28 +134,63 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [min(max(i, 0), num_target_layers - 1) for i in ids]
 
 
-def resolve_mask_token_id(requested: Optional[int], tokenizer_size: int, embedding_rows: int) -> Optional[int]:
-    """Pick the mask token id, or ``None`` for a trained mask embedding.
+def mask_fallback_token_ids(target_config: Any) -> list[int]:
+    """Existing token ids a drafter may use as its mask token, best first: ``[unk, pad, eos, bos]``.
+
+    Read from the target's Hugging Face config (a multimodal config's text part first); missing or
+    ``None`` ids are skipped, a list-valued ``eos_token_id`` contributes its first entry. unk comes
+    first because a chat template never emits it, so an anchor token is (almost) never the mask
+    token; SpecForge falls back to the pad / eos / unk id for the same job.
+    """
+    configs = [target_config]
+    if hasattr(target_config, "get_text_config"):
+        configs.insert(0, target_config.get_text_config())
+    out: list[int] = []
+    for name in ("unk_token_id", "pad_token_id", "eos_token_id", "bos_token_id"):
+        for c in configs:
+            value = getattr(c, name, None)
+            if isinstance(value, (list, tuple)):
+                value = value[0] if value else None
+            if isinstance(value, int) and not isinstance(value, bool) and value not in out:
+                out.append(value)
+                break
+    return out
+
+
+def resolve_mask_token_id(requested: Optional[int], tokenizer_size: int, embedding_rows: int,
+                          fallback_ids: Sequence[int] = ()) -> int:
+    """Pick the drafter's mask token id: always an integer row of the target's embedding.
 
     Args:
         requested: ``drafter.mask_token_id`` (``None`` = choose).
         tokenizer_size: ``len(tokenizer)``: ids ``>=`` this are never emitted by the tokenizer.
         embedding_rows: rows of the target's input embedding.
+        fallback_ids: existing token ids to use when the embedding has no unused row, best first
+            (:func:`mask_fallback_token_ids`).
 
     Returns:
-        ``requested`` when it is a row of the embedding; else the first unused row
-        (``tokenizer_size``) when the embedding has one; else ``None``, which makes the drafter
-        train its own ``mask_embedding``.
+        ``requested`` when given; else the first unused row (``tokenizer_size``) when the
+        embedding has one (Qwen3: 151669); else the first of ``fallback_ids`` that is a row; else
+        (a config naming no special token, e.g. a random test target) the last row, with a
+        warning.
+
+    Raises:
+        ValueError: ``requested`` is not a row of the embedding (naming ``drafter.mask_token_id``).
     """
     if requested is not None:
-        if 0 <= requested < embedding_rows:
-            return requested
-        logger.warning("mask_token_id %d is not a row of the %d-row embedding: using a trained mask embedding",
-                       requested, embedding_rows)
-        return None
+        if not 0 <= requested < embedding_rows:
+            raise ValueError(f"drafter.mask_token_id: {requested} is not a row of the target's {embedding_rows}-row "
+                             f"embedding (engines embed the mask token with the target's embedding)")
+        return int(requested)
     if tokenizer_size < embedding_rows:
-        return tokenizer_size
-    return None
+        return int(tokenizer_size)
+    for candidate in fallback_ids:
+        if 0 <= candidate < embedding_rows:
+            return int(candidate)
+    logger.warning("the target's %d-row embedding has no unused row and its config names no unk / pad / eos / bos "
+                   "token: the mask token is the last row, %d (set drafter.mask_token_id to choose)",
+                   embedding_rows, embedding_rows - 1)
+    return int(embedding_rows - 1)
 
 
 @dataclass
@@ -143,6 +215,7 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: list[int]
     block_size: int = 16
+    #: Row of the target's embedding that embeds the mask positions (:func:`resolve_mask_token_id`).
     mask_token_id: Optional[int] = None
     #: One of ``full_attention`` / ``sliding_attention`` per drafter layer; ``None`` = all full.
     layer_types: Optional[list[str]] = None
@@ -198,9 +271,29 @@ class DFlashConfig:
 
     # ----------------------------------------------------------------------- (de)serialisation
 
-    def to_hf_dict(self, use_mask_embedding: bool = False) -> dict[str, Any]:
-        """The ``config.json`` content (Qwen3 fields plus the DFlash ones)."""
-        out: dict[str, Any] = dict(self.extra)
+    def to_hf_dict(self, dtype: Optional[str] = None) -> dict[str, Any]:
+        """The ``config.json`` content: the Qwen3 fields plus the DFlash ones engines read.
+
+        Attention semantics are stated the way engines read them: ``layer_types`` (vLLM's
+        ``_dflash_layer_causal`` makes a layer causal exactly when its entry is
+        ``sliding_attention``, SGLang runs it as a causal decoder layer, full layers
+        non-causal), ``use_sliding_window``, ``sliding_window`` (the window in key positions,
+        the query's own included; ``null`` when no layer slides, as transformers' Qwen3Config
+        sets it) and ``max_window_layers``. No global ``is_causal`` / ``dflash_config.causal`` is
+        written: either would override the per-layer causality in vLLM and the reference model.
+
+        Args:
+            dtype: the weights' dtype to state (``dtype`` and ``torch_dtype``); default
+                ``self.dtype``.
+
+        Raises:
+            ValueError: ``mask_token_id`` is not set (engines need an integer).
+        """
+        if self.mask_token_id is None:
+            raise ValueError("DFlashConfig.mask_token_id: engines need an integer mask token id, got None")
+        dtype = dtype or self.dtype
+        sliding = SLIDING_ATTENTION in self.layer_types
+        out: dict[str, Any] = {k: v for k, v in self.extra.items() if k not in _DROPPED_KEYS}
         out.update({
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
@@ -219,20 +312,20 @@ class DFlashConfig:
             "vocab_size": self.vocab_size,
             "num_hidden_layers": self.num_hidden_layers,
             "layer_types": list(self.layer_types),
-            "use_sliding_window": SLIDING_ATTENTION in self.layer_types,
-            "sliding_window": self.sliding_window,
+            "use_sliding_window": sliding,
+            "sliding_window": self.sliding_window if sliding else None,
             "max_window_layers": self.num_hidden_layers,
             "max_position_embeddings": self.max_position_embeddings,
             "initializer_range": self.initializer_range,
             "tie_word_embeddings": False,
-            "torch_dtype": self.dtype,
-            "dtype": self.dtype,
+            "torch_dtype": dtype,
+            "dtype": dtype,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": {
-                "mask_token_id": self.mask_token_id,
+                "mask_token_id": int(self.mask_token_id),
                 "target_layer_ids": list(self.target_layer_ids),
-                "mask_embedding": bool(use_mask_embedding),
+                "block_size": self.block_size,
             },
         })
         return out
@@ -245,6 +338,7 @@ class DFlashConfig:
             ValueError: a required field is missing, or the values are inconsistent.
         """
         dflash = dict(data.get("dflash_config") or {})
+        _check_causality(data)
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "target_layer_ids", "mask_token_id"}
         kwargs: dict[str, Any] = {}
         for name in known:
@@ -265,8 +359,8 @@ class DFlashConfig:
         layer_ids = dflash.get("target_layer_ids")
         if layer_ids is None:
             layer_ids = default_target_layer_ids(int(kwargs["num_target_layers"]), int(kwargs["num_hidden_layers"]))
-        written = set(cls(**{**kwargs, "target_layer_ids": layer_ids}).to_hf_dict())
-        extra = {k: v for k, v in data.items() if k not in written}
+        written = set(cls(**{**kwargs, "target_layer_ids": layer_ids, "mask_token_id": 0}).to_hf_dict())
+        extra = {k: v for k, v in data.items() if k not in written and k not in _DROPPED_KEYS}
         return cls(**kwargs, target_layer_ids=layer_ids, mask_token_id=dflash.get("mask_token_id"), extra=extra)
 
     @classmethod
@@ -280,8 +374,7 @@ class DFlashConfig:
             drafter_cfg: :class:`dflash.config.DrafterConfig` (``num_layers``, ``block_size``,
                 ``layer_types``, ``sliding_window``, ``intermediate_size``).
             target_layer_ids: the fused layer ids (``None`` = :func:`default_target_layer_ids`).
-            mask_token_id: already resolved (:func:`resolve_mask_token_id`); ``None`` = trained
-                mask embedding.
+            mask_token_id: already resolved (:func:`resolve_mask_token_id`).
 
         Only default RoPE is modelled: a target with RoPE scaling logs a warning.
         """
@@ -521,30 +614,21 @@ class DFlashDraftModel(nn.Module):
 
         rows = emb_weight.shape[0]
         mid = config.mask_token_id
-        self.use_mask_embedding = mid is None or not (0 <= mid < rows)
-        if self.use_mask_embedding:
-            if mid is not None:
-                logger.warning("mask_token_id %s is not a row of the %d-row embedding: training a mask embedding",
-                               mid, rows)
-            self.mask_embedding = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        if mid is None or not 0 <= mid < rows:
+            raise ValueError(f"DFlashConfig.mask_token_id: must be a row of the target's {rows}-row embedding "
+                             f"(engines embed the mask token with it), got {mid}")
         self.reset_parameters()
 
     # ----------------------------------------------------------------------- parameters
 
     def reset_parameters(self) -> None:
-        """Linear weights ~ N(0, initializer_range), norms = 1, mask embedding ~ N(0, std of the embedding)."""
+        """Linear weights ~ N(0, initializer_range), norms = 1."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-        if self.use_mask_embedding:
-            # A random row with the embedding's own scale (its mean row would be near zero, and an
-            # RMSNorm of a near-zero input amplifies gradients by 1/rms).
-            with torch.no_grad():
-                scale = self.embed_tokens.weight.float().std().item()
-                nn.init.normal_(self.mask_embedding, mean=0.0, std=scale)
 
     def num_trainable_params(self) -> int:
         """Parameters that train (the shared embedding and LM head are not among them)."""
@@ -553,14 +637,14 @@ class DFlashDraftModel(nn.Module):
     # ----------------------------------------------------------------------- forward
 
     def block_embeddings(self, input_ids: Tensor, anchors: Tensor) -> Tensor:
-        """Embeddings of the blocks ``[input_ids[a], MASK × (B − 1)]``: ``[R, A, B, D]``."""
+        """Embeddings of the blocks ``[input_ids[a], MASK × (B − 1)]``: ``[R, A, B, D]``.
+
+        MASK is the target's frozen row ``embed_tokens.weight[mask_token_id]``, as every engine
+        embeds it."""
         r, a = anchors.shape
         anchor_tok = input_ids.gather(1, anchors)  # [R, A]
         first = self.embed_tokens(anchor_tok).unsqueeze(2)  # [R, A, 1, D]
-        if self.use_mask_embedding:
-            mask_vec = self.mask_embedding
-        else:
-            mask_vec = self.embed_tokens.weight[self.config.mask_token_id]
+        mask_vec = self.embed_tokens.weight[self.config.mask_token_id]
         rest = mask_vec.to(first.dtype).expand(r, a, self.block_size - 1, first.shape[-1])
         return torch.cat([first, rest], dim=2)
 
@@ -634,44 +718,23 @@ class DFlashDraftModel(nn.Module):
     # ----------------------------------------------------------------------- checkpoint
 
     def save_pretrained(self, directory: Union[str, os.PathLike],
-                        state_dict: Optional[dict[str, Tensor]] = None) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` into ``directory``, atomically.
-
-        Files go to a temporary sibling directory first, which then replaces ``directory``
-        (an existing one is moved aside and deleted only after the rename). Holds no embedding
-        and no LM head.
+                        state_dict: Optional[dict[str, Tensor]] = None, dtype: Optional[str] = None,
+                        modeling_file: bool = False) -> Path:
+        """Write the drafter as a Hugging Face directory (:func:`write_drafter_directory`), atomically.
 
         Args:
             directory: the HF directory to write.
             state_dict: the weights to write instead of the live ones (a host snapshot taken
                 earlier, :class:`dflash.checkpoint.CheckpointWriter`); same keys as
                 :meth:`state_dict`.
+            dtype: ``float32`` / ``bfloat16`` weights (default: the config's ``dtype``).
+            modeling_file: also ship :data:`MODELING_FILE` and ``auto_map`` (serving export).
 
         Returns:
             the directory.
         """
-        from safetensors.torch import save_file
-
-        target = Path(directory)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            source = self.state_dict() if state_dict is None else state_dict
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in source.items()}
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-            cfg = self.config.to_hf_dict(use_mask_embedding=self.use_mask_embedding)
-            (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            old = None
-            if target.exists():
-                old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(target, old)
-            os.replace(tmp, target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        source = self.state_dict() if state_dict is None else state_dict
+        target = write_drafter_directory(directory, self.config, source, dtype=dtype, modeling_file=modeling_file)
         logger.info("saved drafter (%d params) to %s", self.num_trainable_params(), target)
         return target
 
@@ -681,12 +744,16 @@ class DFlashDraftModel(nn.Module):
 
         Raises:
             FileNotFoundError: no config.json.
-            ValueError: not a DFlash drafter config.
+            ValueError: not a DFlash drafter config, or a drafter trained with its own learned mask
+                vector (``dflash_config.mask_embedding``), which no engine can serve.
         """
         path = Path(directory) / CONFIG_FILE
         data = json.loads(path.read_text())
         if ARCHITECTURE not in (data.get("architectures") or []):
             raise ValueError(f"{path}: architectures {data.get('architectures')} does not name {ARCHITECTURE}")
+        flags = data.get("dflash_config") or {}
+        if flags.get("mask_embedding") or flags.get("mask_token_id") is None:
+            raise ValueError(f"{path}: {LEARNED_MASK_MESSAGE}")
         return DFlashConfig.from_hf_dict(data)
 
     @classmethod
@@ -695,9 +762,11 @@ class DFlashDraftModel(nn.Module):
                         ) -> "DFlashDraftModel":
         """Load a drafter saved by :meth:`save_pretrained` around the target's embedding and head.
 
+        Weights are loaded in fp32 (a bf16 export is upcast).
+
         Raises:
             FileNotFoundError: missing files.
-            ValueError: not a DFlash config.
+            ValueError: not a DFlash config, or an older drafter with a learned mask vector.
             RuntimeError: the weights do not match the config (strict loading).
         """
         from safetensors.torch import load_file
@@ -705,7 +774,77 @@ class DFlashDraftModel(nn.Module):
         cfg = cls.load_config(directory)
         model = cls(cfg, embed_tokens, lm_head, attention=attention)
         state = load_file(str(Path(directory) / WEIGHTS_FILE), device=str(device) if device else "cpu")
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
         if device is not None:
             model.to(device)
         return model
+
+
+#: Why a drafter with ``dflash_config.mask_embedding`` / ``mask_token_id: null`` is refused.
+LEARNED_MASK_MESSAGE = (
+    "this drafter was trained with its own learned mask vector (dflash_config.mask_embedding, "
+    "mask_token_id null): no serving engine embeds the mask positions that way, so it cannot be served "
+    "as trained. Train it again: the mask token is now always an integer id whose frozen target "
+    "embedding row is the mask (see drafter.mask_token_id).")
+
+
+def modeling_source() -> str:
+    """The text of the self-contained modeling file shipped with an export (:data:`MODELING_FILE`)."""
+    return (Path(__file__).with_name(MODELING_FILE)).read_text()
+
+
+def write_drafter_directory(directory: Union[str, os.PathLike], config: DFlashConfig, state: dict[str, Tensor],
+                            dtype: Optional[str] = None, modeling_file: bool = False) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (+ the modeling file) into ``directory``, atomically.
+
+    Files go to a temporary sibling directory first, which then replaces ``directory`` (an
+    existing one is moved aside and deleted only after the rename). Holds no embedding and no LM
+    head. Floating-point tensors are cast to ``dtype``; ``config.json`` states it (``dtype`` and
+    ``torch_dtype``). With ``modeling_file`` the directory also holds :data:`MODELING_FILE` and
+    the config an ``auto_map`` naming it, so ``transformers.AutoModel.from_pretrained(directory,
+    trust_remote_code=True)`` builds the drafter.
+
+    Args:
+        directory: the HF directory to write.
+        config: the drafter's config (``mask_token_id`` must be set).
+        state: ``{name: tensor}`` under the public DFlash names.
+        dtype: ``float32`` or ``bfloat16`` (default: ``config.dtype``).
+        modeling_file: ship the modeling file and ``auto_map``.
+
+    Returns:
+        the directory.
+
+    Raises:
+        ValueError: an unknown ``dtype`` or no mask token id.
+    """
+    from safetensors.torch import save_file
+
+    dtype = dtype or config.dtype
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype: must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
+    cfg = config.to_hf_dict(dtype=dtype)
+    if modeling_file:
+        cfg["auto_map"] = dict(AUTO_MAP)
+    cast = SAVE_DTYPES[dtype]
+    tensors = {k: (v.detach().to("cpu", cast) if v.is_floating_point() else v.detach().to("cpu")).contiguous()
+               for k, v in state.items()}
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if modeling_file:
+            (tmp / MODELING_FILE).write_text(modeling_source())
+        old = None
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

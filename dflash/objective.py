@@ -15,16 +15,22 @@ arXiv 2602.06036, §3–4):
   ``target_tokens[a + k − 1]`` (``labels="target"``) or ``input_ids[a + k]`` (``"data"``); it counts
   when ``a + k < S``, same conversation, ``loss_mask[a + k]`` and the anchor is kept. Slot 0 never
   counts.
-* **Attention mask.** Keys are ``[S context positions ; A·B block positions]``, queries the
-  ``A·B`` block positions. A query of block ``i`` (anchor ``a``) sees context ``j`` iff ``j`` is
-  in ``a``'s conversation (the contiguous run of equal ``doc_ids`` around ``a``: with the batch
-  contract's back-to-back packing, ``doc_ids[j] == doc_ids[a]``) and ``j < a`` (strict: at
-  inference the anchor's own hidden state does not exist yet) and, in a ``sliding_attention``
-  layer, ``j ≥ a − W``; it sees all ``B``
-  tokens of its own block and nothing else. A dropped block (``keep = False``) sees only itself,
-  so no query row is ever fully masked (no NaN). One ``mask_mod`` defines both the
-  flex_attention ``BlockMask`` (GPU) and the dense SDPA mask (CPU), so they cannot disagree; the
-  BlockMask's sparse tiles are computed from the blocks' context ranges, never from a dense mask.
+* **Attention mask** (the serving engines' rule: vLLM
+  ``vllm/model_executor/models/qwen3_dflash.py``, SGLang ``python/sglang/srt/models/dflash.py``,
+  the reference ``z-lab/dflash`` ``dflash/model.py`` and SpecForge's DFlash mask). Keys are
+  ``[S context positions ; A·B block positions]``, queries the ``A·B`` block positions. Query
+  ``k`` (block position) of block ``i`` (anchor ``a``) sees context ``j`` iff ``j`` is in ``a``'s
+  conversation (the contiguous run of equal ``doc_ids`` around ``a``: with the batch contract's
+  back-to-back packing, ``doc_ids[j] == doc_ids[a]``) and ``j < a`` (strict: at inference the
+  anchor's own hidden state does not exist yet). A ``full_attention`` layer then sees all ``B``
+  tokens of its own block. A ``sliding_attention`` layer with window ``W`` is a causal decoder
+  layer whose window counts the query itself: the query at position ``a + k`` sees keys at
+  positions ``a + k − W + 1 … a + k``, i.e. context ``j ≥ a + k − W + 1`` and block keys
+  ``k' ≤ k`` with ``k − k' < W``. Nothing of other blocks is ever visible. A dropped block
+  (``keep = False``) sees only (the causal part of) itself, so no query row is ever fully masked
+  (no NaN). One ``mask_mod`` defines both the flex_attention ``BlockMask`` (GPU) and the dense
+  SDPA mask (CPU), so they cannot disagree; the BlockMask's sparse tiles are computed from the
+  per-query context ranges, never from a dense mask.
 * **Loss.** ``Σ CE·w / Σ w`` with ``w_k = exp(−(k − 1)/γ)`` on valid slots. :func:`dflash_loss`
   returns numerator and denominator separately so data-parallel ranks can all-reduce the
   denominator. The LM head runs in row chunks inside a custom autograd function that computes
@@ -58,6 +64,7 @@ __all__ = [
     "label_weights",
     "FLEX_TILE",
     "context_ranges",
+    "query_context_ranges",
     "make_mask_mod",
     "mask_tiles",
     "dense_attention_mask",
@@ -247,12 +254,14 @@ def label_weights(valid: Tensor, gamma: float) -> Tensor:
 
 def context_ranges(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor,
                    window: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """Context positions ``[lo, hi)`` each block may see: ``[R, A]`` int64 each.
+    """Context positions ``[lo, hi)`` block position 0 of each block may see: ``[R, A]`` int64 each.
 
     ``hi = a`` (strictly before the anchor); ``lo`` = the first position of the anchor's
-    conversation, raised to ``a − W`` in a sliding-window layer. A conversation is the contiguous
-    run of equal ``doc_ids`` containing ``a`` (the batch contract packs conversations back to
-    back, so this is ``doc_ids[j] == doc_ids[a]``). A dropped block gets ``lo = hi = 0``.
+    conversation, raised to ``a − W + 1`` in a sliding-window layer (the window counts the query
+    itself). Block position ``k`` of a sliding layer sees ``[max(lo, a + k − W + 1), hi)``
+    (:func:`query_context_ranges`). A conversation is the contiguous run of equal ``doc_ids``
+    containing ``a`` (the batch contract packs conversations back to back, so this is
+    ``doc_ids[j] == doc_ids[a]``). A dropped block gets ``lo = hi = 0``.
     """
     r, s = doc_ids.shape
     pos = torch.arange(s, device=doc_ids.device).expand(r, s)
@@ -261,35 +270,62 @@ def context_ranges(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor,
     run_start = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=1).values
     lo = run_start.gather(1, anchors)
     if window is not None:
-        lo = torch.maximum(lo, anchors - window)
+        lo = torch.maximum(lo, anchors - window + 1)
     hi = anchors
     zero = torch.zeros_like(anchors)
     return torch.where(anchor_keep, lo, zero), torch.where(anchor_keep, hi, zero)
 
 
+def query_context_ranges(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
+                         window: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Context positions ``[lo, hi)`` each block query may see: ``[R, A·B]`` int64 each.
+
+    Query ``i·B + k`` (block ``i``, block position ``k``): ``hi = a`` and ``lo`` = the start of
+    ``a``'s conversation, in a sliding-window layer raised to ``a + k − W + 1`` (vLLM / SGLang run
+    a sliding DFlash layer as a causal decoder layer with a window ``(W − 1, 0)`` of key
+    positions, the query's own position included). Empty (``lo ≥ hi``) for a dropped block.
+    """
+    lo, hi = context_ranges(anchors, anchor_keep, doc_ids, None)
+    r, num_anchors = anchors.shape
+    lo = lo.repeat_interleave(block_size, dim=1)
+    hi = hi.repeat_interleave(block_size, dim=1)
+    if window is not None:
+        k = torch.arange(block_size, device=anchors.device).repeat(num_anchors)
+        lo = torch.maximum(lo, hi + k - window + 1)
+    return lo, hi
+
+
 def make_mask_mod(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
                   window: Optional[int] = None) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """The DFlash training ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (see the module docstring).
+    """The DFlash ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (the engines' rule, module docstring).
 
-    Query ``q`` belongs to block ``q // B``; key ``kv < S`` is context position ``kv`` (visible
-    when ``lo ≤ kv < hi``, :func:`context_ranges`), key ``kv ≥ S`` is block token ``kv − S``
-    (visible when it is in the query's own block). Works on flex_attention's scalar indices and
-    on broadcast index tensors alike, so :func:`flex_block_mask` and :func:`dense_attention_mask`
-    share it.
+    Query ``q`` is block position ``k = q mod B`` of block ``q // B``; key ``kv < S`` is context
+    position ``kv`` (visible when ``lo ≤ kv < hi``, :func:`context_ranges`, and, in a sliding
+    layer, ``kv ≥ a + k − W + 1``), key ``kv ≥ S`` is block token ``kv − S`` (visible when it is in
+    the query's own block; in a sliding layer only block positions ``k' ≤ k`` with
+    ``k − k' < W``). Works on flex_attention's scalar indices and on broadcast index tensors alike,
+    so :func:`flex_block_mask` and :func:`dense_attention_mask` share it.
 
     Args:
         anchors, anchor_keep: ``[R, A]`` int64 / bool.
         doc_ids: ``[R, S]``.
-        window: ``W`` for a sliding-window layer (context ``a − W ≤ j < a``), ``None`` = full.
+        block_size: ``B``.
+        window: ``W`` of a ``sliding_attention`` layer, ``None`` for ``full_attention``.
     """
     seq_len = doc_ids.shape[1]
     num_anchors = anchors.shape[1]
-    lo, hi = context_ranges(anchors, anchor_keep, doc_ids, window)
+    lo, hi = context_ranges(anchors, anchor_keep, doc_ids, None)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         blk = torch.clamp(q_idx // block_size, max=num_anchors - 1)
-        ctx = (kv_idx < seq_len) & (kv_idx >= lo[b, blk]) & (kv_idx < hi[b, blk])
-        own = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == blk)
+        anchor = hi[b, blk]  # the anchor of a kept block; 0 (= lo, empty context) for a dropped one
+        ctx = (kv_idx < seq_len) & (kv_idx >= lo[b, blk]) & (kv_idx < anchor)
+        key_pos = kv_idx - seq_len - blk * block_size  # block position of a block key
+        own = (kv_idx >= seq_len) & (key_pos >= 0) & (key_pos < block_size)
+        if window is not None:
+            k = q_idx - blk * block_size
+            ctx = ctx & (kv_idx > anchor + k - window)
+            own = own & (key_pos <= k) & (key_pos > k - window)
         return ctx | own
 
     return mask_mod
@@ -297,7 +333,8 @@ def make_mask_mod(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_s
 
 def dense_attention_mask(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size: int,
                          window: Optional[int] = None) -> Tensor:
-    """Dense SDPA mask ``[R, 1, A·B, S + A·B]`` bool (True = attend), for CPU."""
+    """Dense SDPA mask ``[R, 1, A·B, S + A·B]`` bool (True = attend), for CPU: :func:`make_mask_mod`
+    evaluated on every (query, key) pair."""
     r, s = doc_ids.shape
     q_len = anchors.shape[1] * block_size
     dev = anchors.device
@@ -313,10 +350,10 @@ def mask_tiles(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size
                tile: int = FLEX_TILE) -> tuple[Tensor, Tensor]:
     """Which ``tile × tile`` tiles of the mask are partly / fully visible: ``[R, n_q, n_kv]`` bool each.
 
-    Computed from the per-block context ranges, never from the dense mask: ``O(R · A · B)`` work
-    and memory. ``partial`` is a superset of the tiles that hold a visible entry and are not
-    full (flex_attention applies ``mask_mod`` there); ``full`` tiles are exactly visible
-    everywhere (``mask_mod`` skipped). Only context tiles can be full.
+    Computed from the per-query context ranges (:func:`query_context_ranges`), never from the
+    dense mask: ``O(R · A · B)`` work and memory. ``partial`` is a superset of the tiles that hold
+    a visible entry and are not full (flex_attention applies ``mask_mod`` there); ``full`` tiles
+    are exactly visible everywhere (``mask_mod`` skipped). Only context tiles can be full.
     """
     r, s = doc_ids.shape
     num_anchors = anchors.shape[1]
@@ -324,11 +361,13 @@ def mask_tiles(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_size
     kv_len = s + q_len
     n_q, n_kv = -(-q_len // tile), -(-kv_len // tile)
     dev = anchors.device
-    lo, hi = context_ranges(anchors, anchor_keep, doc_ids, window)
+    lo_q, hi_q = query_context_ranges(anchors, anchor_keep, doc_ids, block_size, window)  # [R, Q]
+    pad = n_q * tile - q_len
+    if pad:
+        lo_q = torch.cat([lo_q, lo_q.new_zeros(r, pad)], dim=1)
+        hi_q = torch.cat([hi_q, hi_q.new_zeros(r, pad)], dim=1)
     qpos = torch.arange(n_q * tile, device=dev)
     real = qpos < q_len
-    blk = torch.clamp(qpos // block_size, max=num_anchors - 1)
-    lo_q, hi_q = lo[:, blk], hi[:, blk]  # [R, n_q · tile]
     empty = hi_q <= lo_q
     big = kv_len + tile
     # Partial (superset): some query of the tile has a context range meeting the kv tile.

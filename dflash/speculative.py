@@ -758,7 +758,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.warning("only %d held-out prompts of at most %d tokens", len(cases), max_prompt)
     log.info("drafter %s: B=%d, target layers %s, mask %s; %d prompts, max %d new tokens, stop ids %s, "
              "%d torch threads", drafter_dir, dcfg.block_size, dcfg.target_layer_ids,
-             "trained embedding" if drafter.use_mask_embedding else dcfg.mask_token_id, len(cases),
+             dcfg.mask_token_id, len(cases),
              args.max_new_tokens, stops, torch.get_num_threads())
 
     proposer = DFlashProposer(drafter)

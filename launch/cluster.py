@@ -251,7 +251,10 @@ def expected_drafter_fields(cfg: RunConfig, tokenizer_size: int) -> dict:
             out = {name: getattr(dcfg, name) for name in RESUME_FIELDS if name != "mask_embedding"}
         else:
             info = describe_target(cfg.target, d.num_layers)
-            mask_id = resolve_mask_token_id(d.mask_token_id, tokenizer_size, info.vocab_size)
+            # Without the target's config its special token ids are unknown: the mask token is
+            # compared only when it does not fall back to one of them.
+            mask_id = (resolve_mask_token_id(d.mask_token_id, tokenizer_size, info.vocab_size)
+                       if d.mask_token_id is not None or tokenizer_size < info.vocab_size else None)
             out = {"num_hidden_layers": d.num_layers, "block_size": d.block_size,
                    "layer_types": list(d.layer_types) if d.layer_types else [FULL_ATTENTION] * d.num_layers,
                    "sliding_window": d.sliding_window, "target_layer_ids": list(info.layer_ids),
@@ -259,9 +262,11 @@ def expected_drafter_fields(cfg: RunConfig, tokenizer_size: int) -> dict:
                    "num_target_layers": info.num_layers}
             if d.intermediate_size is not None:
                 out["intermediate_size"] = d.intermediate_size
+            if mask_id is None:
+                del out["mask_token_id"]
     finally:
         quiet.setLevel(level)
-    out["mask_embedding"] = out["mask_token_id"] is None
+    out["mask_embedding"] = False
     out["_sliding"] = SLIDING_ATTENTION in out["layer_types"]
     return out
 
@@ -325,7 +330,8 @@ def _field_source(cfg: RunConfig, name: str, key: str) -> str:
     if name == "intermediate_size" and cfg.drafter.intermediate_size is None:
         return "drafter.intermediate_size=null: the target's"
     if name in ("mask_token_id", "mask_embedding") and cfg.drafter.mask_token_id is None:
-        return "drafter.mask_token_id=null: the target's first unused embedding row, else a trained mask embedding"
+        return ("drafter.mask_token_id=null: the target's first unused embedding row, else its unk / pad / eos / bos "
+                "token")
     return key
 
 

@@ -10,6 +10,7 @@ transformers reads the config, and that a reload gives bit-identical outputs.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def outputs(model: DFlashDraftModel, data: dict[str, torch.Tensor]) -> torch.Ten
         return model.lm_head(hidden)
 
 
-@pytest.mark.parametrize("tokenizer_size", [VOCAB, 500], ids=["trained-mask-embedding", "mask-token-row"])
+@pytest.mark.parametrize("tokenizer_size", [VOCAB, 500], ids=["no-free-row", "mask-token-row"])
 def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
     ckpt, drafter, data = trained_checkpoint(tmp_path, target, tokenizer_size)
     assert ckpt.name == f"step-{STEP:08d}" and latest_checkpoint(tmp_path / "run") == ckpt
@@ -101,9 +102,9 @@ def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
     assert cfg["block_size"] == BLOCK
     assert cfg["num_target_layers"] == NUM_TARGET_LAYERS
     assert cfg["dflash_config"]["target_layer_ids"] == target.layer_ids == [1, 5]
-    uses_embedding = tokenizer_size == VOCAB  # no unused embedding row: a trained mask embedding
-    assert cfg["dflash_config"]["mask_embedding"] is uses_embedding
-    assert cfg["dflash_config"]["mask_token_id"] == (None if uses_embedding else 500)
+    no_free_row = tokenizer_size == VOCAB  # every row a token: the target's eos (tiny-llama: no unk / pad)
+    assert cfg["dflash_config"]["mask_token_id"] == (2 if no_free_row else 500)
+    assert "mask_embedding" not in cfg["dflash_config"]
     # The Qwen3 decoder fields of the drafter layers, sized like the target.
     assert cfg["model_type"] == "qwen3" and cfg["num_hidden_layers"] == 2
     assert (cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
@@ -125,8 +126,6 @@ def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
                      "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                      "input_layernorm", "post_attention_layernorm"):
             expected.add(f"layers.{i}.{name}.weight")
-    if uses_embedding:
-        expected.add("mask_embedding")
     assert keys == expected
     assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
     with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
@@ -139,7 +138,6 @@ def test_checkpoint_is_a_dflash_hf_directory(tmp_path, target, tokenizer_size):
 
     # Reload around the target's own embedding and head: bit-identical logits.
     reloaded = DFlashDraftModel.from_pretrained(directory, target.embed_tokens, target.lm_head).eval()
-    assert reloaded.use_mask_embedding is uses_embedding
     before, after = outputs(drafter, data), outputs(reloaded, data)
     assert before.shape == (2, 3, BLOCK, VOCAB) and before.abs().max() > 1e-3
     assert torch.equal(before, after)
@@ -154,4 +152,230 @@ def test_transformers_reads_the_config(tmp_path, target):
     assert type(hf).__name__ == "Qwen3Config"
     assert hf.architectures == ["DFlashDraftModel"] and hf.block_size == BLOCK
     assert hf.num_target_layers == NUM_TARGET_LAYERS and hf.num_hidden_layers == 2
-    assert hf.dflash_config["target_layer_ids"] == [1, 5] and hf.dflash_config["mask_token_id"] is None
+    assert hf.dflash_config["target_layer_ids"] == [1, 5] and hf.dflash_config["mask_token_id"] == 2
+
+
+# --------------------------------------------------------------------------- the serving export
+
+SERVE_V, SERVE_D = 96, 32
+
+
+def serving_drafter(tmp: Path, free_row: bool, layer_types: list[str], window: int = 3) -> tuple[Path, DFlashDraftModel]:
+    """A tiny drafter saved as a training checkpoint's ``drafter/`` directory (fp32).
+
+    ``free_row=False``: SmolLM2-like, every embedding row a token; the mask token is the target's
+    unk token (id 0) through :func:`resolve_mask_token_id`. ``free_row=True``: Qwen3-like, the
+    tokenizer stops short of the embedding and the mask token is the first unused row.
+    """
+    from transformers import LlamaConfig
+
+    from dflash.model import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
+
+    target = LlamaConfig(vocab_size=SERVE_V, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    target.unk_token_id = 0
+    tokenizer_size = SERVE_V - 6 if free_row else SERVE_V
+    mask_id = resolve_mask_token_id(None, tokenizer_size, SERVE_V, mask_fallback_token_ids(target))
+    assert mask_id == (SERVE_V - 6 if free_row else 0)
+    cfg = DFlashConfig(hidden_size=SERVE_D, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, vocab_size=SERVE_V, num_hidden_layers=len(layer_types), num_target_layers=8,
+                       target_layer_ids=[1, 5], block_size=BLOCK, mask_token_id=mask_id, layer_types=layer_types,
+                       sliding_window=window, rope_theta=10000.0)
+    torch.manual_seed(1)
+    embed, head = torch.nn.Embedding(SERVE_V, SERVE_D), torch.nn.Linear(SERVE_D, SERVE_V, bias=False)
+    model = DFlashDraftModel(cfg, embed, head, attention="sdpa").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    directory = tmp / "run" / "checkpoints" / "step-00000001" / "drafter"
+    model.save_pretrained(directory)
+    (directory.parent / "state.json").write_text(json.dumps({"step": 1, "epoch": 0}))
+    return directory, model
+
+
+def naive_dflash_forward(weights: dict[str, torch.Tensor], hf: dict, target_hidden: torch.Tensor,
+                         block_embeds: torch.Tensor) -> torch.Tensor:
+    """The reference DFlash drafter forward, restated from its public description, one query at a time.
+
+    ``target_hidden [C, L·D]`` (context positions 0 … C−1), ``block_embeds [B, D]`` (positions
+    C … C+B−1) → ``[B, D]``. ``fc`` + RMSNorm make the context; each layer: pre-RMSNorm, queries
+    from the block, keys / values from [context ; block] (per-head RMSNorm on q and k, RoPE with
+    rotate-half), softmax attention where a full layer sees every key and a sliding layer sees key
+    positions p − W + 1 … p of query position p; o_proj, residual; RMSNorm, SwiGLU, residual; final
+    RMSNorm.
+    """
+    eps, heads, kv_heads, hd = hf["rms_norm_eps"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    theta = hf["rope_parameters"]["rope_theta"]
+
+    def rms(x, w):
+        return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x [hd]
+        half = hd // 2
+        freq = torch.tensor([theta ** (-2 * i / hd) for i in range(half)], dtype=torch.float64) * pos
+        cos, sin = torch.cat([freq.cos(), freq.cos()]), torch.cat([freq.sin(), freq.sin()])
+        rotated = torch.cat([-x[half:], x[:half]])
+        return x * cos + rotated * sin
+
+    w = {k: v.double() for k, v in weights.items()}
+    c, b = target_hidden.shape[0], block_embeds.shape[0]
+    ctx = rms(target_hidden.double() @ w["fc.weight"].T, w["hidden_norm.weight"])
+    x = block_embeds.double()
+    for i, layer_type in enumerate(hf["layer_types"]):
+        p = f"layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        kv_in = torch.cat([ctx, h])
+        out = torch.zeros(b, heads * hd, dtype=torch.float64)
+        for qi in range(b):
+            q_pos = c + qi
+            q_all = (h[qi] @ w[p + "self_attn.q_proj.weight"].T).view(heads, hd)
+            for head in range(heads):
+                g = head // (heads // kv_heads)
+                q = rope(rms(q_all[head], w[p + "self_attn.q_norm.weight"]), q_pos)
+                scores, values = [], []
+                for key in range(c + b):
+                    if layer_type == "sliding_attention" and not (key <= q_pos and q_pos - key < hf["sliding_window"]):
+                        continue
+                    k = (kv_in[key] @ w[p + "self_attn.k_proj.weight"].T).view(kv_heads, hd)[g]
+                    k = rope(rms(k, w[p + "self_attn.k_norm.weight"]), key)
+                    v = (kv_in[key] @ w[p + "self_attn.v_proj.weight"].T).view(kv_heads, hd)[g]
+                    scores.append(float(q @ k) / math.sqrt(hd))
+                    values.append(v)
+                probs = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+                out[qi, head * hd:(head + 1) * hd] = sum(pr * v for pr, v in zip(probs, values))
+        x = x + out @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rms(x, w["norm.weight"])
+
+
+@pytest.mark.parametrize("free_row", [False, True], ids=["smollm2-like-no-free-row", "qwen3-like-free-row"])
+@pytest.mark.parametrize("layer_types", [["full_attention", "full_attention"], ["sliding_attention", "full_attention"],
+                                         ["sliding_attention", "sliding_attention"]], ids=["full", "mixed", "sliding"])
+def test_export_serves_what_was_trained(tmp_path, monkeypatch, free_row, layer_types):
+    """The fp32 export loaded by transformers' AutoModel (trust_remote_code) and by a naive reference
+    forward gives our logits to 1e-5, for full and sliding layers (window 3 < block size 4 < context)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    from dflash.export import export_drafter
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    src, model = serving_drafter(tmp_path, free_row, layer_types)
+    report = export_drafter(tmp_path / "run", tmp_path / "serve", dtype="float32")  # the run's newest checkpoint
+    assert report.mask_token_id == model.config.mask_token_id
+    hf_cfg = json.loads((tmp_path / "serve" / "config.json").read_text())
+    served = AutoModel.from_pretrained(tmp_path / "serve", trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(served).__name__ == "DFlashDraftModel" and served.mask_token_id == model.config.mask_token_id
+    assert served.block_size == BLOCK and served.target_layer_ids == [1, 5]
+    assert {k: v for k, v in served.state_dict().items()}.keys() == model.state_dict().keys()
+
+    g = torch.Generator().manual_seed(3)
+    for anchor in (1, 2, 9):  # near the start (context shorter than the window) and deeper
+        s = anchor + 3
+        feats = torch.randn(1, s, 2 * SERVE_D, generator=g)
+        ids = torch.randint(3, SERVE_V, (1, s), generator=g)
+        with torch.no_grad():
+            ours = model(feats, ids, torch.arange(s).view(1, s), torch.ones(1, s, dtype=torch.int32),
+                         torch.tensor([[anchor]]), torch.tensor([[True]]))[0, 0]
+            block = torch.tensor([int(ids[0, anchor])] + [served.mask_token_id] * (BLOCK - 1))
+            embeds = model.embed_tokens(block)
+            theirs = served(position_ids=torch.arange(anchor + BLOCK).view(1, -1), noise_embedding=embeds[None],
+                            target_hidden=feats[:, :anchor])[0]
+            naive = naive_dflash_forward(load_file(str(tmp_path / "serve" / "model.safetensors")), hf_cfg,
+                                         feats[0, :anchor], embeds).float()
+            head = model.lm_head
+            assert (head(ours) - head(theirs)).abs().max() <= 1e-5
+            assert (head(ours) - head(naive)).abs().max() <= 1e-5
+            assert head(ours).abs().max() > 0.1
+
+
+def test_export_is_bf16_with_the_engine_fields(tmp_path, monkeypatch, capsys):
+    from safetensors import safe_open
+    from transformers import AutoModel
+
+    from dflash import export
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    src, model = serving_drafter(tmp_path, False, ["sliding_attention", "full_attention"], window=2048)
+    assert export.main(["--checkpoint", str(src.parent), "--out", str(tmp_path / "bf16")]) == 0
+    printed = capsys.readouterr().out
+    assert "mask_token_id 0" in printed and "bfloat16" in printed and "VLLM_USE_V2_MODEL_RUNNER=1" in printed
+    assert export.main(["--checkpoint", str(src), "--out", str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    out = tmp_path / "bf16"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflash_config"]["mask_token_id"] == 0 and type(cfg["dflash_config"]["mask_token_id"]) is int
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    assert cfg["use_sliding_window"] is True and cfg["sliding_window"] == 2048 and cfg["max_window_layers"] == 2
+    assert "is_causal" not in cfg and "causal" not in cfg["dflash_config"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert torch.equal(f.get_tensor("fc.weight"), model.state_dict()["fc.weight"].bfloat16())
+    ratio = (out / "model.safetensors").stat().st_size / (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    assert 0.5 <= ratio < 0.55  # the header is the same size in both
+    served = AutoModel.from_pretrained(out, trust_remote_code=True)
+    assert served.fc.weight.dtype == torch.bfloat16  # the config's dtype
+
+
+def test_full_only_export_states_no_window(tmp_path):
+    from dflash.export import export_drafter
+
+    serving_drafter(tmp_path, True, ["full_attention"] * 2)
+    export_drafter(tmp_path / "run", tmp_path / "serve")
+    cfg = json.loads((tmp_path / "serve" / "config.json").read_text())
+    assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
+
+
+def test_export_refuses_a_learned_mask_vector(tmp_path, capsys):
+    """A drafter trained with its own mask vector (mask_token_id null) cannot be served as trained."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash import export
+
+    src, _ = serving_drafter(tmp_path, False, ["full_attention"] * 2)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dflash_config"].update(mask_token_id=None, mask_embedding=True)
+    (src / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(src / "model.safetensors"))
+    save_file({**state, "mask_embedding": torch.randn(SERVE_D)}, str(src / "model.safetensors"))
+    assert export.main(["--checkpoint", str(src), "--out", str(tmp_path / "serve")]) == 2
+    assert "learned mask vector" in capsys.readouterr().err
+    assert not (tmp_path / "serve").exists()
+    assert export.main(["--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "serve")]) == 2
+
+
+def test_engine_rules_refuse_a_global_causality_override():
+    from dflash.export import engine_rules
+    from dflash.model import DFlashConfig
+
+    cfg = DFlashConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                       vocab_size=16, num_hidden_layers=2, num_target_layers=4, target_layer_ids=[1, 2],
+                       mask_token_id=3, layer_types=["sliding_attention", "full_attention"]).to_hf_dict()
+    assert any("_dflash_layer_causal" in rule for rule in engine_rules(cfg))
+    with pytest.raises(ValueError, match="is_causal"):
+        engine_rules({**cfg, "is_causal": False})
+    with pytest.raises(ValueError, match="is_causal=False"):
+        DFlashConfig.from_hf_dict({**cfg, "is_causal": False})   # would make the sliding layer bidirectional
+    assert DFlashConfig.from_hf_dict({**cfg, "layer_types": ["full_attention"] * 2, "is_causal": False})
+
+
+def test_qwen3_8b_shaped_export_is_half_the_fp32_size():
+    """5-layer Qwen3-8B-shaped drafter (hidden 4096, FFN 12288, 32/8 heads of 128): sizes from the
+    parameter count (built on the meta device, no memory)."""
+    from dflash.export import _expected_shapes
+    from dflash.model import DFlashConfig, default_target_layer_ids
+
+    cfg = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, num_hidden_layers=5, num_target_layers=36,
+                       target_layer_ids=default_target_layer_ids(36, 5), mask_token_id=151669)
+    params = sum(math.prod(shape) for shape in _expected_shapes(cfg).values())
+    assert params == 5 * 4096 * 4096 + 4096 + 5 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 12288
+                                                     + 2 * 128 + 2 * 4096) + 4096
+    fp32, bf16 = 4 * params, 2 * params
+    assert params == 1_048_626_432  # 4.19 GB (3.91 GiB) in fp32, 2.10 GB (1.95 GiB) in bf16
+    assert bf16 / fp32 == 0.5 and round(fp32 / 2**30, 2) == 3.91 and round(bf16 / 2**30, 2) == 1.95

@@ -129,7 +129,7 @@ def write_checkpoint(run_dir: Path, cfg, tokenizer_size: int, step: int = 100) -
     model = build_drafter(cfg, embed, head, tokenizer_size, torch.device("cpu"), tc)
     ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
     (ckpt / "drafter").mkdir(parents=True)
-    config = model.config.to_hf_dict(use_mask_embedding=model.use_mask_embedding)
+    config = model.config.to_hf_dict()
     (ckpt / "drafter" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "drafter" / "model.safetensors"))
     torch.save({"trainer": {}, "rng": {}}, ckpt / "trainer.pt")
@@ -172,10 +172,8 @@ def test_resume_accepts_the_same_drafter(tiny_checkpoint, overrides, tokens):
       'this run ["sliding_attention", "full_attention"]']),
     (["drafter.mask_token_id=7"], TINY_TOKENS,
      ["mask_token_id (set by drafter.mask_token_id): checkpoint 500, this run 7"]),
-    ([], 512, ["mask_token_id (set by drafter.mask_token_id=null: the target's first unused embedding row, else a "
-               "trained mask embedding): checkpoint 500, this run null",
-               "mask_embedding (set by drafter.mask_token_id=null: the target's first unused embedding row, else a "
-               "trained mask embedding): checkpoint false, this run true"]),
+    ([], 499, ["mask_token_id (set by drafter.mask_token_id=null: the target's first unused embedding row, else "
+               "its unk / pad / eos / bos token): checkpoint 500, this run 499"]),
     (["target.arch_overrides={hidden_size: 128, num_attention_heads: 8}"], TINY_TOKENS,
      ["hidden_size (set by the target model: target.kind / path / arch / arch_overrides): checkpoint 64, this run 128",
       "num_attention_heads (set by the target model: target.kind / path / arch / arch_overrides): checkpoint 4, "
@@ -187,6 +185,14 @@ def test_resume_accepts_the_same_drafter(tiny_checkpoint, overrides, tokens):
 def test_resume_names_each_differing_field(tiny_checkpoint, overrides, tokens, expected):
     _, ckpt = tiny_checkpoint
     assert cluster.resume_mismatches(load_config(None, TINY + overrides, gpu_count=0), ckpt, tokens) == expected
+
+
+def test_resume_without_a_free_row_or_a_special_token(tiny_checkpoint):
+    """tiny-qwen3 names no unk / pad / eos / bos token: with every row a token, the mask is the last row."""
+    _, ckpt = tiny_checkpoint
+    assert cluster.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, 512) == [
+        "mask_token_id (set by drafter.mask_token_id=null: the target's first unused embedding row, else its unk / "
+        "pad / eos / bos token): checkpoint 500, this run 511"]
 
 
 def test_resume_check_without_the_target_config(tiny_checkpoint, monkeypatch):

@@ -14,6 +14,7 @@ from dflash.model import (
     DFlashConfig,
     DFlashDraftModel,
     default_target_layer_ids,
+    mask_fallback_token_ids,
     resolve_mask_token_id,
 )
 from dflash.objective import SLIDING_ATTENTION, build_attention_masks
@@ -24,7 +25,7 @@ V, D, L = 48, 32, 2
 def tiny_config(**overrides: object) -> DFlashConfig:
     kw: dict = dict(hidden_size=D, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                     vocab_size=V, num_hidden_layers=2, num_target_layers=8, target_layer_ids=[2, 5], block_size=4,
-                    mask_token_id=None, rope_theta=10000.0, max_position_embeddings=512)
+                    mask_token_id=7, rope_theta=10000.0, max_position_embeddings=512)
     kw.update(overrides)
     return DFlashConfig(**kw)
 
@@ -73,10 +74,21 @@ def test_default_target_layer_ids() -> None:
 
 
 def test_resolve_mask_token_id() -> None:
-    assert resolve_mask_token_id(None, 151669, 151936) == 151669   # Qwen3: first unused row
-    assert resolve_mask_token_id(None, 49152, 49152) is None        # SmolLM2: no unused row
+    from transformers import LlamaConfig
+
+    assert resolve_mask_token_id(None, 151669, 151936, [0]) == 151669   # Qwen3: first unused row
     assert resolve_mask_token_id(248070, 248070, 248320) == 248070
-    assert resolve_mask_token_id(60000, 49152, 49152) is None       # not a row: trained embedding
+    # SmolLM2: 49,152 tokens in 49,152 rows: its unk token (0), else pad / eos / bos.
+    smollm2 = LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    smollm2.unk_token_id = 0
+    assert mask_fallback_token_ids(smollm2) == [0, 2, 1]
+    assert resolve_mask_token_id(None, 49152, 49152, mask_fallback_token_ids(smollm2)) == 0
+    no_unk = LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=[5, 6], pad_token_id=None)
+    assert mask_fallback_token_ids(no_unk) == [5, 1]
+    assert resolve_mask_token_id(None, 49152, 49152, [60000, 5]) == 5       # the first that is a row
+    with pytest.raises(ValueError, match="drafter.mask_token_id"):
+        resolve_mask_token_id(60000, 49152, 49152)                          # not a row
+    assert resolve_mask_token_id(None, 49152, 49152, []) == 49151          # no special token: the last row
 
 
 def test_config_from_target_and_round_trip() -> None:
@@ -86,7 +98,7 @@ def test_config_from_target_and_round_trip() -> None:
                          num_hidden_layers=12, vocab_size=100, rope_theta=50000.0, max_position_embeddings=1024)
     dcfg = DrafterConfig(num_layers=3, block_size=8, layer_types=["sliding_attention"] * 2 + ["full_attention"],
                          sliding_window=16)
-    cfg = DFlashConfig.from_target(target, dcfg, mask_token_id=None)
+    cfg = DFlashConfig.from_target(target, dcfg, mask_token_id=0)
     assert cfg.target_layer_ids == default_target_layer_ids(12, 3) == [1, 5, 9]
     assert (cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.intermediate_size) == (64, 16, 2, 96)
     assert cfg.rope_theta == 50000.0 and cfg.block_size == 8 and cfg.num_target_layers == 12
@@ -107,25 +119,23 @@ def test_forward_shape_and_frozen_shared_modules() -> None:
     assert out.shape == (2, 4, 4, D) and out.dtype == torch.float32
     assert torch.isfinite(out).all()
     names = [n for n, _ in model.named_parameters()]
-    assert not any("embed" in n and n != "mask_embedding" or "lm_head" in n for n in names)
+    assert not any("embed" in n or "lm_head" in n for n in names)
     assert not model.embed_tokens.weight.requires_grad and not model.lm_head.weight.requires_grad
     expected = sum(p.numel() for p in model.parameters())
     assert model.num_trainable_params() == expected
-    assert expected == (L * D * D + D) + 2 * (4 * 8 * D * 2 + 2 * 8 * D * 2 + 2 * 8 + 3 * D * 64 + 2 * D) + D + D
+    assert expected == (L * D * D + D) + 2 * (4 * 8 * D * 2 + 2 * 8 * D * 2 + 2 * 8 + 3 * D * 64 + 2 * D) + D
 
 
 def test_block_inputs_are_anchor_then_mask() -> None:
     model = tiny_model(mask_token_id=7)
-    assert not model.use_mask_embedding and not hasattr(model, "mask_embedding")
+    assert not any("mask" in n for n, _ in model.named_parameters())  # the mask row is the target's, frozen
     ids = torch.randint(0, V, (2, 24))
     emb = model.block_embeddings(ids, torch.tensor([[3, 10], [0, 5]]))
     assert torch.equal(emb[1, 1, 0], model.embed_tokens.weight[ids[1, 5]])
     assert torch.equal(emb[0, 0, 1:], model.embed_tokens.weight[7].expand(3, D))
-    trained = tiny_model(mask_token_id=None)
-    assert trained.use_mask_embedding and trained.mask_embedding.requires_grad
-    emb = trained.block_embeddings(ids, torch.tensor([[3, 10], [0, 5]]))
-    assert torch.equal(emb[0, 1, 2], trained.mask_embedding.detach())
-    assert tiny_model(mask_token_id=V + 5).use_mask_embedding  # not a row → trained embedding
+    for bad in (None, V + 5):
+        with pytest.raises(ValueError, match="mask_token_id"):
+            tiny_model(mask_token_id=bad)
 
 
 def test_no_leak_across_anchor_documents_and_blocks() -> None:
@@ -168,7 +178,8 @@ def test_no_leak_across_anchor_documents_and_blocks() -> None:
 
 
 def test_no_leak_sliding_window() -> None:
-    """W = 4: block 2 of row 1 (anchor 17) sees context 13..16 in a sliding layer, 0..16 in a full one."""
+    """W = 4: block 2 of row 1 (anchor 17): block position k of a sliding layer sees context
+    14 + k … 16 (the window counts the query at 17 + k), a full layer 0..16."""
     all_sliding = tiny_model(layer_types=[SLIDING_ATTENTION] * 2, sliding_window=4)
     mixed = tiny_model(layer_types=[SLIDING_ATTENTION, "full_attention"], sliding_window=4)
     base = tiny_inputs()
@@ -179,11 +190,18 @@ def test_no_leak_sliding_window() -> None:
         x["context_features"][1, pos] += 5.0
         return x
 
-    # Position 12 = anchor − W − 1: outside every sliding window, inside the full layer's context.
-    assert torch.equal(run(all_sliding, bump(12))[1, 2], ref_sliding[1, 2])
-    assert not torch.equal(run(mixed, bump(12))[1, 2], ref_mixed[1, 2])
-    # Position 13 = anchor − W: the oldest position the sliding window still sees.
-    assert not torch.equal(run(all_sliding, bump(13))[1, 2], ref_sliding[1, 2])
+    # Position 13 = anchor − W: outside every sliding window, inside the full layer's context.
+    assert torch.equal(run(all_sliding, bump(13))[1, 2], ref_sliding[1, 2])
+    assert not torch.equal(run(mixed, bump(13))[1, 2], ref_mixed[1, 2])
+    # One sliding layer (no propagation through block keys of earlier layers):
+    # position 14 = anchor − W + 1 reaches block position 0 only, position 16 = anchor − 1 reaches
+    # positions 0 … 2 but not 3 (whose window is 17 … 20).
+    one = tiny_model(num_hidden_layers=1, layer_types=[SLIDING_ATTENTION], sliding_window=4)
+    ref_one = run(one, base)[1, 2]
+    out = run(one, bump(14))[1, 2]
+    assert not torch.equal(out[0], ref_one[0]) and torch.equal(out[1:], ref_one[1:])
+    out = run(one, bump(16))[1, 2]
+    assert all(not torch.equal(out[k], ref_one[k]) for k in range(3)) and torch.equal(out[3], ref_one[3])
     # Position 17 = the anchor itself: never context.
     assert torch.equal(run(mixed, bump(17))[1, 2], ref_mixed[1, 2])
 
@@ -216,7 +234,7 @@ def test_flex_backend_matches_sdpa_on_cpu() -> None:
 # --------------------------------------------------------------------------- checkpoint
 
 
-@pytest.mark.parametrize("mask_token_id", [None, 3])
+@pytest.mark.parametrize("mask_token_id", [0, 3])
 def test_save_load_identical_without_shared_weights(tmp_path: Path, mask_token_id: int | None) -> None:
     model = tiny_model(mask_token_id=mask_token_id, layer_types=[SLIDING_ATTENTION, "full_attention"],
                        sliding_window=6)
@@ -232,7 +250,7 @@ def test_save_load_identical_without_shared_weights(tmp_path: Path, mask_token_i
 
     keys = set(load_file(str(out_dir / "model.safetensors")))
     assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
-    assert ("mask_embedding" in keys) == (mask_token_id is None)
+    assert "mask_embedding" not in keys
     assert "fc.weight" in keys and "layers.1.self_attn.k_norm.weight" in keys and "norm.weight" in keys
 
     cfg = json.loads((out_dir / "config.json").read_text())

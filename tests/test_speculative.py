@@ -57,7 +57,7 @@ def target() -> TargetModel:
 
 def make_drafter(target: TargetModel, block_size: int, num_layers: int = 1, seed: int = 0) -> DFlashDraftModel:
     cfg = DFlashConfig.from_target(target.config, DrafterConfig(num_layers=num_layers, block_size=block_size),
-                                   target_layer_ids=target.layer_ids)
+                                   target_layer_ids=target.layer_ids, mask_token_id=0)
     torch.manual_seed(seed)
     return DFlashDraftModel(cfg, target.embed_tokens, target.lm_head, attention="sdpa").eval()
 

@@ -22,7 +22,7 @@ def tiny_model(seed: int = 0, head_dim: int = 8, attention: str = "sdpa") -> DFl
     torch.manual_seed(seed)
     cfg = DFlashConfig(hidden_size=D, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=head_dim, vocab_size=V, num_hidden_layers=2, num_target_layers=6, target_layer_ids=[1, 4],
-                       block_size=B, rope_theta=10000.0)
+                       block_size=B, mask_token_id=5, rope_theta=10000.0)
     return DFlashDraftModel(cfg, nn.Embedding(V, D), nn.Linear(D, V, bias=False), attention=attention)
 
 
