@@ -194,8 +194,8 @@ class Proposer(Protocol):
 
 
 def _autocast_dtype(dtype: torch.dtype, device: torch.device) -> Optional[torch.dtype]:
-    """bf16/fp16 autocast on CUDA when the target runs in half precision (as training does), else none."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+    """bf16/fp16 autocast when the target runs in half precision (as training on a GPU does), else none."""
+    if dtype in (torch.bfloat16, torch.float16):
         return dtype
     return None
 
