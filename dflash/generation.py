@@ -435,6 +435,8 @@ class Generator:
         if feats is not None:
             for slot in self._slots.get(last, ()):
                 feats[..., slot * width:(slot + 1) * width] = hidden
+        # No tensor stays on the cache object after the call (under CUDA graphs it would pin a graph output).
+        kv.positions = kv.rows = None
         if last_only:
             hidden = hidden[:, -1:]
         logits = self.model.get_output_embeddings()(hidden).float()

@@ -567,3 +567,20 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     assert summary["identical"] == 2 and summary["tau"] >= 1.0
     assert summary["offline_tau_dataset"] >= 1.0 and summary["offline_tau_own"] >= 1.0
     assert summary["offline_tau_replay"] >= 1.0 and len(summary["per_position_measured"]) == cfg.drafter.block_size - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_decoding_equals_eager_on_gpu():
+    """fp32 on CUDA: the CUDA-graph steps give the eager steps' tokens, target-only and speculative, batched."""
+    target = load_target(TargetConfig(kind="random", arch="tiny-llama", dtype="float32"), "cuda", num_drafter_layers=2)
+    drafter = make_drafter(target, 4, num_layers=2).cuda()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 17, 40)]
+    outs = {}
+    for compiled in (False, True):
+        gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter, compile=compiled)
+        outs[compiled] = [o.tokens for grp in (prompts[:2], prompts[2:]) for o in gen.greedy(grp, 24)]
+        outs[compiled] += [o.tokens for grp in (prompts[:2], prompts[2:]) for o in gen.speculative(grp, 24)]
+    assert outs[True] == outs[False]
+    assert outs[False][:3] == [naive_greedy_decode(target.model, p, 24) for p in prompts] == outs[False][3:]
