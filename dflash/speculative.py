@@ -1,91 +1,89 @@
-"""Lossless greedy speculative decoding with a trained DFlash drafter, and offline vs measured τ.
+"""The lossless check of speculative decoding with a trained DFlash drafter, and where τ goes.
 
-What happens per step (DFlash paper, arXiv 2602.06036, §3; docs/DFLASH.md), for a sequence
-``x[0 … n]`` whose last token ``x[n]`` (the *anchor*) was the target's latest prediction:
-
-1. **Draft.** The target has computed its hidden states for positions ``0 … n−1`` (not for the
-   anchor: that needs a forward pass of ``x[n]``). The fused layer outputs at those positions are
-   the context features ``[n, L·D]``. The drafter gets the block ``[x[n], MASK × (B−1)]`` at
-   positions ``n … n+B−1`` and proposes ``d_1 … d_{B−1}`` = argmax of its slots 1 … B−1. It is
-   called exactly as in training (:meth:`dflash.model.DFlashDraftModel.forward`): one row
-   ``S = n + 1`` (the anchor's own feature row is zeros; the attention mask hides every
-   context position ``j ≥ n``), ``doc_ids`` all 1, ``position_ids = arange(S)``,
-   ``anchors = [[n]]``, ``keep = [[True]]``.
-2. **Verify.** One target forward pass over ``[x[n], d_1, …, d_{B−1}]`` at positions
-   ``n … n+B−1`` on top of the KV cache of ``0 … n−1`` gives the target's greedy tokens
-   ``g_0 … g_{B−1}`` (``g_k`` = its prediction for position ``n+k+1``).
-3. **Accept.** ``m`` = the number of leading ``k`` with ``d_{k+1} = g_k``; the tokens
-   ``d_1 … d_m`` and the *bonus* ``g_m`` are appended (``m + 1`` tokens). Every appended token is
-   the target's own greedy choice given the tokens before it, so the output equals target-only
-   greedy decoding token for token (*lossless*; Leviathan et al. 2023, Chen et al. 2023). The KV
-   cache is cropped to ``0 … n+m`` and the features of positions ``n … n+m`` (computed on correct
-   tokens) are appended; the bonus becomes the next anchor.
+Decoding itself lives in :mod:`dflash.generation` (static KV cache, fixed shapes, CUDA graphs on
+GPU); this module runs it on held-out prompts both ways (target-only greedy and speculative), checks
+that the outputs agree, and compares the measured acceptance length with the offline ones.
 
 **Acceptance length τ** (measured): the mean, over the target's verification passes, of the
-tokens each pass adds, ``m + 1`` (accepted drafts *plus the bonus*), so ``1 ≤ τ ≤ B``: a drafter
-that is always right gives τ = B, one that is always wrong τ = 1. The prefill pass (which yields
-the first new token) is not a verification pass and is not counted. The last pass counts its full
-``m + 1`` even when EOS or ``max_new_tokens`` cuts some of those tokens from the output.
-Over several prompts τ is pooled: Σ(m + 1) / Σ passes.
+tokens each pass adds, ``m + 1`` (accepted drafts *plus the bonus*), so ``1 ≤ τ ≤ B``. The prefill
+is not a pass. The last pass counts its full ``m + 1`` even when a stop token or
+``max_new_tokens`` cuts some of its tokens. Over several prompts τ is pooled: Σ(m + 1) / Σ passes.
 
-**Offline τ** (:func:`offline_tau`) is what training's evaluation measures
-(:func:`dflash.objective.acceptance_lengths`): on a dataset conversation with the target's
-features and greedy labels (``target_tokens[a+k−1]``), ``1 +`` the leading slots whose argmax
-equals the label, averaged over blocks. Here every valid anchor of the conversation is used (the
-eval rounds draw ``drafter.anchors_per_row`` per packed row); it differs from the measured τ in that the context is the
-*dataset's* response, not the target's own greedy continuation, and a block stops at the end of
-the assistant turn or of the (``data.max_length``-truncated) sequence.
+**Offline τ** (:func:`offline_tau`, what training's evaluation measures with
+:func:`dflash.objective.acceptance_lengths`): on a token sequence with the target's features and
+greedy labels, ``1 +`` the leading block positions whose argmax equals the label, averaged over
+blocks. Computed three ways, to take the measured τ apart:
 
-Speed: a step costs one drafter forward plus one B-token target pass. On a CPU the B-token pass
-is compute-bound (SmolLM2-135M, B = 8, 1 thread: ~74 ms with features and 8 positions of logits
-vs ~40 ms for a one-token step, plus ~20 ms of drafting), so speculative decoding only beats
-target-only decoding there above τ ≈ 2.4; the tokens/s of the CLI report what was measured.
+* on the *dataset* conversation (every valid anchor): what training's held-out τ measures;
+* on the target's *own greedy continuation* of the prompt (every anchor of it): the text decoding
+  sees, so the dataset-vs-target-text gap is gone;
+* on that continuation at exactly the anchors decoding visited (*replay*): in fp32 this equals the
+  measured τ (the same computation, batched), so a gap between it and the measured τ is a bug
+  (features, positions, mask or mask token differing between training's forward and decoding),
+  and the gap between it and the all-anchor value is the anchors decoding picks: after a partial
+  acceptance the next anchor is the token the drafter just got wrong, which is harder than the
+  average position.
 
-Context length: the drafter's RoPE is computed for any position and its dense SDPA mask is
-``[1, 1, B, S + B]``, so ``S`` may exceed the training length; quality beyond it is untrained,
-which is why the CLI by default keeps prompt + generation within ``data.max_length``.
+Per block position ``k = 1 … B−1`` the report gives the fraction of passes (decoding) and of blocks
+(offline) in which position ``k`` was accepted (``m ≥ k``).
+
+**The lossless check.** Every emitted token is the target's greedy choice given the tokens before
+it, so speculative output equals target-only greedy output. In fp32 it must be identical. In bf16
+a ``B``-token verification forward and a one-token forward run different kernels (different
+reduction orders), so a near-tie between the top two logits can flip. Where the outputs first
+differ (position ``i``; the tokens before it are equal, so both runs scored the same context) the
+report gives each run's top-1/top-2 logit margin there; the difference is a numerical **tie** only
+when both margins are at most :func:`tie_bound`, anything else **fails** (exit 1).
+
+:func:`tie_bound` derivation. A bf16 value has 8 significant bits: relative rounding error
+``u = 2^-8`` (fp16: ``2^-11``). The final hidden state of an ``N``-layer target is the sum of
+``N`` residual updates, each rounded to bf16; a logit ``z = ⟨h, w⟩`` is one more rounding.
+Two forwards that differ only in reduction order make independent rounding errors at each of
+these ``N + 1`` stages; summed as a random walk, the logit's relative difference is at most
+``u·√(N + 1)``, i.e. ``|Δz| ≤ u·√(N + 1)·|z_1|``. A flip needs each run's margin below that
+size. SmolLM2-135M (``N = 30``, ``|z_1|`` ≈ 15–25): 0.33–0.54. The bound is a stated model of bf16
+noise, not a proof; the margins are in the report so a reader can judge.
 
 CLI::
 
     python -m dflash.speculative --checkpoint runs/<name>/checkpoints/step-XXXXXXXX \\
-        [--config configs/smollm2-135m-cpu.yaml] [--prompts 8] [--max-new-tokens 96]
+        [--config configs/smollm2-135m-cpu.yaml] [--prompts 8] [--max-new-tokens 96] \\
+        [--device cuda] [--batch 1] [--compile auto|on|off]
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
+from dflash.generation import Generation, Generator, drafter_hidden
 from dflash.objective import acceptance_lengths, build_block_labels, valid_anchor_mask
 
 __all__ = [
-    "DecodeResult",
-    "SpeculativeResult",
-    "Proposer",
-    "DFlashProposer",
-    "CachedTarget",
-    "naive_greedy_decode",
-    "greedy_decode",
-    "speculative_decode",
+    "Difference",
+    "tie_bound",
+    "first_difference",
     "OfflineTau",
     "offline_tau",
     "PromptCase",
     "prompts_from_corpus",
+    "user_turn_header",
     "stop_token_ids",
     "resolve_checkpoint",
     "last_eval_tau",
     "checkpoint_step",
+    "decode_report",
+    "format_report",
     "main",
 ]
 
@@ -97,367 +95,79 @@ OFFLINE_ANCHORS_PER_CHUNK = 64
 DEFAULT_PROMPTS = 8
 DEFAULT_MAX_NEW_TOKENS = 96
 DEFAULT_CONFIG = "configs/smollm2-135m-cpu.yaml"
-#: Tokens generated (and thrown away) by each decoder once before timing, so that first-call
-#: allocations do not count against either side.
-WARMUP_TOKENS = 8
+#: Tokens generated (and thrown away) by each decoder once before timing: first-call
+#: allocations and, on CUDA, compilation and graph capture do not count.
+WARMUP_TOKENS = 16
+#: Relative rounding error of one rounding, per dtype (8 / 11 significant bits); fp32 gets no allowance.
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+#: Progress: a log line this often (s) when stderr is not a terminal.
+PROGRESS_LOG_S = 10.0
 
 
-# --------------------------------------------------------------------------- results
+# --------------------------------------------------------------------------- the margin rule
 
 
-@dataclass
-class DecodeResult:
-    """Tokens generated for one prompt and how long it took.
+def tie_bound(top1_logit: float, num_layers: int, dtype: torch.dtype) -> float:
+    """Largest top-1/top-2 margin a bf16/fp16 rounding difference can flip: ``u·√(N + 1)·max(|z_1|, 1)``.
 
-    Attributes:
-        tokens: generated token ids (the prompt excluded); ends with the first stop token
-            (included) or after ``max_new_tokens``.
-        seconds: wall time of the whole decode (prefill included), in s.
-        target_forwards: target forward passes (prefill included).
-    """
-
-    tokens: list[int]
-    seconds: float = 0.0
-    target_forwards: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of wall time (``nan`` for a zero-time decode)."""
-        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
-
-
-@dataclass
-class SpeculativeResult(DecodeResult):
-    """A speculative decode: :class:`DecodeResult` plus one entry per verification pass.
-
-    Attributes:
-        accepted: ``m + 1`` per verification pass (accepted drafts plus the bonus token).
-        draft_seconds / verify_seconds: time in the drafter / in target verification passes, in s.
-    """
-
-    accepted: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-
-    @property
-    def steps(self) -> int:
-        """Verification passes."""
-        return len(self.accepted)
-
-    @property
-    def tau(self) -> float:
-        """Measured acceptance length: ``mean(m + 1)`` over verification passes (``nan`` if none)."""
-        return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
-
-
-# --------------------------------------------------------------------------- the target, incrementally
-
-
-def _cache_kwarg(model: nn.Module) -> str:
-    """Name of the KV-cache argument of ``model.forward``: ``cache`` (transformers ≥ 5.2x, where
-    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier 5.x)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-class CachedTarget:
-    """A Hugging Face causal LM run incrementally on one sequence with its KV cache.
-
-    Each :meth:`extend` feeds the next tokens on top of the cache and returns their logits and
-    the DFlash context features ``[T, L·D]`` (the outputs of ``layer_ids``, i.e. transformers'
-    ``hidden_states[id + 1]``, concatenated in ``layer_ids`` order: the same features as
-    :meth:`dflash.target.TargetModel.forward_features`, whose last layer is also final-normed).
-    :meth:`truncate` drops rejected positions from the cache.
-
-    The cache is the one the model creates on its first call (a ``DynamicCache``); cropping uses
-    ``crop(-k)`` (remove ``k`` tokens), which transformers 5.17 and 5.24 both accept.
+    See the module docstring for the derivation. ``0`` for fp32 (outputs must be identical).
 
     Args:
-        model: the target's ``*ForCausalLM`` (``TargetModel.model``), eval mode.
-        layer_ids: fused layer ids (the drafter's ``dflash_config.target_layer_ids``).
-    """
-
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
-        self.model = model
-        self.layer_ids = [int(i) for i in layer_ids]
-        self._cache_arg = _cache_kwarg(model)
-        self.cache: Any = None
-        self.length = 0
-
-    def reset(self) -> None:
-        """Forget the sequence (a new prompt starts)."""
-        self.cache = None
-        self.length = 0
-
-    @torch.no_grad()
-    def extend(self, input_ids: Tensor, *, all_logits: bool = True, features: bool = True
-               ) -> tuple[Tensor, Optional[Tensor]]:
-        """Run ``input_ids`` at positions ``length … length+T−1``.
-
-        Args:
-            input_ids: ``[T]`` int64 on the model's device.
-            all_logits: logits for every position (``[T, V]``), else only the last (``[1, V]``).
-            features: also return the fused layer outputs.
-
-        Returns:
-            ``(logits [T or 1, V] fp32, features [T, L·D] in the model dtype or None)``.
-        """
-        kwargs: dict[str, Any] = {"input_ids": input_ids.view(1, -1), "use_cache": True,
-                                  "logits_to_keep": 0 if all_logits else 1}
-        if self.cache is not None:
-            kwargs[self._cache_arg] = self.cache
-        if features:
-            kwargs["output_hidden_states"] = True
-        out = self.model(**kwargs)
-        if self.cache is None:
-            self.cache = out.past_key_values if getattr(out, "past_key_values", None) is not None else out.cache
-        self.length += input_ids.numel()
-        feats = None
-        if features:
-            hs = out.hidden_states
-            feats = torch.cat([hs[i + 1][0] for i in self.layer_ids], dim=-1)
-        return out.logits[0].float(), feats
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` positions of the cache.
-
-        Raises:
-            ValueError: ``length`` is negative or more than the cached length.
-            RuntimeError: the cache did not end up at ``length`` (an unsupported cache type).
-        """
-        if not 0 <= length <= self.length:
-            raise ValueError(f"truncate to {length}: the cache holds {self.length} positions")
-        remove = self.length - length
-        if remove:
-            self.cache.crop(-remove)
-            self.length = length
-        got = self.cache.get_seq_length()
-        if got != length:
-            raise RuntimeError(f"KV cache holds {got} positions after cropping to {length}")
-
-
-def _stop_index(tokens: Sequence[int], stop_ids: frozenset[int]) -> Optional[int]:
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return i
-    return None
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def naive_greedy_decode(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
-                        stop_ids: Sequence[int] = ()) -> DecodeResult:
-    """Target-only greedy decoding, the slow obvious way: a full forward of the whole sequence per token.
-
-    The oracle of the tests (no KV cache, no features, nothing to get wrong).
-
-    Args:
-        model: a Hugging Face causal LM.
-        prompt_ids: ``[P]`` int64.
-        max_new_tokens: generate at most this many tokens.
-        stop_ids: stop after emitting one of these (it is kept in the output).
-    """
-    device = _device_of(model)
-    seq = prompt_ids.to(device).view(1, -1)
-    stops = frozenset(int(s) for s in stop_ids)
-    out: list[int] = []
-    start = time.perf_counter()
-    while len(out) < max_new_tokens:
-        tok = int(model(input_ids=seq, use_cache=False).logits[0, -1].argmax())
-        out.append(tok)
-        if tok in stops:
-            break
-        seq = torch.cat([seq, seq.new_tensor([[tok]])], dim=1)
-    return DecodeResult(out, time.perf_counter() - start, len(out))
-
-
-@torch.no_grad()
-def greedy_decode(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
-                  stop_ids: Sequence[int] = ()) -> DecodeResult:
-    """Target-only greedy decoding with the KV cache: prefill, then one token per forward pass.
-
-    The baseline of the tokens/s comparison (the same model, cache and argmax as
-    :func:`speculative_decode`, without features).
-
-    Args / Returns: as :func:`naive_greedy_decode`.
-    """
-    device = _device_of(model)
-    runner = CachedTarget(model, [])
-    stops = frozenset(int(s) for s in stop_ids)
-    out: list[int] = []
-    _sync(device)
-    start = time.perf_counter()
-    if max_new_tokens > 0:
-        logits, _ = runner.extend(prompt_ids.to(device), all_logits=False, features=False)
-        forwards = 1
-        while True:
-            tok = int(logits[-1].argmax())
-            out.append(tok)
-            if tok in stops or len(out) >= max_new_tokens:
-                break
-            logits, _ = runner.extend(torch.tensor([tok], device=device), all_logits=False, features=False)
-            forwards += 1
-    else:
-        forwards = 0
-    _sync(device)
-    return DecodeResult(out, time.perf_counter() - start, forwards)
-
-
-# --------------------------------------------------------------------------- drafting
-
-
-class Proposer(Protocol):
-    """Proposes ``B − 1`` tokens after the anchor.
-
-    ``block_size`` is ``B``. Called as ``proposer(input_ids [n+1], context_features [n, L·D])``:
-    the sequence up to and including the anchor ``input_ids[n]``, and the target's fused features
-    at positions ``0 … n−1``. Returns ``[B − 1]`` int64 token ids for positions ``n+1 … n+B−1``.
-    """
-
-    block_size: int
-
-    def __call__(self, input_ids: Tensor, context_features: Tensor) -> Tensor: ...
-
-
-def _autocast_dtype(dtype: torch.dtype, device: torch.device) -> Optional[torch.dtype]:
-    """bf16/fp16 autocast on CUDA when the target runs in half precision (as training does), else none."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        return dtype
-    return None
-
-
-def _drafter_hidden(drafter: nn.Module, features: Tensor, input_ids: Tensor, position_ids: Tensor,
-                    doc_ids: Tensor, anchors: Tensor, keep: Tensor) -> Tensor:
-    """The drafter's forward under the autocast training used (bf16 on CUDA, none on CPU)."""
-    amp = _autocast_dtype(features.dtype, features.device)
-    if amp is None:
-        param_dtype = next(drafter.parameters()).dtype
-        return drafter(features.to(param_dtype), input_ids, position_ids, doc_ids, anchors, keep)
-    with torch.autocast(features.device.type, dtype=amp):
-        return drafter(features, input_ids, position_ids, doc_ids, anchors, keep)
-
-
-class DFlashProposer:
-    """The trained DFlash drafter as a :class:`Proposer`.
-
-    Builds one row of length ``S = n + 1``: ``context_features`` plus a zero row for the anchor
-    (masked: the block sees context ``j < n`` only), ``doc_ids`` all 1, ``position_ids =
-    arange(S)``, ``anchors = [[n]]``, ``keep = [[True]]``; drafted tokens = argmax of
-    ``lm_head(hidden)`` at slots 1 … B−1 (ties to the lowest id).
-
-    Args:
-        drafter: a :class:`dflash.model.DFlashDraftModel` (eval mode is set here).
-    """
-
-    def __init__(self, drafter: nn.Module) -> None:
-        self.drafter = drafter.eval()
-        self.block_size = int(drafter.block_size)
-
-    @torch.no_grad()
-    def __call__(self, input_ids: Tensor, context_features: Tensor) -> Tensor:
-        n = input_ids.numel() - 1
-        if context_features.shape[0] != n:
-            raise ValueError(f"context_features has {context_features.shape[0]} rows for anchor position {n}")
-        device = input_ids.device
-        s = n + 1
-        feats = torch.cat([context_features, context_features.new_zeros(1, context_features.shape[1])])
-        hidden = _drafter_hidden(
-            self.drafter, feats.unsqueeze(0), input_ids.view(1, s), torch.arange(s, device=device).view(1, s),
-            torch.ones(1, s, dtype=torch.int32, device=device), torch.tensor([[n]], device=device),
-            torch.ones(1, 1, dtype=torch.bool, device=device))  # [1, 1, B, D]
-        head = self.drafter.lm_head
-        logits = head(hidden[0, 0, 1:].to(head.weight.dtype))  # [B-1, V]
-        return logits.argmax(dim=-1)
-
-
-# --------------------------------------------------------------------------- speculative decoding
-
-
-@torch.no_grad()
-def speculative_decode(model: nn.Module, layer_ids: Sequence[int], proposer: Proposer, prompt_ids: Tensor,
-                       max_new_tokens: int, stop_ids: Sequence[int] = ()) -> SpeculativeResult:
-    """Greedy speculative decoding: draft ``B − 1`` tokens, verify them in one target pass, accept.
-
-    See the module docstring for the algorithm and the definition of τ. The output equals
-    :func:`naive_greedy_decode` (lossless) for any proposer, up to floating-point differences
-    between a B-token and a 1-token forward pass that could flip an exact argmax tie.
-
-    Args:
-        model: the target's Hugging Face causal LM.
-        layer_ids: target layers whose outputs form the context features (must be those the
-            drafter was trained on).
-        proposer: the drafter (:class:`DFlashProposer`) or any :class:`Proposer`.
-        prompt_ids: ``[P]`` int64, ``P ≥ 1``.
-        max_new_tokens: generate at most this many tokens.
-        stop_ids: stop after emitting one of these (kept in the output).
-
-    Returns:
-        :class:`SpeculativeResult`.
+        top1_logit: the larger logit ``z_1`` at the position.
+        num_layers: ``N``, the target's decoder layers.
+        dtype: the dtype the target ran in.
 
     Raises:
-        ValueError: an empty prompt, or a proposer that returns the wrong number of tokens.
+        ValueError: ``num_layers < 1``.
     """
-    if prompt_ids.numel() < 1:
-        raise ValueError("prompt_ids: need at least one token")
-    device = _device_of(model)
-    b = int(proposer.block_size)
-    stops = frozenset(int(s) for s in stop_ids)
-    runner = CachedTarget(model, layer_ids)
-    result = SpeculativeResult(tokens=[])
-    if max_new_tokens < 1:
-        return result
-    _sync(device)
-    start = time.perf_counter()
-    seq = prompt_ids.to(device).view(-1)
-    logits, feats = runner.extend(seq, all_logits=False)
-    result.target_forwards = 1
-    features = [feats]  # rows = positions 0 … len(seq) − 2 once the anchor is appended
-    first = int(logits[-1].argmax())
-    result.tokens.append(first)
-    seq = torch.cat([seq, seq.new_tensor([first])])
-    done = first in stops or max_new_tokens <= 1
-    while not done:
-        n = seq.numel() - 1  # the anchor's position; the cache and the features cover 0 … n−1
-        context = torch.cat(features) if len(features) > 1 else features[0]
-        features = [context]
-        t0 = time.perf_counter()
-        drafts = proposer(seq, context).to(device=device, dtype=torch.long).view(-1)
-        _sync(device)
-        t1 = time.perf_counter()
-        if drafts.numel() != b - 1:
-            raise ValueError(f"proposer returned {drafts.numel()} tokens, expected B - 1 = {b - 1}")
-        block = torch.cat([seq[n:], drafts])  # [B] at positions n … n+B−1
-        logits, feats = runner.extend(block)
-        result.target_forwards += 1
-        greedy = logits.argmax(dim=-1)  # [B]: greedy[k] is the target's token for position n+k+1
-        m = int(torch.cumprod((drafts == greedy[:-1]).long(), dim=0).sum())
-        new = drafts[:m].tolist() + [int(greedy[m])]
-        runner.truncate(n + m + 1)
-        features.append(feats[:m + 1])
-        _sync(device)
-        result.draft_seconds += t1 - t0
-        result.verify_seconds += time.perf_counter() - t1
-        result.accepted.append(m + 1)
-        stop_at = _stop_index(new, stops)
-        if stop_at is not None:
-            new = new[:stop_at + 1]
-            done = True
-        room = max_new_tokens - len(result.tokens)
-        if len(new) >= room:
-            new = new[:room]
-            done = True
-        result.tokens.extend(new)
-        seq = torch.cat([seq, seq.new_tensor(new)])
-    result.seconds = time.perf_counter() - start
-    return result
+    if num_layers < 1:
+        raise ValueError(f"num_layers: must be >= 1, got {num_layers}")
+    u = UNIT_ROUNDOFF.get(dtype)
+    if u is None:
+        return 0.0
+    return u * math.sqrt(num_layers + 1) * max(abs(top1_logit), 1.0)
+
+
+@dataclass
+class Difference:
+    """Where a speculative output first differs from the target-only one, and whether it is a tie.
+
+    Attributes:
+        position: index into the generated tokens.
+        spec_token / target_token: the tokens there (``-1`` where a run has no token).
+        spec_margin / target_margin: ``z_1 − z_2`` of the target's logits there, in each run
+            (``nan`` where a run has no token).
+        bound: :func:`tie_bound` there.
+        tie: both margins ``≤ bound``.
+    """
+
+    position: int
+    spec_token: int
+    target_token: int
+    spec_margin: float
+    target_margin: float
+    bound: float
+    tie: bool
+
+
+def first_difference(spec: Generation, target: Generation, num_layers: int, dtype: torch.dtype
+                     ) -> Optional[Difference]:
+    """Compare two greedy runs token by token; ``None`` when identical.
+
+    A length difference with equal tokens up to the shorter one is never a tie.
+    """
+    for i, (a, b) in enumerate(zip(spec.tokens, target.tokens)):
+        if a != b:
+            s1, s2 = spec.top2[i]
+            t1, t2 = target.top2[i]
+            bound = tie_bound(max(abs(s1), abs(t1)), num_layers, dtype)
+            ms, mt = s1 - s2, t1 - t2
+            return Difference(i, a, b, ms, mt, bound, bool(ms <= bound and mt <= bound))
+    if len(spec.tokens) == len(target.tokens):
+        return None
+    i = min(len(spec.tokens), len(target.tokens))
+    get = lambda g: g.tokens[i] if i < len(g.tokens) else -1  # noqa: E731
+    return Difference(i, get(spec), get(target), float("nan"), float("nan"), 0.0, False)
 
 
 # --------------------------------------------------------------------------- offline τ
@@ -465,13 +175,14 @@ def speculative_decode(model: nn.Module, layer_ids: Sequence[int], proposer: Pro
 
 @dataclass
 class OfflineTau:
-    """Offline acceptance length on dataset conversations (training's τ, every valid anchor).
+    """Offline acceptance length on token sequences.
 
     Attributes:
-        tau / blocks: mean τ over all blocks of all conversations, and their number.
-        first_turn_tau / first_turn_blocks: the same over anchors inside the first assistant turn
-            (the part a decode of the first prompt generates).
-        per_conversation: τ of each conversation (``nan`` without a valid anchor).
+        tau / blocks: mean τ over all blocks of all sequences, and their number.
+        first_turn_tau / first_turn_blocks: the same over anchors inside the first assistant turn.
+        per_conversation: τ of each sequence (``nan`` without a block).
+        per_position: ``[B − 1]``: the fraction of blocks whose block position ``k`` was accepted
+            (``τ − 1 ≥ k``), ``k = 1 … B−1``.
     """
 
     tau: float
@@ -479,6 +190,7 @@ class OfflineTau:
     first_turn_tau: float
     first_turn_blocks: int
     per_conversation: list[float]
+    per_position: list[float]
 
 
 def _first_turn_end(loss_mask: Tensor) -> int:
@@ -491,16 +203,19 @@ def _first_turn_end(loss_mask: Tensor) -> int:
     return start + int(after[0]) if after.numel() else loss_mask.numel()
 
 
+
+
 @torch.no_grad()
 def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[Tensor, Tensor]],
-                labels: str = "target", anchors_per_chunk: int = OFFLINE_ANCHORS_PER_CHUNK) -> OfflineTau:
-    """Training's held-out τ on whole conversations, with every valid anchor.
+                labels: str = "target", anchors_per_chunk: int = OFFLINE_ANCHORS_PER_CHUNK,
+                anchors: Optional[Sequence[Sequence[int]]] = None) -> OfflineTau:
+    """Training's held-out τ on whole sequences.
 
-    For each conversation: the target's ``features [1, S, L·D]`` and greedy ``target_tokens``
+    For each sequence: the target's ``features [1, S, L·D]`` and greedy ``target_tokens``
     (:meth:`dflash.target.TargetModel.forward_features`, as the target workers compute them);
     anchors = every position ``p`` with ``loss_mask[p] & loss_mask[p+1]``
-    (:func:`dflash.objective.valid_anchor_mask`); labels and slot validity from
-    :func:`dflash.objective.build_block_labels`; τ per block from
+    (:func:`dflash.objective.valid_anchor_mask`), or those of ``anchors`` that are valid; labels
+    and slot validity from :func:`dflash.objective.build_block_labels`; τ per block from
     :func:`dflash.objective.acceptance_lengths` on the argmax of ``lm_head(hidden)``.
 
     Args:
@@ -509,10 +224,16 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
         conversations: ``(input_ids [S] int64, loss_mask [S] bool)`` each.
         labels: ``target`` (the target's greedy tokens, training's default) or ``data``.
         anchors_per_chunk: anchors per drafter forward.
+        anchors: per sequence, the anchor positions to use (``None`` = every valid one).
 
     Returns:
         :class:`OfflineTau`.
+
+    Raises:
+        ValueError: ``anchors`` has a different length than ``conversations``.
     """
+    if anchors is not None and len(anchors) != len(conversations):
+        raise ValueError(f"anchors: {len(anchors)} lists for {len(conversations)} conversations")
     drafter.eval()
     device = target.device
     b = int(drafter.block_size)
@@ -520,32 +241,47 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
     all_tau: list[Tensor] = []
     first_tau: list[Tensor] = []
     per_conv: list[float] = []
-    for ids, mask in conversations:
+    for c, (ids, mask) in enumerate(conversations):
         s = ids.numel()
         ids_r = ids.to(device).view(1, s)
         mask_r = mask.to(device).bool().view(1, s)
         pos = torch.arange(s, device=device).view(1, s)
         doc = torch.ones(1, s, dtype=torch.int32, device=device)
         feats, tgt_tokens = target.forward_features(ids_r, pos, doc)
-        anchor_pos = torch.nonzero(valid_anchor_mask(mask_r, doc)[0]).flatten()
+        valid = valid_anchor_mask(mask_r, doc)[0]
+        if anchors is not None:
+            chosen = torch.zeros_like(valid)
+            wanted = torch.tensor([a for a in anchors[c] if 0 <= a < s], dtype=torch.long, device=device)
+            chosen[wanted] = True
+            valid = valid & chosen
+        anchor_pos = torch.nonzero(valid).flatten()
         taus = []
         for chunk in torch.split(anchor_pos, anchors_per_chunk):
             anc = chunk.view(1, -1)
             keep = torch.ones_like(anc, dtype=torch.bool)
-            lab, valid = build_block_labels(ids_r, tgt_tokens, mask_r, doc, anc, keep, b, labels)
-            hidden = _drafter_hidden(drafter, feats, ids_r, pos, doc, anc, keep)  # [1, A, B, D]
+            lab, ok = build_block_labels(ids_r, tgt_tokens, mask_r, doc, anc, keep, b, labels)
+            hidden = drafter_hidden(drafter, feats, ids_r, pos, doc, anc, keep)  # [1, A, B, D]
             pred = head(hidden[:, :, 1:].to(head.weight.dtype)).argmax(dim=-1)  # [1, A, B-1]
             correct = torch.cat([lab[:, :, :1], pred], dim=2) == lab
-            taus.append(acceptance_lengths(correct, valid)[0].cpu())
+            taus.append(acceptance_lengths(correct, ok)[0].cpu())
         tau = torch.cat(taus) if taus else torch.zeros(0)
         all_tau.append(tau)
         first_tau.append(tau[anchor_pos.cpu() < _first_turn_end(mask_r[0].cpu())])
         per_conv.append(float(tau.mean()) if tau.numel() else float("nan"))
     joined = torch.cat(all_tau) if all_tau else torch.zeros(0)
     first = torch.cat(first_tau) if first_tau else torch.zeros(0)
+    per_position = [float((joined - 1 >= k).float().mean()) if joined.numel() else float("nan")
+                    for k in range(1, b)]
     return OfflineTau(tau=float(joined.mean()) if joined.numel() else float("nan"), blocks=int(joined.numel()),
                       first_turn_tau=float(first.mean()) if first.numel() else float("nan"),
-                      first_turn_blocks=int(first.numel()), per_conversation=per_conv)
+                      first_turn_blocks=int(first.numel()), per_conversation=per_conv, per_position=per_position)
+
+
+def measured_per_position(accepted: Sequence[int], block_size: int) -> list[float]:
+    """``[B − 1]``: the fraction of verification passes that accepted block position ``k``
+    (``m ≥ k``, i.e. ``m + 1 > k``), ``k = 1 … B−1``; ``nan`` without passes."""
+    n = len(accepted)
+    return [sum(a - 1 >= k for a in accepted) / n if n else float("nan") for k in range(1, block_size)]
 
 
 # --------------------------------------------------------------------------- prompts
@@ -571,17 +307,23 @@ class PromptCase:
     loss_mask: Tensor
 
 
-def prompts_from_corpus(corpus: Any, count: int, max_prompt_tokens: Optional[int] = None) -> list[PromptCase]:
+def prompts_from_corpus(corpus: Any, count: int, max_prompt_tokens: Optional[int] = None,
+                        tokenizer: Any = None) -> list[PromptCase]:
     """The first ``count`` conversations of ``corpus`` whose prompt has at most ``max_prompt_tokens`` tokens.
 
     Args:
         corpus: a :class:`dflash.data.TokenizedCorpus` (e.g. ``prepare_data(cfg, tok).heldout``).
         count: prompts wanted.
         max_prompt_tokens: skip longer prompts (``None`` = no limit).
+        tokenizer: when given, skip prompts that do not end a user turn: a conversation that
+            starts with the assistant has as its prompt only the template's system prompt and
+            assistant header (:func:`user_turn_header` finds no user turn in it).
 
     Returns:
         up to ``count`` :class:`PromptCase` in corpus order (fewer when the corpus runs out).
     """
+    header = user_turn_header(tokenizer) if tokenizer is not None else None
+    skipped = 0
     out: list[PromptCase] = []
     for i in range(len(corpus)):
         if len(out) >= count:
@@ -593,9 +335,39 @@ def prompts_from_corpus(corpus: Any, count: int, max_prompt_tokens: Optional[int
         p = int(first[0])
         if max_prompt_tokens is not None and p > max_prompt_tokens:
             continue
+        if header is not None and header not in tokenizer.decode(ids[:p].tolist(), skip_special_tokens=False):
+            skipped += 1
+            continue
         out.append(PromptCase(index=i, source_row=corpus.source_row(i), prompt_ids=ids[:p].clone(),
                               input_ids=ids, loss_mask=mask))
+    if skipped:
+        log.info("skipped %d held-out conversations whose prompt holds no user turn (assistant-first)", skipped)
     return out
+
+
+#: Content that no template rewrites, used to find where a turn's content goes.
+_MARKER = "DFLASHMARKERq7Z"
+
+
+def user_turn_header(tokenizer: Any) -> Optional[str]:
+    """The text the chat template puts before a user turn's content (ChatML: ``<|im_start|>user\\n``).
+
+    Found by rendering ``[system, user]`` and ``[system]`` and taking what the user turn adds
+    before its content. ``None`` when the tokenizer has no chat template or the rendering does not
+    have that shape (then no prompt is skipped).
+    """
+    try:
+        system = [{"role": "system", "content": _MARKER + "S"}]
+        both = tokenizer.apply_chat_template(system + [{"role": "user", "content": _MARKER}], tokenize=False)
+        alone = tokenizer.apply_chat_template(system, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - any template failure means "cannot tell"
+        log.warning("no user-turn filter for prompts: the chat template failed (%s)", exc)
+        return None
+    head = both.rsplit(_MARKER, 1)[0]
+    if not head.startswith(alone) or len(head) == len(alone):
+        log.warning("no user-turn filter for prompts: unexpected chat template rendering")
+        return None
+    return head[len(alone):]
 
 
 def stop_token_ids(tokenizer: Any, model: Optional[nn.Module] = None) -> list[int]:
@@ -683,13 +455,213 @@ def checkpoint_step(drafter_dir: Path) -> Optional[int]:
         return None
 
 
+
+
+# --------------------------------------------------------------------------- the check
+
+
+class _Progress:
+    """Tokens decoded so far: a live tqdm line on a terminal, a log line every ``PROGRESS_LOG_S`` otherwise."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        from tqdm import tqdm
+
+        self.live = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False) if self.live else None
+        self.total, self.done, self.desc = total, 0, desc
+        self.last = time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif time.monotonic() - self.last >= PROGRESS_LOG_S:
+            self.last = time.monotonic()
+            log.info("%s: %d/%d tokens", self.desc, self.done, self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _pooled(gens: Sequence[Generation], batch: int) -> dict[str, float]:
+    """Tokens/s and time split over prompts decoded ``batch`` at a time (a batch's time counted once)."""
+    tokens = sum(len(g.tokens) for g in gens)
+    groups = _batches(list(gens), batch)
+    seconds = sum(grp[0].seconds for grp in groups)
+    draft = sum(grp[0].draft_seconds for grp in groups)
+    verify = sum(grp[0].verify_seconds for grp in groups)
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds if seconds else float("nan"),
+            "draft_s": draft, "verify_s": verify, "host_s": max(0.0, seconds - draft - verify)}
+
+
+@torch.no_grad()
+def decode_report(target: Any, drafter: nn.Module, cases: Sequence["PromptCase"], *, max_new_tokens: int,
+                  stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
+                  labels: str = "target") -> dict[str, Any]:
+    """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
+
+    Args:
+        target: :class:`dflash.target.TargetModel` (its ``layer_ids`` are the drafter's).
+        drafter: :class:`dflash.model.DFlashDraftModel`.
+        cases: held-out prompts (:func:`prompts_from_corpus`).
+        max_new_tokens / stop_ids: per prompt.
+        batch: prompts decoded together.
+        compile: CUDA graphs (``None`` = on CUDA).
+        offline: also compute the offline τ values (dataset, own continuation, replay).
+        labels: offline τ labels on the dataset conversations (training's ``drafter.labels``).
+
+    Returns:
+        ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
+        speedup, time split, the first difference and its margins, per-position acceptance.
+    """
+    b_sz = int(drafter.block_size)
+    dtype = target.dtype
+    longest = max(c.prompt_ids.numel() for c in cases)
+    max_len = longest + max(max_new_tokens, WARMUP_TOKENS) + b_sz + 1
+    max_len = -(-max_len // 64) * 64
+    gen = Generator(target.model, target.layer_ids, max_len, batch_size=batch, drafter=drafter, compile=compile)
+    warm = [c.prompt_ids for c in cases[:batch]]
+    t0 = time.perf_counter()
+    gen.greedy(warm, WARMUP_TOKENS, stop_ids)
+    gen.speculative(warm, WARMUP_TOKENS, stop_ids)
+    warmup_s = time.perf_counter() - t0
+    log.info("warm-up (%s) %.1f s", "compile + graph capture" if gen.compiled else "eager", warmup_s)
+
+    prompts = [c.prompt_ids for c in cases]
+    base: list[Generation] = []
+    spec: list[Generation] = []
+    bar = _Progress(2 * len(cases) * max_new_tokens, "decoding")
+    for group in _batches(prompts, batch):
+        base += gen.greedy(group, max_new_tokens, stop_ids, progress=bar)
+    for group in _batches(prompts, batch):
+        spec += gen.speculative(group, max_new_tokens, stop_ids, progress=bar)
+    bar.close()
+
+    rows: list[dict[str, Any]] = []
+    for case, t, s in zip(cases, base, spec):
+        diff = first_difference(s, t, gen.num_layers, dtype)
+        rows.append({"index": case.index, "source_row": case.source_row, "prompt_tokens": case.prompt_ids.numel(),
+                     "new_tokens": len(s.tokens), "result": "identical" if diff is None else
+                     ("tie" if diff.tie else "FAIL"), "difference": None if diff is None else vars(diff),
+                     "tau": s.tau, "steps": s.steps, "accepted": s.accepted, "anchors": s.anchors,
+                     "spec_tok_s": s.tokens_per_s, "target_tok_s": t.tokens_per_s,
+                     "spec_s": s.seconds, "target_s": t.seconds, "draft_s": s.draft_seconds,
+                     "verify_s": s.verify_seconds, "target_tokens": t.tokens})
+        if diff is not None:
+            (log.warning if diff.tie else log.error)(
+                "prompt %d: speculative output differs from target-only greedy at token %d (%d vs %d): margins "
+                "z1-z2 %.4f (speculative) / %.4f (target-only), tie bound %.4f: %s", case.index, diff.position,
+                diff.spec_token, diff.target_token, diff.spec_margin, diff.target_margin, diff.bound,
+                "a numerical tie" if diff.tie else "NOT a tie")
+
+    all_accepted = [a for s in spec for a in s.accepted]
+    steps = len(all_accepted)
+    tau = sum(all_accepted) / steps if steps else float("nan")
+    ps, pt = _pooled(spec, batch), _pooled(base, batch)
+    summary: dict[str, Any] = {
+        "prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": b_sz, "batch": batch,
+        "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "device": str(gen.device),
+        "identical": sum(r["result"] == "identical" for r in rows), "ties": sum(r["result"] == "tie" for r in rows),
+        "failures": sum(r["result"] == "FAIL" for r in rows),
+        "tau": tau, "verification_steps": steps, "new_tokens": ps["tokens"],
+        "spec_tok_s": ps["tok_s"], "target_tok_s": pt["tok_s"],
+        "speedup": pt["seconds"] / ps["seconds"] if ps["seconds"] else float("nan"),
+        "spec_s": ps["seconds"], "target_s": pt["seconds"], "draft_s": ps["draft_s"], "verify_s": ps["verify_s"],
+        "host_s": ps["host_s"], "warmup_s": warmup_s,
+        "per_position_measured": measured_per_position(all_accepted, b_sz)}
+    if offline:
+        data = offline_tau(target, drafter, [(c.input_ids, c.loss_mask) for c in cases], labels=labels)
+        own_convs = []
+        for c, t in zip(cases, base):
+            p = c.prompt_ids.numel()
+            ids = torch.cat([c.prompt_ids, torch.tensor(t.tokens, dtype=torch.long)])
+            mask = torch.zeros(ids.numel(), dtype=torch.bool)
+            mask[p:] = True
+            own_convs.append((ids, mask))
+        own = offline_tau(target, drafter, own_convs, labels="target")
+        spec_convs = []
+        for c, s in zip(cases, spec):
+            ids = torch.cat([c.prompt_ids, torch.tensor(s.tokens, dtype=torch.long)])
+            mask = torch.zeros(ids.numel(), dtype=torch.bool)
+            mask[c.prompt_ids.numel():] = True
+            spec_convs.append((ids, mask))
+        replay = offline_tau(target, drafter, spec_convs, labels="target", anchors=[s.anchors for s in spec])
+        for row, d, o, r in zip(rows, data.per_conversation, own.per_conversation, replay.per_conversation):
+            row.update(offline_tau_dataset=d, offline_tau_own=o, offline_tau_replay=r)
+        summary.update(offline_tau_dataset=data.tau, offline_tau_dataset_first_turn=data.first_turn_tau,
+                       offline_tau_own=own.tau, offline_tau_replay=replay.tau, offline_blocks_own=own.blocks,
+                       offline_blocks_replay=replay.blocks, per_position_offline_own=own.per_position,
+                       per_position_offline_replay=replay.per_position,
+                       per_position_offline_dataset=data.per_position,
+                       measured_over_offline_own=tau / own.tau if own.tau else float("nan"))
+    return {"summary": summary, "prompts": rows}
+
+
+def _fmt(x: Optional[float], digits: int = 2) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def format_report(report: dict[str, Any], show_text: bool = False) -> str:
+    """The report of :func:`decode_report` as text: a row per prompt, pooled lines, per-position acceptance."""
+    s, rows = report["summary"], report["prompts"]
+    lines = [f"{s['prompts']} held-out prompts, max {s['max_new_tokens']} new tokens, B={s['block_size']}, "
+             f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}",
+             "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
+    lines.append(f"{'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'result':>9} {'tau':>5} {'steps':>5} "
+                 f"{'spec tok/s':>10} {'target tok/s':>12} {'off own':>7} {'replay':>7} {'off data':>8}")
+    for r in rows:
+        lines.append(f"{r['index']:>6} {r['source_row']:>6} {r['prompt_tokens']:>4} {r['new_tokens']:>4} "
+                     f"{r['result']:>9} {_fmt(r['tau']):>5} {r['steps']:>5} {_fmt(r['spec_tok_s'], 1):>10} "
+                     f"{_fmt(r['target_tok_s'], 1):>12} {_fmt(r.get('offline_tau_own')):>7} "
+                     f"{_fmt(r.get('offline_tau_replay')):>7} {_fmt(r.get('offline_tau_dataset')):>8}")
+        d = r["difference"]
+        if d is not None:
+            lines.append(f"       differs at token {d['position']}: {d['spec_token']} vs {d['target_token']}, "
+                         f"margin {_fmt(d['spec_margin'], 4)} / {_fmt(d['target_margin'], 4)} "
+                         f"(tie bound {_fmt(d['bound'], 4)})")
+        if show_text and "text" in r:
+            lines.append(f"       {r['text']!r}")
+    lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
+                  f"{s['failures']} FAIL (of {s['prompts']})",
+              f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes, "
+              f"{s['new_tokens']} tokens",
+              f"tokens/s: speculative {_fmt(s['spec_tok_s'], 1)}, target-only {_fmt(s['target_tok_s'], 1)} "
+              f"(speedup {_fmt(s['speedup'], 2)}x)",
+              f"speculative time: {_fmt(s['spec_s'], 3)} s = draft {_fmt(s['draft_s'], 3)} + verify "
+              f"{_fmt(s['verify_s'], 3)} + host {_fmt(s['host_s'], 3)}"]
+    if "offline_tau_own" in s:
+        lines += [f"offline tau: target's own continuation {_fmt(s['offline_tau_own'], 3)} "
+                  f"({s['offline_blocks_own']} blocks, every anchor); at decoding's anchors (replay) "
+                  f"{_fmt(s['offline_tau_replay'], 3)} ({s['offline_blocks_replay']} blocks); dataset conversations "
+                  f"{_fmt(s['offline_tau_dataset'], 3)} (first turn {_fmt(s['offline_tau_dataset_first_turn'], 3)}); "
+                  f"measured / own = {_fmt(s['measured_over_offline_own'], 3)}"]
+    if "offline_tau_training_eval" in s and s["offline_tau_training_eval"] is not None:
+        lines.append(f"offline tau, training eval (step {s['training_eval_step']}): "
+                     f"{_fmt(s['offline_tau_training_eval'], 3)}")
+    lines += ["", "acceptance per block position k (fraction of passes / blocks with m >= k):",
+              f"{'k':>3} {'decoding':>9} {'replay':>7} {'own':>7} {'dataset':>7}"]
+    for k, meas in enumerate(s["per_position_measured"], start=1):
+        extra = ""
+        if "per_position_offline_own" in s:
+            extra = (f" {_fmt(s['per_position_offline_replay'][k - 1], 3):>7} "
+                     f"{_fmt(s['per_position_offline_own'][k - 1], 3):>7} "
+                     f"{_fmt(s['per_position_offline_dataset'][k - 1], 3):>7}")
+        lines.append(f"{k:>3} {_fmt(meas, 3):>9}{extra}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
 def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.speculative",
                                 description="Lossless speculative decoding with a trained DFlash drafter on "
-                                            "held-out prompts: identical output, measured and offline tau, tokens/s.")
+                                            "held-out prompts: output check, measured and offline tau, tokens/s.")
     p.add_argument("--checkpoint", required=True,
                    help="runs/<name>/checkpoints/step-XXXXXXXX (or a drafter directory)")
     p.add_argument("--config", default=None,
@@ -700,23 +672,32 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="skip longer prompts (default: data.max_length - max_new_tokens, so decoding stays "
                         "within the trained length)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: the config's cluster.device)")
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="CUDA graphs for the decoding steps (auto = on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--no-offline", action="store_true", help="skip the offline tau of the same conversations")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--show-text", action="store_true", help="print each decoded response")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("prompts", "max_new_tokens", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    return args
 
 
-def _fmt(x: float, digits: int = 2) -> str:
-    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+def compile_flag(value: str) -> Optional[bool]:
+    """``auto`` / ``on`` / ``off`` → ``None`` / ``True`` / ``False``."""
+    return {"auto": None, "on": True, "off": False}[value]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """The CLI: decode held-out prompts both ways and print the report.
 
     Returns:
-        0 when every speculative output equals the target-only output, else 1.
+        0 when every speculative output is identical to target-only greedy or differs only at a
+        numerical tie (:func:`tie_bound`), 1 otherwise, 2 when there is no usable prompt.
     """
     from dflash.config import load_config
     from dflash.data import prepare_data
@@ -750,9 +731,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     max_prompt = args.max_prompt_tokens
     if max_prompt is None:
         max_prompt = max(1, cfg.data.max_length - args.max_new_tokens)
-    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, args.prompts, max_prompt)
+    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, args.prompts, max_prompt, tokenizer=tokenizer)
     if not cases:
-        log.error("no held-out prompt of at most %d tokens", max_prompt)
+        log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt)
         return 2
     if len(cases) < args.prompts:
         log.warning("only %d held-out prompts of at most %d tokens", len(cases), max_prompt)
@@ -760,88 +741,22 @@ def main(argv: Optional[list[str]] = None) -> int:
              "%d torch threads", drafter_dir, dcfg.block_size, dcfg.target_layer_ids,
              dcfg.mask_token_id, len(cases),
              args.max_new_tokens, stops, torch.get_num_threads())
-
-    proposer = DFlashProposer(drafter)
-    warm = cases[0].prompt_ids
-    greedy_decode(target.model, warm, WARMUP_TOKENS, stops)
-    speculative_decode(target.model, dcfg.target_layer_ids, proposer, warm, WARMUP_TOKENS, stops)
-
-    rows = []
-    for case in cases:
-        base = greedy_decode(target.model, case.prompt_ids, args.max_new_tokens, stops)
-        spec = speculative_decode(target.model, dcfg.target_layer_ids, proposer, case.prompt_ids,
-                                  args.max_new_tokens, stops)
-        same = spec.tokens == base.tokens
-        rows.append({"index": case.index, "source_row": case.source_row, "prompt_tokens": case.prompt_ids.numel(),
-                     "new_tokens": len(spec.tokens), "identical": same, "tau": spec.tau, "steps": spec.steps,
-                     "accepted": spec.accepted, "spec_s": spec.seconds, "target_s": base.seconds,
-                     "spec_tok_s": spec.tokens_per_s, "target_tok_s": base.tokens_per_s,
-                     "draft_s": spec.draft_seconds, "verify_s": spec.verify_seconds})
-        if not same:
-            diverge = next((i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b),
-                           min(len(spec.tokens), len(base.tokens)))
-            log.error("prompt %d: speculative output differs from target-only greedy at token %d", case.index,
-                      diverge)
-        if args.show_text:
-            rows[-1]["text"] = tokenizer.decode(base.tokens)
-
-    offline = None
-    if not args.no_offline:
-        offline = offline_tau(target, drafter, [(c.input_ids, c.loss_mask) for c in cases],
-                              labels=cfg.drafter.labels)
-        for row, t in zip(rows, offline.per_conversation):
-            row["offline_tau"] = t
+    report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,
+                           batch=args.batch, compile=compile_flag(args.compile), offline=not args.no_offline,
+                           labels=cfg.drafter.labels)
     step = checkpoint_step(drafter_dir)
     trained = last_eval_tau(run_dir, max_step=step)
-
-    steps = sum(r["steps"] for r in rows)
-    tau = sum(sum(r["accepted"]) for r in rows) / steps if steps else float("nan")
-    tokens = sum(r["new_tokens"] for r in rows)
-    spec_s = sum(r["spec_s"] for r in rows)
-    base_s = sum(r["target_s"] for r in rows)
-    summary = {"checkpoint": str(args.checkpoint), "checkpoint_step": step, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
-               "block_size": dcfg.block_size, "identical_all": all(r["identical"] for r in rows),
-               "tau": tau, "verification_steps": steps, "new_tokens": tokens,
-               "spec_tok_s": tokens / spec_s if spec_s else float("nan"),
-               "target_tok_s": tokens / base_s if base_s else float("nan"),
-               "speedup": base_s / spec_s if spec_s else float("nan"),
-               "offline_tau_same_conversations": offline.tau if offline else None,
-               "offline_tau_first_turn": offline.first_turn_tau if offline else None,
-               "offline_tau_training_eval": trained[1] if trained else None,
-               "training_eval_step": trained[0] if trained else None,
-               "device": str(device), "threads": torch.get_num_threads()}
-    if trained:
-        summary["measured_over_training_eval"] = tau / trained[1]
-    if offline:
-        summary["measured_over_offline_same"] = tau / offline.tau
-
-    print(f"\nSpeculative decoding: {drafter_dir} (B={dcfg.block_size}), {len(rows)} held-out prompts, "
-          f"max {args.max_new_tokens} new tokens, {device}, {torch.get_num_threads()} threads")
-    print("tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)\n")
-    head = (f"{'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'same':>4} {'tau':>5} {'steps':>5} "
-            f"{'spec tok/s':>10} {'target tok/s':>12} {'offline tau':>11}")
-    print(head)
-    for r in rows:
-        print(f"{r['index']:>6} {r['source_row']:>6} {r['prompt_tokens']:>4} {r['new_tokens']:>4} "
-              f"{'yes' if r['identical'] else 'NO':>4} {_fmt(r['tau']):>5} {r['steps']:>5} "
-              f"{_fmt(r['spec_tok_s'], 1):>10} {_fmt(r['target_tok_s'], 1):>12} "
-              f"{_fmt(r.get('offline_tau', float('nan'))):>11}")
-        if args.show_text:
-            print(f"       {r['text']!r}")
-    print(f"\nidentical outputs: {sum(r['identical'] for r in rows)}/{len(rows)}")
-    print(f"measured tau: {_fmt(tau, 3)} over {steps} verification passes, {tokens} tokens")
-    print(f"tokens/s: speculative {_fmt(summary['spec_tok_s'], 1)}, target-only {_fmt(summary['target_tok_s'], 1)}"
-          f" (speedup {_fmt(summary['speedup'], 2)}x)")
-    if offline:
-        print(f"offline tau, same conversations (all anchors): {_fmt(offline.tau, 3)} over {offline.blocks} blocks;"
-              f" first assistant turn: {_fmt(offline.first_turn_tau, 3)} over {offline.first_turn_blocks} blocks;"
-              f" measured / offline = {_fmt(summary['measured_over_offline_same'], 3)}")
-    if trained:
-        print(f"offline tau, training eval (step {trained[0]}, metrics.jsonl): {_fmt(trained[1], 3)};"
-              f" measured / training eval = {_fmt(summary['measured_over_training_eval'], 3)}")
+    report["summary"].update(checkpoint=str(args.checkpoint), checkpoint_step=step,
+                             offline_tau_training_eval=trained[1] if trained else None,
+                             training_eval_step=trained[0] if trained else None, threads=torch.get_num_threads())
+    if args.show_text:
+        for row in report["prompts"]:
+            row["text"] = tokenizer.decode(row["target_tokens"])
+    print(f"\nSpeculative decoding: {drafter_dir}")
+    print(format_report(report, show_text=args.show_text))
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "prompts": rows}, indent=1))
-    return 0 if summary["identical_all"] else 1
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 1 if report["summary"]["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 #
 #   bash scripts/gpu_runbook.sh BUDGET_S STEP [STEP ...]
 #
-# STEP is one of: gpu_tests (every test marked gpu), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu.
+# STEP is one of: gpu_tests (every test marked gpu), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu,
+# decode_speed (random SmolLM2-shaped decoding speed), decode (scripts/decode_bench.py: DECODE_TARGET = SmolLM2 HF dir,
+# DECODE_CHECKPOINT = drafter checkpoint or unset for a random drafter, DECODE_DATA = the ShareGPT file).
 # Each step runs under `timeout` (its own limit, cut to what is left of BUDGET_S), writes into
 # /tmp/gpu-res/STEP/, and after every step everything so far is packed into $OUT/results.tgz
 # (one file: the device returns at most 8) with a one-line status per step in $OUT/steps.txt.
@@ -56,6 +58,10 @@ for step in "$@"; do
     deep_target) run_step deep_target 190 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r2 --warm-steps 5 \
                 --budget-s 175 train.max_steps=30 checkpoint.every=0 "target.arch_overrides={num_hidden_layers: 12}" $G ;;
     threaded) run_step threaded 200 $PY benchmarks/bench_pipeline.py --mode threaded --steps 12 --timeout-s 185 $G ;;
+    decode_speed) run_step decode_speed 300 $PY scripts/decode_speed.py --out "$res/decode_speed" ;;
+    decode) run_step decode 540 $PY scripts/decode_bench.py --target "${DECODE_TARGET:?set DECODE_TARGET to the SmolLM2 HF dir}" \
+                ${DECODE_CHECKPOINT:+--checkpoint "$DECODE_CHECKPOINT"} --out "$res/decode" \
+                ${DECODE_DATA:+data.dataset="$DECODE_DATA"} ;;
     checkpoints) run_step checkpoints 200 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r3 --warm-steps 5 \
                 --budget-s 185 train.max_steps=30 checkpoint.every=10 $G ;;
     single_gpu) run_step single_gpu 200 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r4 --warm-steps 5 \

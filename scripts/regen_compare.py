@@ -18,7 +18,7 @@
 4. Held-out τ, labels = the target's greedy tokens, every valid anchor (``--eval-anchors`` per row):
    on the *regenerated* held-out conversations (the target's own responses: what speculative
    decoding sees) and, for reference, on the raw held-out ones. Then real greedy speculative
-   decoding (:func:`dflash.speculative.speculative_decode`) on the first ``--spec-prompts`` held-out
+   decoding (:meth:`dflash.generation.Generator.speculative`) on the first ``--spec-prompts`` held-out
    prompts: τ = tokens per target verification pass.
 
 Results: ``OUT/results.json`` (one entry per drafter, written as each finishes; a rerun with the
@@ -47,7 +47,8 @@ from dflash.factory import DataPlans, build_batch_plans, pad_token_id
 from dflash.logs import setup_logging
 from dflash.reference import evaluate_heldout, run_reference
 from dflash.regenerate import iter_source
-from dflash.speculative import DFlashProposer, prompts_from_corpus, speculative_decode, stop_token_ids
+from dflash.generation import Generator
+from dflash.speculative import prompts_from_corpus, stop_token_ids
 from dflash.target import load_target
 from dflash.tokenizer import load_tokenizer
 
@@ -215,12 +216,13 @@ def main(argv=None) -> int:
                 ev = evaluate_heldout(trainer, target, ep, None, torch.device("cpu"))
                 entry[name] = {k.split("/")[1]: round(v, 4) if isinstance(v, float) else v for k, v in ev.items()}
             if cases:
-                proposer = DFlashProposer(res.model)
+                longest = max(c.prompt_ids.numel() for c in cases)
+                gen = Generator(target.model, target.layer_ids, longest + args.spec_new_tokens + res.model.block_size + 1,
+                                drafter=res.model)
                 passes = added = 0
                 t1 = time.perf_counter()
                 for case in cases:
-                    spec = speculative_decode(target.model, target.layer_ids, proposer, case.prompt_ids,
-                                              args.spec_new_tokens, stops)
+                    spec = gen.speculative([case.prompt_ids], args.spec_new_tokens, stops)[0]
                     passes += spec.steps
                     added += sum(spec.accepted)
                 entry["speculative"] = {"prompts": len(cases), "max_new_tokens": args.spec_new_tokens,

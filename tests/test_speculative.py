@@ -1,13 +1,14 @@
-"""Speculative decoding with a DFlash drafter (dflash/speculative.py): lossless, τ, features, offline τ.
+"""Decoding over the static cache (dflash/generation.py) and the speculative check (dflash/speculative.py).
 
 The oracle is :func:`naive_greedy_decode`: a full target forward over the whole sequence for every
-token (no KV cache, no features). Targets are tiny random llamas; the drafter is either fresh,
-briefly trained on the target's own greedy continuations (so that it is sometimes right), or a
-scripted proposer that knows the oracle's output and is right for a chosen number of slots.
+token (no KV cache, no features). Targets are tiny random llamas in fp32; the drafter is either
+fresh, briefly trained on the target's own greedy continuations (so that it is sometimes right), or
+a scripted proposer that knows the oracle's output and is right for a chosen number of slots.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from typing import Callable
@@ -16,18 +17,17 @@ import pytest
 import torch
 
 from dflash.config import DrafterConfig, TargetConfig, TrainConfig
+from dflash.generation import Generation, Generator, naive_greedy_decode
 from dflash.model import DFlashConfig, DFlashDraftModel
 from dflash.speculative import (
-    CachedTarget,
-    DFlashProposer,
-    greedy_decode,
-    naive_greedy_decode,
+    checkpoint_step,
+    first_difference,
+    last_eval_tau,
+    measured_per_position,
     offline_tau,
     prompts_from_corpus,
-    checkpoint_step,
-    last_eval_tau,
     resolve_checkpoint,
-    speculative_decode,
+    tie_bound,
 )
 from dflash.target import TargetModel, load_target
 from dflash.trainer import DrafterTrainer
@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = 512          # tiny-llama
 MAX_NEW = 40
 MAX_B = 8
+MAX_LEN = 256
 TRAIN_ROWS, TRAIN_PROMPT, TRAIN_LEN = 8, 8, 64
 
 
@@ -62,6 +63,15 @@ def make_drafter(target: TargetModel, block_size: int, num_layers: int = 1, seed
     return DFlashDraftModel(cfg, target.embed_tokens, target.lm_head, attention="sdpa").eval()
 
 
+def greedy(target: TargetModel, prompt: torch.Tensor, n: int, stops=()) -> list[int]:
+    return Generator(target.model, [], MAX_LEN).greedy([prompt], n, stops)[0].tokens
+
+
+def speculative(target: TargetModel, proposer, prompt: torch.Tensor, n: int, stops=(), max_len: int = MAX_LEN
+                ) -> Generation:
+    return Generator(target.model, target.layer_ids, max_len, drafter=proposer).speculative([prompt], n, stops)[0]
+
+
 @pytest.fixture(scope="module")
 def greedy_rows(target: TargetModel) -> dict[str, torch.Tensor]:
     """Rows of [random prompt (8) ; the target's greedy continuation (56)], loss on the continuation."""
@@ -69,7 +79,7 @@ def greedy_rows(target: TargetModel) -> dict[str, torch.Tensor]:
     rows = []
     for _ in range(TRAIN_ROWS):
         prompt = torch.randint(0, VOCAB, (TRAIN_PROMPT,), generator=g)
-        cont = greedy_decode(target.model, prompt, TRAIN_LEN - TRAIN_PROMPT).tokens
+        cont = naive_greedy_decode(target.model, prompt, TRAIN_LEN - TRAIN_PROMPT)
         rows.append(torch.cat([prompt, torch.tensor(cont)]))
     ids = torch.stack(rows)
     mask = torch.zeros_like(ids, dtype=torch.bool)
@@ -107,51 +117,82 @@ def prompts(greedy_rows: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def references(target: TargetModel, prompts: list[torch.Tensor]) -> list[list[int]]:
     """Naive greedy output of every prompt, long enough for any scripted block."""
-    return [naive_greedy_decode(target.model, p, MAX_NEW + MAX_B).tokens for p in prompts]
+    return [naive_greedy_decode(target.model, p, MAX_NEW + MAX_B) for p in prompts]
 
 
 class ScriptedProposer:
-    """Knows the target's greedy continuation; drafts it right for ``right(call)`` leading slots, then wrong."""
+    """Knows each row's greedy continuation; drafts it right for ``right(call)`` leading slots, then wrong."""
 
-    def __init__(self, block_size: int, prompt_len: int, reference: list[int], right: Callable[[int], int]) -> None:
+    def __init__(self, block_size: int, prompt_lens: list[int], references: list[list[int]],
+                 right: Callable[[int], int]) -> None:
         self.block_size = block_size
-        self.prompt_len = prompt_len
-        self.reference = reference
+        self.prompt_lens = prompt_lens
+        self.references = references
         self.right = right
-        self.made_right: list[int] = []
+        self.made_right: list[list[int]] = [[] for _ in prompt_lens]
+        self.calls = 0
 
-    def __call__(self, input_ids: torch.Tensor, context_features: torch.Tensor) -> torch.Tensor:
-        n = input_ids.numel() - 1
-        assert context_features.shape[0] == n
-        truth = [self.reference[n + 1 + j - self.prompt_len] for j in range(self.block_size - 1)]
-        k = min(self.right(len(self.made_right)), self.block_size - 1)
-        self.made_right.append(k)
-        return torch.tensor(truth[:k] + [(t + 1) % VOCAB for t in truth[k:]])
+    def __call__(self, tokens: torch.Tensor, features: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        out = []
+        k = min(self.right(self.calls), self.block_size - 1)
+        self.calls += 1
+        for r in range(tokens.shape[0]):
+            if r >= len(self.prompt_lens):
+                out.append([0] * (self.block_size - 1))
+                continue
+            n = int(anchor[r])
+            ref = self.references[r]
+            truth = [ref[n + 1 + j - self.prompt_lens[r]] if n + 1 + j - self.prompt_lens[r] < len(ref) else 0
+                     for j in range(self.block_size - 1)]
+            self.made_right[r].append(k)
+            out.append(truth[:k] + [(t + 1) % VOCAB for t in truth[k:]])
+        return torch.tensor(out)
 
 
-# --------------------------------------------------------------------------- lossless
+# --------------------------------------------------------------------------- static cache vs the oracle
 
 
-def test_cached_greedy_equals_naive(target, prompts, references):
-    for prompt, ref in zip(prompts, references):
-        assert greedy_decode(target.model, prompt, MAX_NEW).tokens == ref[:MAX_NEW]
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_greedy_equals_naive(target, prompts, references, batch):
+    gen = Generator(target.model, [], MAX_LEN, batch_size=batch)
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        for out, ref in zip(gen.greedy(group, MAX_NEW), references[i:i + batch]):
+            assert out.tokens == ref[:MAX_NEW]
+            assert len(out.top2) == MAX_NEW and all(z1 >= z2 for z1, z2 in out.top2)
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 def test_lossless_with_dflash_drafter(target, prompts, references, trained_drafter, block_size):
     drafter = trained_drafter if block_size == 4 else make_drafter(target, block_size, num_layers=2, seed=block_size)
-    proposer = DFlashProposer(drafter)
     for prompt, ref in zip(prompts, references):
-        res = speculative_decode(target.model, target.layer_ids, proposer, prompt, MAX_NEW)
+        res = speculative(target, drafter, prompt, MAX_NEW)
         assert res.tokens == ref[:MAX_NEW]
         assert res.target_forwards == res.steps + 1 and all(1 <= a <= block_size for a in res.accepted)
         # Every step's m + 1 tokens went into the output, except possibly the last step's.
         assert sum(res.accepted[:-1]) + 1 < MAX_NEW <= sum(res.accepted) + 1
 
 
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_batched_rows_accept_independently(target, prompts, references, block_size):
+    """Four prompts of lengths 8, 8, 1, 150 in one batch, each row with its own random acceptance."""
+    rng = random.Random(block_size)
+    proposer = ScriptedProposer(block_size, [p.numel() for p in prompts], references,
+                                lambda _: rng.randint(0, block_size - 1))
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, batch_size=4, drafter=proposer)
+    outs = gen.speculative(prompts, MAX_NEW)
+    for out, ref in zip(outs, references):
+        assert out.tokens == ref[:MAX_NEW]
+    # A full batch and a partial one (3 prompts in 4 rows) agree with one-row decoding.
+    trained = make_drafter(target, block_size, num_layers=2, seed=1)
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, batch_size=4, drafter=trained)
+    for out, ref in zip(gen.speculative(prompts[1:], MAX_NEW), references[1:]):
+        assert out.tokens == ref[:MAX_NEW]
+
+
 def test_trained_drafter_really_accepts(target, prompts, references, trained_drafter):
     """The real drafter's acceptance path is exercised: it drafts its training rows right often."""
-    res = speculative_decode(target.model, target.layer_ids, DFlashProposer(trained_drafter), prompts[0], MAX_NEW)
+    res = speculative(target, trained_drafter, prompts[0], MAX_NEW)
     assert res.tokens == references[0][:MAX_NEW]
     assert res.tau > 1.5 and max(res.accepted) == 4
 
@@ -160,10 +201,10 @@ def test_trained_drafter_really_accepts(target, prompts, references, trained_dra
 def test_lossless_with_scripted_proposer_random_acceptance(target, prompts, references, block_size):
     rng = random.Random(block_size)
     for prompt, ref in zip(prompts, references):
-        proposer = ScriptedProposer(block_size, prompt.numel(), ref, lambda _: rng.randint(0, block_size - 1))
-        res = speculative_decode(target.model, target.layer_ids, proposer, prompt, MAX_NEW)
+        proposer = ScriptedProposer(block_size, [prompt.numel()], [ref], lambda _: rng.randint(0, block_size - 1))
+        res = speculative(target, proposer, prompt, MAX_NEW)
         assert res.tokens == ref[:MAX_NEW]
-        assert res.accepted == [k + 1 for k in proposer.made_right]
+        assert res.accepted == [k + 1 for k in proposer.made_right[0]]
 
 
 # --------------------------------------------------------------------------- τ by hand
@@ -171,15 +212,17 @@ def test_lossless_with_scripted_proposer_random_acceptance(target, prompts, refe
 
 def test_tau_always_right_is_block_size(target, prompts, references):
     b = 4
-    proposer = ScriptedProposer(b, prompts[0].numel(), references[0], lambda _: b)
-    res = speculative_decode(target.model, target.layer_ids, proposer, prompts[0], 1 + 3 * b)
+    proposer = ScriptedProposer(b, [prompts[0].numel()], [references[0]], lambda _: b)
+    res = speculative(target, proposer, prompts[0], 1 + 3 * b)
     assert res.tokens == references[0][:1 + 3 * b]
     assert res.accepted == [4, 4, 4] and res.tau == 4.0 and res.target_forwards == 4
+    p = prompts[0].numel()
+    assert res.anchors == [p, p + 4, p + 8]
 
 
 def test_tau_always_wrong_is_one(target, prompts, references):
-    proposer = ScriptedProposer(4, prompts[0].numel(), references[0], lambda _: 0)
-    res = speculative_decode(target.model, target.layer_ids, proposer, prompts[0], 9)
+    proposer = ScriptedProposer(4, [prompts[0].numel()], [references[0]], lambda _: 0)
+    res = speculative(target, proposer, prompts[0], 9)
     assert res.tokens == references[0][:9]
     assert res.accepted == [1] * 8 and res.tau == 1.0 and res.target_forwards == 9
 
@@ -187,34 +230,53 @@ def test_tau_always_wrong_is_one(target, prompts, references):
 def test_tau_hand_checked_pattern(target, prompts, references):
     """B = 4, right for 2, 0, 1, 2, 0 slots: the passes add 3, 1, 2, 3, 1 tokens: τ = 10 / 5 = 2."""
     pattern = [2, 0, 1, 2, 0]
-    proposer = ScriptedProposer(4, prompts[1].numel(), references[1], lambda i: pattern[i])
-    res = speculative_decode(target.model, target.layer_ids, proposer, prompts[1], 11)
+    proposer = ScriptedProposer(4, [prompts[1].numel()], [references[1]], lambda i: pattern[i])
+    res = speculative(target, proposer, prompts[1], 11)
     assert res.tokens == references[1][:11]
     assert res.accepted == [3, 1, 2, 3, 1] and res.tau == 2.0
+    assert measured_per_position(res.accepted, 4) == [3 / 5, 2 / 5, 0.0]
 
 
 def test_max_new_tokens_cuts_the_last_block(target, prompts, references):
-    proposer = ScriptedProposer(8, prompts[0].numel(), references[0], lambda _: 8)
-    res = speculative_decode(target.model, target.layer_ids, proposer, prompts[0], 12)
+    proposer = ScriptedProposer(8, [prompts[0].numel()], [references[0]], lambda _: 8)
+    res = speculative(target, proposer, prompts[0], 12)
     assert res.tokens == references[0][:12] and res.accepted == [8, 8]  # 1 + 8 + 3 of 8 kept
-    assert speculative_decode(target.model, target.layer_ids, proposer, prompts[0], 1).tokens == references[0][:1]
-    assert speculative_decode(target.model, target.layer_ids, proposer, prompts[0], 0).tokens == []
+    assert speculative(target, proposer, prompts[0], 1).tokens == references[0][:1]
+    assert speculative(target, proposer, prompts[0], 0).tokens == []
 
 
-def test_stop_token_ends_like_greedy(target, prompts, references):
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_stop_token_inside_a_block_ends_like_greedy(target, prompts, references, block_size):
     ref = references[1]
     first = next(i for i in range(2, MAX_NEW) if ref.index(ref[i]) == i)  # a token's first occurrence
     assert first <= 7
     stop = ref[first]
     want = ref[:first + 1]
-    assert naive_greedy_decode(target.model, prompts[1], MAX_NEW, [stop]).tokens == want
-    assert greedy_decode(target.model, prompts[1], MAX_NEW, [stop]).tokens == want
-    for right in (0, 2, 8):  # the stop token comes as a bonus, or drafted right mid-block
-        proposer = ScriptedProposer(8, prompts[1].numel(), ref, lambda _: right)
-        res = speculative_decode(target.model, target.layer_ids, proposer, prompts[1], MAX_NEW, [stop])
-        assert res.tokens == want
-    proposer = ScriptedProposer(8, prompts[1].numel(), ref, lambda _: 8)
-    assert speculative_decode(target.model, target.layer_ids, proposer, prompts[1], MAX_NEW, [ref[0]]).tokens == ref[:1]
+    assert naive_greedy_decode(target.model, prompts[1], MAX_NEW, [stop]) == want
+    assert greedy(target, prompts[1], MAX_NEW, [stop]) == want
+    for right in (0, 2, block_size):  # the stop token comes as a bonus, or drafted right mid-block
+        proposer = ScriptedProposer(block_size, [prompts[1].numel()], [ref], lambda _: right)
+        assert speculative(target, proposer, prompts[1], MAX_NEW, [stop]).tokens == want
+    proposer = ScriptedProposer(block_size, [prompts[1].numel()], [ref], lambda _: block_size)
+    assert speculative(target, proposer, prompts[1], MAX_NEW, [ref[0]]).tokens == ref[:1]
+    # In a batch, the row that stops early leaves the others running.
+    proposer = ScriptedProposer(block_size, [p.numel() for p in prompts[:2]], references[:2], lambda _: 2)
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, batch_size=2, drafter=proposer)
+    outs = gen.speculative(prompts[:2], MAX_NEW, [stop])
+    other = references[0][:MAX_NEW]
+    cut = next((i for i, t in enumerate(other) if t == stop), None)
+    assert outs[1].tokens == want and outs[0].tokens == (other if cut is None else other[:cut + 1])
+
+
+def test_bad_inputs(target, prompts):
+    with pytest.raises(ValueError, match="max_len"):
+        Generator(target.model, [], MAX_LEN).greedy([prompts[3]], MAX_LEN)
+    with pytest.raises(ValueError, match="batch size"):
+        Generator(target.model, [], MAX_LEN).greedy(prompts[:2], 4)
+    with pytest.raises(ValueError, match="layer_ids"):
+        Generator(target.model, [99], MAX_LEN)
+    with pytest.raises(ValueError, match="drafter"):
+        Generator(target.model, [], MAX_LEN).speculative([prompts[0]], 4)
 
 
 # --------------------------------------------------------------------------- what the drafter sees
@@ -222,19 +284,21 @@ def test_stop_token_ends_like_greedy(target, prompts, references):
 
 def test_context_features_are_the_training_features(target, prompts, trained_drafter):
     """The drafter gets exactly ``forward_features`` of the verified tokens before the anchor."""
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    from dflash.generation import DFlashProposer
+
+    seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
     inner = DFlashProposer(trained_drafter)
 
-    def spy(input_ids: torch.Tensor, context_features: torch.Tensor) -> torch.Tensor:
-        seen.append((input_ids.clone(), context_features.clone()))
-        return inner(input_ids, context_features)
+    def spy(tokens: torch.Tensor, features: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        n = int(anchor[0])
+        seen.append((tokens[0, :n + 1].clone(), features[0, :n].clone(), n))
+        return inner(tokens, features, anchor)
 
     spy.block_size = inner.block_size  # type: ignore[attr-defined]
-    res = speculative_decode(target.model, target.layer_ids, spy, prompts[0], MAX_NEW)
+    res = speculative(target, spy, prompts[0], MAX_NEW)
     full = torch.cat([prompts[0], torch.tensor(res.tokens)])
-    assert len(seen) == res.steps >= 3
-    for ids, ctx in seen:
-        n = ids.numel() - 1
+    assert len(seen) == res.steps >= 3 and [n for _, _, n in seen] == res.anchors
+    for ids, ctx, n in seen:
         assert torch.equal(ids, full[:n + 1])
         feats, _ = target.forward_features(ids[None, :n], torch.arange(n)[None], torch.ones(1, n, dtype=torch.int32))
         assert ctx.shape == (n, len(target.layer_ids) * target.hidden_size)
@@ -261,23 +325,87 @@ def test_proposer_ignores_the_anchor_row_and_sees_the_context(target, trained_dr
     assert (moved - zero_row).abs().max() > 1e-4
 
 
+def test_static_buffer_draft_equals_the_exact_length_draft(target, prompts, trained_drafter):
+    """Drafting over the whole static buffer (what the compiled path does) gives the same drafts as
+    drafting over exactly ``anchor + 1`` positions: stale entries past the anchor are never seen."""
+    from dflash.generation import DFlashProposer
+
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, drafter=trained_drafter)
+    gen.speculative([prompts[0]], 20)  # leaves stale drafts and features past the anchor
+    st = gen.state
+    n = int(st.anchor[0])
+    prop = DFlashProposer(trained_drafter)
+    with torch.no_grad():
+        full = prop(st.tokens, st.features, st.anchor)
+        exact = prop(st.tokens[:, :n + 1], st.features[:, :n + 1], st.anchor)
+        garbage = st.features.clone()
+        garbage[:, n:] = torch.randn_like(garbage[:, n:])
+        tokens = st.tokens.clone()
+        tokens[:, n + 1:] = 7
+        moved = prop(tokens, garbage, st.anchor)
+    assert torch.equal(full, exact) and torch.equal(full, moved)
+
+
 def test_long_context_beyond_training_length(target):
-    """S well past any training length: the drafter still runs and decoding stays lossless."""
+    """A 700-token prompt: the drafter still runs and decoding stays lossless."""
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, VOCAB, (700,), generator=g)
     drafter = make_drafter(target, 4, seed=4)
-    res = speculative_decode(target.model, target.layer_ids, DFlashProposer(drafter), prompt, 6)
-    assert res.tokens == naive_greedy_decode(target.model, prompt, 6).tokens
+    res = speculative(target, drafter, prompt, 6, max_len=720)
+    assert res.tokens == naive_greedy_decode(target.model, prompt, 6)
 
 
-def test_cache_truncate_checks(target):
-    runner = CachedTarget(target.model, target.layer_ids)
-    logits, feats = runner.extend(torch.arange(10))
-    assert logits.shape == (10, VOCAB) and feats.shape == (10, 2 * target.hidden_size)
-    runner.truncate(6)
-    assert runner.length == 6 and runner.cache.get_seq_length() == 6
+# --------------------------------------------------------------------------- the margin rule
+
+
+def test_tie_bound_values():
+    assert tie_bound(20.0, 30, torch.float32) == 0.0
+    assert tie_bound(20.0, 30, torch.bfloat16) == pytest.approx(2 ** -8 * math.sqrt(31) * 20.0)
+    assert tie_bound(-20.0, 30, torch.bfloat16) == tie_bound(20.0, 30, torch.bfloat16)
+    assert tie_bound(0.1, 3, torch.bfloat16) == pytest.approx(2 ** -8 * 2.0)  # |z1| floored at 1
+    assert tie_bound(20.0, 30, torch.float16) == pytest.approx(2 ** -11 * math.sqrt(31) * 20.0)
     with pytest.raises(ValueError):
-        runner.truncate(7)
+        tie_bound(1.0, 0, torch.bfloat16)
+
+
+def _run(tokens: list[int], logits: list[list[float]]) -> Generation:
+    """A run whose top-2 per token comes from constructed logits; checks the tokens are their argmax."""
+    top2 = []
+    for tok, row in zip(tokens, logits):
+        t = torch.tensor(row)
+        assert int(t.argmax()) == tok
+        v = t.topk(2).values.tolist()
+        top2.append((v[0], v[1]))
+    return Generation(tokens=tokens, top2=top2)
+
+
+def test_margin_rule_on_constructed_logits():
+    n_layers = 30
+    bound = tie_bound(20.0, n_layers, torch.bfloat16)  # ≈ 0.436
+    same = [[20.0, 10.0, 0.0]]
+    # Identical outputs: no difference.
+    assert first_difference(_run([0], same), _run([0], same), n_layers, torch.bfloat16) is None
+    # A flip between two logits 0.1 apart in both runs: a tie in bf16, a failure in fp32.
+    spec = _run([0, 1], same + [[1.0, 20.05, 19.95]])
+    base = _run([0, 2], same + [[1.0, 19.95, 20.05]])
+    d = first_difference(spec, base, n_layers, torch.bfloat16)
+    assert d.position == 1 and (d.spec_token, d.target_token) == (1, 2)
+    assert d.spec_margin == pytest.approx(0.1, abs=1e-5) and d.target_margin == pytest.approx(0.1, abs=1e-5)
+    assert d.bound == pytest.approx(tie_bound(20.05, n_layers, torch.bfloat16)) and d.tie
+    assert not first_difference(spec, base, n_layers, torch.float32).tie
+    # One run had a clear winner (margin 2 > bound): not a tie.
+    spec = _run([0, 1], same + [[1.0, 21.0, 19.0]])
+    d = first_difference(spec, base, n_layers, torch.bfloat16)
+    assert d.spec_margin == pytest.approx(2.0) and not d.tie
+    # Just above / below the bound in both runs.
+    for eps, tie in ((-1e-3, True), (1e-3, False)):
+        m = bound + eps
+        spec = _run([0, 1], same + [[0.0, 20.0, 20.0 - m]])
+        base = _run([0, 2], same + [[0.0, 20.0 - m, 20.0]])
+        assert first_difference(spec, base, n_layers, torch.bfloat16).tie is tie
+    # Equal tokens but one run is longer: never a tie.
+    d = first_difference(_run([0], same), _run([0, 0], same * 2), n_layers, torch.bfloat16)
+    assert d.position == 1 and not d.tie
 
 
 # --------------------------------------------------------------------------- offline τ
@@ -319,6 +447,23 @@ def test_offline_tau_equals_a_slow_per_anchor_loop(target, trained_drafter, gree
     assert got.first_turn_tau == pytest.approx(sum(first_taus) / len(first_taus), abs=1e-6)
     assert got.per_conversation == pytest.approx(per_conv, abs=1e-6)
     assert got.tau > 1.5  # the drafter is right often on its training rows: not a trivial τ = 1
+
+
+def test_offline_replay_at_decodings_anchors_equals_measured_tau(target, prompts, trained_drafter):
+    """In fp32 the offline τ at exactly the anchors decoding visited, on the decoded text, is the
+    measured τ (block for block): training's forward and decoding see the same thing."""
+    for prompt in prompts[:3]:
+        res = speculative(target, trained_drafter, prompt, MAX_NEW)
+        p = prompt.numel()
+        ids = torch.cat([prompt, torch.tensor(res.tokens)])
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        mask[p:] = True
+        # The last pass may reach past the decoded text (offline cannot score it): drop it.
+        got = offline_tau(target, trained_drafter, [(ids, mask)], anchors=[res.anchors[:-1]])
+        want = res.accepted[:-1]
+        assert got.blocks == len(want)
+        assert got.tau == pytest.approx(sum(want) / len(want), abs=1e-6)
+        assert got.per_position == pytest.approx(measured_per_position(want, trained_drafter.block_size))
 
 
 # --------------------------------------------------------------------------- prompts, checkpoints
@@ -385,30 +530,57 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     cfg = load_config("configs/smollm2-135m-cpu.yaml")
     target = load_target(cfg.target, "cpu", num_drafter_layers=cfg.drafter.num_layers)
     tok = load_tokenizer(cfg.target)
-    cases = prompts_from_corpus(prepare_data(cfg, tok).heldout, 2, 96)
+    heldout = prepare_data(cfg, tok).heldout
+    cases = prompts_from_corpus(heldout, 2, 96, tokenizer=tok)
     assert len(cases) == 2
     # The prompt is what the chat template renders for the first user turn(s) with a generation prompt.
-    rows = list(read_rows(cfg.data.dataset, limit=cases[0].source_row + 1))
+    rows = list(read_rows(cfg.data.dataset, limit=max(c.source_row for c in cases) + 1))
     messages, _ = normalize_row(rows[cases[0].source_row])
     first_assistant = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    assert any(m["role"] == "user" for m in messages[:first_assistant])
     text = tok.apply_chat_template(messages[:first_assistant], add_generation_prompt=True, tokenize=False)
     assert cases[0].prompt_ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    # Every prompt ends a real user turn; assistant-first conversations are skipped.
+    for case in prompts_from_corpus(heldout, 32, 192, tokenizer=tok):
+        assert "<|im_start|>user\n" in tok.decode(case.prompt_ids.tolist())
+    assistant_first = [c for c in prompts_from_corpus(heldout, 32, 192)
+                       if "<|im_start|>user\n" not in tok.decode(c.prompt_ids.tolist())]
+    assert assistant_first, "the held-out set has assistant-first conversations (the filter is exercised)"
 
     drafter = build_drafter(cfg, target.embed_tokens, target.lm_head, len(tok), torch.device("cpu"), target.config)
     stops = stop_token_ids(tok, target.model)
     assert tok.convert_tokens_to_ids("<|im_end|>") in stops
+    gen = Generator(target.model, target.layer_ids, 128, drafter=drafter)
     for case in cases:
-        want = greedy_decode(target.model, case.prompt_ids, 16, stops).tokens
-        got = speculative_decode(target.model, target.layer_ids, DFlashProposer(drafter), case.prompt_ids, 16, stops)
-        assert got.tokens == want and len(want) >= 2
+        want = gen.greedy([case.prompt_ids], 16, stops)[0].tokens
+        got = gen.speculative([case.prompt_ids], 16, stops)[0].tokens
+        assert got == want and len(want) >= 2
 
     ckpt = save_checkpoint(tmp_path / "run", 1, 0, drafter, {})
     code = main(["--checkpoint", str(ckpt), "--config", "configs/smollm2-135m-cpu.yaml", "--prompts", "2",
                  "--max-new-tokens", "12", "--json", str(tmp_path / "report.json")])
     out = capsys.readouterr().out
-    assert code == 0 and "identical outputs: 2/2" in out
+    assert code == 0 and "outputs: 2 identical, 0 differ at a numerical tie, 0 FAIL (of 2)" in out
     import json
 
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["summary"]["identical_all"] and report["summary"]["tau"] >= 1.0
-    assert report["summary"]["offline_tau_same_conversations"] >= 1.0
+    summary = json.loads((tmp_path / "report.json").read_text())["summary"]
+    assert summary["identical"] == 2 and summary["tau"] >= 1.0
+    assert summary["offline_tau_dataset"] >= 1.0 and summary["offline_tau_own"] >= 1.0
+    assert summary["offline_tau_replay"] >= 1.0 and len(summary["per_position_measured"]) == cfg.drafter.block_size - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_decoding_equals_eager_on_gpu():
+    """fp32 on CUDA: the CUDA-graph steps give the eager steps' tokens, target-only and speculative, batched."""
+    target = load_target(TargetConfig(kind="random", arch="tiny-llama", dtype="float32"), "cuda", num_drafter_layers=2)
+    drafter = make_drafter(target, 4, num_layers=2).cuda()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 17, 40)]
+    outs = {}
+    for compiled in (False, True):
+        gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter, compile=compiled)
+        outs[compiled] = [o.tokens for grp in (prompts[:2], prompts[2:]) for o in gen.greedy(grp, 24)]
+        outs[compiled] += [o.tokens for grp in (prompts[:2], prompts[2:]) for o in gen.speculative(grp, 24)]
+    assert outs[True] == outs[False]
+    assert outs[False][:3] == [naive_greedy_decode(target.model, p, 24) for p in prompts] == outs[False][3:]

@@ -1,0 +1,689 @@
+"""Greedy generation over a static KV cache: target-only decoding and DFlash speculative decoding.
+
+One module serves every decoding caller (the lossless check, the decoding benchmark), in the manner
+of pytorch-labs/gpt-fast ``generate.py``: every buffer has a fixed shape chosen up front, so each
+step function is traced once and, on CUDA, replayed as a CUDA graph
+(``torch.compile(mode="reduce-overhead")``); on CPU the same functions run eagerly.
+
+**State** (:class:`DecodeState`, one row per sequence of the batch, rows independent):
+
+* ``kv``: the target's keys and values ``[b, H_kv, T_max, hd]`` per layer (:class:`StaticKVCache`);
+  slot ``j`` of a row holds position ``j`` of that row's sequence.
+* ``tokens [b, T_max]``: prompt and generated tokens; ``anchor [b]``: position of each row's last
+  token (the *anchor*: the target's latest prediction, not yet run through the target), so the cache
+  holds positions ``0 … anchor − 1``.
+* ``features [b, T_max, L·D]``: the DFlash context features (``hidden_states[id + 1]`` of the
+  target's layers ``layer_ids``, concatenated) of every position the target has run.
+
+Entries past ``anchor`` are stale (rejected drafts) and are never read: the target's attention mask
+hides cache slots beyond each query's position, and the drafter sees context ``j < anchor`` only.
+That is the whole rollback after a partial acceptance: moving ``anchor`` back (vLLM and SGLang
+roll back by slot bookkeeping in the same way).
+
+**Steps.**
+
+* :meth:`Generator.prefill` (eager, once per prompt): the prompt's keys/values, features and the
+  first generated token.
+* target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``.
+* draft (compiled): the drafter's own :meth:`dflash.model.DFlashDraftModel.forward` on the whole
+  static feature buffer (``S = T_max`` on CUDA, ``S = max(anchor) + 1`` on CPU) with
+  ``anchors = anchor``: exactly the training forward (its attention-mask builder decides what the
+  block sees), so what is trained is what drafts. Recomputing the context's projections every step
+  costs ``O(T_max)`` small matmuls, which on a GPU is microseconds for the context lengths here;
+  engines cache the projected context keys/values per drafter layer instead.
+* verify (compiled): the target over ``[anchor token, d_1 … d_{B−1}]`` at ``anchor … anchor+B−1``;
+  the number of accepted drafts ``m`` = leading ``k`` with ``d_{k+1} = g_k``; the block's features
+  are written at ``anchor … anchor+B−1`` (the next draft reads only positions ``≤ anchor + m``,
+  i.e. the anchor and the accepted drafts, all computed on correct tokens); the bonus ``g_m`` is
+  written at ``anchor + m + 1`` and becomes the next anchor.
+
+Every step returns the target's top-2 logits of each position it decoded (fp32), so the lossless
+check can judge a difference between two runs by the target's own margin there.
+
+The target is any transformers decoder with the ``embed_tokens / layers / norm / rotary_emb``
+layout (Llama, Qwen2/3, Mistral; the layout :class:`dflash.target.TargetModel` runs), called layer
+by layer with this module's cache (duck-typed: transformers' attention calls
+``cache.update(k, v, layer_idx, …)`` in every 5.x release). Linear-attention layers (Qwen3.5) are
+not supported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "StaticKVCache",
+    "DecodeState",
+    "Generation",
+    "Proposer",
+    "Generator",
+    "naive_greedy_decode",
+]
+
+log = logging.getLogger(__name__)
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+#: Slots past the last written position kept free: a verify pass writes B positions from the
+#: anchor and the bonus lands at anchor + B.
+SLACK = 1
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Generation:
+    """One prompt's decode.
+
+    Attributes:
+        tokens: generated ids (prompt excluded), ending with the first stop token (kept) or after
+            ``max_new_tokens``.
+        top2: per generated token, the target's two largest logits ``(z1, z2)`` (fp32 of the
+            model-dtype logits) at the forward that produced it.
+        accepted: per verification pass, ``m + 1`` (accepted drafts plus the bonus); empty for
+            target-only decoding.
+        anchors: per verification pass, the anchor's position.
+        target_forwards: target forward passes (prefill included).
+        seconds / draft_seconds / verify_seconds: wall time of the whole decode (the batch's,
+            for batched decoding), and the device time of drafting and of verification, in s.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    top2: list[tuple[float, float]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    anchors: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        """Verification passes."""
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Measured acceptance length ``mean(m + 1)`` over verification passes (``nan`` if none)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+
+# --------------------------------------------------------------------------- the static cache
+
+
+class StaticKVCache:
+    """Keys and values of every target layer in fixed buffers ``[b, H_kv, T_max, hd]``.
+
+    Before each forward the caller sets :attr:`positions` (``[b', T]`` int64, the positions being
+    written) and :attr:`rows` (``None`` = all ``b`` rows, else ``[b']`` int64 row ids);
+    :meth:`update` writes the new keys/values at those slots and returns the layer's whole buffer
+    (rows ``rows``), which attention reads under the caller's mask.
+
+    Args:
+        num_layers, batch, kv_heads, max_len, head_dim: buffer shape.
+        dtype, device: of the buffers (the target's).
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for t in self.keys + self.values:
+            torch._dynamo.mark_static_address(t)
+        self.positions: Optional[Tensor] = None
+        self.rows: Optional[Tensor] = None
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Write ``key/value [b', H_kv, T, hd]`` at :attr:`positions`; return the layer's buffers.
+
+        The signature takes whatever transformers passes after ``layer_idx`` (``cache_kwargs``
+        in early 5.x, ``kwargs=`` later) and ignores it.
+        """
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        pos = self.positions
+        if self.rows is None:
+            rows = torch.arange(k_buf.shape[0], device=pos.device).unsqueeze(1)
+            k_buf[rows, :, pos] = key.transpose(1, 2).to(k_buf.dtype)
+            v_buf[rows, :, pos] = value.transpose(1, 2).to(v_buf.dtype)
+            return k_buf, v_buf
+        rows = self.rows.unsqueeze(1)
+        k_buf[rows, :, pos] = key.transpose(1, 2).to(k_buf.dtype)
+        v_buf[rows, :, pos] = value.transpose(1, 2).to(v_buf.dtype)
+        return k_buf[self.rows], v_buf[self.rows]
+
+
+@dataclass
+class DecodeState:
+    """The per-row decoding buffers (see the module docstring). All on the target's device."""
+
+    kv: StaticKVCache
+    tokens: Tensor      # [b, T_max] int64
+    anchor: Tensor      # [b] int64
+    active: Tensor      # [b] bool: rows still generating (others keep their anchor)
+    features: Tensor    # [b, T_max, L·D] target dtype
+    drafts: Tensor      # [b, B-1] int64 (speculative only; [b, 0] otherwise)
+
+
+# --------------------------------------------------------------------------- drafting
+
+
+class Proposer(Protocol):
+    """Drafts ``B − 1`` tokens per row from the decoding state (a test hook; the DFlash drafter is built in).
+
+    Called as ``proposer(tokens [b, T_max], features [b, T_max, L·D], anchor [b])``: row ``r``'s
+    anchor token is ``tokens[r, anchor[r]]`` and its context features are ``features[r, :anchor[r]]``.
+    Returns ``[b, B − 1]`` int64 drafts for positions ``anchor + 1 … anchor + B − 1``.
+    """
+
+    block_size: int
+
+    def __call__(self, tokens: Tensor, features: Tensor, anchor: Tensor) -> Tensor: ...
+
+
+def _autocast_dtype(dtype: torch.dtype, device: torch.device) -> Optional[torch.dtype]:
+    """bf16/fp16 autocast when the target runs in half precision (as training on a GPU does), else none."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    return None
+
+
+def drafter_hidden(drafter: nn.Module, features: Tensor, input_ids: Tensor, position_ids: Tensor,
+                   doc_ids: Tensor, anchors: Tensor, keep: Tensor) -> Tensor:
+    """:meth:`DFlashDraftModel.forward` under the autocast training used (bf16 on CUDA, none on CPU)."""
+    amp = _autocast_dtype(features.dtype, features.device)
+    if amp is None:
+        param_dtype = next(drafter.parameters()).dtype
+        return drafter(features.to(param_dtype), input_ids, position_ids, doc_ids, anchors, keep)
+    with torch.autocast(features.device.type, dtype=amp):
+        return drafter(features, input_ids, position_ids, doc_ids, anchors, keep)
+
+
+class DFlashProposer:
+    """The DFlash drafter as a :class:`Proposer`: its training forward over the static buffers.
+
+    One row per sequence, ``S`` = the buffer length given (``doc_ids`` all 1, ``position_ids =
+    arange(S)``, ``anchors = anchor[:, None]``, ``keep`` all True); drafts = argmax of
+    ``lm_head(hidden)`` at block positions 1 … B−1 (ties to the lowest id). The drafter's dense
+    SDPA mask is used (``drafter.attention`` is set to ``sdpa``: fixed shapes, no BlockMask).
+
+    Args:
+        drafter: a :class:`dflash.model.DFlashDraftModel`.
+    """
+
+    def __init__(self, drafter: nn.Module) -> None:
+        self.drafter = drafter.eval()
+        self.drafter.attention = "sdpa"
+        self.block_size = int(drafter.block_size)
+
+    def __call__(self, tokens: Tensor, features: Tensor, anchor: Tensor) -> Tensor:
+        b, s = tokens.shape
+        dev = tokens.device
+        pos = torch.arange(s, device=dev).expand(b, s)
+        doc = torch.ones(b, s, dtype=torch.int32, device=dev)
+        keep = torch.ones(b, 1, dtype=torch.bool, device=dev)
+        hidden = drafter_hidden(self.drafter, features, tokens, pos, doc, anchor.view(b, 1), keep)  # [b,1,B,D]
+        head = self.drafter.lm_head
+        return head(hidden[:, 0, 1:].to(head.weight.dtype)).argmax(dim=-1)
+
+
+# --------------------------------------------------------------------------- the generator
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    from dflash.target import _decoder as find
+
+    return find(model)
+
+
+def _layer_cache_kwarg(layer: nn.Module) -> str:
+    """``cache`` (transformers ≥ 5.2x) or ``past_key_values`` (earlier 5.x): the decoder layer's cache argument."""
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _Timer:
+    """Device time of labelled sections: CUDA events (no sync until :meth:`totals`), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, list[Any]] = {}
+        self.cpu: dict[str, float] = {}
+
+    def start(self, name: str) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, name: str, token: Any) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.setdefault(name, []).append((token, ev))
+        else:
+            self.cpu[name] = self.cpu.get(name, 0.0) + time.perf_counter() - token
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per label (synchronises on CUDA)."""
+        out = dict(self.cpu)
+        if self.cuda:
+            torch.cuda.synchronize()
+            for name, pairs in self.marks.items():
+                out[name] = out.get(name, 0.0) + sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+        return out
+
+
+class Generator:
+    """Target-only and speculative greedy decoding of a batch of prompts over static buffers.
+
+    Args:
+        model: the target's transformers ``*ForCausalLM`` (eval; its weights' dtype is the
+            decoding dtype).
+        layer_ids: target layers whose outputs form the context features (the drafter's
+            ``target_layer_ids``); may be empty for target-only decoding.
+        max_len: ``T_max``: positions per row (prompt + generated + ``B`` + 1 must fit).
+        batch_size: rows decoded together (prompts of different lengths; each row accepts its
+            own drafts).
+        drafter: a :class:`dflash.model.DFlashDraftModel` or any :class:`Proposer`; ``None`` =
+            target-only.
+        compile: compile the step functions with ``torch.compile(mode="reduce-overhead")``
+            (CUDA graphs); ``None`` = on CUDA only.
+
+    Raises:
+        ValueError: a layer id outside the target, linear-attention layers, or ``max_len < 2``.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
+                 drafter: Any = None, compile: Optional[bool] = None) -> None:
+        self.model = model.eval()
+        self.decoder = _decoder(model)
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.device = _device_of(model)
+        self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.num_layers = len(self.decoder.layers)
+        self.layer_ids = [int(i) for i in layer_ids]
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"layer_ids {bad}: the target has layers 0..{self.num_layers - 1}")
+        if max_len < 2:
+            raise ValueError(f"max_len: must be >= 2, got {max_len}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        types = list(getattr(self.config, "layer_types", None) or [FULL] * self.num_layers)[: self.num_layers]
+        unknown = sorted(set(types) - {FULL, SLIDING})
+        if unknown:
+            raise ValueError(f"{type(model).__name__}: layer types {unknown} are not supported by static-cache decoding")
+        self.layer_types = types
+        self.sliding_window = getattr(self.config, "sliding_window", None)
+        impl = getattr(self.config, "_attn_implementation", None) or "eager"
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {impl!r}: static-cache decoding needs sdpa or eager")
+        self.additive_mask = impl == "eager"
+        self.cache_arg = _layer_cache_kwarg(self.decoder.layers[0])
+        self.max_len = int(max_len)
+        self.batch_size = int(batch_size)
+        if drafter is None:
+            self.proposer = None
+        elif hasattr(drafter, "fc") and hasattr(drafter, "layers"):
+            self.proposer = DFlashProposer(drafter)
+        else:
+            self.proposer = drafter
+        self.block_size = int(self.proposer.block_size) if self.proposer is not None else 1
+        self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
+        width = int(self.config.hidden_size)
+        kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        head_dim = int(getattr(self.config, "head_dim", None) or width // self.config.num_attention_heads)
+        b, dev = self.batch_size, self.device
+        self.state = DecodeState(
+            kv=StaticKVCache(self.num_layers, b, kv_heads, self.max_len, head_dim, self.dtype, dev),
+            tokens=torch.zeros(b, self.max_len, dtype=torch.long, device=dev),
+            anchor=torch.zeros(b, dtype=torch.long, device=dev),
+            active=torch.zeros(b, dtype=torch.bool, device=dev),
+            features=torch.zeros(b, self.max_len, max(1, len(self.layer_ids)) * width, dtype=self.dtype, device=dev),
+            drafts=torch.zeros(b, max(0, self.block_size - 1), dtype=torch.long, device=dev))
+        for t in (self.state.tokens, self.state.anchor, self.state.active, self.state.features, self.state.drafts):
+            torch._dynamo.mark_static_address(t)
+        self._slots: dict[int, list[int]] = {}
+        for slot, layer in enumerate(self.layer_ids):
+            self._slots.setdefault(layer, []).append(slot)
+        self._greedy_step = self._wrap(self._greedy_step_impl)
+        self._draft_step = self._wrap(self._draft_step_impl) if self.proposer is not None else None
+        self._verify_step = self._wrap(self._verify_step_impl)
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not self.compiled:
+            return fn
+        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=False, dynamic=False)
+
+        def call(*args: Any) -> Any:
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*args)
+
+        return call
+
+    # ----------------------------------------------------------------------- the target's forward
+
+    def _masks(self, positions: Tensor) -> dict[str, Tensor]:
+        """``[b', 1, T, T_max]`` per layer type: slot ``j`` visible to the query at ``p`` iff ``j ≤ p``
+        (and ``p − j < W`` in a sliding layer, as transformers' sliding layers do)."""
+        slots = torch.arange(self.max_len, device=positions.device)
+        p = positions.unsqueeze(-1)  # [b', T, 1]
+        out: dict[str, Tensor] = {}
+        for kind in set(self.layer_types):
+            allowed = slots <= p
+            if kind == SLIDING and self.sliding_window is not None:
+                allowed = allowed & (p - slots < int(self.sliding_window))
+            mask = allowed.unsqueeze(1)
+            if self.additive_mask:
+                zero = torch.zeros((), dtype=self.dtype, device=mask.device)
+                mask = torch.where(mask, zero, torch.finfo(self.dtype).min)
+            out[kind] = mask
+        return out
+
+    def forward(self, input_ids: Tensor, positions: Tensor, rows: Optional[Tensor] = None,
+                features: bool = True, last_only: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """The target over ``input_ids`` at ``positions``, on top of the cache; writes their keys/values.
+
+        Args:
+            input_ids / positions: ``[b', T]`` int64.
+            rows: ``[b']`` row ids of the cache (``None`` = all rows, ``b' = b``).
+            features: also return the fused features.
+            last_only: logits of the last position only (prefill).
+
+        Returns:
+            ``(top2 values [b', T', 2] fp32, top2 ids [b', T', 2] int64, features [b', T, L·D] or None)``
+            with ``T' = 1`` when ``last_only``; ids ``[..., 0]`` is the argmax (ties to the lowest id).
+        """
+        dec = self.decoder
+        kv = self.state.kv
+        kv.positions, kv.rows = positions, rows
+        hidden = dec.embed_tokens(input_ids)
+        rope_pos = positions
+        if getattr(dec.rotary_emb, "mrope_section", None) is not None:
+            rope_pos = positions.unsqueeze(0).expand(3, -1, -1)
+        rotary = dec.rotary_emb(hidden, rope_pos)
+        masks = self._masks(positions)
+        width = hidden.shape[-1]
+        feats = hidden.new_empty(*hidden.shape[:2], len(self.layer_ids) * width) if features else None
+        last = self.num_layers - 1
+        for i, layer in enumerate(dec.layers):
+            out = layer(hidden, attention_mask=masks[self.layer_types[i]], position_ids=positions,
+                        position_embeddings=rotary, **{self.cache_arg: kv})
+            hidden = out[0] if isinstance(out, tuple) else out
+            if feats is not None and i != last:
+                for slot in self._slots.get(i, ()):
+                    feats[..., slot * width:(slot + 1) * width] = hidden
+        hidden = dec.norm(hidden)
+        if feats is not None:
+            for slot in self._slots.get(last, ()):
+                feats[..., slot * width:(slot + 1) * width] = hidden
+        # No tensor stays on the cache object after the call (under CUDA graphs it would pin a graph output).
+        kv.positions = kv.rows = None
+        if last_only:
+            hidden = hidden[:, -1:]
+        logits = self.model.get_output_embeddings()(hidden).float()
+        top = logits.topk(2, dim=-1)
+        return top.values, top.indices, feats
+
+    # ----------------------------------------------------------------------- step functions
+
+    def _greedy_step_impl(self) -> Tensor:
+        """One target-only token per active row. Returns ``[b, 3]`` fp32: token, z1, z2."""
+        st = self.state
+        a = st.anchor
+        vals, ids, _ = self.forward(st.tokens.gather(1, a[:, None]), a[:, None], features=False)
+        tok = ids[:, 0, 0]
+        nxt = torch.clamp(a + 1, max=self.max_len - 1)
+        st.tokens.scatter_(1, nxt[:, None], torch.where(st.active, tok, st.tokens.gather(1, nxt[:, None])[:, 0])[:, None])
+        st.anchor.copy_(torch.where(st.active, nxt, a))
+        return torch.cat([tok[:, None].float(), vals[:, 0]], dim=1)
+
+    def _draft_step_impl(self, length: Optional[int] = None) -> None:
+        st = self.state
+        if length is None:
+            drafts = self.proposer(st.tokens, st.features, st.anchor)
+        else:
+            drafts = self.proposer(st.tokens[:, :length], st.features[:, :length], st.anchor)
+        st.drafts.copy_(drafts.to(torch.long).view_as(st.drafts))
+
+    def _verify_step_impl(self) -> Tensor:
+        """Verify the drafts of every active row. Returns ``[b, 1 + 3B]`` fp32:
+        ``m``, the target's tokens ``g_0 … g_{B−1}``, then ``(z1, z2)`` per block position."""
+        st = self.state
+        b_sz = self.block_size
+        a = st.anchor
+        offsets = torch.arange(b_sz, device=a.device)
+        pos = a[:, None] + offsets  # [b, B]
+        block = torch.cat([st.tokens.gather(1, a[:, None]), st.drafts], dim=1)
+        vals, ids, feats = self.forward(block, pos, features=True)
+        greedy = ids[..., 0]  # [b, B]
+        right = (st.drafts == greedy[:, :-1]).long()
+        m = torch.cumprod(right, dim=1).sum(dim=1)  # [b]
+        active = st.active
+        rows = torch.arange(a.shape[0], device=a.device)[:, None]
+        keep_feats = torch.where(active[:, None, None], feats, st.features[rows, pos])
+        st.features[rows, pos] = keep_feats
+        keep_tokens = torch.where(active[:, None], block, st.tokens.gather(1, pos))
+        st.tokens.scatter_(1, pos, keep_tokens)
+        nxt = a + m + 1
+        bonus = greedy.gather(1, m[:, None])[:, 0]
+        cur = st.tokens.gather(1, nxt[:, None])[:, 0]
+        st.tokens.scatter_(1, nxt[:, None], torch.where(active, bonus, cur)[:, None])
+        st.anchor.copy_(torch.where(active, nxt, a))
+        return torch.cat([m[:, None].float(), greedy.float(), vals.flatten(1)], dim=1)
+
+    # ----------------------------------------------------------------------- decoding
+
+    def _check(self, prompts: Sequence[Tensor], max_new_tokens: int) -> None:
+        if not 1 <= len(prompts) <= self.batch_size:
+            raise ValueError(f"prompts: need 1..{self.batch_size} (the batch size), got {len(prompts)}")
+        for i, p in enumerate(prompts):
+            if p.dim() != 1 or p.numel() < 1:
+                raise ValueError(f"prompts[{i}]: need a non-empty 1-D tensor of ids, got shape {tuple(p.shape)}")
+            need = p.numel() + max_new_tokens + self.block_size + SLACK
+            if need > self.max_len:
+                raise ValueError(f"prompts[{i}]: {p.numel()} tokens + {max_new_tokens} new + block "
+                                 f"{self.block_size} needs max_len >= {need}, have {self.max_len}")
+
+    @torch.no_grad()
+    def prefill(self, row: int, prompt: Tensor) -> tuple[int, tuple[float, float]]:
+        """Run ``prompt [P]`` into row ``row``: keys/values and features of ``0 … P−1``; the first
+        generated token is written at ``P`` and becomes the anchor. Eager (one per prompt).
+
+        Returns:
+            ``(first token, (z1, z2))``.
+        """
+        st = self.state
+        p = prompt.numel()
+        ids = prompt.to(self.device).view(1, p)
+        pos = torch.arange(p, device=self.device).view(1, p)
+        rows = torch.tensor([row], device=self.device)
+        vals, top, feats = self.forward(ids, pos, rows=rows, features=bool(self.layer_ids), last_only=True)
+        first = top[0, 0, 0]
+        st.tokens[row, :p] = ids[0]
+        st.tokens[row, p] = first
+        if feats is not None:
+            st.features[row, :p] = feats[0]
+        st.anchor[row] = p
+        st.active[row] = True
+        z = vals[0, 0].tolist()
+        return int(first), (z[0], z[1])
+
+    def _start(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int]
+               ) -> tuple[list[Generation], list[bool]]:
+        self._check(prompts, max_new_tokens)
+        st = self.state
+        st.active.zero_()
+        st.anchor.zero_()
+        stops = frozenset(int(s) for s in stop_ids)
+        gens = [Generation() for _ in prompts]
+        done = [True] * self.batch_size
+        if max_new_tokens < 1:
+            return gens, done
+        for r, prompt in enumerate(prompts):
+            tok, z = self.prefill(r, prompt)
+            gens[r].tokens.append(tok)
+            gens[r].top2.append(z)
+            gens[r].target_forwards = 1
+            done[r] = tok in stops or max_new_tokens <= 1
+        self._stops = stops
+        return gens, done
+
+    def _deactivate(self, done: list[bool]) -> None:
+        self.state.active.copy_(torch.tensor(done, device=self.device).logical_not())
+
+    @torch.no_grad()
+    def greedy(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int] = (),
+               progress: Optional[Callable[[int], None]] = None) -> list[Generation]:
+        """Target-only greedy decoding of up to ``batch_size`` prompts (one token per forward).
+
+        Args:
+            prompts: ``[P_i]`` int64 each.
+            max_new_tokens: per prompt.
+            stop_ids: a row stops after emitting one of these (kept).
+            progress: called with the number of tokens added after every step.
+
+        Returns:
+            one :class:`Generation` per prompt.
+
+        Raises:
+            ValueError: too many prompts, an empty prompt, or one that does not fit ``max_len``.
+        """
+        start = time.perf_counter()
+        gens, done = self._start(prompts, max_new_tokens, stop_ids)
+        self._deactivate(done)
+        n = len(prompts)
+        while not all(done[:n]):
+            out = self._greedy_step().cpu().tolist()
+            added = 0
+            for r in range(n):
+                if done[r]:
+                    continue
+                tok, z1, z2 = int(out[r][0]), out[r][1], out[r][2]
+                g = gens[r]
+                g.tokens.append(tok)
+                g.top2.append((z1, z2))
+                g.target_forwards += 1
+                added += 1
+                if tok in self._stops or len(g.tokens) >= max_new_tokens:
+                    done[r] = True
+                    self._deactivate(done)
+            if progress is not None:
+                progress(added)
+        elapsed = time.perf_counter() - start
+        for g in gens:
+            g.seconds = elapsed
+        return gens
+
+    @torch.no_grad()
+    def speculative(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                    progress: Optional[Callable[[int], None]] = None) -> list[Generation]:
+        """Greedy speculative decoding of up to ``batch_size`` prompts: draft, verify, accept.
+
+        Every emitted token is the target's greedy choice given the tokens before it, so the output
+        equals target-only greedy decoding token for token up to floating-point differences between
+        a B-token and a 1-token forward (Leviathan et al. 2023; DFlash, arXiv 2602.06036, §3).
+        τ conventions: each pass counts ``m + 1`` (the last pass too, even when a stop token or
+        ``max_new_tokens`` cuts its tokens); the prefill is not a pass.
+
+        Args / Returns / Raises: as :meth:`greedy`; ``ValueError`` too when no drafter was given.
+        """
+        if self.proposer is None:
+            raise ValueError("speculative decoding needs a drafter (Generator(drafter=...))")
+        start = time.perf_counter()
+        gens, done = self._start(prompts, max_new_tokens, stop_ids)
+        self._deactivate(done)
+        n = len(prompts)
+        b_sz = self.block_size
+        timer = _Timer(self.device)
+        anchors = [p.numel() for p in prompts] + [0] * (self.batch_size - n)
+        while not all(done[:n]):
+            t = timer.start("draft")
+            if self.compiled:
+                self._draft_step()
+            else:
+                self._draft_step(max(anchors[:n]) + 1)
+            timer.stop("draft", t)
+            t = timer.start("verify")
+            out = self._verify_step()
+            timer.stop("verify", t)
+            out = out.cpu().tolist()
+            added = 0
+            for r in range(n):
+                if done[r]:
+                    continue
+                m = int(out[r][0])
+                greedy = [int(x) for x in out[r][1:1 + b_sz]]
+                z = out[r][1 + b_sz:]
+                g = gens[r]
+                g.accepted.append(m + 1)
+                g.anchors.append(anchors[r])
+                g.target_forwards += 1
+                anchors[r] += m + 1
+                for k in range(m + 1):
+                    g.tokens.append(greedy[k])
+                    g.top2.append((z[2 * k], z[2 * k + 1]))
+                    added += 1
+                    if greedy[k] in self._stops or len(g.tokens) >= max_new_tokens:
+                        done[r] = True
+                        break
+                if done[r]:
+                    self._deactivate(done)
+            if progress is not None:
+                progress(added)
+        split = timer.totals()
+        elapsed = time.perf_counter() - start
+        for g in gens:
+            g.seconds = elapsed
+            g.draft_seconds = split.get("draft", 0.0)
+            g.verify_seconds = split.get("verify", 0.0)
+        return gens
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+@torch.no_grad()
+def naive_greedy_decode(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int,
+                        stop_ids: Sequence[int] = ()) -> list[int]:
+    """Target-only greedy decoding the slow obvious way: a full forward of the whole sequence per token.
+
+    The oracle of the tests (no cache, no features, nothing to get wrong).
+
+    Args:
+        model: a transformers causal LM.
+        prompt_ids: ``[P]`` int64.
+        max_new_tokens: generate at most this many tokens.
+        stop_ids: stop after emitting one of these (kept in the output).
+
+    Returns:
+        the generated ids.
+    """
+    seq = prompt_ids.to(_device_of(model)).view(1, -1)
+    stops = frozenset(int(s) for s in stop_ids)
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        tok = int(model(input_ids=seq, use_cache=False).logits[0, -1].argmax())
+        out.append(tok)
+        if tok in stops:
+            break
+        seq = torch.cat([seq, seq.new_tensor([[tok]])], dim=1)
+    return out

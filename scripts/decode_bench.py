@@ -1,0 +1,164 @@
+"""Decoding benchmark: target-only vs speculative greedy decoding, bf16 and fp32, eager and compiled.
+
+For each dtype and mode it runs :func:`dflash.speculative.decode_report` (the lossless check's core:
+the same held-out prompts decoded target-only and speculatively over the static cache of
+:mod:`dflash.generation`) and writes, after every run, ``decode_bench.json`` (all reports) and
+``decode_bench.md`` (one table row per run) into ``--out``, so a run cut short still leaves its
+results.
+
+Without ``--checkpoint`` the drafter is randomly initialised (the config's drafter shape): its τ is
+about 1, so the speculative numbers mean nothing, but the target-only tokens/s do.
+
+Example (the H200, real SmolLM2, a trained drafter)::
+
+    python scripts/decode_bench.py --target /path/to/smollm2-hf-dir --checkpoint runs/x/checkpoints/step-N \\
+        --out /tmp/decode data.dataset=.gpu/sharegpt.jsonl
+
+Exit status: 1 when any run's outputs FAIL the margin rule, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger("decode_bench")
+
+DTYPES = ("bfloat16", "float32")
+MODES = ("eager", "compiled")
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=None, help="a Hugging Face directory of the target (default: the config's)")
+    p.add_argument("--checkpoint", default=None, help="drafter checkpoint (default: a randomly initialised drafter)")
+    p.add_argument("--config", default="configs/smollm2-135m-cpu.yaml")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="skip longer prompts (default: data.max_length - max_new_tokens)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
+    p.add_argument("--out", default="decode-bench-out")
+    p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
+    args = p.parse_args(argv)
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.modes = [m for m in args.modes.split(",") if m]
+    bad = [d for d in args.dtypes if d not in DTYPES] + [m for m in args.modes if m not in MODES]
+    if bad:
+        p.error(f"unknown dtype/mode {bad}: dtypes are {DTYPES}, modes {MODES}")
+    for name in ("prompts", "max_new_tokens", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    return args
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """Markdown table, one row per run."""
+    head = ("| dtype | mode | batch | outputs (same / tie / FAIL) | τ measured | τ offline, own text | τ replay | "
+            "τ offline, dataset | target-only tok/s | speculative tok/s | speedup | draft / verify / host s | "
+            "warm-up s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def f(x: Any, d: int = 3) -> str:
+        return "–" if x is None else f"{x:.{d}f}"
+
+    for r in runs:
+        s = r["summary"]
+        lines.append(
+            f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {s['batch']} | "
+            f"{s['identical']} / {s['ties']} / {s['failures']} | {f(s['tau'])} | {f(s.get('offline_tau_own'))} | "
+            f"{f(s.get('offline_tau_replay'))} | {f(s.get('offline_tau_dataset'))} | {f(s['target_tok_s'], 1)} | "
+            f"{f(s['spec_tok_s'], 1)} | {f(s['speedup'], 2)}× | {f(s['draft_s'])} / {f(s['verify_s'])} / "
+            f"{f(s['host_s'])} | {f(s['warmup_s'], 1)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from dflash.config import load_config
+    from dflash.data import prepare_data
+    from dflash.factory import build_drafter
+    from dflash.logs import setup_logging
+    from dflash.model import DFlashDraftModel
+    from dflash.speculative import decode_report, format_report, prompts_from_corpus, resolve_checkpoint, \
+        stop_token_ids
+    from dflash.target import load_target
+    from dflash.tokenizer import load_tokenizer
+
+    args = parse_args(argv)
+    setup_logging("decode_bench")
+    overrides = list(args.overrides)
+    if args.target:
+        overrides += ["target.kind=hf", f"target.path={args.target}"]
+    cfg = load_config(args.config, overrides)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    dcfg = None
+    drafter_dir = None
+    if args.checkpoint:
+        drafter_dir, _ = resolve_checkpoint(args.checkpoint)
+        dcfg = DFlashDraftModel.load_config(drafter_dir)
+    tokenizer = load_tokenizer(cfg.target)
+    max_prompt = args.max_prompt_tokens or max(1, cfg.data.max_length - args.max_new_tokens)
+    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, args.prompts, max_prompt, tokenizer=tokenizer)
+    if not cases:
+        log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt)
+        return 2
+    runs: list[dict[str, Any]] = []
+    meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,
+            "drafter": "checkpoint" if args.checkpoint else "random (tau ~ 1: speculative numbers are not meaningful)",
+            "prompts": len(cases), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+    failed = False
+    for dtype in args.dtypes:
+        target_cfg = replace(cfg.target, dtype=dtype)
+        if dcfg is not None:
+            target_cfg = replace(target_cfg, layer_ids=list(dcfg.target_layer_ids))
+        target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers if dcfg else
+                             cfg.drafter.num_layers)
+        if drafter_dir is not None:
+            drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head,
+                                                       attention="sdpa", device=device)
+        else:
+            torch.manual_seed(cfg.target.seed)
+            drafter = build_drafter(cfg, target.embed_tokens, target.lm_head, len(tokenizer), device, target.config)
+        drafter.eval()
+        stops = stop_token_ids(tokenizer, target.model)
+        for mode in args.modes:
+            if mode == "compiled" and device.type != "cuda":
+                log.warning("compiled mode needs CUDA: skipped on %s", device)
+                continue
+            t0 = time.perf_counter()
+            report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,
+                                   batch=args.batch, compile=mode == "compiled", offline=not args.no_offline,
+                                   labels=cfg.drafter.labels)
+            report["summary"]["run_s"] = time.perf_counter() - t0
+            print(f"\n== {dtype}, {mode}\n{format_report(report)}", flush=True)
+            failed |= report["summary"]["failures"] > 0
+            runs.append(report)
+            (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+            (out / "decode_bench.md").write_text(
+                f"Decoding benchmark: {meta['device']}, {len(cases)} held-out prompts, {args.max_new_tokens} new "
+                f"tokens, batch {args.batch}, drafter {args.checkpoint or 'random'}\n\n" + table(runs))
+        del target, drafter
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print("\n" + table(runs))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
