@@ -310,9 +310,167 @@ def test_normalize_row():
     assert normalize_row(None)[1] == "not_object"
 
 
+def test_normalize_conversation_steps():
+    u, a = {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}
+    leading = data_mod.normalize_conversation({"conversations": [a, u, a]})
+    assert leading.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert leading.fixes == ["leading_turns_dropped"]
+    system = data_mod.normalize_conversation({"conversations": [{"from": "system", "value": "s"}, a, u, a]})
+    assert [m["role"] for m in system.messages] == ["system", "user", "assistant"]
+    assert normalize_row({"conversations": [a, a]})[1] == "no_user_turn"
+    assert normalize_row({"conversations": [u, u, a]})[1] == "same_role_run"
+    assert normalize_row({"conversations": [u, a, a]})[1] == "same_role_run"
+    # OpenAI form: reasoning, tool calls with null content, consecutive tool results.
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    row = {"messages": [{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+                        {"role": "tool", "content": "20"}, {"role": "tool", "content": "21"},
+                        {"role": "assistant", "content": "20 degrees.", "reasoning_content": "From the tool."}],
+           "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    normalized = data_mod.normalize_conversation(row)
+    assert normalized.reason is None and normalized.tools == row["tools"]
+    assert normalized.messages[1] == {"role": "assistant", "content": "",
+                                      "tool_calls": [{"type": "function", "function": call["function"]}] * 2}
+    assert normalized.messages[4]["reasoning_content"] == "From the tool."
+    assert normalize_row({"messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": None}]})[1] == "bad_turn"
+    assert normalize_row({"messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": None, "tool_calls": [{"x": 1}]}]})[1] == "bad_turn"
+    # The content hash ignores the id and the source form.
+    sharegpt = {"id": "x", "conversations": [u, a]}
+    openai = {"id": "y", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert data_mod.conversation_hash(normalize_row(sharegpt)[0]) == data_mod.conversation_hash(normalize_row(openai)[0])
+
+
+def test_tool_calls_rendered_by_qwen3_template(qwen3):
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "{\"t\": 20}"},
+                {"role": "assistant", "content": "20 degrees."}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    sequences, reason, _ = tokenize_conversation(messages, qwen3, 4096, enable_thinking=False, tools=tools)
+    assert reason is None
+    trained = [qwen3.decode(ids[mask.astype(bool)].tolist()) for ids, mask in sequences]
+    assert trained == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                       "20 degrees.<|im_end|>"]
+    for (ids, mask), k in zip(sequences, (1, 3)):
+        prompt = qwen3.apply_chat_template(messages[:k], tools=tools, tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=False)
+        assert ids[:int(np.argmax(mask))].tolist() == qwen3(prompt, add_special_tokens=False)["input_ids"]
+    assert "# Tools" in qwen3.decode(sequences[0][0].tolist())
+
+
 def make_cfg(dataset: str, cache_dir: Path, **data) -> RunConfig:
     return RunConfig(target=TargetConfig(kind="gguf"),
                      data=DataConfig(dataset=dataset, cache_dir=str(cache_dir), **data))
+
+
+def _turns(*pairs):
+    return [{"from": role, "value": text} for role, text in pairs]
+
+
+def test_report_one_row_of_each_kind(smollm2, tmp_path):
+    """A crafted JSONL (byte-order mark, CRLF line ends) with one row of each reason: each is counted
+    under its reason, the counts add up to the rows read, and the ids are listed per reason."""
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows = [
+        {"id": "ok", "conversations": _turns(("human", "Hi"), ("gpt", "Hello."))},                  # first line, after the BOM
+        '{"id": "broken", "conversations": [',                                                       # invalid_json
+        '["not", "an", "object"]',                                                                   # not_object
+        {"id": "no-field", "text": "hello"},                                                         # no_messages_field
+        {"id": "empty", "conversations": []},                                                        # empty_conversation
+        {"id": "bad", "conversations": ["human: hi"]},                                               # bad_turn
+        {"id": "blank", "conversations": _turns(("human", "Hi"), ("gpt", "  "))},                   # empty_turn
+        {"id": "bing", "conversations": _turns(("human", "Hi"), ("bing", "Hello"))},                # unknown_role
+        {"id": "only-gpt", "conversations": _turns(("gpt", "Continuing."))},                        # no_user_turn
+        {"id": "run", "conversations": _turns(("human", "a"), ("human", "b"), ("gpt", "c"))},        # same_role_run
+        {"id": "no-answer", "conversations": _turns(("human", "Anyone?"))},                         # no_assistant_turn
+        {"id": "copy", "messages": [{"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hello."}]},                   # duplicate_conversation
+        {"id": "tools-only", "messages": [{"role": "user", "content": "Weather?"},
+                                          {"role": "assistant", "content": None, "tool_calls": [call]},
+                                          {"role": "tool", "content": "20"}]},                      # tool_calls_unsupported
+        {"id": "long", "conversations": _turns(("human", "word " * 200), ("gpt", "ok"))},           # no_assistant_tokens
+        {"id": "leading", "conversations": _turns(("gpt", "Earlier."), ("human", "Q1"), ("gpt", "A1"))},  # fixed
+        {"id": "tools-cut", "messages": [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
+                                         {"role": "user", "content": "Weather?"},
+                                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                                         {"role": "tool", "content": "20"},
+                                         {"role": "assistant", "content": "20 degrees."}]},         # fixed
+        {"id": "ok", "conversations": _turns(("human", "Other"), ("gpt", "Reused id."))},           # flagged
+    ]
+    path = tmp_path / "rows.jsonl"
+    text = "\r\n".join(_jsonl_line(r) for r in rows) + "\r\n"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    prepared = prepare_data(make_cfg(str(path), tmp_path / "cache", max_length=64, heldout_conversations=1), smollm2)
+    report = prepared.report
+    expected_drops = ["invalid_json", "not_object", "no_messages_field", "empty_conversation", "bad_turn",
+                      "empty_turn", "unknown_role", "no_user_turn", "same_role_run", "no_assistant_turn",
+                      "duplicate_conversation", "tool_calls_unsupported", "no_assistant_tokens"]
+    assert report.dropped == {reason: 1 for reason in expected_drops}
+    assert report.fixed == {"leading_turns_dropped": 1, "tool_turns_cut": 1}
+    assert report.flagged == {"duplicate_id": 1}
+    assert report.rows_read == len(rows) == report.conversations + report.num_dropped
+    assert report.conversations == 4
+    assert report.ids("duplicate_conversation") == ["copy"] and report.ids("invalid_json") == ["row:1"]
+    assert report.ids("not_object") == ["row:2"] and report.ids("duplicate_id") == ["ok"]
+    assert report.ids("tool_turns_cut") == ["tools-cut"] and report.ids("leading_turns_dropped") == ["leading"]
+    assert report.drop_examples["invalid_json"][0]["error"].startswith("Expecting")
+    trained = {}
+    for corpus in (prepared.train, prepared.heldout):
+        for i in range(len(corpus)):
+            ids, mask = corpus.get(i)
+            trained[corpus.source_row(i)] = smollm2.decode(ids[mask].tolist())
+    assert trained == {0: "Hello.<|im_end|>", 14: "A1<|im_end|>", 15: "A2<|im_end|>", 16: "Reused id.<|im_end|>"}
+
+
+def test_bom_json_array_and_jsonl_lose_no_row(smollm2, tmp_path):
+    rows = [{"id": f"r{k}", "conversations": _turns(("human", f"Q{k}"), ("gpt", f"A{k}"))} for k in range(3)]
+    for name, text in (("rows.json", json.dumps(rows)), ("rows.jsonl", "\n".join(json.dumps(r) for r in rows))):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+        *_, report = data_mod.tokenize_rows(data_mod.read_rows(str(path)), smollm2, 64, None)
+        assert report.rows_read == 3 and report.conversations == 3 and report.dropped == {}, name
+
+
+def test_heldout_has_no_twin_in_training(smollm2, tmp_path):
+    """Duplicates under other ids are removed before the split: no held-out conversation (or sequence)
+    equals a training one."""
+    rng = np.random.default_rng(0)
+    unique = [_turns(("human", f"Question {k}?"), ("gpt", f"Answer {k}.")) for k in range(12)]
+    rows = [{"id": f"id-{n}", "conversations": unique[int(rng.integers(0, 12))]} for n in range(60)]
+    path = tmp_path / "dups.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = make_cfg(str(path), tmp_path / "cache", max_length=64, heldout_conversations=5)
+    prepared = prepare_data(cfg, smollm2)
+    distinct = len({json.dumps(r["conversations"]) for r in rows})
+    assert prepared.report.conversations == distinct
+    assert prepared.report.dropped == {"duplicate_conversation": 60 - distinct}
+    held = [prepared.heldout.get(i)[0].tolist() for i in range(len(prepared.heldout))]
+    train = [prepared.train.get(i)[0].tolist() for i in range(len(prepared.train))]
+    assert len(held) == 5 and not any(h in train for h in held)
+    assert data_mod.heldout_twins(prepared, str(path), None) == 0
+    # Asking for more held-out conversations than are left names the report that explains it.
+    cfg.data.heldout_conversations = distinct
+    with pytest.raises(ConfigError, match=r"^data.heldout_conversations: .* data report: prepared .* "
+                                          r"duplicate_conversation="):
+        prepare_data(cfg, smollm2)
+
+
+def test_heldout_split_keeps_a_conversations_sequences_together(qwen3, tmp_path):
+    rows = [{"id": f"c{k}", "conversations": _turns(("human", f"Q{k}"), ("gpt", f"A{k}"), ("human", "more"),
+                                                     ("gpt", f"B{k}"))} for k in range(10)]
+    path = tmp_path / "multi.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                    data=DataConfig(dataset=str(path), cache_dir=str(tmp_path / "cache"), max_length=128,
+                                    heldout_conversations=3, enable_thinking=False))
+    prepared = prepare_data(cfg, qwen3)
+    assert prepared.report.conversations == 10 and prepared.report.sequences == 20
+    held_rows = [prepared.heldout.source_row(i) for i in range(len(prepared.heldout))]
+    train_rows = {prepared.train.source_row(i) for i in range(len(prepared.train))}
+    assert len(held_rows) == 6 and len(set(held_rows)) == 3 and not set(held_rows) & train_rows
 
 
 def test_bad_rows_report(smollm2, tmp_path):
@@ -321,12 +479,14 @@ def test_bad_rows_report(smollm2, tmp_path):
     report = prepared.report
     assert report.dropped == {
         "invalid_json": 2, "not_object": 2, "no_messages_field": 2, "empty_conversation": 2, "empty_turn": 2,
-        "unknown_role": 2, "no_assistant_turn": 2, "bad_turn": 3, "no_assistant_tokens": 1,
+        "unknown_role": 1, "no_assistant_turn": 2, "bad_turn": 3, "no_assistant_tokens": 1,
+        "tool_calls_unsupported": 1,  # a tool turn, and SmolLM2's template has no tool support
     }
+    assert report.fixed == {"leading_turns_dropped": 1} and report.ids("leading_turns_dropped") == ["good-leading-assistant"]
     assert report.rows_read == 22 and report.conversations == 4 and report.num_dropped == 18
     assert report.truncated == 0  # counts kept conversations only (the too-long prompt was dropped)
     summary = report.summary()
-    assert summary.startswith("prepared 4 conversations from 22 rows") and "dropped 18: bad_turn=3" in summary
+    assert summary.startswith("prepared 4 conversations (4 sequences) from 22 rows") and "dropped 18: bad_turn=3" in summary
     assert len(prepared.train) == 3 and len(prepared.heldout) == 1
     texts = {}
     for corpus in (prepared.train, prepared.heldout):
@@ -338,7 +498,7 @@ def test_bad_rows_report(smollm2, tmp_path):
         0: "The capital of France is Paris.<|im_end|>Rome.<|im_end|>",
         1: "Seven.<|im_end|>",
         2: "Hello!<|im_end|>",
-        3: "Continuing from before: the answer is 42.<|im_end|>You are welcome.<|im_end|>",
+        3: "You are welcome.<|im_end|>",  # the leading assistant turn is dropped
     }
 
 
@@ -376,7 +536,8 @@ def _jsonl_line(row) -> str:
 
 def test_drop_examples_name_rows_lines_and_ids(smollm2, tmp_path, caplog):
     def good(name):
-        return {"id": name, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+        return {"id": name, "messages": [{"role": "user", "content": f"Hi {name}"},
+                                         {"role": "assistant", "content": "Hello."}]}
 
     lines = [
         good("ok-1"),                                                       # line 1, row 0
@@ -402,7 +563,7 @@ def test_drop_examples_name_rows_lines_and_ids(smollm2, tmp_path, caplog):
     assert report.dropped == {"invalid_json": 1, "empty_conversation": 7, "not_object": 1, "no_assistant_turn": 1,
                               "no_assistant_tokens": 1}
     expected = {
-        "invalid_json": [{"row": 1, "line": 2}],
+        "invalid_json": [{"row": 1, "line": 2, "error": "Expecting value: line 2 column 1 (char 31)"}],
         "empty_conversation": [{"row": 2, "line": 4, "id": "empty"}, {"row": 6, "line": 8},
                                {"row": 7, "line": 9, "id": "e0"}, {"row": 8, "line": 10, "id": "e1"},
                                {"row": 9, "line": 11, "id": "e2"}],  # the first 5 of 7
@@ -416,7 +577,7 @@ def test_drop_examples_name_rows_lines_and_ids(smollm2, tmp_path, caplog):
     summary = report.summary()
     assert ("empty_conversation [row 2 (line 4, id empty), row 6 (line 8), row 7 (line 9, id e0), ...]"
             in summary), summary
-    assert "invalid_json [row 1 (line 2)]" in summary and "no_assistant_turn [row 5 (line 7, id 7)]" in summary
+    assert "invalid_json [row 1 (line 2, Expecting value: line 2 column 1 (char 31))]" in summary and "no_assistant_turn [row 5 (line 7, id 7)]" in summary
     assert "no_assistant_tokens [row 12 (line 14, id too-long)]" in caplog.text
 
     # The cached report keeps the examples ...
@@ -513,7 +674,7 @@ def test_real_sharegpt_prepare(smollm2, tmp_path):
     report = prepared.report
     assert report.rows_read == 300 and report.conversations + report.num_dropped == 300
     assert report.conversations > 200 and report.unparsed_tail_chars == 0
-    assert len(prepared.train) + len(prepared.heldout) == report.conversations
+    assert len(prepared.train) + len(prepared.heldout) == report.sequences
     assert int(prepared.train.lengths.max()) <= 256 and report.truncated > 0
     assert report.tokens == int(prepared.train.lengths.sum() + prepared.heldout.lengths.sum())
     for i in range(0, len(prepared.train), 37):
