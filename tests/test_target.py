@@ -136,16 +136,19 @@ def test_features_equal_hidden_states_sliced_by_hand(arch):
     assert torch.equal(tokens, out.logits.argmax(dim=-1))
 
 
-def test_last_layer_is_final_normed_like_transformers():
-    """id = N-1 → hidden_states[N], which transformers stores after the final norm."""
-    target = _tiny("tiny-llama", layer_ids=[7, 0])
+def test_last_valid_layer_is_input_of_last_layer():
+    """id = N-2 → hidden_states[N-1] (the input of the last layer); id = N-1 has no feature in an
+    engine (hidden_states[N] is past its layers) and is refused."""
+    target = _tiny("tiny-llama", layer_ids=[6, 0])
     ids, pos, doc = _single_doc_batch(1, 20, target.vocab_size, seed=3)
     features, _ = target.forward_features(ids, pos, doc)
     with torch.no_grad():
         out = target.model(input_ids=ids, output_hidden_states=True)
     d = target.hidden_size
-    torch.testing.assert_close(features[..., :d], out.hidden_states[8], atol=1e-6, rtol=0)
+    torch.testing.assert_close(features[..., :d], out.hidden_states[7], atol=1e-6, rtol=0)
     torch.testing.assert_close(features[..., d:], out.hidden_states[1], atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match=r"^target\.layer_ids: layer 7 is out of range .* 0\.\.6"):
+        _tiny("tiny-llama", layer_ids=[7, 0])
 
 
 def test_target_tokens_are_argmax_of_logits_chunked():
