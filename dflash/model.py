@@ -116,22 +116,15 @@ def _check_causality(data: dict[str, Any]) -> None:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layer ids fused into the context features (docs/DFLASH.md, Target layer ids).
-
-    ``round(1 + i·(N − 4)/(L − 1))`` for i = 0 … L−1 (Qwen3-8B: N = 36, L = 5 → 1, 9, 17, 25, 33);
-    a single layer takes the middle one, ``N // 2`` (as the public DFlash code does). "Output of
-    layer id" is ``hidden_states[id + 1]`` in transformers' tuple.
+    """Target layer ids fused into the context features: :func:`dflash.target.default_layer_ids`
+    (the one rule; ids valid under the engines' ``hidden_states[id + 1]`` indexing).
 
     Raises:
-        ValueError: ``num_target_layers < 1`` or ``num_draft_layers < 1``.
+        ValueError: ``num_target_layers < 1`` or ``num_draft_layers < 1``, or the rule names no valid layer.
     """
-    if num_target_layers < 1 or num_draft_layers < 1:
-        raise ValueError(f"need >= 1 target and drafter layer, got N={num_target_layers}, L={num_draft_layers}")
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    ids = [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-    return [min(max(i, 0), num_target_layers - 1) for i in ids]
+    from dflash.target import default_layer_ids
+
+    return default_layer_ids(num_target_layers, num_draft_layers)
 
 
 def mask_fallback_token_ids(target_config: Any) -> list[int]:
@@ -253,8 +246,12 @@ class DFlashConfig:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"DFlashConfig.head_dim: must be even for RoPE, got {self.head_dim}")
-        if not self.target_layer_ids:
-            raise ValueError("DFlashConfig.target_layer_ids: must not be empty")
+        from dflash.target import check_layer_ids
+
+        try:
+            check_layer_ids(self.target_layer_ids, self.num_target_layers)
+        except ValueError as exc:
+            raise ValueError(f"DFlashConfig.target_layer_ids: {exc}") from None
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"DFlashConfig.layer_types: {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers")

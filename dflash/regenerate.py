@@ -132,6 +132,8 @@ PROMPT_TOO_LONG = "prompt_too_long"    # the first prompt alone reaches --max-pr
 EMPTY_RESPONSE = "empty_response"      # the first regenerated turn is empty or only whitespace
 TEMPLATE_ERROR = "template_error"      # the chat template raised on the first prompt
 SKIP_REASONS = (NO_USER_TURN, PROMPT_TOO_LONG, EMPTY_RESPONSE, TEMPLATE_ERROR)
+#: Reason a source row with tool calls or tool turns is not regenerated (counted with the reader's reasons).
+TOOL_CALLS = "tool_calls"
 
 #: Roles written in the output (ShareGPT ``from`` values).
 SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
@@ -206,8 +208,9 @@ def iter_source(dataset: str, limit: Optional[int], dropped: Optional[dict[str, 
     """Usable rows of ``dataset`` (``sharegpt`` or a JSONL path) in file order, at most ``limit`` rows read.
 
     Ids come from :func:`row_id`; the k-th repeat of an id (counting every row read, usable or not)
-    becomes ``id#k``. Rows :func:`dflash.data.normalize_row` rejects are not yielded; their reasons
-    are counted into ``dropped``. Never raises on a bad row.
+    becomes ``id#k``. Rows :func:`dflash.data.normalize_row` rejects, and rows with tool calls or tool
+    turns (``tool_calls``: a regenerated tool call would need the tool run again), are not yielded;
+    their reasons are counted into ``dropped``. Never raises on a bad row.
 
     Raises:
         ConfigError: ``dataset`` is neither ``sharegpt`` nor an existing file.
@@ -220,6 +223,8 @@ def iter_source(dataset: str, limit: Optional[int], dropped: Optional[dict[str, 
         repeat = seen.get(base, 0)
         seen[base] = repeat + 1
         messages, reason = normalize_row(row)
+        if messages is not None and any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+            messages, reason = None, TOOL_CALLS  # the tools cannot be run again for new calls
         if messages is None:
             if dropped is not None:
                 dropped[reason] = dropped.get(reason, 0) + 1

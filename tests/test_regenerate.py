@@ -262,7 +262,8 @@ def test_regenerate_sigkill_and_resume(tmp_path, monkeypatch, target, tokenizer)
     assert set(ids) <= set(expected) and summary["duplicates"] == 0
     assert summary["regenerated_now"] == len(expected) - len(before)
     assert summary["dropped"] == {"bad_turn": 3, "empty_conversation": 2, "empty_turn": 2, "invalid_json": 2,
-                                  "no_assistant_turn": 2, "no_messages_field": 2, "not_object": 2, "unknown_role": 2}
+                                  "no_assistant_turn": 2, "no_messages_field": 2, "not_object": 2, "unknown_role": 1,
+                                  "tool_calls": 1}
     assert not any(shard_path(out, k).exists() for k in range(2))
     assert [r["regen"]["source_index"] for r in records] == sorted(r["regen"]["source_index"] for r in records)
 

@@ -72,13 +72,47 @@ def test_default_layer_ids_dflash_rule():
         default_layer_ids(2, 3)
 
 
+def test_one_layer_id_rule_for_target_and_drafter_config():
+    """dflash.model's default ids are dflash.target's, and both sides refuse an id past N - 2 (a
+    naive check of every id of the rule against the engines' range)."""
+    from dflash.model import default_target_layer_ids
+
+    for n in range(1, 70):
+        for k in range(1, 8):
+            try:
+                ids = default_layer_ids(n, k)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    default_target_layer_ids(n, k)
+                continue
+            assert default_target_layer_ids(n, k) == ids
+            assert all(0 <= i <= n - 2 for i in ids), (n, k, ids)
+    with pytest.raises(ValueError, match="target.layer_ids"):
+        default_layer_ids(2, 1)  # the middle layer of 2 is the last one
+    # The drafter's config (what the export writes) takes the same rule.
+    from transformers import LlamaConfig
+
+    from dflash.config import DrafterConfig
+    from dflash.model import DFlashConfig
+
+    target = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=12, vocab_size=100)
+    assert DFlashConfig.from_target(target, DrafterConfig(num_layers=1), target_layer_ids=[10],
+                                    mask_token_id=None).target_layer_ids == [10]
+    with pytest.raises(ValueError, match=r"^DFlashConfig\.target_layer_ids: target\.layer_ids: layer 11 is out"):
+        DFlashConfig.from_target(target, DrafterConfig(num_layers=1), target_layer_ids=[11], mask_token_id=None)
+
+
 def test_layer_id_override_validation():
-    assert resolve_layer_ids([0, 29], 30, 5) == [0, 29]
+    assert resolve_layer_ids([0, 28], 30, 5) == [0, 28]
     assert resolve_layer_ids(None, 36, 5) == [1, 9, 17, 25, 33]
-    for bad in ([3, 36], [-1, 2], [], [4, 4]):
+    # Engines read layer id's feature as hidden_states[id + 1]: the last layer (N - 1) has none.
+    for bad in ([3, 35], [3, 36], [-1, 2], [], [4, 4]):
         with pytest.raises(ConfigError, match=r"^target\.layer_ids"):
             resolve_layer_ids(bad, 36, 5)
-    with pytest.raises(ConfigError, match=r"^target\.layer_ids.*does not exist"):
+    with pytest.raises(ConfigError, match=r"^target\.layer_ids: layer 35 is out of range .* valid ids are 0\.\.34"):
+        resolve_layer_ids([35], 36, 5)
+    with pytest.raises(ConfigError, match=r"^target\.layer_ids.*out of range"):
         describe_target(TargetConfig(kind="random", arch="tiny-llama", layer_ids=[1, 8]))
     with pytest.raises(ConfigError, match=r"^target\.layer_ids"):
         load_target(TargetConfig(kind="random", arch="tiny-llama", layer_ids=[9]), "cpu")
@@ -102,16 +136,19 @@ def test_features_equal_hidden_states_sliced_by_hand(arch):
     assert torch.equal(tokens, out.logits.argmax(dim=-1))
 
 
-def test_last_layer_is_final_normed_like_transformers():
-    """id = N-1 → hidden_states[N], which transformers stores after the final norm."""
-    target = _tiny("tiny-llama", layer_ids=[7, 0])
+def test_last_valid_layer_is_input_of_last_layer():
+    """id = N-2 → hidden_states[N-1] (the input of the last layer); id = N-1 has no feature in an
+    engine (hidden_states[N] is past its layers) and is refused."""
+    target = _tiny("tiny-llama", layer_ids=[6, 0])
     ids, pos, doc = _single_doc_batch(1, 20, target.vocab_size, seed=3)
     features, _ = target.forward_features(ids, pos, doc)
     with torch.no_grad():
         out = target.model(input_ids=ids, output_hidden_states=True)
     d = target.hidden_size
-    torch.testing.assert_close(features[..., :d], out.hidden_states[8], atol=1e-6, rtol=0)
+    torch.testing.assert_close(features[..., :d], out.hidden_states[7], atol=1e-6, rtol=0)
     torch.testing.assert_close(features[..., d:], out.hidden_states[1], atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match=r"^target\.layer_ids: layer 7 is out of range .* 0\.\.6"):
+        _tiny("tiny-llama", layer_ids=[7, 0])
 
 
 def test_target_tokens_are_argmax_of_logits_chunked():

@@ -83,9 +83,17 @@ def test_qwen3_chat_template(qwen3):
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": "A"}]
     plain = qwen3.apply_chat_template(messages, tokenize=False)
-    assert plain == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+    # Qwen3's released template: the last assistant turn carries its (here empty) think block.
+    assert plain == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+                     "<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n")
     off = qwen3.apply_chat_template(messages, tokenize=False, enable_thinking=False)
-    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n")
+    assert off == plain
+    # Earlier assistant turns lose their reasoning; the one after the last user turn keeps it.
+    history = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "<think>\nR1\n</think>\n\nA1"},
+               {"role": "user", "content": "V"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]
+    assert qwen3.apply_chat_template(history, tokenize=False) == (
+        "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nV<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nR2\n</think>\n\nA2<|im_end|>\n")
     assert qwen3.apply_chat_template(messages, tokenize=False, enable_thinking=True) == plain
     prompt = qwen3.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
