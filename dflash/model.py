@@ -545,6 +545,10 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: flo
 
     Inside an outer ``torch.compile`` region the plain function is traced into that graph.
     On CPU the eager (unfused) implementation runs: tests only.
+
+    ``FORCE_USE_FLEX_ATTENTION``: under 128 queries inductor would pick its flex-decoding kernel,
+    which accepts no block mask tiled like ours (``dflash.objective.FLEX_TILE`` for queries and
+    keys) and fails to lower ("No choices to select"); the main kernel handles any query length.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -555,7 +559,8 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: flo
         fn = _compiled_flex
     else:
         fn = flex_attention
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+              kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
 
 
 # --------------------------------------------------------------------------- the drafter

@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -32,7 +33,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.config import DrafterConfig, TargetConfig
     from dflash.generation import Generator
     from dflash.logs import setup_logging
-    from dflash.model import DFlashConfig, DFlashDraftModel
+    from dflash.model import DFlashConfig, DFlashDraftModel, mask_fallback_token_ids, resolve_mask_token_id
     from dflash.target import load_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -54,6 +55,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     dcfg = DFlashConfig.from_target(target.config, DrafterConfig(num_layers=args.drafter_layers,
                                                                  block_size=args.block_size),
                                     target_layer_ids=target.layer_ids)
+    vocab = SMOLLM2_SHAPE["vocab_size"]
+    dcfg = replace(dcfg, mask_token_id=resolve_mask_token_id(None, vocab, vocab, mask_fallback_token_ids(target.config)))
     torch.manual_seed(0)
     drafter = DFlashDraftModel(dcfg, target.embed_tokens, target.lm_head, attention="sdpa").to(device).eval()
     g = torch.Generator().manual_seed(0)
