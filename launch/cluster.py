@@ -133,6 +133,23 @@ class LocalCluster:
         return latest_checkpoint(self.run_dir, verify=True)
 
 
+def newest_checkpoint_line(run_dir: Path, steps_done: int) -> str:
+    """Which checkpoint a run that has just ended leaves: the newest complete one on disk (checked
+    as ``--resume`` checks it) against ``steps_done``, the steps the drafter group had done."""
+    try:
+        ckpt = latest_checkpoint(run_dir, verify=True)
+    except (CheckpointError, PermissionError) as exc:
+        return f"the newest checkpoint cannot be told: {exc}"
+    if ckpt is None:
+        return (f"no checkpoint on disk after {steps_done} step(s): nothing to resume from" if steps_done
+                else "no checkpoint on disk")
+    step = read_state(ckpt)["step"]
+    if step >= steps_done:
+        return f"final checkpoint: {ckpt} (step {step})"
+    return (f"newest checkpoint: {ckpt} (step {step}); steps {step + 1}..{steps_done} are in no checkpoint: "
+            f"--resume trains them again")
+
+
 def write_cluster_file(run_dir: Path, endpoint: str, cluster: LocalCluster) -> None:
     """``<run_dir>/cluster.json``: how ``status / restart / stop / attach`` reach this cluster."""
     workers = {}
@@ -757,6 +774,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     sock = CoordinatorSocket(cfg.transport.host)
     progress = ProgressLine(plan.total_steps, start_step, every=cfg.log.every * 10)
     control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir, progress.write))
+    early_signals: list[int] = []  # a stop while workers start, before the coordinator's handlers
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda sig, _frame: early_signals.append(sig))
     control.start_all(ckpt)
     write_cluster_file(run_dir, sock.endpoint, control)
     wandb_id_file = run_dir / "wandb_id"
@@ -771,6 +791,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                               peer_timeout_s=cfg.transport.peer_timeout_s, max_restarts=cfg.cluster.max_restarts,
                               restart_backoff_s=cfg.cluster.restart_backoff_s)
     coordinator.install_signal_handlers()
+    for signum in early_signals[:1]:
+        coordinator.stop_signal = signum
+        coordinator.request_stop(signal.Signals(signum).name)
     trainable_logged = False
     last_logged = [start_step - 1]
 
@@ -800,11 +823,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = None
     finally:
         progress.close()
-        control.supervisor.stop_all()
+        control.supervisor.stop_all(terminate_now=coordinator.unready_workers(), between=coordinator.serve_controls)
         (run_dir / "cluster.json").unlink(missing_ok=True)
         sock.close()
         wb.finish(exit_code)
         metrics_file.close()
+    log.info("%s", newest_checkpoint_line(run_dir, coordinator.steps_done))
     if result is None:
         return 130
     # a rollback below this launch's first step (its checkpoint moved aside) re-planned from there

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 __all__ = ["WorkerSpec", "WorkerProcess", "Supervisor"]
 
@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 TAIL_LINES = 40
 STOP_GRACE_S = 20.0
 EXIT_WAIT_S = 15.0
+#: Seconds a worker that is not ready gets between SIGTERM and SIGKILL when the run stops.
+UNREADY_GRACE_S = 5.0
+#: Longest single wait (s) while stopping workers, between calls of ``stop_all(between=...)``.
+WAIT_SLICE_S = 0.1
 
 
 @dataclass
@@ -146,22 +150,48 @@ class Supervisor:
         """Workers that have exited (any return code)."""
         return [w for w in self.workers.values() if w.popen is not None and not w.alive()]
 
-    def stop_all(self, exit_s: float = EXIT_WAIT_S, grace_s: float = STOP_GRACE_S) -> None:
+    def stop_all(self, exit_s: float = EXIT_WAIT_S, grace_s: float = STOP_GRACE_S,
+                 terminate_now: Collection[str] = (), between: Optional[Callable[[], None]] = None) -> None:
         """Wait up to ``exit_s`` for workers told to stop to exit on their own, then SIGTERM the
-        rest, wait up to ``grace_s``, then SIGKILL what is left."""
-        deadline = time.monotonic() + exit_s
-        for w in self.workers.values():
-            w.wait(max(0.0, deadline - time.monotonic()))
+        rest, wait up to ``grace_s``, then SIGKILL what is left.
+
+        Args:
+            terminate_now: workers still starting or restarting: they may not read a stop message
+                for minutes (loading a model, joining a process group) and hold nothing to save;
+                SIGTERM at once, SIGKILL after :data:`UNREADY_GRACE_S`.
+            between: called between short waits (the launcher answers control commands).
+        """
+        early = [self.workers[n] for n in terminate_now if n in self.workers]
+        for w in early:
+            w.signal(signal.SIGTERM)
+        self._wait(early, UNREADY_GRACE_S, between)
+        for w in early:
+            if w.alive():
+                log.warning("%s (not ready) did not stop within %.0f s of SIGTERM: SIGKILL", w.name, UNREADY_GRACE_S)
+                w.signal(signal.SIGKILL)
+        self._wait(list(self.workers.values()), exit_s, between)
         for w in self.workers.values():
             w.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for w in self.workers.values():
-            w.wait(max(0.1, deadline - time.monotonic()))
+        self._wait(list(self.workers.values()), grace_s, between)
         for w in self.workers.values():
             if w.alive():
                 log.warning("%s did not stop within %.0f s: SIGKILL", w.name, grace_s)
                 w.signal(signal.SIGKILL)
                 w.wait(5.0)
+
+    @staticmethod
+    def _wait(workers: list[WorkerProcess], seconds: float, between: Optional[Callable[[], None]]) -> None:
+        """Wait up to ``seconds`` in all for ``workers`` to exit, calling ``between`` every
+        :data:`WAIT_SLICE_S` or so."""
+        deadline = time.monotonic() + seconds
+        for w in workers:
+            while w.alive() and time.monotonic() < deadline:
+                if between is not None:
+                    between()
+                w.wait(max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
+        for w in workers:  # exited: collect their output threads
+            if w.popen is not None and not w.alive():
+                w.wait(0.0)
 
     def report(self, worker: WorkerProcess) -> str:
         lines = "\n".join(f"    {line}" for line in worker.tail)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash.checkpoint import checkpoint_problem, read_state
 from test_pipeline import CONFIG, ROOT, SMALL, _env, reference_losses, train_losses
 
 pytestmark = pytest.mark.slow
@@ -30,7 +32,7 @@ FAULTS = ["cluster.drafters=[0, 1]", "train.max_steps=60", "train.eval_batches=0
           "cluster.max_restarts=4", "cluster.restart_backoff_s=0.2", "transport.peer_timeout_s=20"]
 
 
-def ctl(run_dir: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+def ctl(run_dir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "launch.cluster", *args, "--run-dir", str(run_dir)], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -146,7 +148,7 @@ def test_random_sigkills_run_finishes_with_exact_ledger(tmp_path):
     for step, loss in enumerate(ref, start=1):
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), (step, kills)
     # no orphans, no shared memory left behind
-    wait_until(lambda: not descendants(proc.pid), 10, "no worker process left")
+    wait_until(lambda: not descendants(proc.pid), 60, "no worker process left")
     assert shm_entries() - shm_before == set()
 
 
@@ -187,7 +189,7 @@ def test_launcher_sigkill_leaves_no_worker(tmp_path):
     assert len(workers) >= 3
     proc.kill()
     proc.wait(timeout=30)
-    wait_until(lambda: not any(Path(f"/proc/{p}").exists() and _alive(p) for p in workers), 10,
+    wait_until(lambda: not any(Path(f"/proc/{p}").exists() and _alive(p) for p in workers), 60,
                "every worker to exit after the launcher's SIGKILL")
     assert shm_entries() - shm_before == set()
 
@@ -198,3 +200,102 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+# --------------------------------------------------------------------------- stop in every state
+
+#: A random tiny Qwen3 target on a small generated dataset: workers start in seconds, steps take
+#: milliseconds, and the run is long enough that it is always stopped before its end.
+TINY = ["target.kind=random", "target.arch=tiny-qwen3", "target.arch_overrides={vocab_size: 151936}",
+        "target.tokenizer=qwen3", "train.epochs=50", "train.max_steps=400", "train.eval_batches=0"]
+#: Bound on a stop: from the request to the launcher's exit (s); generous for a loaded 2-core box.
+STOP_BOUND_S = 150
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> list[str]:
+    """Overrides for a 400-conversation JSONL dataset (and its own data cache)."""
+    root = tmp_path_factory.mktemp("tiny-data")
+    rows = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Question {i}: how do I sort a list of {i} numbers in Python?"},
+        {"from": "gpt", "value": "Use sorted(values) for a new list or values.sort() in place. " * (1 + i % 4)}]}
+        for i in range(400)]
+    (root / "conv.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [f"data.dataset={root / 'conv.jsonl'}", f"data.cache_dir={root / 'cache'}"]
+
+
+def stopped(proc: subprocess.Popen, run_dir: Path, code: int, shm_before: set[str]) -> tuple[str, int, str]:
+    """Wait (within :data:`STOP_BOUND_S`) for a stopped launcher; check its exit code, that no worker
+    process and no shared memory of its workers is left, and that the checkpoint its last line
+    names is whole. Returns ``(final | newest, step, output)``."""
+    out = finish(proc, STOP_BOUND_S)
+    assert proc.returncode == code, out[-5000:]
+    pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", out)]
+    assert pids and not [p for p in pids if _alive(p)], out[-3000:]
+    assert not {e for e in shm_entries() - shm_before if "dflash" in e or any(str(p) in e for p in pids)}
+    assert not (run_dir / "cluster.json").exists()
+    m = re.search(r"(final|newest) checkpoint: (\S+) \(step (\d+)\)", out)
+    assert m, out[-3000:]
+    ckpt, step = Path(m.group(2)), int(m.group(3))
+    assert checkpoint_problem(ckpt) is None and read_state(ckpt)["step"] == step
+    return m.group(1), step, out
+
+
+def test_stop_during_a_drafter_group_restart_then_during_start_up(tmp_path, tiny_data):
+    """SIGKILL a drafter, then ``stop`` at once: the launcher wrote no checkpoint through the
+    restarting group (it waited forever); now it ends at the checkpoint the group restarts from.
+    Then ``--resume`` and SIGTERM twice while the workers start: it ends at once, at that checkpoint."""
+    run_dir = tmp_path / "run"
+    shm_before = shm_entries()
+    extra = [*TINY, *tiny_data, "cluster.drafters=[0, 1]", "checkpoint.every=3"]
+    proc = launch(run_dir, extra)
+    s = wait_until(lambda: (x := status(run_dir)) and x["step"] >= 5 and x, 240, "step 5", proc)
+    os.kill(s["workers"]["drafter.1"]["pid"], signal.SIGKILL)
+    res = ctl(run_dir, "stop")
+    assert res.returncode == 0, res.stderr
+    kind, step, out = stopped(proc, run_dir, 0, shm_before)
+    assert kind == "final" and step >= 3, out[-3000:]
+    assert "drafter group restart (drafter.1 died)" in out or "drafter.1 exited while the run stops" in out
+
+    proc = launch(run_dir, [*extra, "--resume"])
+    wait_until(lambda: (run_dir / "cluster.json").is_file(), 240, "the workers to start", proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # a second one changes nothing
+    kind2, step2, out = stopped(proc, run_dir, 128 + signal.SIGTERM, shm_before)
+    assert "stopped (SIGTERM) before every worker was ready" in out, out[-3000:]
+    assert (kind2, step2) == ("final", step)
+
+
+@pytest.mark.parametrize("state", ["target restart", "evaluation and checkpoint writes"])
+def test_stop_while_steps_are_in_flight(tmp_path, tiny_data, state):
+    """``stop`` while a target restarts (twice: the second is answered and changes nothing), or
+    while an evaluation and a checkpoint write are under way (a drafter is held with SIGSTOP
+    until the stop is logged): the issued items finish and the final checkpoint holds the last step."""
+    run_dir = tmp_path / "run"
+    shm_before = shm_entries()
+    if state == "target restart":
+        extra = ["cluster.drafters=[0]", "checkpoint.every=3"]
+    else:  # an evaluation after every step, a checkpoint at every step
+        extra = ["cluster.drafters=[0, 1]", "checkpoint.every=1", "train.eval_every=1", "train.eval_batches=2"]
+    proc = launch(run_dir, [*TINY, *tiny_data, *extra])
+    s = wait_until(lambda: (x := status(run_dir)) and x["step"] >= 3 and x, 240, "step 3", proc)
+    if state == "target restart":
+        assert ctl(run_dir, "restart", "target.0").returncode == 0
+        first, second = ctl(run_dir, "stop"), ctl(run_dir, "stop")
+        assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+        assert second.stdout.startswith(("already stopping", "the run is ending")), second.stdout
+    else:
+        held = s["workers"]["drafter.1"]["pid"]
+        os.kill(held, signal.SIGSTOP)
+        try:
+            assert ctl(run_dir, "stop").returncode == 0
+            wait_until(lambda: "stop requested" in proc.log_path.read_text(), 60, "the stop to be logged", proc)
+        finally:
+            os.kill(held, signal.SIGCONT)
+    kind, step, out = stopped(proc, run_dir, 0, shm_before)
+    assert kind == "final" and step == max(train_losses(run_dir)), out[-3000:]
+    after_stop = out.split("stop requested", 1)[1]
+    if state == "target restart":
+        assert "target.0 is back after" in out, out[-3000:]
+    else:  # the evaluation in flight finished after the stop; the final checkpoint was not written twice
+        assert "held-out eval" in after_stop and "writing the final checkpoint" not in after_stop, out[-3000:]

@@ -301,3 +301,104 @@ def test_drafters_dying_after_a_group_restart_are_retried_then_the_run_fails(tmp
     control.die("drafter.0")
     with pytest.raises(Exception, match="failed 3 times in a row"):
         c._supervise()
+
+
+# --------------------------------------------------------------------------- stop and requested restarts
+
+
+class _ScriptedSock(_Sock):
+    """Sends are recorded; ``recv`` hands out the scripted ``(sender, message)`` pairs, then None."""
+
+    def __init__(self, script=()):
+        super().__init__()
+        self.script = list(script)
+
+    def send(self, name, kind, **fields):
+        super().send(name, kind, **fields)
+        return True
+
+    def recv(self, timeout_s):
+        return self.script.pop(0) if self.script else None
+
+
+def _running(tmp_path, ckpt_step, steps_done, written, started, script=()):
+    """A coordinator in mid-run: every worker up and ready, ``steps_done`` steps trained, checkpoint
+    ``written`` on disk and ``started`` begun by rank 0; ``latest_checkpoint`` gives step ``ckpt_step``."""
+    c, _ = _coordinator(tmp_path, 0, ckpt_step)
+    c.sock = _ScriptedSock(script)
+    c.checkpoint_wait_s = 30.0
+    for w in c.workers.values():
+        w.up = w.ready = True
+    c._started = True
+    c.steps_done, c.checkpointed_step, c.checkpoint_started = steps_done, written, started
+    return c
+
+
+def _checkpointed(step):
+    return ("drafter.0", {"type": "checkpointed", "name": "drafter.0", "step": step, "path": f"step-{step:08d}"})
+
+
+def _ctl(c, cmd, **args):
+    c._on_ctl("ctl-1", {"type": "ctl", "cmd": cmd, "args": args})
+    name, kind, fields = c.sock.sent[-1]
+    assert (name, kind) == ("ctl-1", "ctl_reply")
+    return fields
+
+
+def test_requested_restart_waits_for_the_checkpoint_being_written(tmp_path, caplog):
+    c = _running(tmp_path, 8, steps_done=9, written=4, started=8)
+    reply = _ctl(c, "restart", worker="drafters")
+    assert reply["ok"] and reply["text"] == "drafter group restarting once checkpoint step 8, being written, is on disk"
+    c._restart_when_written()
+    assert c.pending_restart is not None and c.control.restarts == [] and c.steps_done == 9
+    c._handle(*_checkpointed(8))
+    with caplog.at_level("WARNING"):
+        c._restart_when_written()
+    assert c.pending_restart is None and c.control.restarts == ["drafter.0"] and c.steps_done == 8
+    assert (f"drafter group restart (restart drafters requested, after checkpoint step 8 was written): rolling back "
+            f"from step 9 to step 8 ({c.control.ckpt}, the newest checkpoint on disk)") in caplog.text
+
+
+def test_requested_restart_without_a_write_in_flight_is_immediate_and_a_crash_is_not_delayed(tmp_path):
+    c = _running(tmp_path, 8, steps_done=9, written=8, started=8)
+    assert _ctl(c, "restart", worker="drafters")["text"] == "drafter group restarting from the last checkpoint (step 8)"
+    assert c.control.restarts == ["drafter.0"]
+    (tmp_path / "crash").mkdir()
+    crashed = _running(tmp_path / "crash", 8, steps_done=9, written=4, started=8)
+    _ctl(crashed, "restart", worker="drafters")
+    crashed.control.die("drafter.0")  # a crash mid-write: the group restarts now, from what is on disk
+    crashed._supervise()
+    assert crashed.pending_restart is None and crashed.control.restarts == ["drafter.0"] and crashed.steps_done == 8
+
+
+@pytest.mark.parametrize("state, steps_done, written, started, ready, script, save, done", [
+    # steps past the newest checkpoint: rank 0 writes step 9, the stop waits for it
+    ("trained past the checkpoint", 9, 8, 8, True, [_checkpointed(9)], 9, 9),
+    # the checkpoint of step 9 is being written: waited for, not written twice
+    ("checkpoint write in flight", 9, 8, 9, True, [_checkpointed(9)], None, 9),
+    # the group is restarting from checkpoint 8: it holds nothing newer, nothing is written
+    ("drafter group restarting", 8, 8, 8, False, [], None, 8),
+])
+def test_stop_writes_or_waits_for_the_final_checkpoint(tmp_path, state, steps_done, written, started, ready, script,
+                                                        save, done):
+    c = _running(tmp_path, 8, steps_done, written, started, script)
+    for name in c.drafters:
+        c.workers[name].ready = ready
+    assert c.request_stop("test")
+    c._final_checkpoint()
+    saves = [fields["step"] for name, kind, fields in c.sock.sent if kind == "save"]
+    assert saves == ([] if save is None else [save]), state
+    assert c.checkpointed_step == done and c._write_in_flight() is None, state
+
+
+def test_second_stop_is_answered_and_nothing_restarts_while_stopping(tmp_path):
+    c = _running(tmp_path, 8, steps_done=9, written=8, started=8)
+    assert _ctl(c, "stop")["text"] == "stopping after the issued steps, with a final checkpoint"
+    assert _ctl(c, "stop")["text"] == "already stopping (requested by `launch.cluster stop`)"
+    refused = _ctl(c, "restart", worker="drafters")
+    assert not refused["ok"] and refused["text"] == "the run is stopping (requested by `launch.cluster stop`): no restart"
+    c.control.die("drafter.0")  # a drafter dying while the run stops: the group is not restarted
+    c._supervise()
+    assert c.control.restarts == [] and c.group_lost == "drafter.0 exited while the run stops"
+    c._final_checkpoint()
+    assert not [kind for _, kind, _ in c.sock.sent if kind == "save"]

@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--carrier", default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--heartbeat", type=float, default=0.1)
-    parser.add_argument("--peer-timeout", type=float, default=5.0)
+    parser.add_argument("--peer-timeout", type=float, default=DEFAULT_WAIT_S,
+                        help="liveness timeout (s): generous, the parent may be slow to poll on a loaded machine")
     parser.add_argument("--count", type=int, default=0, help="batches to publish/receive (0: until killed)")
     parser.add_argument("--mem-every", type=int, default=0)
     # producer
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--first-batch", type=int, default=0)
     parser.add_argument("--fill-sleep-cycles", type=int, default=0)
-    parser.add_argument("--linger", type=float, default=5.0)
+    parser.add_argument("--linger", type=float, default=DEFAULT_WAIT_S,
+                        help="longest wait (s) for the consumers to free what is in flight before 'done'")
     # consumer
     parser.add_argument("--producers", help="name=endpoint,...")
     parser.add_argument("--stall-after", type=int, default=0)

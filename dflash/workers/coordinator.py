@@ -33,6 +33,12 @@ __all__ = ["WorkItem", "Ledger", "Coordinator", "CoordinatorResult", "ClusterCon
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+#: After a stop request: the longest wait (s) for the issued items to finish (a target may be
+#: restarting meanwhile); past it the run ends without them, at the newest checkpoint on disk.
+STOP_DRAIN_S = 300.0
+#: The longest wait (s) for a checkpoint write to reach the disk: the final one after a stop, or
+#: one in flight when a drafter-group restart is requested.
+CHECKPOINT_WAIT_S = 600.0
 
 
 @dataclass
@@ -233,6 +239,15 @@ class Coordinator:
         on_progress: called with ``(steps_done, text)`` for the console line.
         max_restarts: restarts of one worker (a target, or the drafter group) without progress
             in between before the run fails; ``restart_backoff_s``: first delay, doubled each time.
+        stop_drain_s: after a stop request, the longest wait for the issued items (s).
+        checkpoint_wait_s: the longest wait for a checkpoint write to reach the disk (s).
+
+    Stopping (``stop``, SIGTERM, SIGINT; a second request is answered and changes nothing): no
+    new item is issued; the issued ones finish (within ``stop_drain_s``); then rank 0 writes a
+    final checkpoint of the newest step unless one of its checkpoints already covers it (a write
+    in flight is waited for, not repeated). A group that cannot write (restarting from a
+    checkpoint, a drafter gone, issued steps abandoned) writes nothing: the newest checkpoint on
+    disk is then the run's last. No worker is restarted once the final phase begins.
     """
 
     def __init__(self, socket: CoordinatorSocket, targets: list[str], drafters: list[str],
@@ -240,7 +255,8 @@ class Coordinator:
                  item_args: dict, slots_per_target: int, control: ClusterControl,
                  on_metrics: Callable[[int, dict], None], on_progress: Callable[[int, str], None],
                  ready_timeout_s: float = 1800.0, peer_timeout_s: float = 120.0, max_restarts: int = 3,
-                 restart_backoff_s: float = 1.0):
+                 restart_backoff_s: float = 1.0, stop_drain_s: float = STOP_DRAIN_S,
+                 checkpoint_wait_s: float = CHECKPOINT_WAIT_S):
         self.sock = socket
         self.targets = targets
         self.drafters = drafters
@@ -259,14 +275,27 @@ class Coordinator:
         self.peer_timeout_s = peer_timeout_s
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
+        self.stop_drain_s = stop_drain_s
+        self.checkpoint_wait_s = checkpoint_wait_s
         self.workers = {n: WorkerInfo(n, "target") for n in targets}
         self.workers.update({n: WorkerInfo(n, "drafter") for n in drafters})
         self.last_seen: dict[str, float] = {}
         self.ledger = Ledger()
-        #: newest step whose checkpoint rank 0 reported on disk (checkpoints are written in the background)
-        self.checkpointed_step = -1
+        #: newest step whose checkpoint rank 0 reported on disk (checkpoints are written in the
+        #: background); a launch that resumed starts from a checkpoint of its first step
+        self.checkpointed_step = start_step if start_step > 0 else -1
+        #: newest step whose checkpoint rank 0 has begun to write (it trained a ``checkpoint``
+        #: step, or was sent ``save``); above ``checkpointed_step`` while a write is in flight
+        self.checkpoint_started = self.checkpointed_step
         self.stop_reason: Optional[str] = None
         self.stop_signal: Optional[int] = None
+        self._stop_deadline = math.inf
+        #: why the drafter group can no longer write a final checkpoint after a stop request
+        self.group_lost: Optional[str] = None
+        #: the final phase of a stop: no worker is restarted any more
+        self._finishing = False
+        #: a requested drafter-group restart waiting for a checkpoint write in flight: (reason, deadline)
+        self.pending_restart: Optional[tuple[str, float]] = None
         self.worker_stats: dict[str, dict] = {}
         self.result = CoordinatorResult(exit_code=0, steps_done=start_step)
         self.steps_done = start_step
@@ -302,10 +331,19 @@ class Coordinator:
         self.first_open = 0
 
     # ------------------------------------------------------------------ signals
-    def request_stop(self, reason: str) -> None:
-        if self.stop_reason is None:
-            log.warning("stop requested (%s): finishing issued steps, then a final checkpoint", reason)
-            self.stop_reason = reason
+    def request_stop(self, reason: str) -> bool:
+        """Stop the run (see the class docstring); False when a stop was already requested."""
+        if self.stop_reason is not None:
+            log.warning("stop requested again (%s): already stopping (%s)", reason, self.stop_reason)
+            return False
+        log.warning("stop requested (%s): finishing the issued steps (at most %.0f s), then a final checkpoint",
+                    reason, self.stop_drain_s)
+        self.stop_reason = reason
+        self._stop_deadline = time.monotonic() + self.stop_drain_s
+        if self.pending_restart is not None:
+            log.info("the pending drafter group restart (%s) is dropped: the run stops", self.pending_restart[0])
+            self.pending_restart = None
+        return True
 
     def install_signal_handlers(self) -> None:
         def handler(signum, _frame):
@@ -320,32 +358,50 @@ class Coordinator:
     # ------------------------------------------------------------------ main loop
     def run(self) -> CoordinatorResult:
         try:
-            self._wait_all_ready()
-            self._started = True
-            self._loop()
+            if self._wait_all_ready():
+                self._started = True
+                self._loop()
         except _Failure as exc:
             log.error("%s", exc)
             self.result.exit_code = 1
         finally:
+            self._finishing = True
             for name in self.targets + self.drafters:
                 self.sock.send(name, "stop", reason=self.stop_reason or "done")
         self.result.steps_done = self.steps_done
         return self.result
 
+    def serve_controls(self, timeout_s: float = 0.05) -> None:
+        """After :meth:`run`: answer control commands (a second ``stop``, ``status``) while the
+        launcher stops the workers; workers' messages are dropped. Waits up to ``timeout_s``."""
+        got = self.sock.recv(timeout_s)
+        while got is not None:
+            if got[1]["type"] == "ctl":
+                self._on_ctl(*got)
+            got = self.sock.recv(0)
+
     def _all_ready(self, names: list[str]) -> bool:
         return all(self.workers[n].ready for n in names)
 
-    def _wait_all_ready(self) -> None:
+    def unready_workers(self) -> list[str]:
+        """Workers not ready now (starting, loading, restarting): they hold no state to save."""
+        return [n for n, w in self.workers.items() if not w.ready]
+
+    def _wait_all_ready(self) -> bool:
+        """Wait until every worker is READY; False when a stop is requested first."""
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._all_ready(self.targets + self.drafters):
             if self.stop_reason is not None:
-                raise _Failure(f"stopped ({self.stop_reason}) before every worker was ready")
+                log.warning("stopped (%s) before every worker was ready (not ready: %s): nothing trained in this "
+                            "launch", self.stop_reason, ", ".join(self.unready_workers()))
+                return False
             if time.monotonic() > deadline:
                 missing = [n for n, w in self.workers.items() if not w.ready]
                 raise _Failure(f"workers not ready after {self.ready_timeout_s:.0f} s: {missing}")
             self._tick()
         log.info("all %d target(s) and %d drafter(s) ready (warmed up): handing out batches",
                  len(self.targets), len(self.drafters))
+        return True
 
     def _tick(self) -> None:
         """One round of supervision and message handling (at most ``POLL_S`` of waiting)."""
@@ -364,19 +420,34 @@ class Coordinator:
         # the run is over once every item is done and the final checkpoint is on disk (a drafter
         # group rollback meanwhile re-opens items and the loop goes on)
         while self.first_open < len(self.items) or self._awaiting_last_checkpoint():
+            if self.pending_restart is not None:
+                self._restart_when_written()
             group_ready = self._all_ready(self.drafters)
-            while (self.stop_reason is None and group_ready and self.next_item < len(self.items)
-                   and self.next_item - self.first_open < self.lookahead):
+            while (self.stop_reason is None and self.pending_restart is None and group_ready
+                   and self.next_item < len(self.items) and self.next_item - self.first_open < self.lookahead):
                 self._issue(self.next_item)
                 self.next_item += 1
-            if self.stop_reason is not None and self.first_open >= self.next_item:
+            if self.stop_reason is not None and (self.first_open >= self.next_item or self._stop_overdue()):
                 break
             self._tick()
             while self.first_open < len(self.items) and len(self.item_done[self.first_open]) == len(self.drafters):
                 self._finish_item(self.first_open)
                 self.first_open += 1
-        if self.stop_reason is not None and self.first_open < len(self.items):
-            self._final_save()
+        if self.stop_reason is not None:
+            self._final_checkpoint()
+
+    def _stop_overdue(self) -> bool:
+        """Stopping, with issued items left: True (the loop ends) when the group can no longer
+        finish them (a drafter died) or they did not finish within ``stop_drain_s``."""
+        if self.group_lost is None and time.monotonic() > self._stop_deadline:
+            self.group_lost = (f"{self.next_item - self.first_open} issued item(s) did not finish within "
+                               f"{self.stop_drain_s:.0f} s of the stop request")
+            log.error("%s: stopping without them", self.group_lost)
+        if self.group_lost is not None:
+            # what the group trained past the last finished step is lost with it
+            self.ledger.rollback(self.plan, self.steps_done, self.plan.total_steps)
+            return True
+        return False
 
     # ------------------------------------------------------------------ supervision
     def _supervise(self) -> None:
@@ -390,7 +461,7 @@ class Coordinator:
                 self.last_seen.pop(name)
                 self.control.kill(name)
         for w in self.workers.values():
-            if w.restart_at is not None and now >= w.restart_at:
+            if w.restart_at is not None and now >= w.restart_at and not self._finishing:
                 w.restart_at = None
                 self.control.restart(w.name, None)
 
@@ -405,6 +476,9 @@ class Coordinator:
             return
         if w.role == "target":
             self._target_down(name)
+            if self._finishing:
+                log.warning("%s exited while the run stops: not restarted.\n%s", name, report)
+                return
             if w.restart_at is not None:  # a requested restart: already scheduled
                 return
             w.failures += 1
@@ -418,6 +492,14 @@ class Coordinator:
             if self.control.pid(name) is not None:
                 # an earlier process of this name, already replaced by a group restart (several
                 # drafters die together when one does); a restarted one that dies has no pid
+                return
+            if self.stop_reason is not None:
+                for n in self.drafters:
+                    self.workers[n].ready = False
+                if self.group_lost is None:
+                    self.group_lost = f"{name} exited while the run stops"
+                    log.error("%s: the drafter group is not restarted; the run ends at its newest checkpoint on "
+                              "disk.\n%s", self.group_lost, report)
                 return
             self.drafter_failures += 1
             if self.drafter_failures > self.max_restarts:
@@ -458,8 +540,12 @@ class Coordinator:
         self.lowest_step = min(self.lowest_step, step)
         lost = range(step, self.steps_done + self.lookahead + 1)
         self.ledger.rollback(self.plan, step, min(self.plan.total_steps, lost.stop))
-        log.warning("drafter group restart (%s): rolling back from step %d to checkpoint step %d", reason,
-                    self.steps_done, step)
+        source = (f"{ckpt}, the newest checkpoint on disk" if ckpt is not None
+                  else "no checkpoint on disk yet: the initial weights")
+        log.warning("drafter group restart (%s): rolling back from step %d to step %d (%s)", reason,
+                    self.steps_done, step, source)
+        self.pending_restart = None
+        self.checkpointed_step = self.checkpoint_started = step if ckpt is not None else -1
         self.steps_done = step
         self.attempt += 1
         self.jobs.clear()
@@ -529,22 +615,55 @@ class Coordinator:
                 self.sock.send(name, "evaluate", attempt=self.attempt, round=item.index, batch_ids=ids,
                                step=item.at_step, keys=keys)
 
-    def _final_save(self) -> None:
-        """After a stop request: all issued steps are trained; checkpoint the current state."""
-        step = self.steps_done
-        log.info("writing the final checkpoint at step %d", step)
-        self.sock.send(self.drafters[0], "save", step=step)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            self._supervise()
-            got = self.sock.recv(POLL_S)
-            if got is None:
-                continue
-            sender, msg = got
-            self._handle(sender, msg)
-            if msg["type"] == "checkpointed" and msg["step"] == step:
-                return
-        raise _Failure("final checkpoint not written within 600 s")
+    def _final_checkpoint(self) -> None:
+        """After a stop: rank 0 writes a checkpoint of ``steps_done`` if it can and none covers it;
+        a write in flight is waited for (see the class docstring)."""
+        self._finishing = True
+        step, rank0 = self.steps_done, self.drafters[0]
+        if self.group_lost is None and not self._all_ready(self.drafters):
+            self.group_lost = "the drafter group is restarting from a checkpoint"
+        if self.group_lost is not None:
+            log.warning("no final checkpoint (%s): the newest checkpoint on disk is the run's last", self.group_lost)
+        elif step > self.checkpoint_started:
+            log.info("writing the final checkpoint at step %d", step)
+            if self.sock.send(rank0, "save", step=step):
+                self.checkpoint_started = step
+        if self.checkpoint_started > self.checkpointed_step:
+            self._wait_checkpoint(self.checkpoint_started, "the final checkpoint" if step == self.checkpoint_started
+                                  else "the checkpoint being written")
+
+    def _write_in_flight(self) -> Optional[int]:
+        """The step of the checkpoint rank 0 is writing, or None."""
+        return self.checkpoint_started if self.checkpoint_started > self.checkpointed_step else None
+
+    def _wait_checkpoint(self, step: int, what: str) -> bool:
+        """Handle messages until checkpoint ``step`` is reported on disk (True), rank 0 exits or
+        ``checkpoint_wait_s`` pass (False, logged)."""
+        started = time.monotonic()
+        log.info("waiting for %s (step %d) to reach the disk", what, step)
+        while self.checkpointed_step < step:
+            if not self.workers[self.drafters[0]].up:
+                log.error("%s exited before %s (step %d) was on disk", self.drafters[0], what, step)
+                return False
+            if time.monotonic() - started > self.checkpoint_wait_s:
+                log.error("%s (step %d) not on disk within %.0f s", what, step, self.checkpoint_wait_s)
+                return False
+            self._tick()
+        return True
+
+    def _restart_when_written(self) -> None:
+        """A requested drafter-group restart, once no checkpoint write is in flight (or rank 0 has
+        exited, or ``checkpoint_wait_s`` passed: the restart goes on from what is on disk)."""
+        reason, deadline = self.pending_restart
+        step = self._write_in_flight()
+        if step is not None and self.workers[self.drafters[0]].up and time.monotonic() < deadline:
+            return
+        self.pending_restart = None
+        if step is None:
+            reason += f", after checkpoint step {self.checkpointed_step} was written"
+        else:
+            reason += f", checkpoint step {step} being written was not reported on disk"
+        self._restart_drafter_group(reason)
 
     # ------------------------------------------------------------------ messages
     def _handle(self, sender: str, msg: dict) -> None:
@@ -630,6 +749,8 @@ class Coordinator:
         if i is None or i >= self.next_item or sender in self.item_done[i]:
             log.debug("%s reported step %d from before a rollback: ignored", sender, msg["step"])
             return
+        if sender == self.drafters[0] and self.items[i].checkpoint:  # rank 0 now writes this step's checkpoint
+            self.checkpoint_started = max(self.checkpoint_started, msg["step"] + 1)
         if msg["batch_id"] is not None:
             self.ledger.mark_trained(msg["epoch"], msg["batch_id"])
         self.worker_stats.setdefault(sender, {}).update(msg["metrics"].get("stats", {}))
@@ -660,10 +781,17 @@ class Coordinator:
             if cmd == "status":
                 text = "ok"
             elif cmd == "stop":
-                self.request_stop("requested by `launch.cluster stop`")
-                text = "stopping after the issued steps, with a final checkpoint"
+                if self.stop_reason is None and self._finishing:
+                    text = "the run is ending: its workers are stopping"
+                elif self.request_stop("requested by `launch.cluster stop`"):
+                    text = "stopping after the issued steps, with a final checkpoint"
+                else:
+                    text = f"already stopping ({self.stop_reason})"
             elif cmd in ("restart", "detach"):
                 worker = args.get("worker", "")
+                if self.stop_reason is not None or self._finishing:
+                    state = f"stopping ({self.stop_reason})" if self.stop_reason else "ending"
+                    raise ValueError(f"the run is {state}: no {cmd}")
                 if worker == "drafters" or worker.startswith("drafter."):
                     if worker.startswith("drafter.") and worker not in self.workers:
                         raise ValueError(f"no worker {worker!r}")
@@ -671,8 +799,16 @@ class Coordinator:
                         self.workers[worker].external = True
                     elif worker in self.workers:
                         self.workers[worker].external = False
-                    self._restart_drafter_group(f"{cmd} {worker} requested")
-                    text = f"drafter group restarting from the last checkpoint (step {self.steps_done})"
+                    in_flight = self._write_in_flight() if cmd == "restart" else None
+                    if in_flight is not None:  # restarting now would lose the write: wait for it
+                        self.pending_restart = (f"{cmd} {worker} requested",
+                                                time.monotonic() + self.checkpoint_wait_s)
+                        log.info("%s %s requested: the drafter group restarts once checkpoint step %d, being "
+                                 "written, is on disk", cmd, worker, in_flight)
+                        text = f"drafter group restarting once checkpoint step {in_flight}, being written, is on disk"
+                    else:
+                        self._restart_drafter_group(f"{cmd} {worker} requested")
+                        text = f"drafter group restarting from the last checkpoint (step {self.steps_done})"
                 elif worker in self.workers:
                     w = self.workers[worker]
                     w.external = cmd == "detach"

@@ -197,6 +197,7 @@ class DrafterWorker:
                 self.consumed.add(key)
                 self.ctx.link.send("received", key=key)
                 return got
+            self._report_checkpoints()  # a write in flight is reported while the batch is awaited
             self._check_stop()
 
     def connect(self, endpoints: dict[str, str]) -> None:
