@@ -166,11 +166,14 @@ def plan_launch(cfg: Any, batches_per_epoch: Sequence[int], state: Optional[dict
 
 def append_line(path: Path, record: dict) -> None:
     """Append one JSON line to ``path`` in a single ``write`` on an ``O_APPEND`` descriptor, then
-    ``fsync``: a reader (or a crash) sees the whole line or none of it (a torn last line is skipped
-    by the readers here)."""
+    ``fsync``: a reader (or a crash) sees the whole line or none of it (a line torn by a crash is
+    ended first, so it never swallows the next one; the readers here skip it)."""
     data = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a crash: keep it on its own line
+            data = b"\n" + data
         os.write(fd, data)
         os.fsync(fd)
     finally:

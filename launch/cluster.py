@@ -35,7 +35,7 @@ from dflash.factory import build_batch_plans, target_hf_config
 from dflash.logs import setup_logging
 from dflash.metrics import (ProgressLine, WandbRun, format_duration, last_logged_step, metrics_view,
                             rollback_record)
-from dflash.resume import LEDGER_FILE, LedgerFile, ledger_view, plan_launch
+from dflash.resume import LEDGER_FILE, LedgerFile, append_line, ledger_view, plan_launch
 from dflash.schedule import StepPlan
 from dflash.workers.control import CoordinatorSocket
 from dflash.workers.coordinator import Coordinator, build_work_items
@@ -144,8 +144,9 @@ def undo_later_steps(run_dir: Path, start_step: int, reason: str) -> None:
     if max(ledger, default=-1) >= start_step:
         LedgerFile(run_dir).rollback(start_step, max(ledger) + 1, reason)
     if last_step > start_step:
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(rollback_record(start_step, last_step, reason)) + "\n")
+        append_line(run_dir / "metrics.jsonl", rollback_record(start_step, last_step, reason))
+    elif (run_dir / "metrics.jsonl").is_file():
+        append_line(run_dir / "metrics.jsonl", {"launch": {"step": start_step, "reason": reason}, "time": time.time()})
 
 
 def write_cluster_file(run_dir: Path, endpoint: str, cluster: LocalCluster) -> None:
