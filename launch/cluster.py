@@ -774,7 +774,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if start_step >= plan.total_steps:
         log.info("run %s is already complete (%d/%d steps); nothing to do", cfg.name, start_step, plan.total_steps)
         return 0
-    derived = derived_values(cfg, plan, heldout_batches)
+    derived = {**derived_values(cfg, plan, heldout_batches), "warmup_steps": launch_plan.schedule.warmup_steps}
     log.info("%d batches/epoch x %d epoch(s), %d drafter(s) -> %d optimizer steps%s; data ready in %.1f s",
              batches_per_epoch[0], cfg.train.epochs, len(cfg.cluster.drafters), plan.total_steps,
              f", resuming at step {start_step}" if start_step else "", time.monotonic() - started)
