@@ -1,4 +1,5 @@
-"""Run metrics: a live console line with ETA, and a wandb run (offline without an API key).
+"""Run metrics: the console progress line with ETA, ``metrics.jsonl`` and its final view, and a
+wandb run (offline without an API key).
 
 Only the coordinator (in the launcher process) writes metrics; workers send theirs over the
 control plane.
@@ -6,29 +7,18 @@ control plane.
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from tqdm import tqdm
+from dflash.progress import DEFAULT_INTERVAL_S, Progress, format_duration
 
-__all__ = ["WandbRun", "ProgressLine", "format_duration"]
+__all__ = ["WandbRun", "ProgressLine", "format_duration", "rollback_record", "last_logged_step", "metrics_view"]
 
 log = logging.getLogger(__name__)
-
-
-def format_duration(seconds: float) -> str:
-    """``3725`` → ``1:02:05``; non-finite → ``?``."""
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
 
 
 class WandbRun:
@@ -75,53 +65,58 @@ class WandbRun:
             self.run = None
 
 
-class ProgressLine:
-    """One console line: step/total, epoch, tokens/s per stage, loss, τ, queue depth, memory, ETA.
+class ProgressLine(Progress):
+    """The training run's line: ``step n/total ep | loss, τ, tokens/s per stage, queue, memory |
+    elapsed, eta`` (:class:`dflash.progress.Progress`: live on a terminal, a log line at least
+    every ``interval_s`` elsewhere)."""
 
-    On a terminal it is a live tqdm bar kept below the forwarded log lines; otherwise a log
-    line every ``every`` steps.
+    def __init__(self, total_steps: int, start_step: int = 0, interval_s: float = DEFAULT_INTERVAL_S, **kwargs):
+        super().__init__(total_steps, start_step, desc="step", unit="step", interval_s=interval_s, **kwargs)
+
+
+# --------------------------------------------------------------------------- metrics.jsonl: one record per step
+
+def rollback_record(to_step: int, from_step: int, reason: str) -> dict:
+    """The ``metrics.jsonl`` row that marks the rows of steps ``> to_step`` (written up to
+    ``from_step``) as undone: ``{"rollback": {...}, "time": …}`` (no ``step`` key)."""
+    return {"rollback": {"to_step": to_step, "from_step": from_step, "reason": reason}, "time": time.time()}
+
+
+def _metric_rows(path: Path) -> list[dict]:
+    rows = []
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return rows
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a crash mid-write
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def last_logged_step(path: Path) -> int:
+    """The highest ``step`` of any row of ``metrics.jsonl`` (undone ones included: what wandb has
+    seen); ``-1`` when there is none."""
+    return max((int(r["step"]) for r in _metric_rows(path) if isinstance(r.get("step"), int)), default=-1)
+
+
+def metrics_view(path: Path) -> list[dict]:
+    """The final view of ``metrics.jsonl``: each step's training row once, each evaluation
+    (step, round) once, in step order.
+
+    A rollback row (:func:`rollback_record`) drops the rows of steps ``> to_step`` written
+    before it; a later row of the same step and kind replaces an earlier one.
     """
-
-    def __init__(self, total_steps: int, start_step: int = 0, every: int = 10):
-        self.total = total_steps
-        self.start_step = start_step
-        self.every = max(1, every)
-        self.started = time.monotonic()
-        self._first: Optional[tuple[int, float]] = None
-        self.tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, file=sys.stderr,
-                        bar_format="{n_fmt}/{total_fmt} {postfix}", disable=not self.tty) if self.tty else None
-        self.last_text = ""
-
-    def write(self, line: str) -> None:
-        """Print a log line without breaking the live bar."""
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def eta(self, step_done: int) -> float:
-        """Seconds left at the rate since the first reported step (start-up and the first
-        evaluation, which come before it, do not count); ``nan`` before two reports."""
-        now = time.monotonic()
-        if self._first is None:
-            self._first = (step_done, now)
-        first_step, first_t = self._first
-        done = step_done - first_step
-        if done <= 0:
-            return float("nan")
-        return (now - first_t) / done * (self.total - step_done)
-
-    def update(self, step_done: int, text: str) -> None:
-        """``step_done`` optimizer steps are finished; ``text`` is the rest of the line."""
-        line = f"step {step_done}/{self.total} {text} | eta {format_duration(self.eta(step_done))}"
-        self.last_text = line
-        if self.bar is not None:
-            self.bar.n = step_done
-            self.bar.set_postfix_str(line, refresh=True)
-        elif step_done % self.every == 0 or step_done == self.total:
-            log.info("%s", line)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    view: dict[tuple, dict] = {}
+    for row in _metric_rows(path):
+        if "rollback" in row:
+            to = int(row["rollback"]["to_step"])
+            view = {k: r for k, r in view.items() if k[0] <= to}
+        elif isinstance(row.get("step"), int):
+            key = (row["step"], "eval", row.get("eval/round")) if "eval/round" in row else (row["step"], "train")
+            view[key] = row
+    return [view[k] for k in sorted(view, key=lambda k: (k[0], k[1] == "train"))]

@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -73,12 +73,17 @@ def evaluate_heldout(trainer: DrafterTrainer, target: Any, plans: DataPlans, num
 
 def run_reference(cfg: RunConfig, device: str | torch.device = "cpu", num_replicas: Optional[int] = None,
                   steps: Optional[int] = None, evaluate: bool = True, plans: Optional[DataPlans] = None,
-                  target: Any = None) -> ReferenceResult:
+                  target: Any = None, assignments: Optional[Sequence[tuple[int, Sequence[Optional[int]]]]] = None,
+                  schedule: Any = None) -> ReferenceResult:
     """Train for ``steps`` (default: the whole plan) optimizer steps in this process.
 
     Args:
         num_replicas: batches per step (default: ``len(cluster.drafters)``, the pipeline's D).
         evaluate: held-out evaluation before and after (``train.eval_batches`` batches).
+        assignments: ``(epoch, batch ids)`` of every step, instead of the plan's (e.g. a run
+            resumed with another number of drafters: its ledger).
+        schedule: the learning rate of every step (``factor(step)``, ``lr``:
+            :class:`dflash.optim.LRSchedule` or alike); ``None`` = the recipe's curve.
     Returns:
         per-step losses and metrics, evaluations, wall time, the trained model and trainer.
     """
@@ -89,28 +94,30 @@ def run_reference(cfg: RunConfig, device: str | torch.device = "cpu", num_replic
     plans = plans or build_batch_plans(cfg)
     target = target or load_target(cfg.target, device, num_drafter_layers=cfg.drafter.num_layers)
     plan = StepPlan([plans.train.num_batches(e) for e in range(cfg.train.epochs)], d, cfg.train.max_steps)
-    total = plan.total_steps if steps is None else min(steps, plan.total_steps)
+    if assignments is None:
+        assignments = [(a.epoch, a.batch_ids) for a in map(plan.assignment, range(plan.total_steps))]
+    total = len(assignments) if steps is None else min(steps, len(assignments))
     model = build_drafter(cfg, target.embed_tokens, target.lm_head, len(plans.tokenizer), device, target.config)
-    trainer = DrafterTrainer(model, cfg.train, cfg.drafter, plan.total_steps, device)
+    trainer = DrafterTrainer(model, cfg.train, cfg.drafter, max(1, len(assignments)), device, schedule=schedule)
     result = ReferenceResult(model=model, trainer=trainer)
     if evaluate:
         result.evals.append({"step": 0, **evaluate_heldout(trainer, target, plans, cfg.train.eval_batches, device)})
         log.info("step 0 held-out: %s", result.evals[-1])
     started = time.perf_counter()
     for step in range(total):
-        a = plan.assignment(step)
+        epoch, batch_ids = assignments[step]
         parts, anchors, keeps = [], [], []
-        for batch_id in a.batch_ids:
+        for batch_id in batch_ids:
             if batch_id is None:
                 continue
-            t = target_tensors(target, plans.train.batch(a.epoch, batch_id), device)
-            gen = anchor_generator(trainer.seed, a.epoch, batch_id, device)
+            t = target_tensors(target, plans.train.batch(epoch, batch_id), device)
+            gen = anchor_generator(trainer.seed, epoch, batch_id, device)
             anc, keep = sample_anchors(t["loss_mask"], t["doc_ids"], trainer.num_anchors, gen)
             parts.append(t)
             anchors.append(anc)
             keeps.append(keep)
         tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        m = metrics_to_host(trainer.step(tensors, a.epoch, a.batch_ids[0],
+        m = metrics_to_host(trainer.step(tensors, epoch, batch_ids[0],
                                          anchors=(torch.cat(anchors), torch.cat(keeps))))
         result.losses.append(m["loss"])
         result.metrics.append(m)

@@ -44,7 +44,7 @@ from dflash.objective import (
     restage_attention_mask,
     sample_anchors,
 )
-from dflash.optim import build_optimizer, build_scheduler
+from dflash.optim import LRSchedule, build_optimizer, build_scheduler
 
 __all__ = ["EVAL_EPOCH", "REQUIRED_KEYS", "PreparedBatch", "DrafterTrainer", "metrics_to_host"]
 
@@ -103,6 +103,8 @@ class DrafterTrainer:
         autocast_dtype: ``"auto"`` = bf16 autocast on CUDA, none on CPU; or a dtype / ``None``.
         compile_mode: ``torch.compile`` mode of the drafter forward (and so its backward) when
             ``drafter_cfg.compile`` and on CUDA (ignored on CPU).
+        schedule: the learning rate of every step (:class:`dflash.optim.LRSchedule`); ``None`` =
+            the recipe's curve over ``total_steps``.
 
     Raises:
         ValueError: ``total_steps < 1`` or the model is not a DFlash drafter.
@@ -113,7 +115,7 @@ class DrafterTrainer:
                  weight_sum_reduce: Optional[WeightSumReduce] = None, grad_sync: Optional[GradSync] = None,
                  grads_averaged_over: int = 1, loss_chunk: int = LOSS_CHUNK_ROWS,
                  autocast_dtype: Union[str, torch.dtype, None] = "auto",
-                 compile_mode: Optional[str] = "reduce-overhead") -> None:
+                 compile_mode: Optional[str] = "reduce-overhead", schedule: Optional[LRSchedule] = None) -> None:
         self.model = model
         self.module: DFlashDraftModel = getattr(model, "module", model)
         if not isinstance(self.module, DFlashDraftModel):
@@ -140,7 +142,8 @@ class DrafterTrainer:
         self.autocast_dtype: Optional[torch.dtype] = autocast_dtype  # type: ignore[assignment]
 
         self.optimizer = build_optimizer(model, train_cfg)
-        self.scheduler = build_scheduler(self.optimizer, total_steps, train_cfg)
+        self.schedule = schedule if schedule is not None else LRSchedule.nominal(total_steps, train_cfg)
+        self.scheduler = build_scheduler(self.optimizer, total_steps, train_cfg, self.schedule)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.step_count = 0
 
@@ -369,6 +372,14 @@ class DrafterTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["step"])
+        # the saved scheduler carries the old run's base rate and the optimizer its last rate: this
+        # run's schedule decides (the launcher has said how it differs)
+        self.scheduler.base_lrs = [self.schedule.lr] * len(self.optimizer.param_groups)
+        rate = self.schedule.rate(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.schedule.lr
+            group["lr"] = rate
+        self.scheduler._last_lr = [rate] * len(self.optimizer.param_groups)
         if state.get("seed", self.seed) != self.seed:
             logger.warning("checkpoint anchor seed %s differs from this run's %s", state.get("seed"), self.seed)
 

@@ -28,11 +28,14 @@ from typing import Optional
 
 import yaml
 
-from dflash.checkpoint import CheckpointError, checkpoint_problem, latest_checkpoint, read_state
+from dflash.checkpoint import (CheckpointError, CheckpointMismatch, check_fits, checkpoint_problem, latest_checkpoint,
+                               read_state, run_identity)
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.factory import build_batch_plans, target_hf_config
 from dflash.logs import setup_logging
-from dflash.metrics import ProgressLine, WandbRun, format_duration
+from dflash.metrics import (ProgressLine, WandbRun, format_duration, last_logged_step, metrics_view,
+                            rollback_record)
+from dflash.resume import LEDGER_FILE, LedgerFile, append_line, ledger_view, plan_launch
 from dflash.schedule import StepPlan
 from dflash.workers.control import CoordinatorSocket
 from dflash.workers.coordinator import Coordinator, build_work_items
@@ -150,6 +153,19 @@ def newest_checkpoint_line(run_dir: Path, steps_done: int) -> str:
             f"--resume trains them again")
 
 
+def undo_later_steps(run_dir: Path, start_step: int, reason: str) -> None:
+    """A launch at ``start_step``: mark the rows of later steps in ``ledger.jsonl`` and
+    ``metrics.jsonl`` (written by a previous launch past its last checkpoint) as undone."""
+    ledger = ledger_view(run_dir / LEDGER_FILE)
+    last_step = max((r["step"] for r in metrics_view(run_dir / "metrics.jsonl")), default=-1)
+    if max(ledger, default=-1) >= start_step:
+        LedgerFile(run_dir).rollback(start_step, max(ledger) + 1, reason)
+    if last_step > start_step:
+        append_line(run_dir / "metrics.jsonl", rollback_record(start_step, last_step, reason))
+    elif (run_dir / "metrics.jsonl").is_file():
+        append_line(run_dir / "metrics.jsonl", {"launch": {"step": start_step, "reason": reason}, "time": time.time()})
+
+
 def write_cluster_file(run_dir: Path, endpoint: str, cluster: LocalCluster) -> None:
     """``<run_dir>/cluster.json``: how ``status / restart / stop / attach`` reach this cluster."""
     workers = {}
@@ -178,6 +194,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="continue from the newest checkpoint of the run directory (starts fresh when there is "
                             "none); its drafter must have this config's shape")
     start.add_argument("--overwrite", action="store_true", help="discard an existing run directory's checkpoints")
+    p.add_argument("--force", action="store_true",
+                   help="with --resume: continue although the checkpoint was trained with another tokenizer, chat "
+                        "template, thinking mode or target architecture name (shapes must still match)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after the options
 
@@ -748,7 +767,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             if mismatches:
                 log.error("%s", resume_mismatch_message(cfg, run_dir, ckpt, mismatches))
                 return EXIT_CONFIG
+            check_fits(ckpt, run_identity(tokenizer, _cheap_target_config(cfg), None, cfg.data.enable_thinking),
+                       force=args.force)
         plans = build_batch_plans(cfg, tokenizer)
+    except CheckpointMismatch as exc:
+        log.error("--resume: %s", exc)
+        return EXIT_CONFIG
     except ConfigError as exc:
         log.error("config error: %s", exc)
         return EXIT_CONFIG
@@ -756,23 +780,38 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("preparing the data failed: %s", exc)
         return EXIT_CONFIG
     batches_per_epoch = [plans.train.num_batches(e) for e in range(cfg.train.epochs)]
-    plan = StepPlan(batches_per_epoch, len(cfg.cluster.drafters), cfg.train.max_steps)
     heldout_batches = plans.heldout.num_batches(0) if plans.heldout is not None else 0
-    start_step = read_state(ckpt)["step"] if ckpt is not None else 0
+    try:
+        saved_cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if ckpt is not None else None
+    except (OSError, yaml.YAMLError):
+        saved_cfg = None
+    try:
+        plan, launch_plan, notes = plan_launch(cfg, batches_per_epoch, read_state(ckpt) if ckpt is not None else None,
+                                               saved_cfg if isinstance(saved_cfg, dict) else None)
+    except ValueError as exc:
+        log.error("--resume: %s: %s (train.epochs / data.* differ from the run's?)", ckpt, exc)
+        return EXIT_CONFIG
+    for note in notes:
+        log.warning("%s", note)
+    start_step = plan.start_step
     if start_step >= plan.total_steps:
         log.info("run %s is already complete (%d/%d steps); nothing to do", cfg.name, start_step, plan.total_steps)
         return 0
-    derived = derived_values(cfg, plan, heldout_batches)
+    derived = {**derived_values(cfg, plan, heldout_batches), "warmup_steps": launch_plan.schedule.warmup_steps}
     log.info("%d batches/epoch x %d epoch(s), %d drafter(s) -> %d optimizer steps%s; data ready in %.1f s",
              batches_per_epoch[0], cfg.train.epochs, len(cfg.cluster.drafters), plan.total_steps,
              f", resuming at step {start_step}" if start_step else "", time.monotonic() - started)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    launch_plan.write(run_dir)
+    ledger = LedgerFile(run_dir)
+    undo_later_steps(run_dir, start_step, f"launch at step {start_step}" + (f" (--resume from {ckpt.name})"
+                                                                             if ckpt is not None else ""))
 
     item_args = {"heldout_batches": heldout_batches, "eval_every": cfg.train.eval_every,
                  "checkpoint_every": cfg.checkpoint.every, "eval_batches": cfg.train.eval_batches}
     items = build_work_items(plan, start_step, **item_args)
     sock = CoordinatorSocket(cfg.transport.host)
-    progress = ProgressLine(plan.total_steps, start_step, every=cfg.log.every * 10)
+    progress = ProgressLine(plan.total_steps, start_step)
     control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir, progress.write))
     early_signals: list[int] = []  # a stop while workers start, before the coordinator's handlers
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -795,7 +834,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         coordinator.stop_signal = signum
         coordinator.request_stop(signal.Signals(signum).name)
     trainable_logged = False
-    last_logged = [start_step - 1]
+    # wandb steps never go back: a resumed run continues the same wandb run after its last logged step
+    last_logged = [max(start_step - 1, last_logged_step(run_dir / "metrics.jsonl"))]
 
     def on_metrics(step: int, metrics: dict) -> None:
         nonlocal trainable_logged
@@ -813,7 +853,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         on_metrics(step, metrics)
         metrics_file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
 
+    def on_rollback(to_step: int, from_step: int, reason: str) -> None:
+        ledger.rollback(to_step, from_step, reason)
+        metrics_file.write(json.dumps(rollback_record(to_step, from_step, reason)) + "\n")
+        wb.log({"rollback/to_step": to_step, "rollback/from_step": from_step}, max(last_logged[0], 0))
+
     coordinator.on_metrics = write_metrics
+    coordinator.on_rollback = on_rollback
+    coordinator.on_trained = lambda item, attempt: ledger.trained(item.index, item.epoch, item.batches, attempt)
     exit_code = 1
     try:
         result = coordinator.run()
@@ -832,7 +879,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if result is None:
         return 130
     # a rollback below this launch's first step (its checkpoint moved aside) re-planned from there
-    problems = coordinator.ledger.check(plan, min(start_step, coordinator.lowest_step), result.steps_done)
+    problems = coordinator.ledger.check(coordinator.plan, min(start_step, coordinator.lowest_step),
+                                        result.steps_done)
     if problems:
         log.error("ledger: %d problem(s): %s", len(problems), "; ".join(problems[:10]))
         exit_code = exit_code or 1

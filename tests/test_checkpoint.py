@@ -269,10 +269,13 @@ def test_the_drafter_refuses_to_checkpoint_a_non_finite_loss() -> None:
     be checkpointed: pruning would then delete the good checkpoints before them."""
     from types import SimpleNamespace
 
+    from dflash.optim import LRSchedule
+    from dflash.schedule import DataPosition
     from dflash.workers.drafter import DrafterWorker
 
     saved = []
-    fake = SimpleNamespace(rank=0, steps_done=7, _last_loss=float("nan"), model=None,
+    fake = SimpleNamespace(rank=0, steps_done=7, _last_loss=float("nan"), model=None, world=1,
+                           position=DataPosition(0, 7), schedule=LRSchedule(6e-4, 10, 1, 0.0), identity={},
                            trainer=SimpleNamespace(state_dict=lambda: {}),
                            writer=SimpleNamespace(save=lambda *a: saved.append(a), last_blocking_s=0.0),
                            stats={}, _announce=lambda done: None)

@@ -147,6 +147,18 @@ def test_random_sigkills_run_finishes_with_exact_ledger(tmp_path):
     assert sorted(got) == list(range(1, len(ref) + 1))
     for step, loss in enumerate(ref, start=1):
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), (step, kills)
+    # after the rollbacks: each step once in the final views of metrics.jsonl and ledger.jsonl,
+    # every batch trained once by the ledger file alone
+    from dflash.config import load_config
+    from dflash.factory import build_batch_plans
+    from dflash.metrics import metrics_view
+    from dflash.resume import ledger_problems, ledger_view
+
+    rows = [r for r in metrics_view(run_dir / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, len(ref) + 1))
+    assert sorted(ledger_view(run_dir / "ledger.jsonl")) == list(range(len(ref)))
+    plans = build_batch_plans(load_config(CONFIG, [*SMALL, *FAULTS]))
+    assert ledger_problems(run_dir / "ledger.jsonl", [plans.train.num_batches(0)]) == []
     # no orphans, no shared memory left behind
     wait_until(lambda: not descendants(proc.pid), 60, "no worker process left")
     assert shm_entries() - shm_before == set()

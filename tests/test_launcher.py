@@ -233,8 +233,14 @@ def test_resume_with_an_unreadable_drafter_config(tmp_path):
 
 
 class _Tokenizer:
+    chat_template = "{{ messages }}"
+    bos_token_id = eos_token_id = pad_token_id = None
+
     def __len__(self) -> int:
         return TINY_TOKENS
+
+    def get_vocab(self) -> dict:
+        return {f"t{i}": i for i in range(TINY_TOKENS)}
 
 
 def _must_not_run(*args, **kwargs):

@@ -170,3 +170,86 @@ def test_bad_config_fails_before_workers_start(tmp_path):
     assert res.returncode == 2
     assert "drafter.block_size: must be >= 2" in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+class _Piecewise:
+    """The learning rate of a run resumed at ``starts[i]`` with ``schedules[i]`` (an LRSchedule each)."""
+
+    def __init__(self, starts, schedules):
+        self.starts, self.schedules = starts, schedules
+        self.lr = schedules[0].lr
+
+    def factor(self, step):
+        i = max(k for k, s in enumerate(self.starts) if s <= step)
+        return self.schedules[i].factor(step)
+
+
+def test_resume_with_other_drafter_counts_trains_every_batch_once(tmp_path):
+    """2 drafters → resume at step 2 with 1 → resume at step 4 with 3 (later checkpoints deleted,
+    as after a crash): the ledger's final view trains every batch of both epochs once, in order;
+    the learning rate stays continuous (the schedule spread over the steps left); the losses equal
+    a single-process run on the same batches with the same rates; metrics.jsonl holds each step
+    once in its final view, with the rollbacks marked."""
+    from dflash.factory import build_batch_plans
+    from dflash.metrics import metrics_view
+    from dflash.optim import LRSchedule
+    from dflash.resume import ledger_problems, ledger_view
+    from dflash.schedule import StepPlan
+
+    base = ["data.max_conversations=20", "train.epochs=2", "train.max_steps=null", "train.eval_batches=0",
+            "checkpoint.every=2", "checkpoint.keep_last=10"]  # 5 + 5 training batches
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+
+    def drop_after(step):
+        for ckpt in root.glob("step-*"):
+            if int(ckpt.name[5:13]) > step:
+                import shutil
+
+                shutil.rmtree(ckpt)
+
+    run_cluster(run_dir, [*base, "cluster.drafters=[0, 1]"])  # steps 0..5: (0,1) (2,3) (4,-) (0,1) (2,3) (4,-)
+    drop_after(2)
+    out = run_cluster(run_dir, [*base, "cluster.drafters=[0]"], "--resume")
+    assert "resuming with 1 drafter(s) where the checkpoint was trained with 2" in out, out[-3000:]
+    assert "LR schedule continued at step 2" in out, out[-3000:]
+    drop_after(4)
+    out = run_cluster(run_dir, [*base, "cluster.drafters=[0, 1, 2]"], "--resume")
+    assert "resuming with 3 drafter(s) where the checkpoint was trained with 1" in out, out[-3000:]
+
+    cfg = load_config(CONFIG, [*SMALL, *base])
+    bpe = [build_batch_plans(cfg).train.num_batches(e) for e in range(2)]
+    assert bpe == [5, 5]
+    # the plan, by hand: 2 drafters for steps 0-1, 1 for steps 2-3, 3 for steps 4-5
+    expected = [(0, [0, 1]), (0, [2, 3]), (0, [4]), (1, [0]), (1, [1, 2, 3]), (1, [4, None, None])]
+    view = ledger_view(run_dir / "ledger.jsonl")
+    assert [(r["epoch"], r["batches"]) for _, r in sorted(view.items())] == expected
+    assert ledger_problems(run_dir / "ledger.jsonl", bpe) == []
+    raw = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert sum("rollback" in r for r in raw) == 2 and sum("step" in r for r in raw) > len(expected)
+
+    a = LRSchedule.nominal(StepPlan(bpe, 2).total_steps, cfg.train)  # 6 steps
+    b = a.spread(2, 8)  # 1 drafter: the data ends at step 8
+    c = b.spread(4, 6)  # 3 drafters: at step 6
+    states = {s: json.loads((root / f"step-{s:08d}" / "state.json").read_text()) for s in (2, 4, 6)}
+    assert [LRSchedule.from_dict(states[s]["schedule"]) for s in (2, 4, 6)] == [a, b, c]
+    assert [states[s]["data_position"] for s in (2, 4, 6)] == [[0, 4], [1, 1], [2, 0]]
+    assert [states[s]["num_drafters"] for s in (2, 4, 6)] == [2, 1, 3]
+
+    rows = metrics_view(run_dir / "metrics.jsonl")
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]  # each step once
+    raw_metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum("rollback" in r for r in raw_metrics) == 2
+    schedule = _Piecewise([0, 2, 4], [a, b, c])
+    rates = [r["train/lr"] for r in train_rows]
+    assert rates == pytest.approx([schedule.lr * schedule.factor(s) for s in range(6)], rel=1e-6)
+    assert rates[2] == pytest.approx(a.rate(2), rel=1e-12) and rates[4] == pytest.approx(b.rate(4), rel=1e-12)
+
+    from dflash.reference import run_reference
+
+    torch.set_num_threads(1)
+    ref = run_reference(cfg, "cpu", evaluate=False, assignments=expected, schedule=schedule)
+    for row, loss in zip(train_rows, ref.losses):
+        assert row["train/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-5), (row["step"], train_rows, ref.losses)
+    assert len(set(ref.losses)) == len(ref.losses)

@@ -402,3 +402,38 @@ def test_second_stop_is_answered_and_nothing_restarts_while_stopping(tmp_path):
     assert c.control.restarts == [] and c.group_lost == "drafter.0 exited while the run stops"
     c._final_checkpoint()
     assert not [kind for _, kind, _ in c.sock.sent if kind == "save"]
+
+
+def test_rollback_is_reported_and_train_commands_carry_the_data_position(tmp_path):
+    """A drafter-group restart calls on_rollback (the launcher marks ledger.jsonl and metrics.jsonl);
+    each train command carries the data position after its step (what a checkpoint records)."""
+    c, _ = _coordinator(tmp_path, 0, 4)
+    rollbacks, trained = [], []
+    c.on_rollback = lambda to, frm, reason: rollbacks.append((to, frm, reason))
+    c.on_trained = lambda item, attempt: trained.append((item.index, item.batches, attempt))
+    c._issue(1)  # train step 0
+    sent = [f for name, kind, f in c.sock.sent if kind == "train"]
+    assert sent[0]["position"] == [0, 1] and sent[0]["batch_id"] == 0
+    for i in range(3):  # eval 0, steps 0 and 1
+        c.item_done[i].add("drafter.0")
+        c._finish_item(i)
+    assert trained == [(0, [0], 0), (1, [1], 0)]
+    c.steps_done = 6
+    c._restart_drafter_group("drafter.0 died")
+    assert rollbacks == [(4, 6, "drafter.0 died")]
+
+
+def test_rollback_below_the_launch_start_replans_from_that_checkpoint(tmp_path):
+    """A launch resumed at step 6 with 1 drafter from a checkpoint written with 2; its own checkpoint
+    is then found damaged and the group rolls back to step 2, whose data position is [0, 4]."""
+    plan = StepPlan([20], 1, start_step=6, start=StepPlan([20], 2).position_at(6))  # position [0, 12]
+    ckpt = tmp_path / "step-00000002"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(json.dumps({"step": 2, "data_position": [0, 4], "num_drafters": 2}))
+    c = Coordinator(_Sock(), ["target.0"], ["drafter.0"], {"target.0": "tcp://x"}, plan, 6,
+                    build_work_items(plan, 6, **EVAL_ARGS), {**EVAL_ARGS, "first_step": 6}, 2, _Control(ckpt),
+                    on_metrics=lambda *a: None, on_progress=lambda *a: None)
+    c.steps_done = 7
+    c._restart_drafter_group("checkpoint step 6 damaged")
+    assert c.plan.start_step == 2 and c.plan.assignment(2).batch_ids == (4,)
+    assert [it.batches for it in c.items if it.kind == "train"][:2] == [[4], [5]]

@@ -241,6 +241,10 @@ class Coordinator:
             in between before the run fails; ``restart_backoff_s``: first delay, doubled each time.
         stop_drain_s: after a stop request, the longest wait for the issued items (s).
         checkpoint_wait_s: the longest wait for a checkpoint write to reach the disk (s).
+        on_trained: called with ``(train item, attempt)`` when every drafter has trained a step
+            (the launcher appends it to ``ledger.jsonl``).
+        on_rollback: called with ``(to_step, from_step, reason)`` when a drafter-group restart
+            undoes steps ``to_step …`` (the launcher marks it in the ledger and the metrics).
 
     Stopping (``stop``, SIGTERM, SIGINT; a second request is answered and changes nothing): no
     new item is issued; the issued ones finish (within ``stop_drain_s``); then rank 0 writes a
@@ -256,7 +260,9 @@ class Coordinator:
                  on_metrics: Callable[[int, dict], None], on_progress: Callable[[int, str], None],
                  ready_timeout_s: float = 1800.0, peer_timeout_s: float = 120.0, max_restarts: int = 3,
                  restart_backoff_s: float = 1.0, stop_drain_s: float = STOP_DRAIN_S,
-                 checkpoint_wait_s: float = CHECKPOINT_WAIT_S):
+                 checkpoint_wait_s: float = CHECKPOINT_WAIT_S,
+                 on_trained: Optional[Callable[[WorkItem, int], None]] = None,
+                 on_rollback: Optional[Callable[[int, int, str], None]] = None):
         self.sock = socket
         self.targets = targets
         self.drafters = drafters
@@ -271,6 +277,8 @@ class Coordinator:
         self.control = control
         self.on_metrics = on_metrics
         self.on_progress = on_progress
+        self.on_trained = on_trained
+        self.on_rollback = on_rollback
         self.ready_timeout_s = ready_timeout_s
         self.peer_timeout_s = peer_timeout_s
         self.max_restarts = max_restarts
@@ -536,16 +544,24 @@ class Coordinator:
             raise _Failure(f"the drafter group cannot restart: no usable checkpoint is left in the run directory "
                            f"(damaged ones are moved aside to step-*.damaged) and this launch resumed at step "
                            f"{self.first_step}, so its weights cannot be rebuilt")
-        step = read_state(ckpt)["step"] if ckpt is not None else self.first_step
+        state = read_state(ckpt) if ckpt is not None else {"step": self.first_step}
+        step = state["step"]
         self.lowest_step = min(self.lowest_step, step)
         lost = range(step, self.steps_done + self.lookahead + 1)
-        self.ledger.rollback(self.plan, step, min(self.plan.total_steps, lost.stop))
+        self.ledger.rollback(self.plan, max(step, self.plan.start_step), min(self.plan.total_steps, lost.stop))
+        if step < self.plan.start_step:  # an older checkpoint than this launch's first: its own data position
+            from dflash.resume import checkpoint_position
+
+            position = checkpoint_position(state, self.plan.batches_per_epoch, self.plan.num_drafters)
+            self.plan = self.plan.resumed(step, position)
         source = (f"{ckpt}, the newest checkpoint on disk" if ckpt is not None
                   else "no checkpoint on disk yet: the initial weights")
         log.warning("drafter group restart (%s): rolling back from step %d to step %d (%s)", reason,
                     self.steps_done, step, source)
         self.pending_restart = None
         self.checkpointed_step = self.checkpoint_started = step if ckpt is not None else -1
+        if self.on_rollback is not None:
+            self.on_rollback(step, self.steps_done, reason)
         self.steps_done = step
         self.attempt += 1
         self.jobs.clear()
@@ -607,7 +623,8 @@ class Coordinator:
                 key = (None if batch_id is None else
                        self._new_job("train", item.epoch, batch_id, name, f"e{item.epoch}"))
                 self.sock.send(name, "train", attempt=self.attempt, step=item.index, epoch=item.epoch,
-                               batch_id=batch_id, checkpoint=item.checkpoint, key=key)
+                               batch_id=batch_id, checkpoint=item.checkpoint, key=key,
+                               position=self.plan.position_after(item.index).to_list())
         else:
             for rank, name in enumerate(self.drafters):
                 ids = item.batches[rank]
@@ -851,6 +868,8 @@ class Coordinator:
             for key in [k for k, j in self.jobs.items() if j.received and j.split == "train"
                         and j.epoch == item.epoch and j.batch_id in item.batches]:
                 del self.jobs[key]
+            if self.on_trained is not None:
+                self.on_trained(item, self.attempt)
             self.result.history.append({"step": self.steps_done, **metrics})
             self.on_metrics(self.steps_done, metrics)
             self.on_progress(self.steps_done, self._progress_text(metrics))

@@ -32,12 +32,15 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dflash.checkpoint import CheckpointWriter, is_damage_error, load_trainer_state, quarantine, set_rng_state
+from dflash.checkpoint import (CheckpointWriter, is_damage_error, load_trainer_state, quarantine, run_identity,
+                               set_rng_state)
 from dflash.compile_watch import CompileWatch
 from dflash.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
 from dflash.objective import LossOutput
 from dflash.reference import eval_sums
-from dflash.schedule import StepPlan
+from dflash.optim import LRSchedule
+from dflash.resume import LaunchPlan, checkpoint_position
+from dflash.schedule import DataPosition, StepPlan
 from dflash.workers.base import WorkerContext, WorkerStop, memory_gib, run_worker
 
 log = logging.getLogger("dflash.workers.drafter")
@@ -66,18 +69,28 @@ class DrafterWorker:
         log.info("joined the drafter group: rank %d of %d (%s)", self.rank, self.world, backend)
 
         plans = build_batch_plans(cfg, log_report=False)
-        plan = StepPlan([plans.train.num_batches(e) for e in range(cfg.train.epochs)], self.world,
-                        cfg.train.max_steps)
-        self.total_steps = plan.total_steps
+        self.batches_per_epoch = [plans.train.num_batches(e) for e in range(cfg.train.epochs)]
+        launch = LaunchPlan.read(ctx.run_dir)  # the launcher's plan: steps and LR schedule of this launch
+        if launch is None:
+            plan = StepPlan(self.batches_per_epoch, self.world, cfg.train.max_steps)
+            launch = LaunchPlan(0, DataPosition(), self.world, plan.total_steps,
+                                LRSchedule.nominal(plan.total_steps, cfg.train))
+        self.total_steps = launch.total_steps
+        self.schedule = launch.schedule
+        #: the next untrained batch after the last trained step (recorded in checkpoints)
+        self.position = launch.start
         tc = target_hf_config(cfg)
         text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
         layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), cfg.drafter.num_layers)
+        #: what this drafter is trained with (state.json ``trained_with``)
+        self.identity = run_identity(plans.tokenizer, tc, layer_ids, cfg.data.enable_thinking)
         feature_dtype = resolve_dtype(cfg.target.dtype, self.device)
         self.spec = slot_spec(cfg, len(layer_ids) * int(text.hidden_size), feature_dtype)
         embed, head = load_embedding_and_head(cfg.target, self.device)
         self.model = build_drafter(cfg, embed, head, len(plans.tokenizer), self.device, tc)
-        self.trainer = DrafterTrainer(self.model, cfg.train, cfg.drafter, self.total_steps, self.device,
-                                      weight_sum_reduce=self._all_reduce, grad_sync=self._grad_sync)
+        self.trainer = DrafterTrainer(self.model, cfg.train, cfg.drafter, max(1, self.total_steps), self.device,
+                                      weight_sum_reduce=self._all_reduce, grad_sync=self._grad_sync,
+                                      schedule=self.schedule)
         self.steps_done = 0
         self.writer = (CheckpointWriter(ctx.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.background)
                        if self.rank == 0 else None)
@@ -127,7 +140,9 @@ class DrafterWorker:
             saved = load_trainer_state(ckpt, self.device)
             self.trainer.load_state_dict(saved["trainer"])
             set_rng_state(saved["rng"])
-            self.steps_done = read_state(ckpt)["step"]
+            state = read_state(ckpt)
+            self.steps_done = state["step"]
+            self.position = checkpoint_position(state, self.batches_per_epoch, self.world)
         except Exception as exc:
             if is_damage_error(exc):  # the group restarts from the previous checkpoint
                 moved = quarantine(ckpt, f"{type(exc).__name__} while loading it: {exc}")
@@ -237,6 +252,8 @@ class DrafterWorker:
         total = LossOutput.from_stats_vector(self._all_reduce(local.clone()))
         step_s = time.perf_counter() - started
         self.steps_done = step + 1
+        if cmd.get("position") is not None:
+            self.position = DataPosition.from_list(cmd["position"])
         self.stats["trained"] += 1
         delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
         self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
@@ -293,7 +310,10 @@ class DrafterWorker:
                                f"these weights. If it recurs after the restart from the last checkpoint, that "
                                f"checkpoint's tensors may be corrupt (move it aside) or training diverged "
                                f"(lower train.lr)")
-        self._announce(self.writer.save(self.steps_done, 0, self.model, self.trainer.state_dict()))
+        extra = {"data_position": self.position.to_list(), "num_drafters": self.world,
+                 "schedule": self.schedule.to_dict(), "trained_with": self.identity}
+        self._announce(self.writer.save(self.steps_done, self.position.epoch, self.model, self.trainer.state_dict(),
+                                        extra))
         self.stats["checkpoint_block_s"] = self.writer.last_blocking_s
         if block:
             self._announce(self.writer.wait())

@@ -1,0 +1,262 @@
+"""What a launch continues from, and the files that let anyone check it afterwards.
+
+* :func:`plan_launch`: the step plan and learning-rate schedule of a fresh or resumed launch.
+  A resume continues at the checkpoint's **data position** (the next untrained batch, counted in
+  batches: :class:`dflash.schedule.DataPosition`), whatever the number of drafters now, and keeps
+  the learning rate continuous (:meth:`dflash.optim.LRSchedule.spread`); a changed
+  ``train.max_steps`` / ``epochs`` / ``lr`` / ``warmup_ratio`` / ``min_lr_ratio`` rebuilds the
+  schedule for the new settings, said in one log line with the old and the new schedule.
+* :class:`LaunchPlan` (``<run_dir>/plan.json``): what the launcher decided, read by the drafter
+  workers (total steps and schedule) before they build their optimizer.
+* :class:`LedgerFile` (``<run_dir>/ledger.jsonl``): one row per trained step with the batch ids
+  it trained, and one row per rollback (a drafter-group restart or a ``--resume`` from an older
+  step) that supersedes the rows of the steps it undoes. :func:`ledger_view` gives the final
+  view (each step once) and :func:`ledger_problems` checks exactly-once from the file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from dflash.optim import LRSchedule
+from dflash.schedule import DataPosition, StepPlan
+
+__all__ = ["PLAN_FILE", "LEDGER_FILE", "SCHEDULE_KEYS", "LaunchPlan", "plan_launch", "checkpoint_position",
+           "LedgerFile", "append_line", "ledger_view", "ledger_problems"]
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "plan.json"
+LEDGER_FILE = "ledger.jsonl"
+#: Config keys that define the learning-rate schedule: a change at ``--resume`` rebuilds it.
+SCHEDULE_KEYS = ("train.max_steps", "train.epochs", "train.lr", "train.warmup_ratio", "train.min_lr_ratio")
+
+
+@dataclass
+class LaunchPlan:
+    """One launch's plan: it starts at ``start_step`` / ``start``, ends at ``total_steps``, with
+    ``num_drafters`` ranks and the learning rate ``schedule``."""
+
+    start_step: int
+    start: DataPosition
+    num_drafters: int
+    total_steps: int
+    schedule: LRSchedule
+
+    def write(self, run_dir: Path) -> Path:
+        """Write ``<run_dir>/plan.json`` atomically (temporary file, then rename)."""
+        path = Path(run_dir) / PLAN_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"start_step": self.start_step, "start": self.start.to_list(),
+                                   "num_drafters": self.num_drafters, "total_steps": self.total_steps,
+                                   "schedule": self.schedule.to_dict()}, indent=1))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, run_dir: Path) -> Optional["LaunchPlan"]:
+        """``<run_dir>/plan.json``, or ``None`` when there is none.
+
+        Raises:
+            ValueError: the file is not a launch plan.
+        """
+        path = Path(run_dir) / PLAN_FILE
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            return cls(int(data["start_step"]), DataPosition.from_list(data["start"]), int(data["num_drafters"]),
+                       int(data["total_steps"]), LRSchedule.from_dict(data["schedule"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path} is not a launch plan ({type(exc).__name__}: {exc})") from None
+
+
+def checkpoint_position(state: dict, batches_per_epoch: Sequence[int], num_drafters: int) -> DataPosition:
+    """The data position a checkpoint's ``state.json`` records (``data_position``).
+
+    A checkpoint that records none was written by a run that kept one plan from step 0: its
+    position is derived from that plan with the checkpoint's ``num_drafters`` (else
+    ``num_drafters``).
+
+    Raises:
+        ValueError: a malformed ``data_position``, or a step past that plan.
+    """
+    if state.get("data_position") is not None:
+        return DataPosition.from_list(state["data_position"])
+    step = int(state["step"])
+    old = StepPlan(batches_per_epoch, int(state.get("num_drafters") or num_drafters))
+    if step > old.total_steps:
+        raise ValueError(f"checkpoint step {step} is past the {old.total_steps} steps its data gives")
+    return old.position_at(step)
+
+
+def _flat(cfg: Optional[dict]) -> dict:
+    out = {}
+    for section, values in (cfg or {}).items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{k}": v for k, v in values.items()})
+    return out
+
+
+def plan_launch(cfg: Any, batches_per_epoch: Sequence[int], state: Optional[dict] = None,
+                saved_cfg: Optional[dict] = None) -> tuple[StepPlan, LaunchPlan, list[str]]:
+    """The step plan, launch plan and notes of a fresh launch (``state=None``) or a resume.
+
+    Args:
+        cfg: this launch's :class:`dflash.config.RunConfig`.
+        batches_per_epoch: training batches of each epoch (``train.epochs`` entries).
+        state: the resumed checkpoint's ``state.json`` (``step``; ``data_position``,
+            ``num_drafters``, ``schedule`` when it records them).
+        saved_cfg: the run's previous ``config.yaml`` as a dict (what the checkpoint was trained
+            with), to tell a changed :data:`SCHEDULE_KEYS` entry.
+
+    Returns:
+        ``(plan, launch, notes)``: ``notes`` are the lines to log (a changed schedule or number
+        of drafters; ``train.max_steps`` the data cannot give).
+
+    Raises:
+        ValueError: a checkpoint position past this config's data (fewer epochs or batches).
+    """
+    d = len(cfg.cluster.drafters)
+    max_steps = cfg.train.max_steps
+    notes: list[str] = []
+    if state is None:
+        plan = StepPlan(batches_per_epoch, d, max_steps)
+        schedule = LRSchedule.nominal(plan.total_steps, cfg.train)
+    else:
+        step = int(state["step"])
+        position = checkpoint_position(state, batches_per_epoch, d)
+        plan = StepPlan(batches_per_epoch, d, max_steps, start_step=step, start=position)
+        old_d = state.get("num_drafters")
+        old = LRSchedule.from_dict(state["schedule"]) if state.get("schedule") else None
+        before, now = _flat(saved_cfg), _flat(cfg.to_dict())
+        changed = [f"{k} {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in SCHEDULE_KEYS
+                   if k in before and before[k] != now[k]]
+        if old is not None and old_d is not None and old_d != d:
+            notes.append(f"resuming with {d} drafter(s) where the checkpoint was trained with {old_d}: continuing "
+                         f"at data position epoch {position.epoch} batch {position.batch} (every batch trained once)")
+        if old is None:
+            schedule = LRSchedule.nominal(max(plan.total_steps, 1), cfg.train)
+            if changed or (old_d is not None and old_d != d):
+                notes.append(f"the checkpoint records no LR schedule: using {schedule.describe(step)}")
+        elif changed:
+            schedule = LRSchedule.nominal(max(plan.total_steps, 1), cfg.train)
+            notes.append(f"LR schedule rebuilt at step {step} for {', '.join(changed)}: before {old.describe(step)}; "
+                         f"now {schedule.describe(step)}")
+        else:
+            schedule = old.spread(step, plan.total_steps)
+            if schedule != old:
+                notes.append(f"LR schedule continued at step {step} and spread over the steps now left: before "
+                             f"{old.describe(step)}; now {schedule.describe(step)}")
+    if max_steps is not None and plan.data_steps < max_steps:
+        notes.append(f"train.max_steps={max_steps} cannot be honoured: the data gives {plan.data_steps} steps "
+                     f"({sum(batches_per_epoch)} batches in {len(batches_per_epoch)} epoch(s) over {d} drafter(s)"
+                     f"{f', from step {plan.start_step}' if plan.start_step else ''}); the run ends at step "
+                     f"{plan.total_steps} (raise train.epochs or add data for more)")
+    launch = LaunchPlan(plan.start_step, plan.start, d, plan.total_steps, schedule)
+    return plan, launch, notes
+
+
+# --------------------------------------------------------------------------- the ledger file
+
+def append_line(path: Path, record: dict) -> None:
+    """Append one JSON line to ``path`` in a single ``write`` on an ``O_APPEND`` descriptor, then
+    ``fsync``: a reader (or a crash) sees the whole line or none of it (a line torn by a crash is
+    ended first, so it never swallows the next one; the readers here skip it)."""
+    data = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a crash: keep it on its own line
+            data = b"\n" + data
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LedgerFile:
+    """``<run_dir>/ledger.jsonl``: what each step trained, and which steps were undone.
+
+    Rows: ``{"step": s, "epoch": e, "batches": [ids or null per rank], "attempt": a}`` for a
+    trained step s (0-based: the step that took the run from s to s + 1 steps done), and
+    ``{"rollback": {"to_step": k, "from_step": n, "reason": …}}`` when steps ``k …`` are undone
+    (a drafter-group restart from a checkpoint, or a launch resuming at ``k``).
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LEDGER_FILE
+
+    def trained(self, step: int, epoch: int, batches: Sequence[Optional[int]], attempt: int) -> None:
+        append_line(self.path, {"step": step, "epoch": epoch, "batches": list(batches), "attempt": attempt})
+
+    def rollback(self, to_step: int, from_step: int, reason: str) -> None:
+        append_line(self.path, {"rollback": {"to_step": to_step, "from_step": from_step, "reason": reason}})
+
+
+def _rows(path: Path) -> list[dict]:
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a crash mid-write
+            continue
+        if isinstance(row, dict):
+            out.append(row)
+    return out
+
+
+def ledger_view(path: Path) -> dict[int, dict]:
+    """The final view of a ledger file: ``{step: row}``, each step once (a rollback to ``k`` drops
+    the rows of steps ``>= k`` written before it; a later row of a step replaces an earlier one)."""
+    view: dict[int, dict] = {}
+    for row in _rows(path):
+        if "rollback" in row:
+            to = int(row["rollback"]["to_step"])
+            view = {s: r for s, r in view.items() if s < to}
+        elif "step" in row:
+            view[int(row["step"])] = row
+    return view
+
+
+def ledger_problems(path: Path, batches_per_epoch: Sequence[int], end: Optional[DataPosition] = None) -> list[str]:
+    """Exactly-once from the file alone: every batch from ``(0, 0)`` up to ``end`` (default: the
+    position after the last step of the final view) trained once, and the steps ``0 … n − 1``
+    each present.
+
+    Returns:
+        One line per problem (missing step, batch never trained / trained n times / out of order).
+    """
+    view = ledger_view(path)
+    problems = [f"step {s} missing" for s in range(max(view, default=-1) + 1) if s not in view]
+    seen: dict[tuple[int, int], int] = {}
+    order: list[tuple[int, int]] = []
+    for s in sorted(view):
+        for b in view[s]["batches"]:
+            if b is not None:
+                key = (int(view[s]["epoch"]), int(b))
+                seen[key] = seen.get(key, 0) + 1
+                order.append(key)
+    if end is None:
+        if order:
+            e, b = order[-1]
+            end = DataPosition(e + 1, 0) if b + 1 >= batches_per_epoch[e] else DataPosition(e, b + 1)
+        else:
+            end = DataPosition()
+    expected = [(e, b) for e, n in enumerate(batches_per_epoch) for b in range(n) if (e, b) < (end.epoch, end.batch)]
+    problems += [f"epoch {e} batch {b} never trained" for e, b in expected if (e, b) not in seen]
+    problems += [f"epoch {e} batch {b} trained {n} times" for (e, b), n in sorted(seen.items()) if n > 1]
+    problems += [f"epoch {e} batch {b} trained but not before the end position" for e, b in sorted(seen)
+                 if (e, b) >= (end.epoch, end.batch)]
+    if order != sorted(order):
+        problems.append("batches trained out of order")
+    return problems
