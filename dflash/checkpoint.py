@@ -51,7 +51,7 @@ import torch
 __all__ = ["CheckpointError", "CheckpointWriter", "host_copy", "save_checkpoint", "latest_checkpoint",
            "checkpoint_problem", "is_damage_error", "quarantine", "load_trainer_state", "read_state",
            "rng_state", "set_rng_state", "CheckpointMismatch", "run_identity", "tokenizer_fingerprint",
-           "check_fits"]
+           "check_fits", "trained_with"]
 
 log = logging.getLogger(__name__)
 
@@ -515,6 +515,22 @@ def _checkpoint_root(path: Path) -> Path:
     return path
 
 
+def trained_with(checkpoint_dir: Path) -> dict[str, Any]:
+    """The ``trained_with`` record of a checkpoint (:func:`run_identity` at training time).
+
+    Args:
+        checkpoint_dir: ``runs/<name>/checkpoints/step-XXXXXXXX`` or its ``drafter/`` directory.
+
+    Returns:
+        ``{field: value}``; empty when the checkpoint records none or its ``state.json`` is
+        missing or unreadable (a bare drafter directory).
+    """
+    try:
+        return dict(read_state(_checkpoint_root(checkpoint_dir)).get("trained_with") or {})
+    except (OSError, ValueError):
+        return {}
+
+
 def check_fits(checkpoint_dir: Path, identity: dict[str, Any], force: bool = False) -> list[str]:
     """Check that a checkpoint fits what it is about to be used with; stop with one line if not.
 
@@ -539,11 +555,7 @@ def check_fits(checkpoint_dir: Path, identity: dict[str, Any], force: bool = Fal
             where every difference is one a user may knowingly accept.
     """
     root = _checkpoint_root(checkpoint_dir)
-    saved: dict[str, Any] = {}
-    try:
-        saved = dict(read_state(root).get("trained_with") or {})
-    except (OSError, ValueError):
-        pass
+    saved = trained_with(root)
     try:
         drafter_cfg = json.loads(((root / "drafter") if (root / "drafter").is_dir() else root).joinpath(
             "config.json").read_text())

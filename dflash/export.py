@@ -36,6 +36,7 @@ from dflash.model import (
     DFlashDraftModel,
     write_drafter_directory,
 )
+from dflash.checkpoint import IDENTITY_NAMES, trained_with
 from dflash.objective import SLIDING_ATTENTION
 
 __all__ = ["ExportReport", "resolve_drafter_dir", "export_drafter", "engine_rules", "main"]
@@ -188,6 +189,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  {name:<20} {size:>14,d} bytes")
     print(f"  dtype {report.dtype}; mask_token_id {report.mask_token_id}; layer_types {report.layer_types}; "
           f"sliding_window {report.sliding_window}")
+    record = trained_with(resolve_drafter_dir(args.checkpoint))
+    if record:
+        print("trained with (serve with the same tokenizer, chat template and thinking mode):")
+        for key in sorted(record):
+            print(f"  {IDENTITY_NAMES.get(key, key)}: {record[key]}")
+    else:
+        print("trained with: not recorded in this checkpoint")
     print("engine rules satisfied:")
     for rule in report.rules:
         print(f"  - {rule}")

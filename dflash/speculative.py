@@ -68,6 +68,7 @@ from torch import Tensor, nn
 
 from dflash.generation import Generation, Generator, drafter_hidden
 from dflash.objective import acceptance_lengths, build_block_labels, valid_anchor_mask
+from dflash.progress import Progress
 
 __all__ = [
     "Difference",
@@ -460,30 +461,6 @@ def checkpoint_step(drafter_dir: Path) -> Optional[int]:
 # --------------------------------------------------------------------------- the check
 
 
-class _Progress:
-    """Tokens decoded so far: a live tqdm line on a terminal, a log line every ``PROGRESS_LOG_S`` otherwise."""
-
-    def __init__(self, total: int, desc: str) -> None:
-        from tqdm import tqdm
-
-        self.live = sys.stderr.isatty()
-        self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False) if self.live else None
-        self.total, self.done, self.desc = total, 0, desc
-        self.last = time.monotonic()
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-        elif time.monotonic() - self.last >= PROGRESS_LOG_S:
-            self.last = time.monotonic()
-            log.info("%s: %d/%d tokens", self.desc, self.done, self.total)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
@@ -535,11 +512,12 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence["PromptCase"]
     prompts = [c.prompt_ids for c in cases]
     base: list[Generation] = []
     spec: list[Generation] = []
-    bar = _Progress(2 * len(cases) * max_new_tokens, "decoding")
+    bar = Progress(2 * len(cases) * max_new_tokens, desc="decoding", unit="tok", interval_s=PROGRESS_LOG_S,
+                   logger=log)
     for group in _batches(prompts, batch):
-        base += gen.greedy(group, max_new_tokens, stop_ids, progress=bar)
+        base += gen.greedy(group, max_new_tokens, stop_ids, progress=bar.advance)
     for group in _batches(prompts, batch):
-        spec += gen.speculative(group, max_new_tokens, stop_ids, progress=bar)
+        spec += gen.speculative(group, max_new_tokens, stop_ids, progress=bar.advance)
     bar.close()
 
     rows: list[dict[str, Any]] = []
@@ -679,6 +657,8 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--show-text", action="store_true", help="print each decoded response")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    p.add_argument("--force", action="store_true",
+                   help="use a checkpoint trained with another tokenizer, chat template or thinking mode")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
     for name in ("prompts", "max_new_tokens", "batch"):
@@ -697,8 +677,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     Returns:
         0 when every speculative output is identical to target-only greedy or differs only at a
-        numerical tie (:func:`tie_bound`), 1 otherwise, 2 when there is no usable prompt.
+        numerical tie (:func:`tie_bound`), 1 otherwise, 2 when there is no usable prompt or the checkpoint
+        does not fit the tokenizer, template, thinking mode or target (:func:`dflash.checkpoint.check_fits`).
     """
+    from dflash.checkpoint import CheckpointMismatch, check_fits, run_identity
     from dflash.config import load_config
     from dflash.data import prepare_data
     from dflash.logs import setup_logging
@@ -724,9 +706,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if target.num_layers != dcfg.num_target_layers or target.hidden_size != dcfg.hidden_size:
         raise ValueError(f"{drafter_dir}: drafter for a {dcfg.num_target_layers}-layer, D={dcfg.hidden_size} target; "
                          f"this target has {target.num_layers} layers, D={target.hidden_size}")
+    tokenizer = load_tokenizer(cfg.target)
+    try:
+        forced = check_fits(drafter_dir, run_identity(tokenizer, target.config, list(dcfg.target_layer_ids),
+                                                      cfg.data.enable_thinking), force=args.force)
+    except CheckpointMismatch as exc:
+        log.error("%s", exc)
+        return 2
+    for difference in forced:
+        log.warning("--force: %s", difference)
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head, attention="sdpa",
                                                device=device).eval()
-    tokenizer = load_tokenizer(cfg.target)
     stops = stop_token_ids(tokenizer, target.model)
     max_prompt = args.max_prompt_tokens
     if max_prompt is None:
