@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dflash.progress import DEFAULT_INTERVAL_S, Progress, format_duration
+from dflash.resume import read_jsonl_rows
 
 __all__ = ["WandbRun", "ProgressLine", "format_duration", "rollback_record", "last_logged_step", "metrics_view"]
 
@@ -82,12 +83,6 @@ def rollback_record(to_step: int, from_step: int, reason: str) -> dict:
     return {"rollback": {"to_step": to_step, "from_step": from_step, "reason": reason}, "time": time.time()}
 
 
-def _metric_rows(path: Path) -> list[dict]:
-    rows = []
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return rows
     for line in text.splitlines():
         try:
             row = json.loads(line)
@@ -101,7 +96,7 @@ def _metric_rows(path: Path) -> list[dict]:
 def last_logged_step(path: Path) -> int:
     """The highest ``step`` of any row of ``metrics.jsonl`` (undone ones included: what wandb has
     seen); ``-1`` when there is none."""
-    return max((int(r["step"]) for r in _metric_rows(path) if isinstance(r.get("step"), int)), default=-1)
+    return max((int(r["step"]) for r in read_jsonl_rows(path) if isinstance(r.get("step"), int)), default=-1)
 
 
 def metrics_view(path: Path) -> list[dict]:
@@ -112,7 +107,7 @@ def metrics_view(path: Path) -> list[dict]:
     before it; a later row of the same step and kind replaces an earlier one.
     """
     view: dict[tuple, dict] = {}
-    for row in _metric_rows(path):
+    for row in read_jsonl_rows(path):
         if "rollback" in row:
             to = int(row["rollback"]["to_step"])
             view = {k: r for k, r in view.items() if k[0] <= to}

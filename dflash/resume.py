@@ -27,7 +27,7 @@ from dflash.optim import LRSchedule
 from dflash.schedule import DataPosition, StepPlan
 
 __all__ = ["PLAN_FILE", "LEDGER_FILE", "SCHEDULE_KEYS", "LaunchPlan", "plan_launch", "checkpoint_position",
-           "LedgerFile", "append_line", "ledger_view", "ledger_problems"]
+           "LedgerFile", "append_line", "read_jsonl_rows", "ledger_view", "ledger_problems"]
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,9 @@ class LedgerFile:
         append_line(self.path, {"rollback": {"to_step": to_step, "from_step": from_step, "reason": reason}})
 
 
-def _rows(path: Path) -> list[dict]:
+def read_jsonl_rows(path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file written by :func:`append_line`, in order; ``[]`` when it
+    does not exist. A line cut by a crash mid-write (or any non-object line) is skipped."""
     out = []
     try:
         lines = Path(path).read_text().splitlines()
@@ -219,7 +221,7 @@ def ledger_view(path: Path) -> dict[int, dict]:
     """The final view of a ledger file: ``{step: row}``, each step once (a rollback to ``k`` drops
     the rows of steps ``>= k`` written before it; a later row of a step replaces an earlier one)."""
     view: dict[int, dict] = {}
-    for row in _rows(path):
+    for row in read_jsonl_rows(path):
         if "rollback" in row:
             to = int(row["rollback"]["to_step"])
             view = {s: r for s, r in view.items() if s < to}
