@@ -655,6 +655,14 @@ class Generator:
         return gens
 
     @staticmethod
+    def _bound(forwards: int, max_new_tokens: int) -> None:
+        """Every forward emits at least one token per active row, so a row still active after
+        ``max_new_tokens`` forwards means the device state is corrupt: fail rather than spin."""
+        if forwards >= max_new_tokens:
+            raise RuntimeError(f"decoding: rows still active after {forwards} target forwards for "
+                               f"max_new_tokens={max_new_tokens} (inconsistent device state)")
+
+    @staticmethod
     def _report(progress: Optional[Callable[[int], None]], shown: list[int], now: list[int]) -> None:
         """Tell ``progress`` the tokens added since the last call (``now[r]`` past the first, per row)."""
         added = sum(max(0, x - s) for x, s in zip(now, shown))
@@ -692,10 +700,13 @@ class Generator:
         limit = [p + max_new_tokens - 1 for p in lens]
         anchor = list(lens)
         shown = [0] * n
+        forwards = 0
         while any(active):
-            steps = min(self.sync_every, max(limit[r] - anchor[r] for r in range(n) if active[r]))
+            self._bound(forwards, max_new_tokens)
+            steps = max(1, min(self.sync_every, max(limit[r] - anchor[r] for r in range(n) if active[r])))
             for _ in range(steps):
                 self._greedy_step()
+            forwards += steps
             anchor, active = self._poll(n)
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
         gens = self._collect(prompts, max_new_tokens, passes=False)
@@ -734,9 +745,13 @@ class Generator:
         anchor = list(lens)
         shown = [0] * n
         timer = _Timer(self.device)
+        forwards = 0
         while any(active):
+            self._bound(forwards, max_new_tokens)
             need = max(-(-(limit[r] - anchor[r]) // b_sz) for r in range(n) if active[r])
-            for _ in range(min(self.sync_every, need)):
+            passes = max(1, min(self.sync_every, need))
+            forwards += passes
+            for _ in range(passes):
                 t = timer.start("draft")
                 if self.compiled:
                     self._draft_step()
