@@ -629,18 +629,61 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     assert summary["offline_tau_replay"] >= 1.0 and len(summary["per_position_measured"]) == cfg.drafter.block_size - 1
 
 
+def test_step_functions_trace_whole_and_decode_like_eager(target):
+    """What CUDA graphs need, checked on CPU: each step function traces into one graph (fullgraph,
+    so no eager op runs between graph replays), its functionalised graph (``aot_eager``) decodes
+    exactly like eager, stop tokens included, and later calls (other prompts, stop lists,
+    ``sync_every``, a partial batch) reuse it without recompiling."""
+    import torch._dynamo
+
+    drafter = make_drafter(target, 4, seed=2)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 17)]
+    ref = naive_greedy_decode(target.model, prompts[1], 16)
+    stop = [_first_from(ref, 6)]
+    outs = {}
+    torch._dynamo.reset()
+    try:
+        for traced in (False, True):
+            gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter)
+            if traced:
+                for name in ("_greedy_step", "_draft_step", "_verify_step"):
+                    fn = getattr(gen, name + "_impl")
+                    setattr(gen, name, torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False))
+                gen.compiled = True  # the draft reads the whole static buffer, as on CUDA
+            outs[traced] = gen.greedy(prompts, 16, stop) + gen.speculative(prompts, 16, stop)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            other = [torch.randint(0, VOCAB, (n,), generator=g) for n in (40, 5)]
+            gen.greedy(other, 10, [1, 2, 3])
+            gen.sync_every = 1
+            gen.speculative(other[:1], 10)
+    finally:
+        torch._dynamo.reset()
+    for got, want in zip(outs[True], outs[False]):
+        assert (got.tokens, got.accepted, got.anchors) == (want.tokens, want.accepted, want.anchors)
+        torch.testing.assert_close(torch.tensor(got.top2), torch.tensor(want.top2), atol=1e-5, rtol=1e-5)
+    assert outs[False][1].tokens == _cut(ref, set(stop), 16) and len(outs[False][1].tokens) < 16
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_compiled_decoding_equals_eager_on_gpu():
-    """fp32 on CUDA: the CUDA-graph steps give the eager steps' tokens, target-only and speculative, batched."""
+    """fp32 on CUDA: the CUDA-graph steps give the eager steps' tokens, target-only and speculative,
+    batched, with and without a stop token, whether the host checks every forward or every 8."""
     target = load_target(TargetConfig(kind="random", arch="tiny-llama", dtype="float32"), "cuda", num_drafter_layers=2)
     drafter = make_drafter(target, 4, num_layers=2).cuda()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 17, 40)]
+    refs = [naive_greedy_decode(target.model, p, 24) for p in prompts]
+    stop = {_first_from(refs[1], 5)}
     outs = {}
     for compiled in (False, True):
         gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter, compile=compiled)
-        outs[compiled] = [o.tokens for grp in (prompts[:2], prompts[2:]) for o in gen.greedy(grp, 24)]
-        outs[compiled] += [o.tokens for grp in (prompts[:2], prompts[2:]) for o in gen.speculative(grp, 24)]
-    assert outs[True] == outs[False]
-    assert outs[False][:3] == [naive_greedy_decode(target.model, p, 24) for p in prompts] == outs[False][3:]
+        for every in (1, 8):
+            gen.sync_every = every
+            for stops in (set(), stop):
+                runs = [o for grp in (prompts[:2], prompts[2:]) for o in gen.greedy(grp, 24, sorted(stops))]
+                runs += [o for grp in (prompts[:2], prompts[2:]) for o in gen.speculative(grp, 24, sorted(stops))]
+                outs[compiled, every, bool(stops)] = [o.tokens for o in runs]
+                assert [o.tokens for o in runs] == [_cut(r, stops, 24) for r in refs] * 2
+    assert all(out == outs[False, 1, key[2]] for key, out in outs.items())
