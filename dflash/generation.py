@@ -14,6 +14,10 @@ step function is traced once and, on CUDA, replayed as a CUDA graph
   holds positions ``0 … anchor − 1``.
 * ``features [b, T_max, L·D]``: the DFlash context features (``hidden_states[id + 1]`` of the
   target's layers ``layer_ids``, concatenated) of every position the target has run.
+* ``active [b]``, ``limit [b]``, ``stop_ids [S]``: which rows still generate, each row's last
+  position, the stop tokens; ``top2 [b, T_max, 2]``: the target's top-2 logits (fp32) of the
+  forward that produced each token; ``accepted [b, T_max]``: ``m + 1`` of the pass anchored at
+  each position.
 
 Entries past ``anchor`` are stale (rejected drafts) and are never read: the target's attention mask
 hides cache slots beyond each query's position, and the drafter sees context ``j < anchor`` only.
@@ -24,7 +28,8 @@ roll back by slot bookkeeping in the same way).
 
 * :meth:`Generator.prefill` (eager, once per prompt): the prompt's keys/values, features and the
   first generated token.
-* target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``.
+* target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``;
+  the row turns inactive after a stop token or its last position.
 * draft (compiled): the drafter's own :meth:`dflash.model.DFlashDraftModel.forward` on the whole
   static feature buffer (``S = T_max`` on CUDA, ``S = max(anchor) + 1`` on CPU) with
   ``anchors = anchor``: exactly the training forward (its attention-mask builder decides what the
@@ -35,10 +40,19 @@ roll back by slot bookkeeping in the same way).
   the number of accepted drafts ``m`` = leading ``k`` with ``d_{k+1} = g_k``; the block's features
   are written at ``anchor … anchor+B−1`` (the next draft reads only positions ``≤ anchor + m``,
   i.e. the anchor and the accepted drafts, all computed on correct tokens); the bonus ``g_m`` is
-  written at ``anchor + m + 1`` and becomes the next anchor.
+  written at ``anchor + m + 1`` and becomes the next anchor; the row turns inactive when one of
+  ``g_0 … g_m`` is a stop token or reaches its last position.
 
-Every step returns the target's top-2 logits of each position it decoded (fp32), so the lossless
-check can judge a difference between two runs by the target's own margin there.
+**The host loop.** The step functions take no arguments and return nothing: every decision
+(acceptance, the bonus token, the new anchor, stopping a row) is made on the device and written
+into :class:`DecodeState`, so the steps run back to back without a device→host sync (gpt-fast
+keeps its decode loop on the device the same way). The host reads ``anchor`` and ``active`` every
+``sync_every`` target forwards, to learn when every row is done, and reads the tokens, their top-2
+logits (so the lossless check can judge a difference between two runs by the target's own margin)
+and the passes once at the end, cutting a row's tokens after its first stop token. It never
+enqueues more forwards than the longest row can still need (target-only: its remaining tokens;
+speculative: ``⌈remaining / B⌉``), so only a stop token can leave forwards that change nothing, and
+the output does not depend on ``sync_every``.
 
 The target is any transformers decoder with the ``embed_tokens / layers / norm / rotary_emb``
 layout (Llama, Qwen2/3, Mistral; the layout :class:`dflash.target.TargetModel` runs), called layer
