@@ -89,8 +89,8 @@ SLIDING = "sliding_attention"
 #: anchor and the bonus lands at anchor + B.
 SLACK = 1
 #: Target forwards between two host checks of the decoding state (the only device→host syncs of a
-#: compiled decode): more steps a check run back to back without the host waiting, fewer wasted
-#: after a stop token (a row that stops is masked on the device; the batch stops at the next check).
+#: compiled decode). Larger: more forwards queued without the host waiting; smaller: fewer forwards
+#: wasted after a stop token (a row that stops is masked on the device; the batch ends at a check).
 SYNC_EVERY = 8
 #: Stop-token slots on the device (padded with -1); a longer stop list grows the buffer (one recompile).
 STOP_SLOTS = 8
