@@ -14,6 +14,10 @@ step function is traced once and, on CUDA, replayed as a CUDA graph
   holds positions ``0 … anchor − 1``.
 * ``features [b, T_max, L·D]``: the DFlash context features (``hidden_states[id + 1]`` of the
   target's layers ``layer_ids``, concatenated) of every position the target has run.
+* ``active [b]``, ``limit [b]``, ``stop_ids [S]``: which rows still generate, each row's last
+  position, the stop tokens; ``top2 [b, T_max, 2]``: the target's top-2 logits (fp32) of the
+  forward that produced each token; ``accepted [b, T_max]``: ``m + 1`` of the pass anchored at
+  each position.
 
 Entries past ``anchor`` are stale (rejected drafts) and are never read: the target's attention mask
 hides cache slots beyond each query's position, and the drafter sees context ``j < anchor`` only.
@@ -24,7 +28,8 @@ roll back by slot bookkeeping in the same way).
 
 * :meth:`Generator.prefill` (eager, once per prompt): the prompt's keys/values, features and the
   first generated token.
-* target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``.
+* target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``;
+  the row turns inactive after a stop token or its last position.
 * draft (compiled): the drafter's own :meth:`dflash.model.DFlashDraftModel.forward` on the whole
   static feature buffer (``S = T_max`` on CUDA, ``S = max(anchor) + 1`` on CPU) with
   ``anchors = anchor``: exactly the training forward (its attention-mask builder decides what the
@@ -35,10 +40,19 @@ roll back by slot bookkeeping in the same way).
   the number of accepted drafts ``m`` = leading ``k`` with ``d_{k+1} = g_k``; the block's features
   are written at ``anchor … anchor+B−1`` (the next draft reads only positions ``≤ anchor + m``,
   i.e. the anchor and the accepted drafts, all computed on correct tokens); the bonus ``g_m`` is
-  written at ``anchor + m + 1`` and becomes the next anchor.
+  written at ``anchor + m + 1`` and becomes the next anchor; the row turns inactive when one of
+  ``g_0 … g_m`` is a stop token or reaches its last position.
 
-Every step returns the target's top-2 logits of each position it decoded (fp32), so the lossless
-check can judge a difference between two runs by the target's own margin there.
+**The host loop.** The step functions take no arguments and return nothing: every decision
+(acceptance, the bonus token, the new anchor, stopping a row) is made on the device and written
+into :class:`DecodeState`, so the steps run back to back without a device→host sync (gpt-fast
+keeps its decode loop on the device the same way). The host reads ``anchor`` and ``active`` every
+``sync_every`` target forwards, to learn when every row is done, and reads the tokens, their top-2
+logits (so the lossless check can judge a difference between two runs by the target's own margin)
+and the passes once at the end, cutting a row's tokens after its first stop token. It never
+enqueues more forwards than the longest row can still need (target-only: its remaining tokens;
+speculative: ``⌈remaining / B⌉``), so only a stop token can leave forwards that change nothing, and
+the output does not depend on ``sync_every``.
 
 The target is any transformers decoder with the ``embed_tokens / layers / norm / rotary_emb``
 layout (Llama, Qwen2/3, Mistral; the layout :class:`dflash.target.TargetModel` runs), called layer
@@ -74,6 +88,12 @@ SLIDING = "sliding_attention"
 #: Slots past the last written position kept free: a verify pass writes B positions from the
 #: anchor and the bonus lands at anchor + B.
 SLACK = 1
+#: Target forwards between two host checks of the decoding state (the only device→host syncs of a
+#: compiled decode). Larger: more forwards queued without the host waiting; smaller: fewer forwards
+#: wasted after a stop token (a row that stops is masked on the device; the batch ends at a check).
+SYNC_EVERY = 8
+#: Stop-token slots on the device (padded with -1); a longer stop list grows the buffer (one recompile).
+STOP_SLOTS = 8
 
 
 # --------------------------------------------------------------------------- results
@@ -175,6 +195,10 @@ class DecodeState:
     active: Tensor      # [b] bool: rows still generating (others keep their anchor)
     features: Tensor    # [b, T_max, L·D] target dtype
     drafts: Tensor      # [b, B-1] int64 (speculative only; [b, 0] otherwise)
+    top2: Tensor        # [b, T_max, 2] fp32: the target's (z1, z2) at the forward that produced token j
+    accepted: Tensor    # [b, T_max] int64: m + 1 of the verification pass anchored at j (0 = none)
+    limit: Tensor       # [b] int64: the last position a row may emit (prompt length + max_new_tokens − 1)
+    stop_ids: Tensor    # [S] int64: stop tokens, padded with -1 (never an id)
 
 
 # --------------------------------------------------------------------------- drafting
@@ -306,13 +330,17 @@ class Generator:
             target-only.
         compile: compile the step functions with ``torch.compile(mode="reduce-overhead")``
             (CUDA graphs); ``None`` = on CUDA only.
+        sync_every: target forwards (steps or verification passes) the host enqueues between two
+            reads of the decoding state (:data:`SYNC_EVERY`); any value gives the same outputs.
+            Settable on the instance (:attr:`sync_every`) without recompiling.
 
     Raises:
-        ValueError: a layer id outside the target, linear-attention layers, or ``max_len < 2``.
+        ValueError: a layer id outside the target, linear-attention layers, ``max_len < 2``, or
+            ``sync_every < 1``.
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
-                 drafter: Any = None, compile: Optional[bool] = None) -> None:
+                 drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY) -> None:
         self.model = model.eval()
         self.decoder = _decoder(model)
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -327,6 +355,9 @@ class Generator:
             raise ValueError(f"max_len: must be >= 2, got {max_len}")
         if batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
+        self.sync_every = int(sync_every)
         types = list(getattr(self.config, "layer_types", None) or [FULL] * self.num_layers)[: self.num_layers]
         unknown = sorted(set(types) - {FULL, SLIDING})
         if unknown:
@@ -358,12 +389,19 @@ class Generator:
             anchor=torch.zeros(b, dtype=torch.long, device=dev),
             active=torch.zeros(b, dtype=torch.bool, device=dev),
             features=torch.zeros(b, self.max_len, max(1, len(self.layer_ids)) * width, dtype=self.dtype, device=dev),
-            drafts=torch.zeros(b, max(0, self.block_size - 1), dtype=torch.long, device=dev))
-        for t in (self.state.tokens, self.state.anchor, self.state.active, self.state.features, self.state.drafts):
+            drafts=torch.zeros(b, max(0, self.block_size - 1), dtype=torch.long, device=dev),
+            top2=torch.zeros(b, self.max_len, 2, dtype=torch.float32, device=dev),
+            accepted=torch.zeros(b, self.max_len, dtype=torch.long, device=dev),
+            limit=torch.zeros(b, dtype=torch.long, device=dev),
+            stop_ids=torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev))
+        st = self.state
+        for t in (st.tokens, st.anchor, st.active, st.features, st.drafts, st.top2, st.accepted, st.limit,
+                  st.stop_ids):
             torch._dynamo.mark_static_address(t)
         self._slots: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.layer_ids):
             self._slots.setdefault(layer, []).append(slot)
+        self._stops: frozenset[int] = frozenset()
         self._greedy_step = self._wrap(self._greedy_step_impl)
         self._draft_step = self._wrap(self._draft_step_impl) if self.proposer is not None else None
         self._verify_step = self._wrap(self._verify_step_impl)
@@ -445,16 +483,31 @@ class Generator:
 
     # ----------------------------------------------------------------------- step functions
 
-    def _greedy_step_impl(self) -> Tensor:
-        """One target-only token per active row. Returns ``[b, 3]`` fp32: token, z1, z2."""
+    def _ends(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """``[b, k]`` bool: emitting ``tokens [b, k]`` at ``positions [b, k]`` ends the row (a stop
+        token, or the row's last position :attr:`DecodeState.limit`)."""
         st = self.state
-        a = st.anchor
+        return (tokens.unsqueeze(-1) == st.stop_ids).any(dim=-1) | (positions >= st.limit.unsqueeze(-1))
+
+    def _greedy_step_impl(self) -> None:
+        """One target-only token per active row, entirely on the device (no output, no host sync).
+
+        The argmax at ``anchor`` is written at ``anchor + 1`` with its top-2 logits, the anchor
+        moves there, and the row turns inactive when that token is a stop token or sits at the
+        row's last position. Inactive rows run the forward too (fixed shapes) but change nothing.
+        """
+        st = self.state
+        a, active = st.anchor, st.active
         vals, ids, _ = self.forward(st.tokens.gather(1, a[:, None]), a[:, None], features=False)
-        tok = ids[:, 0, 0]
-        nxt = torch.clamp(a + 1, max=self.max_len - 1)
-        st.tokens.scatter_(1, nxt[:, None], torch.where(st.active, tok, st.tokens.gather(1, nxt[:, None])[:, 0])[:, None])
-        st.anchor.copy_(torch.where(st.active, nxt, a))
-        return torch.cat([tok[:, None].float(), vals[:, 0]], dim=1)
+        tok = ids[:, :, 0]  # [b, 1]
+        nxt = torch.clamp(a + 1, max=self.max_len - 1)[:, None]  # [b, 1]
+        act = active[:, None]
+        st.tokens.scatter_(1, nxt, torch.where(act, tok, st.tokens.gather(1, nxt)))
+        at = nxt.unsqueeze(-1).expand(-1, -1, 2)
+        st.top2.scatter_(1, at, torch.where(act.unsqueeze(-1), vals, st.top2.gather(1, at)))
+        ends = self._ends(tok, nxt)[:, 0]
+        st.anchor.copy_(torch.where(active, nxt[:, 0], a))
+        st.active.copy_(active & ~ends)
 
     def _draft_step_impl(self, length: Optional[int] = None) -> None:
         st = self.state
@@ -464,35 +517,50 @@ class Generator:
             drafts = self.proposer(st.tokens[:, :length], st.features[:, :length], st.anchor)
         st.drafts.copy_(drafts.to(torch.long).view_as(st.drafts))
 
-    def _verify_step_impl(self) -> Tensor:
-        """Verify the drafts of every active row. Returns ``[b, 1 + 3B]`` fp32:
-        ``m``, the target's tokens ``g_0 … g_{B−1}``, then ``(z1, z2)`` per block position."""
+    def _verify_step_impl(self) -> None:
+        """Verify the drafts of every active row and accept, entirely on the device (no output).
+
+        The target runs ``[anchor token, d_1 … d_{B−1}]`` at ``anchor … anchor+B−1``; ``m`` = the
+        leading drafts equal to the target's tokens ``g_0 … g_{B−2}``; the block's tokens and
+        features are written at its positions, the bonus ``g_m`` at ``anchor + m + 1`` (the new
+        anchor), the top-2 logits of ``g_k`` at ``anchor + 1 + k``, and ``m + 1`` in
+        :attr:`DecodeState.accepted` at the pass's anchor. The row turns inactive when one of
+        ``g_0 … g_m`` is a stop token or reaches its last position (the host trims the tokens
+        after it). Inactive rows run the forward too but change nothing.
+        """
         st = self.state
         b_sz = self.block_size
-        a = st.anchor
+        a, active = st.anchor, st.active
+        last = self.max_len - 1
         offsets = torch.arange(b_sz, device=a.device)
-        pos = a[:, None] + offsets  # [b, B]
+        # A finished row's anchor can lie up to B − 1 past its last position; clamping keeps its
+        # (masked-out) reads and writes inside the buffers. An active row never reaches the clamp:
+        # its anchor is below its last position, and _check keeps B + 1 slots after that.
+        pos = torch.clamp(a[:, None] + offsets, max=last)  # [b, B]
         block = torch.cat([st.tokens.gather(1, a[:, None]), st.drafts], dim=1)
         vals, ids, feats = self.forward(block, pos, features=True)
-        greedy = ids[..., 0]  # [b, B]
+        greedy = ids[..., 0]  # [b, B]: g_k, the target's token for position anchor + 1 + k
         right = (st.drafts == greedy[:, :-1]).long()
         m = torch.cumprod(right, dim=1).sum(dim=1)  # [b]
-        active = st.active
+        act = active[:, None]
         rows = torch.arange(a.shape[0], device=a.device)[:, None]
-        keep_feats = torch.where(active[:, None, None], feats, st.features[rows, pos])
-        st.features[rows, pos] = keep_feats
-        keep_tokens = torch.where(active[:, None], block, st.tokens.gather(1, pos))
-        st.tokens.scatter_(1, pos, keep_tokens)
-        nxt = a + m + 1
-        bonus = greedy.gather(1, m[:, None])[:, 0]
-        cur = st.tokens.gather(1, nxt[:, None])[:, 0]
-        st.tokens.scatter_(1, nxt[:, None], torch.where(active, bonus, cur)[:, None])
-        st.anchor.copy_(torch.where(active, nxt, a))
-        return torch.cat([m[:, None].float(), greedy.float(), vals.flatten(1)], dim=1)
+        st.features[rows, pos] = torch.where(act.unsqueeze(-1), feats, st.features[rows, pos])
+        st.tokens.scatter_(1, pos, torch.where(act, block, st.tokens.gather(1, pos)))
+        nxt = torch.clamp(a + m + 1, max=last)[:, None]  # [b, 1]
+        bonus = greedy.gather(1, m[:, None])
+        st.tokens.scatter_(1, nxt, torch.where(act, bonus, st.tokens.gather(1, nxt)))
+        emitted = torch.clamp(pos + 1, max=last)  # [b, B]: where g_k goes if accepted
+        at = emitted.unsqueeze(-1).expand(-1, -1, 2)
+        st.top2.scatter_(1, at, torch.where(act.unsqueeze(-1), vals, st.top2.gather(1, at)))
+        here = a[:, None]
+        st.accepted.scatter_(1, here, torch.where(act, m[:, None] + 1, st.accepted.gather(1, here)))
+        ends = (self._ends(greedy, emitted) & (offsets <= m[:, None])).any(dim=1)
+        st.anchor.copy_(torch.where(active, nxt[:, 0], a))
+        st.active.copy_(active & ~ends)
 
     # ----------------------------------------------------------------------- decoding
 
-    def _check(self, prompts: Sequence[Tensor], max_new_tokens: int) -> None:
+    def _check(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int]) -> None:
         if not 1 <= len(prompts) <= self.batch_size:
             raise ValueError(f"prompts: need 1..{self.batch_size} (the batch size), got {len(prompts)}")
         for i, p in enumerate(prompts):
@@ -502,11 +570,15 @@ class Generator:
             if need > self.max_len:
                 raise ValueError(f"prompts[{i}]: {p.numel()} tokens + {max_new_tokens} new + block "
                                  f"{self.block_size} needs max_len >= {need}, have {self.max_len}")
+        bad = [s for s in stop_ids if int(s) < 0]
+        if bad:
+            raise ValueError(f"stop_ids: token ids are >= 0, got {bad}")
 
     @torch.no_grad()
     def prefill(self, row: int, prompt: Tensor) -> tuple[int, tuple[float, float]]:
         """Run ``prompt [P]`` into row ``row``: keys/values and features of ``0 … P−1``; the first
-        generated token is written at ``P`` and becomes the anchor. Eager (one per prompt).
+        generated token is written at ``P`` (its top-2 logits too) and becomes the anchor. Eager
+        (one per prompt).
 
         Returns:
             ``(first token, (z1, z2))``.
@@ -520,6 +592,7 @@ class Generator:
         first = top[0, 0, 0]
         st.tokens[row, :p] = ids[0]
         st.tokens[row, p] = first
+        st.top2[row, p] = vals[0, 0]
         if feats is not None:
             st.features[row, :p] = feats[0]
         st.anchor[row] = p
@@ -527,67 +600,131 @@ class Generator:
         z = vals[0, 0].tolist()
         return int(first), (z[0], z[1])
 
-    def _start(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int]
-               ) -> tuple[list[Generation], list[bool]]:
-        self._check(prompts, max_new_tokens)
+    def _set_stops(self, stops: list[int]) -> None:
+        """Write ``stops`` into :attr:`DecodeState.stop_ids` (grown to a power of two if too short)."""
+        st = self.state
+        if len(stops) > st.stop_ids.numel():
+            st.stop_ids = torch.full((1 << (len(stops) - 1).bit_length(),), -1, dtype=torch.long, device=self.device)
+            torch._dynamo.mark_static_address(st.stop_ids)
+        padded = stops + [-1] * (st.stop_ids.numel() - len(stops))
+        st.stop_ids.copy_(torch.tensor(padded, dtype=torch.long))
+
+    def _start(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int]) -> list[bool]:
+        """Validate, prefill every prompt and arm the device state. Returns which rows still generate."""
+        self._check(prompts, max_new_tokens, stop_ids)
         st = self.state
         st.active.zero_()
         st.anchor.zero_()
-        stops = frozenset(int(s) for s in stop_ids)
-        gens = [Generation() for _ in prompts]
-        done = [True] * self.batch_size
+        st.accepted.zero_()
+        stops = sorted({int(s) for s in stop_ids})
+        self._stops = frozenset(stops)
         if max_new_tokens < 1:
-            return gens, done
+            return [False] * len(prompts)
+        self._set_stops(stops)
+        active = []
         for r, prompt in enumerate(prompts):
-            tok, z = self.prefill(r, prompt)
-            gens[r].tokens.append(tok)
-            gens[r].top2.append(z)
-            gens[r].target_forwards = 1
-            done[r] = tok in stops or max_new_tokens <= 1
-        self._stops = stops
-        return gens, done
+            tok, _ = self.prefill(r, prompt)
+            active.append(tok not in self._stops and max_new_tokens > 1)
+        pad = [False] * (self.batch_size - len(prompts))
+        st.active.copy_(torch.tensor(active + pad))
+        limits = [p.numel() + max_new_tokens - 1 for p in prompts] + [0] * len(pad)
+        st.limit.copy_(torch.tensor(limits, dtype=torch.long))
+        return active
 
-    def _deactivate(self, done: list[bool]) -> None:
-        self.state.active.copy_(torch.tensor(done, device=self.device).logical_not())
+    def _poll(self, n: int) -> tuple[list[int], list[bool]]:
+        """Anchors and active flags of rows ``0 … n−1``: the one device→host sync of a check."""
+        st = self.state
+        both = torch.stack([st.anchor[:n], st.active[:n].long()]).tolist()
+        return both[0], [bool(x) for x in both[1]]
+
+    def _collect(self, prompts: Sequence[Tensor], max_new_tokens: int, passes: bool) -> list[Generation]:
+        """Read each row's tokens, top-2 logits and passes off the device once, after decoding.
+
+        A row's output is ``tokens[P … anchor]`` cut after its first stop token and at
+        ``max_new_tokens`` (a verification pass that ends a row may have written tokens past the
+        end); its passes are the positions ``P ≤ j < anchor`` with ``accepted[j] > 0``.
+        """
+        st = self.state
+        n = len(prompts)
+        gens = [Generation() for _ in prompts]
+        if max_new_tokens < 1:
+            return gens
+        anchor = st.anchor[:n].tolist()
+        end = max(anchor) + 1
+        tokens = st.tokens[:n, :end].tolist()
+        top2 = st.top2[:n, :end].tolist()
+        accepted = st.accepted[:n, :end].tolist() if passes else None
+        for r, (g, prompt) in enumerate(zip(gens, prompts)):
+            p = prompt.numel()
+            out = tokens[r][p:anchor[r] + 1][:max_new_tokens]
+            cut = next((i for i, t in enumerate(out) if t in self._stops), None)
+            g.tokens = out if cut is None else out[:cut + 1]
+            g.top2 = [(z[0], z[1]) for z in top2[r][p:p + len(g.tokens)]]
+            if accepted is None:
+                g.target_forwards = len(g.tokens)
+                continue
+            g.anchors = [j for j in range(p, anchor[r]) if accepted[r][j] > 0]
+            g.accepted = [accepted[r][j] for j in g.anchors]
+            g.target_forwards = 1 + len(g.accepted)
+        return gens
+
+    @staticmethod
+    def _bound(forwards: int, max_new_tokens: int) -> None:
+        """Every forward emits at least one token per active row, so a row still active after
+        ``max_new_tokens`` forwards means the device state is corrupt: fail rather than spin."""
+        if forwards >= max_new_tokens:
+            raise RuntimeError(f"decoding: rows still active after {forwards} target forwards for "
+                               f"max_new_tokens={max_new_tokens} (inconsistent device state)")
+
+    @staticmethod
+    def _report(progress: Optional[Callable[[int], None]], shown: list[int], now: list[int]) -> None:
+        """Tell ``progress`` the tokens added since the last call (``now[r]`` past the first, per row)."""
+        added = sum(max(0, x - s) for x, s in zip(now, shown))
+        shown[:] = [max(x, s) for x, s in zip(now, shown)]
+        if progress is not None and added:
+            progress(added)
 
     @torch.no_grad()
     def greedy(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int] = (),
                progress: Optional[Callable[[int], None]] = None) -> list[Generation]:
         """Target-only greedy decoding of up to ``batch_size`` prompts (one token per forward).
 
+        The steps run back to back on the device (:meth:`_greedy_step_impl` stops each row itself);
+        the host reads the anchors and active flags every :attr:`sync_every` steps (never more
+        steps than the longest row still needs) and the tokens once at the end.
+
         Args:
             prompts: ``[P_i]`` int64 each.
             max_new_tokens: per prompt.
             stop_ids: a row stops after emitting one of these (kept).
-            progress: called with the number of tokens added after every step.
+            progress: called with the number of tokens added (after each prompt's first) at
+                every check.
 
         Returns:
             one :class:`Generation` per prompt.
 
         Raises:
-            ValueError: too many prompts, an empty prompt, or one that does not fit ``max_len``.
+            ValueError: too many prompts, an empty prompt, one that does not fit ``max_len``, or a
+                negative stop id.
         """
         start = time.perf_counter()
-        gens, done = self._start(prompts, max_new_tokens, stop_ids)
-        self._deactivate(done)
+        active = self._start(prompts, max_new_tokens, stop_ids)
         n = len(prompts)
-        while not all(done[:n]):
-            out = self._greedy_step().cpu().tolist()
-            added = 0
-            for r in range(n):
-                if done[r]:
-                    continue
-                tok, z1, z2 = int(out[r][0]), out[r][1], out[r][2]
-                g = gens[r]
-                g.tokens.append(tok)
-                g.top2.append((z1, z2))
-                g.target_forwards += 1
-                added += 1
-                if tok in self._stops or len(g.tokens) >= max_new_tokens:
-                    done[r] = True
-                    self._deactivate(done)
-            if progress is not None:
-                progress(added)
+        lens = [p.numel() for p in prompts]
+        limit = [p + max_new_tokens - 1 for p in lens]
+        anchor = list(lens)
+        shown = [0] * n
+        forwards = 0
+        while any(active):
+            self._bound(forwards, max_new_tokens)
+            steps = max(1, min(self.sync_every, max(limit[r] - anchor[r] for r in range(n) if active[r])))
+            for _ in range(steps):
+                self._greedy_step()
+            forwards += steps
+            anchor, active = self._poll(n)
+            self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
+        gens = self._collect(prompts, max_new_tokens, passes=False)
+        self._report(progress, shown, [max(0, len(g.tokens) - 1) for g in gens])
         elapsed = time.perf_counter() - start
         for g in gens:
             g.seconds = elapsed
@@ -604,51 +741,44 @@ class Generator:
         τ conventions: each pass counts ``m + 1`` (the last pass too, even when a stop token or
         ``max_new_tokens`` cuts its tokens); the prefill is not a pass.
 
+        Acceptance runs on the device (:meth:`_verify_step_impl`); the host reads the anchors and
+        active flags every :attr:`sync_every` passes, never more passes than the longest row
+        certainly still needs (``⌈remaining / B⌉``: a pass emits at most ``B`` tokens), so only a
+        stop token can leave passes that change nothing.
+
         Args / Returns / Raises: as :meth:`greedy`; ``ValueError`` too when no drafter was given.
         """
         if self.proposer is None:
             raise ValueError("speculative decoding needs a drafter (Generator(drafter=...))")
         start = time.perf_counter()
-        gens, done = self._start(prompts, max_new_tokens, stop_ids)
-        self._deactivate(done)
+        active = self._start(prompts, max_new_tokens, stop_ids)
         n = len(prompts)
         b_sz = self.block_size
+        lens = [p.numel() for p in prompts]
+        limit = [p + max_new_tokens - 1 for p in lens]
+        anchor = list(lens)
+        shown = [0] * n
         timer = _Timer(self.device)
-        anchors = [p.numel() for p in prompts] + [0] * (self.batch_size - n)
-        while not all(done[:n]):
-            t = timer.start("draft")
-            if self.compiled:
-                self._draft_step()
-            else:
-                self._draft_step(max(anchors[:n]) + 1)
-            timer.stop("draft", t)
-            t = timer.start("verify")
-            out = self._verify_step()
-            timer.stop("verify", t)
-            out = out.cpu().tolist()
-            added = 0
-            for r in range(n):
-                if done[r]:
-                    continue
-                m = int(out[r][0])
-                greedy = [int(x) for x in out[r][1:1 + b_sz]]
-                z = out[r][1 + b_sz:]
-                g = gens[r]
-                g.accepted.append(m + 1)
-                g.anchors.append(anchors[r])
-                g.target_forwards += 1
-                anchors[r] += m + 1
-                for k in range(m + 1):
-                    g.tokens.append(greedy[k])
-                    g.top2.append((z[2 * k], z[2 * k + 1]))
-                    added += 1
-                    if greedy[k] in self._stops or len(g.tokens) >= max_new_tokens:
-                        done[r] = True
-                        break
-                if done[r]:
-                    self._deactivate(done)
-            if progress is not None:
-                progress(added)
+        forwards = 0
+        while any(active):
+            self._bound(forwards, max_new_tokens)
+            need = max(-(-(limit[r] - anchor[r]) // b_sz) for r in range(n) if active[r])
+            passes = max(1, min(self.sync_every, need))
+            forwards += passes
+            for _ in range(passes):
+                t = timer.start("draft")
+                if self.compiled:
+                    self._draft_step()
+                else:
+                    self._draft_step(int(self.state.anchor[:n].max()) + 1)
+                timer.stop("draft", t)
+                t = timer.start("verify")
+                self._verify_step()
+                timer.stop("verify", t)
+            anchor, active = self._poll(n)
+            self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
+        gens = self._collect(prompts, max_new_tokens, passes=True)
+        self._report(progress, shown, [max(0, len(g.tokens) - 1) for g in gens])
         split = timer.totals()
         elapsed = time.perf_counter() - start
         for g in gens:

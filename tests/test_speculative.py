@@ -268,6 +268,66 @@ def test_stop_token_inside_a_block_ends_like_greedy(target, prompts, references,
     assert outs[1].tokens == want and outs[0].tokens == (other if cut is None else other[:cut + 1])
 
 
+def _cut(tokens: list[int], stops: set[int], n: int) -> list[int]:
+    """``tokens[:n]`` ending at the first stop token (kept): what decoding with ``stops`` must emit."""
+    out = tokens[:n]
+    i = next((k for k, t in enumerate(out) if t in stops), None)
+    return out if i is None else out[:i + 1]
+
+
+def _first_from(ref: list[int], i: int) -> int:
+    """The first token of ``ref`` from index ``i`` on that does not occur before (decoding with it as
+    a stop token ends there), else the last such token (random tiny targets soon repeat themselves)."""
+    firsts = [k for k in range(len(ref)) if ref.index(ref[k]) == k]
+    return ref[next((k for k in firsts if k >= i), firsts[-1])]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "scripted", "dflash"])
+def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, references, trained_drafter, kind):
+    """The host reads the device's stop flags every N target forwards: whatever N, each row's tokens,
+    top-2 logits and passes are those of checking after every forward (N = 1), and its tokens are
+    the oracle's cut after the first stop token. Three rows of one batch, stops at various positions
+    (the first token, mid-block, past max_new_tokens) and a stop list longer than the device's slots."""
+    rows, refs = prompts[:3], references[:3]
+    b = 4
+    rng = random.Random(7)
+    pattern = [rng.randint(0, b - 1) for _ in range(4096)]
+    scripted = ScriptedProposer(b, [p.numel() for p in rows], refs, lambda i: pattern[i])
+    proposer = {"greedy": None, "scripted": scripted, "dflash": trained_drafter}[kind]
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, batch_size=3, drafter=proposer)
+    run = gen.greedy if kind == "greedy" else gen.speculative
+    base = Generator(target.model, [], MAX_LEN, batch_size=3, sync_every=1)
+    lens = [p.numel() for p in rows]
+    many = set(range(VOCAB - 12, VOCAB)) | {_first_from(refs[1], 5)}
+    cases = [set(), {refs[0][0]}, {_first_from(refs[1], 1), _first_from(refs[2], 9)},
+             {_first_from(refs[0], 7), _first_from(refs[1], 8), _first_from(refs[2], 16)},
+             {_first_from(refs[2], 20)}, many]
+    for stops in cases:
+        outs = {}
+        for n in (1, 2, 5, 8, 64):
+            gen.sync_every = n
+            scripted.calls = 0
+            outs[n] = [(g.tokens, g.top2, g.accepted, g.anchors, g.target_forwards)
+                       for g in run(rows, MAX_NEW, sorted(stops))]
+        assert all(out == outs[1] for out in outs.values()), f"stops {sorted(stops)}"
+        assert [o[0] for o in outs[1]] == [_cut(r, stops, MAX_NEW) for r in refs]
+        # The device stopped each row itself: its anchor is at (greedy) or within a block past
+        # (speculative) its last token, and every row is inactive.
+        last = [p + len(o[0]) - 1 for p, o in zip(lens, outs[1])]
+        anchor = gen.state.anchor[:3].tolist()
+        assert not gen.state.active.any()
+        if kind == "greedy":
+            assert anchor == last
+            continue
+        assert all(x <= a < x + b for x, a in zip(last, anchor))
+        assert all(f == len(a) + 1 for _, _, a, _, f in outs[1])
+        # The top-2 logits land at the tokens they produced: a block forward's equal a one-token one's.
+        for got, want in zip(outs[1], base.greedy(rows, MAX_NEW, sorted(stops))):
+            assert got[0] == want.tokens
+            torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want.top2), atol=1e-4, rtol=1e-4)
+    assert any(len(_cut(r, c, MAX_NEW)) < MAX_NEW for c in cases for r in refs)  # stops really cut
+
+
 def test_bad_inputs(target, prompts):
     with pytest.raises(ValueError, match="max_len"):
         Generator(target.model, [], MAX_LEN).greedy([prompts[3]], MAX_LEN)
@@ -579,18 +639,61 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     assert code == 2
 
 
+def test_step_functions_trace_whole_and_decode_like_eager(target):
+    """What CUDA graphs need, checked on CPU: each step function traces into one graph (fullgraph,
+    so no eager op runs between graph replays), its functionalised graph (``aot_eager``) decodes
+    exactly like eager, stop tokens included, and later calls (other prompts, stop lists,
+    ``sync_every``, a partial batch) reuse it without recompiling."""
+    import torch._dynamo
+
+    drafter = make_drafter(target, 4, seed=2)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 17)]
+    ref = naive_greedy_decode(target.model, prompts[1], 16)
+    stop = [_first_from(ref, 6)]
+    outs = {}
+    torch._dynamo.reset()
+    try:
+        for traced in (False, True):
+            gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter)
+            if traced:
+                for name in ("_greedy_step", "_draft_step", "_verify_step"):
+                    fn = getattr(gen, name + "_impl")
+                    setattr(gen, name, torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False))
+                gen.compiled = True  # the draft reads the whole static buffer, as on CUDA
+            outs[traced] = gen.greedy(prompts, 16, stop) + gen.speculative(prompts, 16, stop)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            other = [torch.randint(0, VOCAB, (n,), generator=g) for n in (40, 5)]
+            gen.greedy(other, 10, [1, 2, 3])
+            gen.sync_every = 1
+            gen.speculative(other[:1], 10)
+    finally:
+        torch._dynamo.reset()
+    for got, want in zip(outs[True], outs[False]):
+        assert (got.tokens, got.accepted, got.anchors) == (want.tokens, want.accepted, want.anchors)
+        torch.testing.assert_close(torch.tensor(got.top2), torch.tensor(want.top2), atol=1e-5, rtol=1e-5)
+    assert outs[False][1].tokens == _cut(ref, set(stop), 16) and len(outs[False][1].tokens) < 16
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_compiled_decoding_equals_eager_on_gpu():
-    """fp32 on CUDA: the CUDA-graph steps give the eager steps' tokens, target-only and speculative, batched."""
+    """fp32 on CUDA: the CUDA-graph steps give the eager steps' tokens, target-only and speculative,
+    batched, with and without a stop token, whether the host checks every forward or every 8."""
     target = load_target(TargetConfig(kind="random", arch="tiny-llama", dtype="float32"), "cuda", num_drafter_layers=2)
     drafter = make_drafter(target, 4, num_layers=2).cuda()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 17, 40)]
+    refs = [naive_greedy_decode(target.model, p, 24) for p in prompts]
+    stop = {_first_from(refs[1], 5)}
     outs = {}
     for compiled in (False, True):
         gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter, compile=compiled)
-        outs[compiled] = [o.tokens for grp in (prompts[:2], prompts[2:]) for o in gen.greedy(grp, 24)]
-        outs[compiled] += [o.tokens for grp in (prompts[:2], prompts[2:]) for o in gen.speculative(grp, 24)]
-    assert outs[True] == outs[False]
-    assert outs[False][:3] == [naive_greedy_decode(target.model, p, 24) for p in prompts] == outs[False][3:]
+        for every in (1, 8):
+            gen.sync_every = every
+            for stops in (set(), stop):
+                runs = [o for grp in (prompts[:2], prompts[2:]) for o in gen.greedy(grp, 24, sorted(stops))]
+                runs += [o for grp in (prompts[:2], prompts[2:]) for o in gen.speculative(grp, 24, sorted(stops))]
+                outs[compiled, every, bool(stops)] = [o.tokens for o in runs]
+                assert [o.tokens for o in runs] == [_cut(r, stops, 24) for r in refs] * 2
+    assert all(out == outs[False, 1, key[2]] for key, out in outs.items())
