@@ -7,7 +7,6 @@ control plane.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -81,16 +80,6 @@ def rollback_record(to_step: int, from_step: int, reason: str) -> dict:
     """The ``metrics.jsonl`` row that marks the rows of steps ``> to_step`` (written up to
     ``from_step``) as undone: ``{"rollback": {...}, "time": …}`` (no ``step`` key)."""
     return {"rollback": {"to_step": to_step, "from_step": from_step, "reason": reason}, "time": time.time()}
-
-
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line cut by a crash mid-write
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def last_logged_step(path: Path) -> int:
