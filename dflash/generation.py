@@ -31,7 +31,7 @@ roll back by slot bookkeeping in the same way).
 * target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``;
   the row turns inactive after a stop token or its last position.
 * draft (compiled): the drafter's own :meth:`dflash.model.DFlashDraftModel.forward` on the whole
-  static feature buffer (``S = T_max`` on CUDA, ``S = max(anchor) + 1`` on CPU) with
+  static feature buffer (``S = T_max`` when compiled, ``S = max(anchor) + 1`` when eager) with
   ``anchors = anchor``: exactly the training forward (its attention-mask builder decides what the
   block sees), so what is trained is what drafts. Recomputing the context's projections every step
   costs ``O(T_max)`` small matmuls, which on a GPU is microseconds for the context lengths here;
@@ -71,6 +71,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from dflash.target import _decoder
 
 __all__ = [
     "StaticKVCache",
@@ -217,21 +219,15 @@ class Proposer(Protocol):
     def __call__(self, tokens: Tensor, features: Tensor, anchor: Tensor) -> Tensor: ...
 
 
-def _autocast_dtype(dtype: torch.dtype, device: torch.device) -> Optional[torch.dtype]:
-    """bf16/fp16 autocast when the target runs in half precision (as training on a GPU does), else none."""
-    if dtype in (torch.bfloat16, torch.float16):
-        return dtype
-    return None
-
-
 def drafter_hidden(drafter: nn.Module, features: Tensor, input_ids: Tensor, position_ids: Tensor,
                    doc_ids: Tensor, anchors: Tensor, keep: Tensor) -> Tensor:
-    """:meth:`DFlashDraftModel.forward` under the autocast training used (bf16 on CUDA, none on CPU)."""
-    amp = _autocast_dtype(features.dtype, features.device)
-    if amp is None:
+    """:meth:`DFlashDraftModel.forward` under the autocast training used: autocast to the
+    features' dtype when it is bf16 / fp16 (a half-precision target, on any device), else the
+    features cast to the drafter's parameter dtype and no autocast."""
+    if features.dtype not in (torch.bfloat16, torch.float16):
         param_dtype = next(drafter.parameters()).dtype
         return drafter(features.to(param_dtype), input_ids, position_ids, doc_ids, anchors, keep)
-    with torch.autocast(features.device.type, dtype=amp):
+    with torch.autocast(features.device.type, dtype=features.dtype):
         return drafter(features, input_ids, position_ids, doc_ids, anchors, keep)
 
 
@@ -264,12 +260,6 @@ class DFlashProposer:
 
 
 # --------------------------------------------------------------------------- the generator
-
-
-def _decoder(model: nn.Module) -> nn.Module:
-    from dflash.target import _decoder as find
-
-    return find(model)
 
 
 def _layer_cache_kwarg(layer: nn.Module) -> str:
