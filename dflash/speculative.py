@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from dflash.generation import Generation, Generator, drafter_hidden
 from dflash.objective import acceptance_lengths, build_block_labels, valid_anchor_mask
 from dflash.progress import Progress
+from dflash.resume import read_jsonl_rows
 
 __all__ = [
     "Difference",
@@ -426,16 +427,9 @@ def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Op
     """
     if run_dir is None:
         return None
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return None
     found = None
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict) or "eval/tau" not in rec:
+    for rec in read_jsonl_rows(Path(run_dir) / "metrics.jsonl"):
+        if "eval/tau" not in rec:
             continue
         step = int(rec.get("step", -1))
         if max_step is None or step <= max_step:
@@ -474,6 +468,15 @@ def _pooled(gens: Sequence[Generation], batch: int) -> dict[str, float]:
     verify = sum(grp[0].verify_seconds for grp in groups)
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds if seconds else float("nan"),
             "draft_s": draft, "verify_s": verify, "host_s": max(0.0, seconds - draft - verify)}
+
+
+def _continuation(case: PromptCase, gen: Generation) -> tuple[Tensor, Tensor]:
+    """``(input_ids [P + N], loss_mask [P + N])``: the prompt followed by a decode's ``N`` tokens,
+    the loss mask on the decoded tokens only."""
+    ids = torch.cat([case.prompt_ids, torch.tensor(gen.tokens, dtype=torch.long)])
+    mask = torch.zeros(ids.numel(), dtype=torch.bool)
+    mask[case.prompt_ids.numel():] = True
+    return ids, mask
 
 
 @torch.no_grad()
@@ -554,21 +557,9 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence["PromptCase"]
         "per_position_measured": measured_per_position(all_accepted, b_sz)}
     if offline:
         data = offline_tau(target, drafter, [(c.input_ids, c.loss_mask) for c in cases], labels=labels)
-        own_convs = []
-        for c, t in zip(cases, base):
-            p = c.prompt_ids.numel()
-            ids = torch.cat([c.prompt_ids, torch.tensor(t.tokens, dtype=torch.long)])
-            mask = torch.zeros(ids.numel(), dtype=torch.bool)
-            mask[p:] = True
-            own_convs.append((ids, mask))
-        own = offline_tau(target, drafter, own_convs, labels="target")
-        spec_convs = []
-        for c, s in zip(cases, spec):
-            ids = torch.cat([c.prompt_ids, torch.tensor(s.tokens, dtype=torch.long)])
-            mask = torch.zeros(ids.numel(), dtype=torch.bool)
-            mask[c.prompt_ids.numel():] = True
-            spec_convs.append((ids, mask))
-        replay = offline_tau(target, drafter, spec_convs, labels="target", anchors=[s.anchors for s in spec])
+        own = offline_tau(target, drafter, [_continuation(c, t) for c, t in zip(cases, base)], labels="target")
+        replay = offline_tau(target, drafter, [_continuation(c, s) for c, s in zip(cases, spec)], labels="target",
+                             anchors=[s.anchors for s in spec])
         for row, d, o, r in zip(rows, data.per_conversation, own.per_conversation, replay.per_conversation):
             row.update(offline_tau_dataset=d, offline_tau_own=o, offline_tau_replay=r)
         summary.update(offline_tau_dataset=data.tau, offline_tau_dataset_first_turn=data.first_turn_tau,
@@ -708,13 +699,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                          f"this target has {target.num_layers} layers, D={target.hidden_size}")
     tokenizer = load_tokenizer(cfg.target)
     try:
-        forced = check_fits(drafter_dir, run_identity(tokenizer, target.config, list(dcfg.target_layer_ids),
-                                                      cfg.data.enable_thinking), force=args.force)
+        check_fits(drafter_dir, run_identity(tokenizer, target.config, list(dcfg.target_layer_ids),
+                                             cfg.data.enable_thinking), force=args.force)  # logs what --force accepts
     except CheckpointMismatch as exc:
         log.error("%s", exc)
         return 2
-    for difference in forced:
-        log.warning("--force: %s", difference)
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head, attention="sdpa",
                                                device=device).eval()
     stops = stop_token_ids(tokenizer, target.model)
