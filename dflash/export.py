@@ -139,7 +139,7 @@ def export_drafter(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Expo
 
     Raises:
         FileNotFoundError: no drafter at ``checkpoint``.
-        ValueError: a bad ``dtype``; an older drafter with a learned mask vector; weights whose
+        ValueError: a bad ``dtype``; a drafter with a learned mask vector; weights whose
             names or shapes do not match the config.
     """
     from safetensors.torch import load_file
@@ -180,16 +180,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
-        report = export_drafter(args.checkpoint, args.out, args.dtype)
+        src = resolve_drafter_dir(args.checkpoint)
+        report = export_drafter(src, args.out, args.dtype)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"exported {resolve_drafter_dir(args.checkpoint)} -> {report.directory}")
+    print(f"exported {src} -> {report.directory}")
     for name, size in report.files:
         print(f"  {name:<20} {size:>14,d} bytes")
     print(f"  dtype {report.dtype}; mask_token_id {report.mask_token_id}; layer_types {report.layer_types}; "
           f"sliding_window {report.sliding_window}")
-    record = trained_with(resolve_drafter_dir(args.checkpoint))
+    record = trained_with(src)
     if record:
         print("trained with (serve with the same tokenizer, chat template and thinking mode):")
         for key in sorted(record):

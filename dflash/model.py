@@ -768,7 +768,7 @@ class DFlashDraftModel(nn.Module):
 
         Raises:
             FileNotFoundError: missing files.
-            ValueError: not a DFlash config, or an older drafter with a learned mask vector.
+            ValueError: not a DFlash config, or a drafter with a learned mask vector.
             RuntimeError: the weights do not match the config (strict loading).
         """
         from safetensors.torch import load_file
@@ -786,7 +786,7 @@ class DFlashDraftModel(nn.Module):
 LEARNED_MASK_MESSAGE = (
     "this drafter was trained with its own learned mask vector (dflash_config.mask_embedding, "
     "mask_token_id null): no serving engine embeds the mask positions that way, so it cannot be served "
-    "as trained. Train it again: the mask token is now always an integer id whose frozen target "
+    "as trained. Train it again: the mask token is an integer id whose frozen target "
     "embedding row is the mask (see drafter.mask_token_id).")
 
 
