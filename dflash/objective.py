@@ -252,16 +252,15 @@ def label_weights(valid: Tensor, gamma: float) -> Tensor:
 # --------------------------------------------------------------------------- attention mask
 
 
-def context_ranges(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor,
-                   window: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """Context positions ``[lo, hi)`` block position 0 of each block may see: ``[R, A]`` int64 each.
+def context_ranges(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Context positions ``[lo, hi)`` each block may see in a ``full_attention`` layer: ``[R, A]``
+    int64 each.
 
     ``hi = a`` (strictly before the anchor); ``lo`` = the first position of the anchor's
-    conversation, raised to ``a − W + 1`` in a sliding-window layer (the window counts the query
-    itself). Block position ``k`` of a sliding layer sees ``[max(lo, a + k − W + 1), hi)``
-    (:func:`query_context_ranges`). A conversation is the contiguous run of equal ``doc_ids``
-    containing ``a`` (the batch contract packs conversations back to back, so this is
-    ``doc_ids[j] == doc_ids[a]``). A dropped block gets ``lo = hi = 0``.
+    conversation. A sliding-window layer narrows this per block position ``k`` to
+    ``[max(lo, a + k − W + 1), hi)`` (:func:`query_context_ranges`). A conversation is the
+    contiguous run of equal ``doc_ids`` containing ``a`` (the batch contract packs conversations
+    back to back, so this is ``doc_ids[j] == doc_ids[a]``). A dropped block gets ``lo = hi = 0``.
     """
     r, s = doc_ids.shape
     pos = torch.arange(s, device=doc_ids.device).expand(r, s)
@@ -269,8 +268,6 @@ def context_ranges(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor,
     is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     run_start = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=1).values
     lo = run_start.gather(1, anchors)
-    if window is not None:
-        lo = torch.maximum(lo, anchors - window + 1)
     hi = anchors
     zero = torch.zeros_like(anchors)
     return torch.where(anchor_keep, lo, zero), torch.where(anchor_keep, hi, zero)
@@ -285,8 +282,8 @@ def query_context_ranges(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, 
     a sliding DFlash layer as a causal decoder layer with a window ``(W − 1, 0)`` of key
     positions, the query's own position included). Empty (``lo ≥ hi``) for a dropped block.
     """
-    lo, hi = context_ranges(anchors, anchor_keep, doc_ids, None)
-    r, num_anchors = anchors.shape
+    lo, hi = context_ranges(anchors, anchor_keep, doc_ids)
+    num_anchors = anchors.shape[1]
     lo = lo.repeat_interleave(block_size, dim=1)
     hi = hi.repeat_interleave(block_size, dim=1)
     if window is not None:
@@ -314,7 +311,7 @@ def make_mask_mod(anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, block_s
     """
     seq_len = doc_ids.shape[1]
     num_anchors = anchors.shape[1]
-    lo, hi = context_ranges(anchors, anchor_keep, doc_ids, None)
+    lo, hi = context_ranges(anchors, anchor_keep, doc_ids)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         blk = torch.clamp(q_idx // block_size, max=num_anchors - 1)
