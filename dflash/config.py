@@ -229,9 +229,6 @@ class RunConfig:
 
 # --------------------------------------------------------------------------- parsing
 
-_SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
-
-
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 

@@ -128,9 +128,6 @@ class StepPlan:
         ids = tuple(first + r if first + r < n else None for r in range(d))
         return StepAssignment(step=step, epoch=epoch, step_in_epoch=k, batch_ids=ids)
 
-    def epoch_of(self, step: int) -> int:
-        return self.assignment(step).epoch
-
     def position_after(self, step: int) -> DataPosition:
         """The data position once ``step`` is trained: the batch after its last one, ``(epoch + 1, 0)``
         at the end of an epoch (``(num_epochs, 0)`` at the end of the data).
