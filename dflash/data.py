@@ -795,8 +795,8 @@ def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: PreTrainedT
     info = {"truncated": False, "missing_eot": 0, "reasoning_dropped": 0, "context_too_long": 0}
     messages = [dict(m) for m in messages]
     sequences: list[tuple[list[int], list[int]]] = []
-    text = ""          # the text of the open sequence (None when closed by a cut)
-    is_open = False
+    text = ""          # the text of the last sequence so far
+    is_open = False    # whether the next turn may continue it (not cut at max_length)
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
