@@ -201,13 +201,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
-def derived_values(cfg: RunConfig, plan: StepPlan, heldout_batches: int) -> dict:
-    from dflash.optim import warmup_steps
-
+def derived_values(cfg: RunConfig, plan: StepPlan, heldout_batches: int, warmup_steps: int) -> dict:
+    """The values a run derives from its config (logged to wandb with it); ``warmup_steps`` is the
+    launch's LR schedule's."""
     return {
         "batches_per_epoch": plan.batches_per_epoch[0],
         "optimizer_steps_per_drafter": plan.total_steps,
-        "warmup_steps": warmup_steps(plan.total_steps, cfg.train),
+        "warmup_steps": warmup_steps,
         "heldout_batches": heldout_batches,
         "rows_per_batch": cfg.rows_per_batch,
         "num_targets": len(cfg.cluster.targets),
@@ -797,7 +797,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if start_step >= plan.total_steps:
         log.info("run %s is already complete (%d/%d steps); nothing to do", cfg.name, start_step, plan.total_steps)
         return 0
-    derived = {**derived_values(cfg, plan, heldout_batches), "warmup_steps": launch_plan.schedule.warmup_steps}
+    derived = derived_values(cfg, plan, heldout_batches, launch_plan.schedule.warmup_steps)
     log.info("%d batches/epoch x %d epoch(s), %d drafter(s) -> %d optimizer steps%s; data ready in %.1f s",
              batches_per_epoch[0], cfg.train.epochs, len(cfg.cluster.drafters), plan.total_steps,
              f", resuming at step {start_step}" if start_step else "", time.monotonic() - started)
