@@ -227,7 +227,6 @@ RESUME_FIELDS = {
     "intermediate_size": "drafter.intermediate_size",
     "target_layer_ids": "target.layer_ids",
     "mask_token_id": "drafter.mask_token_id",
-    "mask_embedding": "drafter.mask_token_id",
     "hidden_size": TARGET_SOURCE,
     "num_attention_heads": TARGET_SOURCE,
     "num_key_value_heads": TARGET_SOURCE,
@@ -284,7 +283,7 @@ def expected_drafter_fields(cfg: RunConfig, tokenizer_size: int) -> dict:
                 dcfg = drafter_config(cfg, tc, tokenizer_size, int(text.vocab_size))
             except ValueError as exc:
                 raise ConfigError(f"drafter: {exc}") from None
-            out = {name: getattr(dcfg, name) for name in RESUME_FIELDS if name != "mask_embedding"}
+            out = {name: getattr(dcfg, name) for name in RESUME_FIELDS}
         else:
             info = describe_target(cfg.target, d.num_layers)
             # Without the target's config its special token ids are unknown: the mask token is
@@ -302,7 +301,6 @@ def expected_drafter_fields(cfg: RunConfig, tokenizer_size: int) -> dict:
                 del out["mask_token_id"]
     finally:
         quiet.setLevel(level)
-    out["mask_embedding"] = False
     out["_sliding"] = SLIDING_ATTENTION in out["layer_types"]
     return out
 
@@ -335,14 +333,10 @@ def resume_mismatches(cfg: RunConfig, ckpt: Path, tokenizer_size: int) -> list[s
 
     directory = Path(ckpt) / "drafter"
     try:
-        saved_cfg = DFlashDraftModel.load_config(directory)
-        raw = json.loads((directory / "config.json").read_text())
+        saved_cfg = DFlashDraftModel.load_config(directory)  # refuses a learned mask vector
     except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
         return [f"{directory / 'config.json'} cannot be read as a DFlash drafter config ({exc})"]
     saved = {name: getattr(saved_cfg, name) for name in RESUME_FIELDS if hasattr(saved_cfg, name)}
-    flags = raw.get("dflash_config") or {}
-    saved["mask_embedding"] = (bool(flags["mask_embedding"]) if "mask_embedding" in flags
-                               else saved_cfg.mask_token_id is None)
     expected = expected_drafter_fields(cfg, tokenizer_size)
     sliding = expected.pop("_sliding") or SLIDING_ATTENTION in (saved_cfg.layer_types or [FULL_ATTENTION])
     out = []
@@ -365,7 +359,7 @@ def _field_source(cfg: RunConfig, name: str, key: str) -> str:
         return "drafter.layer_types=null: full attention in each of drafter.num_layers"
     if name == "intermediate_size" and cfg.drafter.intermediate_size is None:
         return "drafter.intermediate_size=null: the target's"
-    if name in ("mask_token_id", "mask_embedding") and cfg.drafter.mask_token_id is None:
+    if name == "mask_token_id" and cfg.drafter.mask_token_id is None:
         return ("drafter.mask_token_id=null: the target's first unused embedding row, else its unk / pad / eos / bos "
                 "token")
     return key
