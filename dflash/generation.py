@@ -325,8 +325,9 @@ class Generator:
             Settable on the instance (:attr:`sync_every`) without recompiling.
 
     Raises:
-        ValueError: a layer id outside the target, linear-attention layers, ``max_len < 2``, or
-            ``sync_every < 1``.
+        ValueError: a layer id outside the target, a layer type other than full / sliding attention
+            (linear attention), an attention implementation other than sdpa / eager, ``max_len < 2``,
+            ``batch_size < 1`` or ``sync_every < 1``.
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
