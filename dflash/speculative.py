@@ -691,18 +691,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     dcfg = DFlashDraftModel.load_config(drafter_dir)
     device = torch.device(args.device or ("cuda" if cfg.cluster.device != "cpu" and torch.cuda.is_available()
                                           else "cpu"))
+    tokenizer = load_tokenizer(cfg.target)
+    try:  # before any model loads; the target's shape is compared once it is loaded
+        check_fits(drafter_dir, run_identity(tokenizer, None, list(dcfg.target_layer_ids), cfg.data.enable_thinking),
+                   force=args.force)  # logs what --force accepts
+    except CheckpointMismatch as exc:
+        log.error("%s", exc)
+        return 2
     # The drafter's checkpoint decides which target layers feed it.
     target_cfg = replace(cfg.target, layer_ids=list(dcfg.target_layer_ids))
     target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers)
     if target.num_layers != dcfg.num_target_layers or target.hidden_size != dcfg.hidden_size:
-        raise ValueError(f"{drafter_dir}: drafter for a {dcfg.num_target_layers}-layer, D={dcfg.hidden_size} target; "
-                         f"this target has {target.num_layers} layers, D={target.hidden_size}")
-    tokenizer = load_tokenizer(cfg.target)
-    try:
-        check_fits(drafter_dir, run_identity(tokenizer, target.config, list(dcfg.target_layer_ids),
-                                             cfg.data.enable_thinking), force=args.force)  # logs what --force accepts
-    except CheckpointMismatch as exc:
-        log.error("%s", exc)
+        log.error("%s: drafter for a %d-layer, D=%d target; this target has %d layers, D=%d", drafter_dir,
+                  dcfg.num_target_layers, dcfg.hidden_size, target.num_layers, target.hidden_size)
         return 2
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head, attention="sdpa",
                                                device=device).eval()
