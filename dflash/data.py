@@ -1085,7 +1085,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """``python -m dflash.data --config configs/X.yaml [key=value ...] [--ids REASON] [--json PATH]``:
     prepare the data of a config (or load it from the cache) and print its report: rows read, kept,
     every reason's count, the split and the held-out conversations with a twin in training."""
-    from dflash.config import load_config
+    from dflash.config import ConfigError, load_config
     from dflash.logs import setup_logging
     from dflash.tokenizer import load_tokenizer
 
@@ -1096,7 +1096,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     setup_logging("data")
-    cfg = load_config(args.config, args.overrides)
+    known = DROP_REASONS + FIX_REASONS + FLAG_REASONS
+    if args.ids is not None and args.ids not in known:
+        parser.error(f"--ids {args.ids}: not a reason; one of {', '.join(known)}")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        log.error("%s", exc)
+        return 2
     prepared = prepare_data(cfg, load_tokenizer(cfg.target))
     report = prepared.report
     twins = heldout_twins(prepared, cfg.data.dataset, cfg.data.max_conversations)

@@ -126,6 +126,38 @@ def engine_rules(hf_config: dict) -> list[str]:
     return rules
 
 
+#: What an export directory holds; ``--out`` may replace a directory holding only these.
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, MODELING_FILE})
+
+
+def check_out_dir(out: Path, src: Path) -> None:
+    """Refuse an export directory whose replacement would lose anything but an earlier export.
+
+    Args:
+        out: the ``--out`` directory.
+        src: the drafter directory being exported.
+
+    Raises:
+        ValueError: ``out`` is ``src`` or its training checkpoint, holds it (the run directory or
+            any folder above) or lies inside it; ``out`` is a file; ``out`` is a directory holding
+            anything other than :data:`EXPORT_FILES`.
+    """
+    o, d = out.resolve(), src.resolve()
+    if d.name == "drafter" and (d.parent / "state.json").is_file():
+        d = d.parent  # the whole training checkpoint is protected, not only its drafter/
+    if o == d or d.is_relative_to(o) or o.is_relative_to(d):
+        raise ValueError(f"--out {out}: would replace or nest in the drafter it exports ({src}); "
+                         f"choose a directory outside the run")
+    if o.exists() and not o.is_dir():
+        raise ValueError(f"--out {out}: is a file, not a directory")
+    if o.is_dir():
+        other = sorted(p.name for p in o.iterdir() if p.name not in EXPORT_FILES)
+        if other:
+            raise ValueError(f"--out {out}: holds files that are not an export ({', '.join(other[:5])}"
+                             f"{', ...' if len(other) > 5 else ''}); it would be replaced: choose a new or empty "
+                             f"directory")
+
+
 def export_drafter(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> ExportReport:
     """Write the serving export of ``checkpoint`` into ``out`` (replaced atomically if it exists).
 
@@ -148,8 +180,7 @@ def export_drafter(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Expo
         raise ValueError(f"--dtype: must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
     src = resolve_drafter_dir(checkpoint)
     out = Path(out)
-    if out.resolve() == src.resolve():
-        raise ValueError(f"--out {out}: must not be the drafter directory it exports")
+    check_out_dir(out, src)
     config = DFlashDraftModel.load_config(src)
     state = load_file(str(src / WEIGHTS_FILE))
     expected = _expected_shapes(config)
@@ -174,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      description="Export a trained DFlash drafter for vLLM / SGLang / transformers.")
     parser.add_argument("--checkpoint", required=True, type=Path,
                         help="run directory (newest checkpoint), checkpoint step-XXXXXXXX, or drafter directory")
-    parser.add_argument("--out", required=True, type=Path, help="directory to write (replaced if it exists)")
+    parser.add_argument("--out", required=True, type=Path, help="directory to write (a new or empty one, or an earlier export, which is replaced)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(SAVE_DTYPES),
                         help="weight dtype (default bfloat16, as released DFlash drafters)")
     args = parser.parse_args(argv)

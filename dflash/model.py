@@ -795,6 +795,14 @@ def modeling_source() -> str:
     return (Path(__file__).with_name(MODELING_FILE)).read_text()
 
 
+def _match_umask(path: Path) -> None:
+    """Give ``path`` the mode a plain file gets under the process umask (safetensors writes 0600,
+    which a serving engine running as another user cannot read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_drafter_directory(directory: Union[str, os.PathLike], config: DFlashConfig, state: dict[str, Tensor],
                             dtype: Optional[str] = None, modeling_file: bool = False) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ the modeling file) into ``directory``, atomically.
@@ -836,6 +844,7 @@ def write_drafter_directory(directory: Union[str, os.PathLike], config: DFlashCo
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        _match_umask(tmp / WEIGHTS_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if modeling_file:
             (tmp / MODELING_FILE).write_text(modeling_source())

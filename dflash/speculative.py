@@ -398,13 +398,22 @@ def stop_token_ids(tokenizer: Any, model: Optional[nn.Module] = None) -> list[in
 def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
     """``(drafter directory, run directory or None)`` for a checkpoint path.
 
-    Accepts a training checkpoint ``runs/<name>/checkpoints/step-XXXXXXXX`` (the drafter is its
+    Accepts a run directory ``runs/<name>`` (its newest checkpoint), a training checkpoint
+    ``runs/<name>/checkpoints/step-XXXXXXXX`` (the drafter is its
     ``drafter/`` sub-directory; the run directory is two levels up) or a drafter directory itself.
 
     Raises:
-        FileNotFoundError: no ``config.json`` found.
+        FileNotFoundError: no ``config.json`` found, or a run without a complete checkpoint.
     """
     p = Path(path)
+    if not (p / "drafter" / "config.json").is_file() and not (p / "config.json").is_file() \
+            and (p / "checkpoints").is_dir():  # a run directory: its newest checkpoint
+        from dflash.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(p)
+        if newest is None:
+            raise FileNotFoundError(f"{p}: the run has no complete checkpoint under {p / 'checkpoints'}")
+        p = newest
     if (p / "drafter" / "config.json").is_file():
         run = p.parent.parent if p.parent.name == "checkpoints" else None
         return p / "drafter", run
@@ -672,7 +681,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         does not fit the tokenizer, template, thinking mode or target (:func:`dflash.checkpoint.check_fits`).
     """
     from dflash.checkpoint import CheckpointMismatch, check_fits, run_identity
-    from dflash.config import load_config
+    from dflash.config import ConfigError, load_config
     from dflash.data import prepare_data
     from dflash.logs import setup_logging
     from dflash.model import DFlashDraftModel
@@ -683,11 +692,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_logging("speculative")
     if args.threads:
         torch.set_num_threads(args.threads)
-    drafter_dir, run_dir = resolve_checkpoint(args.checkpoint)
-    config_path = args.config
-    if config_path is None:
-        config_path = str(run_dir / "config.yaml") if run_dir and (run_dir / "config.yaml").is_file() else DEFAULT_CONFIG
-    cfg = load_config(config_path, args.overrides)
+    try:
+        drafter_dir, run_dir = resolve_checkpoint(args.checkpoint)
+        config_path = args.config
+        if config_path is None:
+            config_path = (str(run_dir / "config.yaml") if run_dir and (run_dir / "config.yaml").is_file()
+                           else DEFAULT_CONFIG)
+        cfg = load_config(config_path, args.overrides)
+    except (FileNotFoundError, ConfigError) as exc:
+        log.error("%s", exc)
+        return 2
     dcfg = DFlashDraftModel.load_config(drafter_dir)
     device = torch.device(args.device or ("cuda" if cfg.cluster.device != "cpu" and torch.cuda.is_available()
                                           else "cpu"))

@@ -331,6 +331,37 @@ def test_full_only_export_states_no_window(tmp_path):
     assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
 
 
+def test_export_never_replaces_the_run_or_foreign_files(tmp_path, capsys):
+    """--out may be new, empty or an earlier export; never the run, the checkpoint, a folder above
+    them, one inside them, or a folder holding other files. Written files are readable by all
+    (mode 0644 under umask 022: a serving engine may run as another user)."""
+    import os
+    import stat
+
+    from dflash import export
+
+    src, _ = serving_drafter(tmp_path, True, ["full_attention"] * 2)
+    run, step = tmp_path / "run", src.parent
+    before = sorted(p.relative_to(tmp_path) for p in run.rglob("*"))
+    for bad in (run, step, src, tmp_path, step / "inside"):
+        assert export.main(["--checkpoint", str(run), "--out", str(bad)]) == 2, bad
+        assert "would replace or nest in the drafter" in capsys.readouterr().err
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert export.main(["--checkpoint", str(run), "--out", str(foreign)]) == 2
+    assert "not an export (notes.txt)" in capsys.readouterr().err and (foreign / "notes.txt").is_file()
+    assert sorted(p.relative_to(tmp_path) for p in run.rglob("*")) == before
+    out = tmp_path / "serve"
+    old_umask = os.umask(0o022)
+    try:
+        assert export.main(["--checkpoint", str(run), "--out", str(out)]) == 0
+        assert export.main(["--checkpoint", str(run), "--out", str(out)]) == 0  # an earlier export is replaced
+    finally:
+        os.umask(old_umask)
+    assert {stat.S_IMODE((out / name).stat().st_mode) for name in export.EXPORT_FILES} == {0o644}
+
+
 def test_export_refuses_a_learned_mask_vector(tmp_path, capsys):
     """A drafter trained with its own mask vector (mask_token_id null) cannot be served as trained."""
     from safetensors.torch import load_file, save_file

@@ -555,6 +555,14 @@ def test_resolve_checkpoint(tmp_path):
     (ckpt / "drafter" / "config.json").write_text("{}")
     assert resolve_checkpoint(ckpt) == (ckpt / "drafter", tmp_path / "runs" / "r")
     assert resolve_checkpoint(ckpt / "drafter") == (ckpt / "drafter", tmp_path / "runs" / "r")
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):  # a run with none yet
+        resolve_checkpoint(tmp_path / "runs" / "r")
+    (ckpt / "state.json").write_text('{"step": 300}')
+    older = ckpt.parent / "step-00000100"
+    (older / "drafter").mkdir(parents=True)
+    (older / "drafter" / "config.json").write_text("{}")
+    (older / "state.json").write_text('{"step": 100}')
+    assert resolve_checkpoint(tmp_path / "runs" / "r") == (ckpt / "drafter", tmp_path / "runs" / "r")  # the newest
     with pytest.raises(FileNotFoundError):
         resolve_checkpoint(tmp_path)
 
