@@ -88,7 +88,6 @@ class Progress:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.total = total
-        self.initial = initial
         self.n = initial
         self.desc = desc
         self.unit = unit

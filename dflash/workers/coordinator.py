@@ -645,7 +645,7 @@ class Coordinator:
             log.info("writing the final checkpoint at step %d", step)
             if self.sock.send(rank0, "save", step=step):
                 self.checkpoint_started = step
-        if self.checkpoint_started > self.checkpointed_step:
+        if self._write_in_flight() is not None:
             self._wait_checkpoint(self.checkpoint_started, "the final checkpoint" if step == self.checkpoint_started
                                   else "the checkpoint being written")
 
