@@ -72,6 +72,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
+from dflash.decode_layers import fuse_layers
 from dflash.target import _decoder
 
 __all__ = [
@@ -323,6 +324,9 @@ class Generator:
         sync_every: target forwards (steps or verification passes) the host enqueues between two
             reads of the decoding state (:data:`SYNC_EVERY`); any value gives the same outputs.
             Settable on the instance (:attr:`sync_every`) without recompiling.
+        fuse: run the target's layers as :class:`dflash.decode_layers.FusedDecoderLayer` (fused
+            projections, grouped-query attention on the cache in place) when every layer is
+            supported; ``False`` = through the transformers layers. Same math either way.
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
@@ -331,7 +335,8 @@ class Generator:
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
-                 drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY) -> None:
+                 drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
+                 fuse: bool = True) -> None:
         self.model = model.eval()
         self.decoder = _decoder(model)
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -360,6 +365,7 @@ class Generator:
             raise ValueError(f"attention implementation {impl!r}: static-cache decoding needs sdpa or eager")
         self.additive_mask = impl == "eager"
         self.cache_arg = _layer_cache_kwarg(self.decoder.layers[0])
+        self.fused = fuse_layers(self.decoder.layers, self.config) if fuse else None
         self.max_len = int(max_len)
         self.batch_size = int(batch_size)
         if drafter is None:
@@ -372,6 +378,7 @@ class Generator:
         self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
         width = int(self.config.hidden_size)
         kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        self.group = int(self.config.num_attention_heads) // kv_heads
         head_dim = int(getattr(self.config, "head_dim", None) or width // self.config.num_attention_heads)
         b, dev = self.batch_size, self.device
         self.state = DecodeState(
@@ -412,7 +419,9 @@ class Generator:
 
     def _masks(self, positions: Tensor) -> dict[str, Tensor]:
         """``[b', 1, T, T_max]`` per layer type: slot ``j`` visible to the query at ``p`` iff ``j ≤ p``
-        (and ``p − j < W`` in a sliding layer, as transformers' sliding layers do)."""
+        (and ``p − j < W`` in a sliding layer, as transformers' sliding layers do). Additive under
+        eager attention; for the fused layers bool and ``[b', 1, g·T, T_max]`` (each query row
+        repeated for the ``g`` query heads of a key/value group, head-major)."""
         slots = torch.arange(self.max_len, device=positions.device)
         p = positions.unsqueeze(-1)  # [b', T, 1]
         out: dict[str, Tensor] = {}
@@ -421,7 +430,10 @@ class Generator:
             if kind == SLIDING and self.sliding_window is not None:
                 allowed = allowed & (p - slots < int(self.sliding_window))
             mask = allowed.unsqueeze(1)
-            if self.additive_mask:
+            if self.fused is not None:
+                b, _, t, n = mask.shape
+                mask = mask.unsqueeze(2).expand(b, 1, self.group, t, n).reshape(b, 1, self.group * t, n)
+            elif self.additive_mask:
                 zero = torch.zeros((), dtype=self.dtype, device=mask.device)
                 mask = torch.where(mask, zero, torch.finfo(self.dtype).min)
             out[kind] = mask
@@ -454,9 +466,13 @@ class Generator:
         feats = hidden.new_empty(*hidden.shape[:2], len(self.layer_ids) * width) if features else None
         last = self.num_layers - 1
         for i, layer in enumerate(dec.layers):
-            out = layer(hidden, attention_mask=masks[self.layer_types[i]], position_ids=positions,
-                        position_embeddings=rotary, **{self.cache_arg: kv})
-            hidden = out[0] if isinstance(out, tuple) else out
+            if self.fused is not None:
+                hidden = self.fused[i](hidden, rotary[0], rotary[1], kv.keys[i], kv.values[i], rows, positions,
+                                       masks[self.layer_types[i]])
+            else:
+                out = layer(hidden, attention_mask=masks[self.layer_types[i]], position_ids=positions,
+                            position_embeddings=rotary, **{self.cache_arg: kv})
+                hidden = out[0] if isinstance(out, tuple) else out
             if feats is not None and i != last:
                 for slot in self._slots.get(i, ()):
                     feats[..., slot * width:(slot + 1) * width] = hidden

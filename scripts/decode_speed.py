@@ -6,7 +6,12 @@ graphs). Random weights decode at the same speed as trained ones, and a random d
 1, so the speculative figure is the cost of a pass with nothing accepted. Also checks that compiled
 and eager decoding produce the same tokens in fp32 (exit 1 otherwise).
 
+Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.decode_layers`) and
+``compiled-plain`` (the transformers layers). ``--profile`` also counts the GPU kernels of one
+compiled target-only token and lists the costliest (torch.profiler).
+
     python scripts/decode_speed.py --out /tmp/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
+        [--modes eager,compiled,compiled-plain] [--profile]
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write speed.json here")
+    p.add_argument("--profile", action="store_true", help="kernels of one compiled target-only token")
     args = p.parse_args(argv)
     setup_logging("decode_speed")
     device = torch.device(args.device)
@@ -67,7 +73,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tokens_by_mode: dict = {}
     for mode in [m for m in args.modes.split(",") if m]:
         gen = Generator(target.model, target.layer_ids, max_len, batch_size=args.batch, drafter=drafter,
-                        compile=mode == "compiled")
+                        compile=mode.startswith("compiled"), fuse=mode != "compiled-plain")
         for warm in range(2):  # compile + capture, then once more
             gen.greedy(prompts[:args.batch], 16)
             gen.speculative(prompts[:args.batch], 16)
@@ -87,25 +93,47 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "draft_s": sum(grp[0].draft_seconds for grp in groups),
                 "verify_s": sum(grp[0].verify_seconds for grp in groups), "seconds": seconds}
             tokens_by_mode.setdefault(mode, {})[kind] = [o.tokens for o in outs]
+        if args.profile and gen.compiled:
+            row["profile"] = profile_greedy(gen, prompts[:args.batch])
         results[mode] = row
         log.info("%s: %s", mode, json.dumps(row))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / f"speed-{args.dtype}-b{args.batch}.json").write_text(json.dumps(results, indent=1))
     ok = True
-    if len(tokens_by_mode) == 2:
-        a, b = tokens_by_mode.values()
-        same = {k: sum(x == y for x, y in zip(a[k], b[k])) for k in a}
-        spec_same = sum(x == y for x, y in zip(a["greedy"], a["speculative"]))
-        results["compiled_equals_eager"] = same
-        results["speculative_equals_greedy_eager"] = spec_same
-        log.info("compiled == eager (prompts of %d): %s; speculative == greedy (eager): %d", len(prompts), same,
-                 spec_same)
-        ok = args.dtype != "float32" or all(v == len(prompts) for v in same.values())
+    eager = tokens_by_mode.get("eager")
+    for mode, toks in tokens_by_mode.items():
+        if eager is None or mode == "eager":
+            continue
+        same = {k: sum(x == y for x, y in zip(eager[k], toks[k])) for k in eager}
+        results[f"{mode}_equals_eager"] = same
+        log.info("%s == eager (prompts of %d): %s", mode, len(prompts), same)
+        ok = ok and (args.dtype != "float32" or all(v == len(prompts) for v in same.values()))
+    if eager is not None:
+        results["speculative_equals_greedy_eager"] = sum(x == y for x, y in zip(eager["greedy"], eager["speculative"]))
     print(json.dumps(results, indent=1))
     if args.out:
         (Path(args.out) / f"speed-{args.dtype}-b{args.batch}.json").write_text(json.dumps(results, indent=1))
     return 0 if ok else 1
+
+
+def profile_greedy(gen, prompts: list, tokens: int = 32) -> dict:
+    """GPU kernels per target-only token over ``tokens`` compiled steps: count, µs, the top 12 by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen.greedy(prompts, 8)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gen.greedy(prompts, tokens + 1)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.device_time for e in kernels)
+    by_name: dict = {}
+    for e in kernels:
+        n, t = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, t + e.device_time)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"kernels_per_token": len(kernels) / tokens, "kernel_us_per_token": total_us / tokens,
+            "top": [{"name": k[:90], "per_token": n / tokens, "us_per_token": t / tokens} for k, (n, t) in top]}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,181 @@
+"""The target's decoder layers rewritten for static-cache decoding: fewer, larger kernels per layer.
+
+At batch 1 a small target decodes at the speed of its kernel launches, not of its weights
+(SmolLM2-135M: ~450 kernels a token through the transformers layers, each a few microseconds on an
+H200). :class:`FusedDecoderLayer` runs the same math as a Llama / Qwen2 / Qwen3 / Mistral decoder
+layer with
+
+* one matmul for the query, key and value projections (their weights concatenated, as vLLM's
+  ``QKVParallelLinear`` and gpt-fast's ``wqkv`` do) and one for the MLP's gate and up projections
+  (vLLM ``MergedColumnParallelLinear``, gpt-fast ``w1``/``w3``);
+* grouped-query attention without copying keys/values per query head: the ``g = H / H_kv`` query
+  heads that share a key/value head are folded into the query length, so attention reads the
+  static cache ``[b, H_kv, T_max, hd]`` in place (the FlashInfer / vLLM decode layout);
+* the cache write as one indexed store per buffer, which inductor fuses with the rotary embedding
+  that produces it.
+
+The original ``nn.Linear`` weights become views into the fused tensors, so the model's own forward
+(prefill in other code, training) keeps working and no weight is stored twice.
+
+Supported layers: ``self_attn.{q,k,v,o}_proj`` (optionally ``q_norm``/``k_norm`` on the head
+dimension, Qwen3), ``mlp.{gate,up,down}_proj`` with ``mlp.act_fn``, ``input_layernorm`` and
+``post_attention_layernorm``; anything else (attention soft-capping, sinks, other MLPs) is reported
+by :func:`fusable` and decoded through the transformers layers instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["FusedDecoderLayer", "fusable", "fuse_layers", "rotate_half"]
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+#: Config attributes that change a layer's math in ways this module does not implement.
+_UNSUPPORTED_CONFIG = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
+
+
+def fusable(layer: nn.Module, config: object) -> Optional[str]:
+    """Why ``layer`` cannot be run by :class:`FusedDecoderLayer` (``None`` when it can).
+
+    Args:
+        layer: one decoder layer of a transformers model.
+        config: the model's (text) config.
+    """
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or not all(isinstance(getattr(attn, n, None), nn.Linear) for n in _ATTN):
+        return "attention without q/k/v/o linear projections"
+    if mlp is None or not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in _MLP) \
+            or not callable(getattr(mlp, "act_fn", None)):
+        return "MLP without gate/up/down projections and act_fn"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        if not isinstance(getattr(layer, name, None), nn.Module):
+            return f"no {name}"
+    extra = [n for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "sinks") if hasattr(layer, n)
+             or hasattr(attn, n)]
+    if extra:
+        return f"unsupported parts {extra}"
+    set_attrs = [a for a in _UNSUPPORTED_CONFIG if getattr(config, a, None) is not None]
+    if set_attrs:
+        return f"unsupported config {set_attrs}"
+    return None
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``[x1, x2] → [−x2, x1]`` over the last dimension (the rotary embedding's pairing of
+    transformers' Llama, ``apply_rotary_pos_emb``)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
+    """Concatenate the linears' weights (and biases) along the output dimension and make each
+    linear's weight a view into the result."""
+    weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+    has_bias = [m.bias is not None for m in linears]
+    bias = None
+    if any(has_bias):
+        parts = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+        bias = nn.Parameter(torch.cat(parts), requires_grad=False)
+    start = 0
+    for m in linears:
+        stop = start + m.out_features
+        m.weight.data = weight.data[start:stop]
+        if m.bias is not None:
+            m.bias.data = bias.data[start:stop]
+        start = stop
+    return weight, bias
+
+
+class FusedDecoderLayer(nn.Module):
+    """One decoder layer over a static KV cache (see the module docstring).
+
+    Args:
+        layer: the transformers decoder layer (its weights are re-pointed into the fused tensors).
+        num_heads, num_kv_heads, head_dim: ``H``, ``H_kv``, ``hd`` of the attention.
+
+    Raises:
+        ValueError: :func:`fusable` says no, or ``H`` is not a multiple of ``H_kv``.
+    """
+
+    def __init__(self, layer: nn.Module, config: object, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        why = fusable(layer, config)
+        if why is not None:
+            raise ValueError(f"{type(layer).__name__}: {why}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        attn, mlp = layer.self_attn, layer.mlp
+        self.heads, self.kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
+        self.scaling = float(getattr(attn, "scaling", head_dim ** -0.5))
+        self.wqkv, self.bqkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.w_gate_up, self.b_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, k_buf: Tensor, v_buf: Tensor,
+                rows: Optional[Tensor], positions: Tensor, mask: Tensor) -> Tensor:
+        """One layer for ``T`` new tokens per row.
+
+        Args:
+            hidden: ``[b', T, D]`` the residual stream.
+            cos, sin: ``[b', T, hd]`` the rotary embedding at ``positions`` (the decoder's
+                ``rotary_emb``).
+            k_buf, v_buf: ``[b, H_kv, T_max, hd]`` this layer's cache (written at ``positions``).
+            rows: ``[b']`` int64 cache rows of the ``b'`` sequences, ``None`` = all rows.
+            positions: ``[b', T]`` int64 positions of the new tokens.
+            mask: ``[b', 1, g·T, T_max]`` bool, True = the query may read that cache slot; query
+                row ``j·T + t`` is query head ``j`` of a key/value group at token ``t``.
+
+        Returns:
+            ``[b', T, D]`` the layer's output (same dtype as ``hidden``).
+        """
+        b, t, _ = hidden.shape
+        hq, hkv, hd = self.heads, self.kv_heads, self.head_dim
+        x = self.input_layernorm(hidden)
+        qkv = F.linear(x, self.wqkv, self.bqkv)
+        q, k, v = qkv.split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        q, k, v = q.view(b, t, hq, hd), k.view(b, t, hkv, hd), v.view(b, t, hkv, hd)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # [b', T, 1, hd]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        row_ix = torch.arange(k_buf.shape[0], device=hidden.device) if rows is None else rows
+        row_ix = row_ix.unsqueeze(1)  # [b', 1]
+        k_buf[row_ix, :, positions] = k.to(k_buf.dtype)  # [b', T, H_kv, hd] at [b', T]
+        v_buf[row_ix, :, positions] = v.to(v_buf.dtype)
+        keys, values = (k_buf, v_buf) if rows is None else (k_buf[rows], v_buf[rows])
+        # [b', T, H, hd] → [b', H_kv, g·T, hd]: the g query heads of a group read one key/value head.
+        g = hq // hkv
+        q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
+        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=self.scaling)
+        out = out.view(b, hkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, hq * hd)
+        hidden = hidden + self.o_proj(out.to(hidden.dtype))
+        x = self.post_attention_layernorm(hidden)
+        gate, up = F.linear(x, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
+        return hidden + self.down_proj(self.act(gate) * up)
+
+
+def fuse_layers(layers: nn.ModuleList, config: object) -> Optional[list[FusedDecoderLayer]]:
+    """:class:`FusedDecoderLayer` for every layer, or ``None`` (and nothing changed) when one of
+    them is not :func:`fusable`.
+
+    Args:
+        layers: the decoder's layers.
+        config: the model's (text) config (``num_attention_heads``, ``num_key_value_heads``,
+            ``head_dim`` or ``hidden_size``).
+    """
+    if any(fusable(layer, config) is not None for layer in layers):
+        return None
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return [FusedDecoderLayer(layer, config, heads, kv_heads, head_dim) for layer in layers]
