@@ -12,7 +12,11 @@ layer with
   heads that share a key/value head are folded into the query length, so attention reads the
   static cache ``[b, H_kv, T_max, hd]`` in place (the FlashInfer / vLLM decode layout);
 * the cache write as one indexed store per buffer, which inductor fuses with the rotary embedding
-  that produces it.
+  that produces it;
+* attention written out as two batched matmuls around a masked softmax (:data:`ATTENTION` =
+  ``"matmul"``): for the few query rows of a decoding step, inductor fuses the mask, scale and
+  softmax into one kernel, where a fused SDPA kernel spends a 64- or 128-row tile on 3–48 rows
+  (``"sdpa"`` keeps :func:`torch.nn.functional.scaled_dot_product_attention`).
 
 The original ``nn.Linear`` weights become views into the fused tensors, so the model's own forward
 (prefill in other code, training) keeps working and no weight is stored twice.
@@ -31,7 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FusedDecoderLayer", "fusable", "fuse_layers", "rotate_half"]
+__all__ = ["ATTENTION", "FusedDecoderLayer", "fusable", "fuse_layers", "rotate_half"]
+
+#: How a fused layer attends: ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax) or ``"sdpa"``.
+ATTENTION = "matmul"
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -97,18 +104,24 @@ class FusedDecoderLayer(nn.Module):
     Args:
         layer: the transformers decoder layer (its weights are re-pointed into the fused tensors).
         num_heads, num_kv_heads, head_dim: ``H``, ``H_kv``, ``hd`` of the attention.
+        attention: ``"matmul"`` or ``"sdpa"`` (:data:`ATTENTION`).
 
     Raises:
-        ValueError: :func:`fusable` says no, or ``H`` is not a multiple of ``H_kv``.
+        ValueError: :func:`fusable` says no, ``H`` is not a multiple of ``H_kv``, or an unknown
+            ``attention``.
     """
 
-    def __init__(self, layer: nn.Module, config: object, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, layer: nn.Module, config: object, num_heads: int, num_kv_heads: int, head_dim: int,
+                 attention: str = ATTENTION) -> None:
         super().__init__()
         why = fusable(layer, config)
         if why is not None:
             raise ValueError(f"{type(layer).__name__}: {why}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if attention not in ("matmul", "sdpa"):
+            raise ValueError(f"attention: 'matmul' or 'sdpa', got {attention!r}")
+        self.attention = attention
         attn, mlp = layer.self_attn, layer.mlp
         self.heads, self.kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
         self.scaling = float(getattr(attn, "scaling", head_dim ** -0.5))
@@ -156,7 +169,13 @@ class FusedDecoderLayer(nn.Module):
         # [b', T, H, hd] → [b', H_kv, g·T, hd]: the g query heads of a group read one key/value head.
         g = hq // hkv
         q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
-        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=self.scaling)
+        q = q.to(keys.dtype)
+        if self.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+        else:
+            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling  # [b', H_kv, g·T, T_max]
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            out = torch.matmul(probs.to(values.dtype), values)
         out = out.view(b, hkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, hq * hd)
         hidden = hidden + self.o_proj(out.to(hidden.dtype))
         x = self.post_attention_layernorm(hidden)
@@ -164,7 +183,8 @@ class FusedDecoderLayer(nn.Module):
         return hidden + self.down_proj(self.act(gate) * up)
 
 
-def fuse_layers(layers: nn.ModuleList, config: object) -> Optional[list[FusedDecoderLayer]]:
+def fuse_layers(layers: nn.ModuleList, config: object, attention: str = ATTENTION
+                ) -> Optional[list[FusedDecoderLayer]]:
     """:class:`FusedDecoderLayer` for every layer, or ``None`` (and nothing changed) when one of
     them is not :func:`fusable`.
 
@@ -172,10 +192,11 @@ def fuse_layers(layers: nn.ModuleList, config: object) -> Optional[list[FusedDec
         layers: the decoder's layers.
         config: the model's (text) config (``num_attention_heads``, ``num_key_value_heads``,
             ``head_dim`` or ``hidden_size``).
+        attention: ``"matmul"`` or ``"sdpa"`` (:data:`ATTENTION`).
     """
     if any(fusable(layer, config) is not None for layer in layers):
         return None
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return [FusedDecoderLayer(layer, config, heads, kv_heads, head_dim) for layer in layers]
+    return [FusedDecoderLayer(layer, config, heads, kv_heads, head_dim, attention) for layer in layers]

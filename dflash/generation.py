@@ -72,7 +72,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.decode_layers import fuse_layers
+from dflash.decode_layers import ATTENTION, fuse_layers
 from dflash.target import _decoder
 
 __all__ = [
@@ -327,6 +327,8 @@ class Generator:
         fuse: run the target's layers as :class:`dflash.decode_layers.FusedDecoderLayer` (fused
             projections, grouped-query attention on the cache in place) when every layer is
             supported; ``False`` = through the transformers layers. Same math either way.
+        attention: the fused layers' attention, ``"matmul"`` or ``"sdpa"``
+            (:data:`dflash.decode_layers.ATTENTION`).
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
@@ -336,7 +338,7 @@ class Generator:
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
-                 fuse: bool = True) -> None:
+                 fuse: bool = True, attention: str = ATTENTION) -> None:
         self.model = model.eval()
         self.decoder = _decoder(model)
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -365,7 +367,7 @@ class Generator:
             raise ValueError(f"attention implementation {impl!r}: static-cache decoding needs sdpa or eager")
         self.additive_mask = impl == "eager"
         self.cache_arg = _layer_cache_kwarg(self.decoder.layers[0])
-        self.fused = fuse_layers(self.decoder.layers, self.config) if fuse else None
+        self.fused = fuse_layers(self.decoder.layers, self.config, attention) if fuse else None
         self.max_len = int(max_len)
         self.batch_size = int(batch_size)
         if drafter is None:

@@ -6,8 +6,8 @@ graphs). Random weights decode at the same speed as trained ones, and a random d
 1, so the speculative figure is the cost of a pass with nothing accepted. Also checks that compiled
 and eager decoding produce the same tokens in fp32 (exit 1 otherwise).
 
-Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.decode_layers`) and
-``compiled-plain`` (the transformers layers). ``--profile`` also counts the GPU kernels of one
+Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.decode_layers`),
+``compiled-sdpa`` (the same with SDPA attention) and ``compiled-plain`` (the transformers layers). ``--profile`` also counts the GPU kernels of one
 compiled target-only token and lists the costliest (torch.profiler).
 
     python scripts/decode_speed.py --out /tmp/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
@@ -73,7 +73,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     tokens_by_mode: dict = {}
     for mode in [m for m in args.modes.split(",") if m]:
         gen = Generator(target.model, target.layer_ids, max_len, batch_size=args.batch, drafter=drafter,
-                        compile=mode.startswith("compiled"), fuse=mode != "compiled-plain")
+                        compile=mode.startswith("compiled"), fuse=mode != "compiled-plain",
+                        attention="sdpa" if mode == "compiled-sdpa" else "matmul")
         for warm in range(2):  # compile + capture, then once more
             gen.greedy(prompts[:args.batch], 16)
             gen.speculative(prompts[:args.batch], 16)

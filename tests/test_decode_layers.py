@@ -46,8 +46,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding"])
-def test_fused_decoding_equals_transformers_layers_and_naive(kind):
+def test_fused_decoding_equals_transformers_layers_and_naive(kind, attention):
     model = _model(kind)
     layer_ids = [0, 2, 3]
     g = torch.Generator().manual_seed(7)
@@ -55,7 +56,7 @@ def test_fused_decoding_equals_transformers_layers_and_naive(kind):
     naive = [naive_greedy_decode(model, p, 12) for p in prompts]
     plain = Generator(model, layer_ids, 64, batch_size=3, fuse=False, compile=False)
     ref = plain.greedy(prompts, 12)
-    fused = Generator(model, layer_ids, 64, batch_size=3, compile=False)
+    fused = Generator(model, layer_ids, 64, batch_size=3, compile=False, attention=attention)
     assert fused.fused is not None
     out = fused.greedy(prompts, 12)
     for r, f, n in zip(ref, out, naive):
