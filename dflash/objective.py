@@ -811,7 +811,8 @@ class LossOutput:
 
     #: ``Σ CE·w`` over valid slots (the only field with a gradient).
     loss_sum: Tensor
-    #: ``Σ w`` (no gradient).
+    #: The loss denominator (no gradient): ``Σ w``, or with D-PACE weights the number of blocks
+    #: with a valid slot (:func:`loss_denominator`).
     weight_sum: Tensor
     #: ``[B]``: valid slots whose argmax equals the label (slot 0: 0).
     per_slot_correct: Tensor
@@ -898,7 +899,7 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
         raise ValueError(f"labels {tuple(labels.shape)} / valid {tuple(valid.shape)} do not match hidden "
                          f"{tuple(hidden.shape)}")
     n = r * a * (b - 1)
-    reweight = None
+    reweight: Optional[Callable[[Tensor], Tensor]] = None
     if weighting == "decay":
         weights = label_weights(valid, gamma)  # [R, A, B], slot 0 = 0
     elif weighting == "dpace":
@@ -906,9 +907,8 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
             raise ValueError(f"dpace_alpha: must be in [0, 1], got {dpace_alpha}")
         weights = valid.float()  # the chunks' 0/1 mask; D-PACE weights once every CE is known
         slots = valid[:, :, 1:]
-
-        def reweight(ce: Tensor) -> Tensor:
-            return dpace_weights(torch.exp(-ce).view(r, a, b - 1), slots, dpace_alpha).reshape(n)
+        reweight = lambda ce: dpace_weights(torch.exp(-ce).view(r, a, b - 1), slots,  # noqa: E731
+                                            dpace_alpha).reshape(n)
     else:
         raise ValueError(f"weighting: must be one of {list(LOSS_WEIGHTINGS)}, got {weighting!r}")
     h = hidden[:, :, 1:].reshape(n, d)

@@ -165,9 +165,11 @@ class DrafterTrainer:
             logger.info("drafter forward compiled (mode=%s)", compile_mode)
         weighting = (f"gamma={self.gamma:.3g}" if self.loss_weighting == "decay"
                      else f"D-PACE alpha={self.dpace_alpha:.3g}")
-        logger.info("drafter trainer: %d trainable params, B=%d, A=%d per %s (cap %s), %s, labels=%s, %d steps",
-                    self.module.num_trainable_params(), self.block_size, self.num_anchors, self.anchor_sampling,
-                    self.anchors_per_conversation, weighting, self.labels, total_steps)
+        sampling = "per row" if self.anchor_sampling == "row" else (
+            f"per conversation (at most {self.anchors_per_conversation or self.num_anchors} each)")
+        logger.info("drafter trainer: %d trainable params, B=%d, A=%d drawn %s, %s, labels=%s, %d steps",
+                    self.module.num_trainable_params(), self.block_size, self.num_anchors, sampling, weighting,
+                    self.labels, total_steps)
 
     # ----------------------------------------------------------------------- pieces
 
