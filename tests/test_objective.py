@@ -227,6 +227,22 @@ def test_conversation_anchors_equal_the_naive_loops(seed: int) -> None:
                 assert keep.sum(1).tolist() == valid.sum(1).clamp(max=a).tolist()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conversation_anchors_on_gpu_equal_the_naive_loops() -> None:
+    """On CUDA (the generator's own stream), the draw still equals the loops fed the same draws."""
+    r, s = 6, 256
+    loss_mask, doc_ids = random_packed_rows(r, s, 11)
+    for a, cap in ((16, None), (64, 8), (300, None)):
+        anchors, keep = sample_anchors_per_conversation(loss_mask.cuda(), doc_ids.cuda(), a, cap,
+                                                        anchor_generator(0, 1, a, "cuda"))
+        g = anchor_generator(0, 1, a, "cuda")
+        keys = torch.rand((r, s), generator=g, device="cuda").cpu()
+        priority = torch.rand((r, s), generator=g, device="cuda").cpu()
+        want_anchors, want_keep = naive_conversation_anchors(loss_mask, doc_ids, a, cap, keys, priority)
+        assert anchors.is_cuda and keep.cpu().tolist() == want_keep and anchors.cpu().tolist() == want_anchors
+
+
 def test_conversation_quotas_by_hand() -> None:
     counts = torch.tensor([[10, 2, 0, 5]])
     prio = torch.tensor([[0.1, 0.9, 0.8, 0.7]])

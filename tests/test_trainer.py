@@ -183,7 +183,7 @@ def test_reference_draw_equals_the_trainers_own(variant: str) -> None:
 
 
 def many_conversations_batch(r: int = 3, s: int = 30) -> dict[str, torch.Tensor]:
-    """Rows of five conversations of 6 tokens: a per-row draw and a per-conversation draw differ."""
+    """Rows of conversations of 6 tokens each: a per-row draw and a per-conversation draw differ."""
     batch = random_batch(r=r, s=s, seed=4)
     batch["doc_ids"] = (torch.arange(s) // 6 + 1).to(torch.int32).repeat(r, 1)
     batch["position_ids"] = (torch.arange(s) % 6).repeat(r, 1)
@@ -317,17 +317,19 @@ def test_compiled_path_stages_inputs_and_builds_masks_outside() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("compile_step", [False, True])
-def test_gpu_step_matches_cpu(compile_step: bool) -> None:
-    batch = pattern_batch()
+def test_gpu_step_matches_cpu(compile_step: bool, variant: str) -> None:
     """GPU (flex_attention, optionally compiled) and CPU (dense SDPA mask) take the same steps."""
-    cpu = DrafterTrainer(tiny_model(head_dim=16), TrainConfig(), drafter_cfg(), 10, "cpu")
+    batch = many_conversations_batch(r=4, s=24) if variant != "default" else pattern_batch()
+    opts = VARIANTS[variant]
+    cpu = DrafterTrainer(tiny_model(head_dim=16), TrainConfig(), drafter_cfg(**opts), 10, "cpu")
     gpu_model = tiny_model(head_dim=16, attention="auto").cuda()
     gpu_model.embed_tokens.cuda()
     gpu_model.lm_head.cuda()
-    gpu = DrafterTrainer(gpu_model, TrainConfig(), drafter_cfg(compile=compile_step), 10, "cuda",
+    gpu = DrafterTrainer(gpu_model, TrainConfig(), drafter_cfg(compile=compile_step, **opts), 10, "cuda",
                          autocast_dtype=None)
-    anchors = sample_anchors(batch["loss_mask"], batch["doc_ids"], 5, anchor_generator(0, 0, 0))
+    anchors = cpu.draw_anchors(batch["loss_mask"], batch["doc_ids"], 0, 0)
     cuda_batch = {k: v.cuda() for k, v in batch.items()}
     for i in range(3):
         mc = cpu.step(batch, 0, i, anchors=anchors)
