@@ -394,7 +394,6 @@ class Setup:
 
     def __init__(self, cfg: Any, t_dev: torch.device, d_dev: torch.device, steps: int, compiled: bool):
         from dflash.factory import build_batch_plans, build_drafter
-        from dflash.objective import anchor_generator, sample_anchors
         from dflash.target import load_embedding_and_head, load_target
         from dflash.trainer import DrafterTrainer
 
@@ -427,9 +426,8 @@ class Setup:
         self.batches = [self.plans.train.batch(i // nb, i % nb) for i in range(steps)]
         self.anchors = []
         for b in self.batches:
-            gen = anchor_generator(self.trainer.seed, b.epoch, b.batch_id, d_dev)
-            self.anchors.append(sample_anchors(b.loss_mask.to(d_dev), b.doc_ids.to(d_dev), self.trainer.num_anchors,
-                                               gen))
+            self.anchors.append(self.trainer.draw_anchors(b.loss_mask.to(d_dev), b.doc_ids.to(d_dev), b.epoch,
+                                                          b.batch_id))
         sync(d_dev)
         rows, seq = cfg.rows_per_batch, cfg.data.max_length
         self.stage = TargetStage(self.target, t_dev, rows, seq, compiled)

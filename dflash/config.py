@@ -85,6 +85,19 @@ class DrafterConfig:
     loss_gamma: Optional[float] = None
     #: Fixed number of anchor slots per packed row (DFlash: up to 512 per sequence).
     anchors_per_row: int = 512
+    #: How a row's anchor slots are filled: ``row`` = uniformly over the row's valid positions;
+    #: ``conversation`` = per conversation, as the paper draws per sequence: equal shares of the
+    #: row's slots, a short conversation taking all its positions and leaving the rest to the
+    #: others (water-filling; ``dflash.objective.conversation_anchor_quotas``).
+    anchor_sampling: Literal["row", "conversation"] = "row"
+    #: ``anchor_sampling: conversation`` only: at most this many anchors per conversation
+    #: (the paper: 512 per sequence); ``null`` = no cap besides ``anchors_per_row``.
+    anchors_per_conversation: Optional[int] = None
+    #: Loss position weights: ``decay`` = exp(-(k-1)/γ) (the paper); ``dpace`` = D-PACE weights
+    #: from the drafter's own confidences (arXiv 2605.18810; SpecForge's ``loss_type: dpace``).
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    #: ``loss_weighting: dpace`` only: confidence smoothing α in [0, 1]; ``null`` = 0.5 (the paper).
+    dpace_alpha: Optional[float] = None
     #: ``null`` = the target's intermediate size.
     intermediate_size: Optional[int] = None
     #: Labels: ``target`` = the target's greedy tokens (default), ``data`` = dataset tokens.
@@ -406,6 +419,17 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (an anchor plus at least one predicted token), got {d.block_size}")
     need(d.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {d.num_layers}")
     need(d.anchors_per_row >= 1, "drafter.anchors_per_row", f"must be >= 1, got {d.anchors_per_row}")
+    need(d.anchors_per_conversation is None or d.anchor_sampling == "conversation", "drafter.anchors_per_conversation",
+         f"applies only to drafter.anchor_sampling: conversation (got anchor_sampling: {d.anchor_sampling}); "
+         "set it to null or use anchor_sampling: conversation")
+    need(d.anchors_per_conversation is None or d.anchors_per_conversation >= 1, "drafter.anchors_per_conversation",
+         f"must be >= 1 or null (no cap), got {d.anchors_per_conversation}")
+    need(d.loss_gamma is None or d.loss_weighting == "decay", "drafter.loss_gamma",
+         f"applies only to drafter.loss_weighting: decay (got loss_weighting: {d.loss_weighting}); set it to null")
+    need(d.dpace_alpha is None or d.loss_weighting == "dpace", "drafter.dpace_alpha",
+         f"applies only to drafter.loss_weighting: dpace (got loss_weighting: {d.loss_weighting}); set it to null")
+    need(d.dpace_alpha is None or 0.0 <= d.dpace_alpha <= 1.0, "drafter.dpace_alpha",
+         f"must be in [0, 1], got {d.dpace_alpha}")
     need(d.sliding_window >= 1, "drafter.sliding_window", f"must be >= 1, got {d.sliding_window}")
     need(d.loss_gamma is None or d.loss_gamma > 0, "drafter.loss_gamma", f"must be > 0, got {d.loss_gamma}")
     need(d.mask_token_id is None or d.mask_token_id >= 0, "drafter.mask_token_id", f"must be >= 0, got {d.mask_token_id}")

@@ -4,8 +4,10 @@ Everything here follows docs/DFLASH.md and the label rule of docs/ARCHITECTURE.m
 arXiv 2602.06036, §3–4):
 
 * **Anchors.** Position ``p`` of a row is a valid anchor when ``loss_mask[p]``,
-  ``loss_mask[p + 1]`` and ``doc_ids[p] == doc_ids[p + 1]``. Each row draws up to ``A`` of them
-  uniformly without replacement (:func:`sample_anchors`), sorted, padded with ``keep = False``.
+  ``loss_mask[p + 1]`` and ``doc_ids[p] == doc_ids[p + 1]``. Each row has ``A`` anchor slots,
+  filled either uniformly without replacement over the row (:func:`sample_anchors`) or
+  conversation by conversation, equal shares water-filled and capped (the paper's per-sequence
+  draw; :func:`sample_anchors_per_conversation`); sorted, padded with ``keep = False``.
   Shapes are fixed by ``(R, S, A)``; nothing depends on the data's values (no ``nonzero``, no
   host sync): the draw is a top-``A`` over i.i.d. uniform keys in which invalid positions get
   key −1.
@@ -31,9 +33,11 @@ arXiv 2602.06036, §3–4):
   (no NaN). One ``mask_mod`` defines both the flex_attention ``BlockMask`` (GPU) and the dense
   SDPA mask (CPU), so they cannot disagree; the BlockMask's sparse tiles are computed from the
   per-query context ranges, never from a dense mask.
-* **Loss.** ``Σ CE·w / Σ w`` with ``w_k = exp(−(k − 1)/γ)`` on valid slots. :func:`dflash_loss`
-  returns numerator and denominator separately so data-parallel ranks can all-reduce the
-  denominator. The LM head runs in row chunks inside a custom autograd function that computes
+* **Loss.** ``Σ CE·w / Σ w`` with ``w_k = exp(−(k − 1)/γ)`` on valid slots; or, optionally,
+  D-PACE (:func:`dpace_weights`: weights from the drafter's own confidences) divided by the
+  number of blocks. :func:`dflash_loss` returns numerator and denominator separately so
+  data-parallel ranks can all-reduce the denominator (:func:`loss_denominator`: known before
+  the forward pass). The LM head runs in row chunks inside a custom autograd function that computes
   the gradient with respect to the hidden states during the forward pass: the ``[rows, V]``
   logits never exist at once and are not kept for backward.
 * **τ** (acceptance length, greedy, per block): ``1 +`` the number of leading slots
@@ -58,10 +62,19 @@ __all__ = [
     "anchor_seed",
     "anchor_generator",
     "valid_anchor_mask",
+    "ANCHOR_SAMPLING",
+    "LOSS_WEIGHTINGS",
+    "DPACE_ALPHA",
     "sample_anchors",
+    "conversation_index",
+    "conversation_anchor_quotas",
+    "sample_anchors_per_conversation",
+    "draw_anchors",
     "build_block_labels",
     "slot_weights",
     "label_weights",
+    "dpace_weights",
+    "loss_denominator",
     "FLEX_TILE",
     "context_ranges",
     "query_context_ranges",
@@ -82,6 +95,12 @@ SLIDING_ATTENTION = "sliding_attention"
 LOSS_CHUNK_ROWS = 2048
 #: flex_attention tile (query and key rows per sparse block).
 FLEX_TILE = 128
+#: ``drafter.anchor_sampling``: per packed row, or the row's slots shared among its conversations.
+ANCHOR_SAMPLING = ("row", "conversation")
+#: ``drafter.loss_weighting``: the paper's fixed decay ``exp(−(k − 1)/γ)``, or D-PACE.
+LOSS_WEIGHTINGS = ("decay", "dpace")
+#: D-PACE confidence smoothing α when ``drafter.dpace_alpha`` is null (the D-PACE paper's value).
+DPACE_ALPHA = 0.5
 #: Sort key of an invalid anchor position (valid ones draw from [0, 1)).
 _INVALID_KEY = -1.0
 _MASK64 = (1 << 64) - 1
@@ -134,9 +153,40 @@ def valid_anchor_mask(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
     return valid
 
 
+def _check_anchor_inputs(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int) -> None:
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors: must be >= 1, got {num_anchors}")
+    if loss_mask.shape != doc_ids.shape or loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and doc_ids {tuple(doc_ids.shape)} must be [R, S]")
+
+
+def _uniform_keys(shape: tuple[int, ...], generator: Optional[torch.Generator], device: torch.device) -> Tensor:
+    """I.i.d. uniform ``[0, 1)`` fp32 keys drawn on the generator's device, moved to ``device``."""
+    gen_device = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, device=gen_device).to(device)
+
+
+def _take_top_keys(keys: Tensor, num_anchors: int) -> tuple[Tensor, Tensor]:
+    """Anchors = the positions of the top ``min(A, S)`` keys that are ``>= 0``, sorted, padded to ``A``."""
+    r, s = keys.shape
+    k = min(num_anchors, s)
+    top_keys, top_pos = torch.topk(keys, k, dim=1)
+    keep = top_keys >= 0
+    # Kept anchors first, ascending; dropped ones after them.
+    order = torch.argsort(torch.where(keep, top_pos, top_pos + s), dim=1)
+    anchors = top_pos.gather(1, order)
+    keep = keep.gather(1, order)
+    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
+    if k < num_anchors:
+        pad = num_anchors - k
+        anchors = torch.cat([anchors, anchors.new_zeros(r, pad)], dim=1)
+        keep = torch.cat([keep, keep.new_zeros(r, pad)], dim=1)
+    return anchors.long(), keep
+
+
 def sample_anchors(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int,
                    generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
-    """Draw up to ``num_anchors`` anchors per row, uniformly without replacement.
+    """Draw up to ``num_anchors`` anchors per row, uniformly without replacement (``anchor_sampling: row``).
 
     Method: i.i.d. uniform keys ``[R, S]`` from ``generator``; invalid positions get key −1; the
     top ``min(A, S)`` keys are taken, so a row with ``n`` valid positions gets
@@ -157,29 +207,150 @@ def sample_anchors(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int,
     Raises:
         ValueError: ``num_anchors < 1`` or mismatched shapes.
     """
+    _check_anchor_inputs(loss_mask, doc_ids, num_anchors)
+    valid = valid_anchor_mask(loss_mask.bool(), doc_ids)
+    keys = _uniform_keys(tuple(loss_mask.shape), generator, loss_mask.device)
+    return _take_top_keys(torch.where(valid, keys, torch.full_like(keys, _INVALID_KEY)), num_anchors)
+
+
+def conversation_index(doc_ids: Tensor) -> Tensor:
+    """``[R, S]`` int64: the index ``0, 1, …`` of each position's conversation inside its row.
+
+    A conversation is a maximal run of equal ``doc_ids`` (the batch contract packs conversations
+    back to back; trailing padding is one more run), so the index lies in ``[0, S)``.
+    """
+    start = torch.ones_like(doc_ids, dtype=torch.long)
+    start[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).long()
+    return torch.cumsum(start, dim=1) - 1
+
+
+def conversation_anchor_quotas(counts: Tensor, num_anchors: int, cap: Optional[int],
+                               priority: Tensor) -> Tensor:
+    """How many of a row's ``A`` anchor slots each conversation gets: ``[R, C]`` int64.
+
+    Water-filling (max–min fair share). With ``T = min(cap, A)`` (``A`` without a cap),
+    conversation ``c`` with ``n_c`` valid anchor positions gets ``min(n_c, t)``, where the level
+    ``t`` is the largest integer in ``[0, T]`` with ``Σ_c min(n_c, t) ≤ A``. When ``t < T``, the
+    ``A − Σ_c min(n_c, t)`` slots left over (fewer than the conversations with ``n_c > t``) go one
+    each to the conversations with ``n_c > t`` of highest ``priority`` (ties: lower index first).
+    So every conversation gets an equal share, a short one all its positions with its unused
+    share spread over the others, and none more than ``cap``: the rule of the DFlash paper
+    (§4: up to 512 anchors per *sequence*) and of SpecForge (``_sample_anchor_positions`` in
+    ``specforge/algorithms/common/dflash_family_model.py``: ``min(num_anchors, n)`` per sequence)
+    whenever the row's slots suffice, an equal split when they do not. No host synchronisation:
+    a binary search over ``t`` whose number of steps depends only on ``T``.
+
+    Args:
+        counts: ``[R, C]`` int64 valid anchor positions per conversation.
+        num_anchors: ``A``, the row's anchor slots (``drafter.anchors_per_row``).
+        cap: most anchors of one conversation (``drafter.anchors_per_conversation``); ``None`` = no cap.
+        priority: ``[R, C]`` float: the order in which left-over slots are handed out.
+
+    Returns:
+        quotas ``[R, C]`` int64: ``quota ≤ counts``, ``quota ≤ cap``,
+        ``Σ_c quota = min(A, Σ_c min(n_c, cap))``.
+
+    Raises:
+        ValueError: ``num_anchors < 1``, ``cap < 1`` or mismatched shapes.
+    """
     if num_anchors < 1:
         raise ValueError(f"num_anchors: must be >= 1, got {num_anchors}")
-    if loss_mask.shape != doc_ids.shape or loss_mask.dim() != 2:
-        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and doc_ids {tuple(doc_ids.shape)} must be [R, S]")
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap: must be >= 1 or None, got {cap}")
+    if counts.dim() != 2 or priority.shape != counts.shape:
+        raise ValueError(f"counts {tuple(counts.shape)} and priority {tuple(priority.shape)} must be the same [R, C]")
+    r, c = counts.shape
+    top = num_anchors if cap is None else min(cap, num_anchors)
+    lo = counts.new_zeros(r)
+    hi = counts.new_full((r,), top)
+    for _ in range(top.bit_length()):  # invariant: level lo fits, every level above hi does not
+        mid = (lo + hi + 1) // 2
+        fits = torch.minimum(counts, mid.unsqueeze(1)).sum(dim=1) <= num_anchors
+        lo = torch.where(fits, mid, lo)
+        hi = torch.where(fits, hi, mid - 1)
+    level = lo.unsqueeze(1)
+    base = torch.minimum(counts, level)
+    left = num_anchors - base.sum(dim=1, keepdim=True)
+    eligible = (counts > level) & (level < top)
+    prio = priority.float()
+    order = torch.argsort(torch.where(eligible, -prio, torch.full_like(prio, 2.0)), dim=1, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(c, device=counts.device).expand(r, c))
+    return base + (eligible & (rank < left)).long()
+
+
+def sample_anchors_per_conversation(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int,
+                                    cap: Optional[int] = None,
+                                    generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    """Draw a row's ``A`` anchors conversation by conversation (``anchor_sampling: conversation``).
+
+    The paper and SpecForge draw anchors per *sequence*; a packed row holds several. Here the
+    row's fixed ``A`` slots are shared among its conversations by :func:`conversation_anchor_quotas`
+    (equal shares, water-filled, at most ``cap`` each), and conversation ``c`` then takes
+    ``quota_c`` of its valid positions (:func:`valid_anchor_mask`) uniformly without replacement.
+
+    Draws from ``generator``, in this order: position keys ``[R, S]``, then conversation
+    priorities ``[R, S]`` (indexed by :func:`conversation_index`), both i.i.d. uniform ``[0, 1)``.
+    Conversation ``c`` takes its ``quota_c`` valid positions of largest key (ties: lower position
+    first). Kept anchors are sorted ascending and come first, padded with ``keep = False`` and
+    index 0, as in :func:`sample_anchors`. Shapes depend only on ``(R, S, A)``; no host
+    synchronisation. With one conversation per row and no binding cap the anchors are those of
+    :func:`sample_anchors` with the same generator (up to ties between keys).
+
+    Args:
+        loss_mask: ``[R, S]`` bool.
+        doc_ids: ``[R, S]`` int (conversations: runs of equal values).
+        num_anchors: ``A`` (``drafter.anchors_per_row``).
+        cap: at most this many anchors per conversation (``drafter.anchors_per_conversation``),
+            ``None`` = no cap besides ``A``.
+        generator: seeds the draw (:func:`anchor_generator`).
+
+    Returns:
+        ``(anchors [R, A] int64, keep [R, A] bool)``.
+
+    Raises:
+        ValueError: ``num_anchors < 1``, ``cap < 1`` or mismatched shapes.
+    """
+    _check_anchor_inputs(loss_mask, doc_ids, num_anchors)
     device = loss_mask.device
     r, s = loss_mask.shape
     valid = valid_anchor_mask(loss_mask.bool(), doc_ids)
-    gen_device = generator.device if generator is not None else device
-    keys = torch.rand((r, s), generator=generator, device=gen_device).to(device)
-    keys = torch.where(valid, keys, torch.full_like(keys, _INVALID_KEY))
-    k = min(num_anchors, s)
-    top_keys, top_pos = torch.topk(keys, k, dim=1)
-    keep = top_keys >= 0
-    # Kept anchors first, ascending; dropped ones after them.
-    order = torch.argsort(torch.where(keep, top_pos, top_pos + s), dim=1)
-    anchors = top_pos.gather(1, order)
-    keep = keep.gather(1, order)
-    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
-    if k < num_anchors:
-        pad = num_anchors - k
-        anchors = torch.cat([anchors, anchors.new_zeros(r, pad)], dim=1)
-        keep = torch.cat([keep, keep.new_zeros(r, pad)], dim=1)
-    return anchors.long(), keep
+    keys = _uniform_keys((r, s), generator, device)
+    priority = _uniform_keys((r, s), generator, device)
+    conv = conversation_index(doc_ids)
+    counts = torch.zeros((r, s), dtype=torch.long, device=device).scatter_add_(1, conv, valid.long())
+    quota = conversation_anchor_quotas(counts, num_anchors, cap, priority)
+    # Positions grouped by conversation; inside one, valid positions by key descending, then position.
+    order = torch.argsort(torch.where(valid, -keys, torch.full_like(keys, 2.0)), dim=1, stable=True)
+    order = order.gather(1, torch.argsort(conv.gather(1, order), dim=1, stable=True))
+    conv_sorted = conv.gather(1, order)
+    j = torch.arange(s, device=device).expand(r, s)
+    first = torch.ones_like(conv_sorted, dtype=torch.bool)
+    first[:, 1:] = conv_sorted[:, 1:] != conv_sorted[:, :-1]
+    rank = j - torch.cummax(torch.where(first, j, torch.zeros_like(j)), dim=1).values
+    chosen_sorted = valid.gather(1, order) & (rank < quota.gather(1, conv_sorted))
+    chosen = torch.zeros_like(valid).scatter_(1, order, chosen_sorted)
+    return _take_top_keys(torch.where(chosen, keys, torch.full_like(keys, _INVALID_KEY)), num_anchors)
+
+
+def draw_anchors(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int, sampling: str = "row",
+                 cap: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    """The configured anchor draw: :func:`sample_anchors` (``sampling="row"``) or
+    :func:`sample_anchors_per_conversation` (``"conversation"``, with ``cap``).
+
+    Returns:
+        ``(anchors [R, A] int64, keep [R, A] bool)``.
+
+    Raises:
+        ValueError: unknown ``sampling``, ``cap`` given with ``"row"``, or what the draw raises.
+    """
+    if sampling == "row":
+        if cap is not None:
+            raise ValueError(f"cap: applies to sampling='conversation' only, got cap={cap} with sampling='row'")
+        return sample_anchors(loss_mask, doc_ids, num_anchors, generator)
+    if sampling == "conversation":
+        return sample_anchors_per_conversation(loss_mask, doc_ids, num_anchors, cap, generator)
+    raise ValueError(f"sampling: must be one of {list(ANCHOR_SAMPLING)}, got {sampling!r}")
 
 
 # --------------------------------------------------------------------------- labels
@@ -247,6 +418,58 @@ def slot_weights(block_size: int, gamma: float, device: Optional[torch.device] =
 def label_weights(valid: Tensor, gamma: float) -> Tensor:
     """``[R, A, B]`` fp32 loss weights: ``valid · w_k``."""
     return valid.float() * slot_weights(valid.shape[-1], gamma, valid.device)
+
+
+def dpace_weights(confidence: Tensor, valid: Tensor, alpha: float = DPACE_ALPHA) -> Tensor:
+    """D-PACE position weights of every block slot: ``[R, A, B]`` fp32, to be used detached.
+
+    D-PACE (Dynamic Position-Aware Cross-Entropy; arXiv 2605.18810, Eq. 7–8; SpecForge PR 578,
+    ``_dpace_weight`` in ``specforge/algorithms/common/dflash_family_model.py``). With ``q_k`` the
+    drafter's probability of the label at slot ``k``: smoothed ``q̃_k = (1 − α)·q_k + α`` (Eq. 7),
+    cumulative confidence ``P_m = Π_{i ≤ m} q̃_i`` (the chance a block is accepted through slot
+    ``m``) and ``w_k = Σ_{m ≥ k} P_m`` (Eq. 8), so ``Σ_k w_k · CE_k`` has the gradient of the
+    (smoothed) expected acceptance length ``Σ_m P_m``. As in SpecForge, an invalid slot counts as
+    ``q̃ = 1`` in the products and is left out of the sums; its own weight is 0.
+
+    Args:
+        confidence: ``[..., B]`` float: ``q_k = exp(−CE_k)``.
+        valid: ``[..., B]`` bool: slots that count (:func:`build_block_labels`).
+        alpha: α in ``[0, 1]`` (``drafter.dpace_alpha``; 0.5 in the paper).
+
+    Returns:
+        ``[..., B]`` fp32 weights, 0 on invalid slots.
+
+    Raises:
+        ValueError: ``alpha`` outside ``[0, 1]`` or mismatched shapes.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
+    if confidence.shape != valid.shape:
+        raise ValueError(f"confidence {tuple(confidence.shape)} and valid {tuple(valid.shape)} must match")
+    smooth = (1.0 - alpha) * confidence.float() + alpha
+    smooth = torch.where(valid, smooth, torch.ones_like(smooth))
+    prefix = torch.cumprod(smooth, dim=-1) * valid.float()
+    suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+    return suffix * valid.float()
+
+
+def loss_denominator(valid: Tensor, gamma: float, weighting: str = "decay") -> Tensor:
+    """The loss's denominator for a batch, known before the forward pass: fp32 scalar.
+
+    ``"decay"``: ``Σ w`` over valid slots (:func:`label_weights`), so the loss is the weighted mean
+    CE (DFlash paper §4). ``"dpace"``: the number of blocks with a valid slot, so the loss is the
+    mean over blocks of ``Σ_k w_k CE_k`` (its weights depend on the forward pass, so ``Σ w``
+    cannot be the denominator of an all-reduced loss; the D-PACE author's proposal in
+    SpecForge issue 828, "normalize by the number of valid sampled anchors").
+
+    Raises:
+        ValueError: unknown ``weighting``.
+    """
+    if weighting == "decay":
+        return label_weights(valid, gamma).sum()
+    if weighting == "dpace":
+        return valid.any(-1).float().sum()
+    raise ValueError(f"weighting: must be one of {list(LOSS_WEIGHTINGS)}, got {weighting!r}")
 
 
 # --------------------------------------------------------------------------- attention mask
@@ -491,7 +714,7 @@ def linear_ce_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor
         need_grad: also return the ``[c, D]`` gradient (in ``h``'s dtype).
 
     Returns:
-        ``(Σ w·CE fp32 scalar, argmax [c] int64, gradient [c, D] or None)``.
+        ``(Σ w·CE fp32 scalar, argmax [c] int64, gradient [c, D] or None, CE [c] fp32 unweighted)``.
     """
     logits = F.linear(h.to(weight.dtype), weight, bias).float()  # [c, V]
     lse = torch.logsumexp(logits, dim=-1)
@@ -499,11 +722,11 @@ def linear_ce_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor
     total = (ce * w).sum()
     pred = logits.argmax(dim=-1)
     if not need_grad:
-        return total, pred, None
+        return total, pred, None, ce
     probs = torch.exp(logits - lse.unsqueeze(1))
     probs.scatter_add_(1, y.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))  # in place: no [c, V] copy
     grad = ((probs * w.unsqueeze(1)).to(weight.dtype) @ weight).to(h.dtype)
-    return total, pred, grad
+    return total, pred, grad, ce
 
 
 _compiled_ce_chunk: Optional[Callable[..., Any]] = None
@@ -529,29 +752,42 @@ class _ChunkedLinearCE(torch.autograd.Function):
     only that ``[N, D]`` gradient (scaled by ``w``); backward multiplies it by the incoming scalar
     gradient. The frozen head (``W``, ``b``) gets no gradient. Each chunk runs
     ``chunk_fn`` (:func:`linear_ce_chunk` or its compiled form).
+
+    With ``reweight`` (weights that depend on the CE itself, e.g. D-PACE), the chunks run with
+    ``row_weights`` as a 0/1 mask; then ``w = reweight(CE [N])`` (detached) scales the per-row CE
+    and the kept per-row gradients, so the logits are still computed once.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                row_weights: Tensor, chunk: int, need_grad: bool,
-                chunk_fn: Callable[..., Any]) -> tuple[Tensor, Tensor]:
+                row_weights: Tensor, chunk: int, need_grad: bool, chunk_fn: Callable[..., Any],
+                reweight: Optional[Callable[[Tensor], Tensor]] = None) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = []
         grads = []
+        ces = []
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
-                part, pred, grad = chunk_fn(hidden[start:end], weight, bias, labels[start:end],
-                                            row_weights[start:end], need_grad)
+                part, pred, grad, ce = chunk_fn(hidden[start:end], weight, bias, labels[start:end],
+                                                row_weights[start:end], need_grad)
                 total = total + part
                 preds.append(pred)
+                ces.append(ce)
                 if need_grad:
                     grads.append(grad)
         pred = torch.cat(preds) if preds else labels.new_zeros(0)
         ctx.mark_non_differentiable(pred)
+        grad_rows = (torch.cat(grads) if grads else torch.zeros_like(hidden)) if need_grad else None
+        if reweight is not None:
+            ce = torch.cat(ces) if ces else row_weights.new_zeros(0)
+            w = reweight(ce).float()
+            total = (ce * w).sum()
+            if grad_rows is not None:
+                grad_rows.mul_(w.unsqueeze(1).to(grad_rows.dtype))
         if need_grad:
-            ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(hidden))
+            ctx.save_for_backward(grad_rows)
         ctx.need_grad = need_grad
         return total, pred
 
@@ -561,7 +797,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         if ctx.need_grad:
             (g,) = ctx.saved_tensors
             grad_hidden = g * grad_total.to(g.dtype)
-        return grad_hidden, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None
 
 
 @dataclass
@@ -575,7 +811,8 @@ class LossOutput:
 
     #: ``Σ CE·w`` over valid slots (the only field with a gradient).
     loss_sum: Tensor
-    #: ``Σ w`` (no gradient).
+    #: The loss denominator (no gradient): ``Σ w``, or with D-PACE weights the number of blocks
+    #: with a valid slot (:func:`loss_denominator`).
     weight_sum: Tensor
     #: ``[B]``: valid slots whose argmax equals the label (slot 0: 0).
     per_slot_correct: Tensor
@@ -625,12 +862,16 @@ def acceptance_lengths(correct: Tensor, valid: Tensor) -> Tensor:
 
 def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tensor, gamma: float,
                 chunk: int = LOSS_CHUNK_ROWS, block_keep: Optional[Tensor] = None,
-                chunk_fn: Optional[Callable[..., Any]] = None) -> LossOutput:
-    """Decayed cross entropy of the drafter's block predictions, with accuracy and τ.
+                chunk_fn: Optional[Callable[..., Any]] = None, weighting: str = "decay",
+                dpace_alpha: float = DPACE_ALPHA) -> LossOutput:
+    """Position-weighted cross entropy of the drafter's block predictions, with accuracy and τ.
 
-    ``loss_sum = Σ_{r,i,k} w_k · valid · CE(lm_head(hidden[r,i,k]), labels[r,i,k])`` with
-    ``w_k = exp(−(k − 1)/γ)`` for ``k ≥ 1`` (slot 0 excluded). Logits are computed in chunks of
-    ``chunk`` rows over slots 1 … B−1 only; CE and softmax in fp32.
+    ``loss_sum = Σ_{r,i,k} w · valid · CE(lm_head(hidden[r,i,k]), labels[r,i,k])`` over slots
+    ``k ≥ 1`` (slot 0 excluded). ``weighting="decay"``: ``w_k = exp(−(k − 1)/γ)`` (DFlash paper
+    §4) and ``weight_sum = Σ w``. ``weighting="dpace"``: ``w`` = :func:`dpace_weights` of the
+    block's own confidences ``exp(−CE)`` (detached: no gradient flows through the weights) and
+    ``weight_sum`` = the number of blocks with a valid slot (:func:`loss_denominator`). Logits
+    are computed once, in chunks of ``chunk`` rows over slots 1 … B−1 only; CE and softmax in fp32.
 
     Args:
         hidden: ``[R, A, B, D]`` final-normed drafter states (any float dtype).
@@ -642,12 +883,14 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
         block_keep: ``[R, A]`` bool blocks counted by τ; ``None`` = blocks with a valid slot.
         chunk_fn: the per-chunk computation (default :func:`linear_ce_chunk`, eager; the trainer
             passes :func:`compiled_linear_ce_chunk` when it compiles).
+        weighting: ``"decay"`` or ``"dpace"`` (``drafter.loss_weighting``).
+        dpace_alpha: α of :func:`dpace_weights` (``"dpace"`` only).
 
     Returns:
         :class:`LossOutput`; only ``loss_sum`` carries a gradient (to ``hidden``).
 
     Raises:
-        ValueError: shape mismatch or ``chunk < 1``.
+        ValueError: shape mismatch, ``chunk < 1``, unknown ``weighting`` or α outside ``[0, 1]``.
     """
     if chunk < 1:
         raise ValueError(f"chunk: must be >= 1, got {chunk}")
@@ -655,14 +898,25 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
     if labels.shape != (r, a, b) or valid.shape != (r, a, b):
         raise ValueError(f"labels {tuple(labels.shape)} / valid {tuple(valid.shape)} do not match hidden "
                          f"{tuple(hidden.shape)}")
-    weights = label_weights(valid, gamma)  # [R, A, B], slot 0 = 0
     n = r * a * (b - 1)
+    reweight: Optional[Callable[[Tensor], Tensor]] = None
+    if weighting == "decay":
+        weights = label_weights(valid, gamma)  # [R, A, B], slot 0 = 0
+    elif weighting == "dpace":
+        if not 0.0 <= dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha: must be in [0, 1], got {dpace_alpha}")
+        weights = valid.float()  # the chunks' 0/1 mask; D-PACE weights once every CE is known
+        slots = valid[:, :, 1:]
+        reweight = lambda ce: dpace_weights(torch.exp(-ce).view(r, a, b - 1), slots,  # noqa: E731
+                                            dpace_alpha).reshape(n)
+    else:
+        raise ValueError(f"weighting: must be one of {list(LOSS_WEIGHTINGS)}, got {weighting!r}")
     h = hidden[:, :, 1:].reshape(n, d)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     bias = getattr(lm_head, "bias", None)
     loss_sum, pred = _ChunkedLinearCE.apply(h, lm_head.weight, bias, labels[:, :, 1:].reshape(n),
                                             weights[:, :, 1:].reshape(n), chunk, need_grad,
-                                            chunk_fn or linear_ce_chunk)
+                                            chunk_fn or linear_ce_chunk, reweight)
     with torch.no_grad():
         pred = torch.cat([labels[:, :, :1], pred.view(r, a, b - 1)], dim=2)  # slot 0: placeholder
         correct = (pred == labels) & valid
@@ -672,6 +926,6 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
         tau = acceptance_lengths(correct, valid)
         tau_sum = (tau * keep.float()).sum()
         num_blocks = keep.float().sum()
-        weight_sum = weights.sum()
+        weight_sum = loss_denominator(valid, gamma, weighting)
     return LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, per_slot_correct=per_slot_correct,
                       per_slot_count=per_slot_count, tau_sum=tau_sum, num_blocks=num_blocks)

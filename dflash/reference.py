@@ -22,7 +22,7 @@ import torch
 
 from dflash.config import RunConfig, load_config
 from dflash.factory import DataPlans, build_batch_plans, build_drafter
-from dflash.objective import LossOutput, anchor_generator, sample_anchors
+from dflash.objective import LossOutput
 from dflash.schedule import StepPlan
 from dflash.trainer import DrafterTrainer, metrics_to_host
 
@@ -111,8 +111,7 @@ def run_reference(cfg: RunConfig, device: str | torch.device = "cpu", num_replic
             if batch_id is None:
                 continue
             t = target_tensors(target, plans.train.batch(epoch, batch_id), device)
-            gen = anchor_generator(trainer.seed, epoch, batch_id, device)
-            anc, keep = sample_anchors(t["loss_mask"], t["doc_ids"], trainer.num_anchors, gen)
+            anc, keep = trainer.draw_anchors(t["loss_mask"], t["doc_ids"], epoch, batch_id)
             parts.append(t)
             anchors.append(anc)
             keeps.append(keep)

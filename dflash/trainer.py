@@ -5,14 +5,15 @@ workers (``dflash/workers/drafter.py``): both hand :meth:`DrafterTrainer.step` t
 tensors plus the target's outputs (docs/ARCHITECTURE.md) and the batch's ``(epoch, batch_id)``.
 
 A step: anchors (seeded by ``anchor_seed(seed, epoch, batch_id)``, so every process draws the
-same ones for the same batch) → labels → forward → decayed CE → backward → gradient sync →
+same ones for the same batch; per row or per conversation, ``drafter.anchor_sampling``) → labels → forward → decayed CE → backward → gradient sync →
 clip → AdamW → schedule → zero grad.
 
 **Data parallelism.** With ``N`` ranks, each on its own batch, the update must equal one process
 on the concatenated batch, whose loss is ``Σ_ranks Σ CE·w / Σ_ranks Σ w``. Each rank therefore
 back-propagates ``loss_sum_rank / W_global`` where ``W_global`` comes from the
-``weight_sum_reduce`` hook (an all-reduce SUM of the local ``Σ w``; it depends only on the labels,
-so it is known before the forward pass), and the gradients are then *summed* over ranks by the
+``weight_sum_reduce`` hook (an all-reduce SUM of the local ``Σ w``, or of the block count with
+D-PACE weights: :func:`dflash.objective.loss_denominator`; it depends only on the labels, so it
+is known before the forward pass), and the gradients are then *summed* over ranks by the
 ``grad_sync`` hook. A caller that wraps the model in DDP instead (which *averages* gradients)
 passes ``grads_averaged_over=N`` so the local objective is multiplied by ``N``.
 
@@ -38,11 +39,12 @@ from dflash.objective import (
     anchor_generator,
     build_attention_masks,
     build_block_labels,
+    DPACE_ALPHA,
     compiled_linear_ce_chunk,
     dflash_loss,
-    label_weights,
+    draw_anchors,
+    loss_denominator,
     restage_attention_mask,
-    sample_anchors,
 )
 from dflash.optim import LRSchedule, build_optimizer, build_scheduler
 
@@ -69,7 +71,7 @@ class PreparedBatch:
     #: ``[R, A, B]`` int64 / bool.
     labels: Tensor
     valid: Tensor
-    #: ``Σ w`` of this batch (fp32 scalar).
+    #: The loss denominator of this batch (fp32 scalar): ``Σ w``, or the block count with D-PACE.
     weight_sum: Tensor
 
 
@@ -90,8 +92,8 @@ class DrafterTrainer:
     Args:
         model: a :class:`DFlashDraftModel`, or a DDP wrapper around one.
         train_cfg: :class:`dflash.config.TrainConfig` (lr, betas, weight decay, warm-up, clip).
-        drafter_cfg: :class:`dflash.config.DrafterConfig` (block size, anchors per row, γ,
-            labels, compile).
+        drafter_cfg: :class:`dflash.config.DrafterConfig` (block size, anchors per row, anchor
+            sampling, loss weighting, γ, labels, compile).
         total_steps: optimizer steps of the whole run (the schedule's length).
         device: where the batch tensors live / are moved.
         seed: anchor seed (``None`` = ``train_cfg.seed``).
@@ -132,6 +134,10 @@ class DrafterTrainer:
             raise ValueError(f"drafter.block_size {self.block_size} != model block size {self.module.block_size}")
         self.gamma = drafter_cfg.loss_gamma if drafter_cfg.loss_gamma is not None else default_gamma(self.block_size)
         self.num_anchors = drafter_cfg.anchors_per_row
+        self.anchor_sampling = drafter_cfg.anchor_sampling
+        self.anchors_per_conversation = drafter_cfg.anchors_per_conversation
+        self.loss_weighting = drafter_cfg.loss_weighting
+        self.dpace_alpha = drafter_cfg.dpace_alpha if drafter_cfg.dpace_alpha is not None else DPACE_ALPHA
         self.labels = drafter_cfg.labels
         self.loss_chunk = loss_chunk
         self.weight_sum_reduce = weight_sum_reduce
@@ -157,8 +163,12 @@ class DrafterTrainer:
         if self.compiled:
             self._forward = torch.compile(self._hidden, mode=compile_mode, dynamic=False)
             logger.info("drafter forward compiled (mode=%s)", compile_mode)
-        logger.info("drafter trainer: %d trainable params, B=%d, A=%d, gamma=%.3g, labels=%s, %d steps",
-                    self.module.num_trainable_params(), self.block_size, self.num_anchors, self.gamma,
+        weighting = (f"gamma={self.gamma:.3g}" if self.loss_weighting == "decay"
+                     else f"D-PACE alpha={self.dpace_alpha:.3g}")
+        sampling = "per row" if self.anchor_sampling == "row" else (
+            f"per conversation (at most {self.anchors_per_conversation or self.num_anchors} each)")
+        logger.info("drafter trainer: %d trainable params, B=%d, A=%d drawn %s, %s, labels=%s, %d steps",
+                    self.module.num_trainable_params(), self.block_size, self.num_anchors, sampling, weighting,
                     self.labels, total_steps)
 
     # ----------------------------------------------------------------------- pieces
@@ -171,6 +181,17 @@ class DrafterTrainer:
             raise KeyError(f"batch is missing tensor(s) {missing}")
         return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items() if isinstance(v, Tensor)}
 
+    def draw_anchors(self, loss_mask: Tensor, doc_ids: Tensor, epoch: int, batch_id: int) -> tuple[Tensor, Tensor]:
+        """The anchors of one batch: ``(anchors [R, A] int64, keep [R, A] bool)`` on ``loss_mask``'s device.
+
+        Seeded by ``anchor_seed(seed, epoch, batch_id)`` on this trainer's device and drawn by
+        ``drafter.anchor_sampling`` (:func:`dflash.objective.draw_anchors`), so the reference
+        trainer and every drafter worker draw the same anchors for the same batch.
+        """
+        gen = anchor_generator(self.seed, epoch, batch_id, self.device)
+        return draw_anchors(loss_mask, doc_ids, self.num_anchors, self.anchor_sampling,
+                            self.anchors_per_conversation, gen)
+
     def prepare(self, tensors: dict[str, Tensor], epoch: int, batch_id: int,
                 anchors: Optional[tuple[Tensor, Tensor]] = None) -> PreparedBatch:
         """Anchors (seeded by ``(seed, epoch, batch_id)``, or given) and labels of a batch.
@@ -181,14 +202,13 @@ class DrafterTrainer:
         """
         t = self._batch(tensors)
         if anchors is None:
-            gen = anchor_generator(self.seed, epoch, batch_id, self.device)
-            anc, keep = sample_anchors(t["loss_mask"], t["doc_ids"], self.num_anchors, gen)
+            anc, keep = self.draw_anchors(t["loss_mask"], t["doc_ids"], epoch, batch_id)
         else:
             anc, keep = (x.to(self.device) for x in anchors)
         labels, valid = build_block_labels(t["input_ids"], t.get("target_tokens"), t["loss_mask"], t["doc_ids"],
                                            anc, keep, self.block_size, self.labels)
         return PreparedBatch(anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
-                             weight_sum=label_weights(valid, self.gamma).sum())
+                             weight_sum=loss_denominator(valid, self.gamma, self.loss_weighting))
 
     def _stage(self, name: Any, x: Tensor) -> Tensor:
         """Copy a compiled-forward input into this trainer's persistent buffer ``name``.
@@ -255,7 +275,8 @@ class DrafterTrainer:
         # eval path (compiled=False) stays eager, so it never triggers a compile after warm-up.
         chunk_fn = compiled_linear_ce_chunk() if compiled and self.compiled else None
         return dflash_loss(hidden, self.module.lm_head, prepared.labels, prepared.valid, self.gamma,
-                           chunk=self.loss_chunk, block_keep=prepared.anchor_keep, chunk_fn=chunk_fn)
+                           chunk=self.loss_chunk, block_keep=prepared.anchor_keep, chunk_fn=chunk_fn,
+                           weighting=self.loss_weighting, dpace_alpha=self.dpace_alpha)
 
     def forward_backward(self, tensors: dict[str, Tensor], epoch: int, batch_id: int, *,
                          anchors: Optional[tuple[Tensor, Tensor]] = None,

@@ -75,6 +75,16 @@ BAD_CASES = [
     (["train.eval_batches=-1"], 0,
      r"^train\.eval_batches: must be >= 0 \(0 = no held-out evaluation, null = all held-out batches\), got -1$"),
     (["train.eval_every=-5"], 0, r"^train\.eval_every: must be >= 0, got -5$"),
+    (["drafter.anchor_sampling=sequence"], 0, r"^drafter\.anchor_sampling: must be one of \['row', 'conversation'\]"),
+    (["drafter.anchors_per_conversation=64"], 0,
+     r"^drafter\.anchors_per_conversation: applies only to drafter\.anchor_sampling: conversation \(got anchor_sampling: row\)"),
+    (["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=0"], 0,
+     r"^drafter\.anchors_per_conversation: must be >= 1 or null \(no cap\), got 0$"),
+    (["drafter.loss_weighting=focal"], 0, r"^drafter\.loss_weighting: must be one of \['decay', 'dpace'\]"),
+    (["drafter.loss_weighting=dpace", "drafter.loss_gamma=7"], 0,
+     r"^drafter\.loss_gamma: applies only to drafter\.loss_weighting: decay \(got loss_weighting: dpace\)"),
+    (["drafter.dpace_alpha=0.5"], 0, r"^drafter\.dpace_alpha: applies only to drafter\.loss_weighting: dpace"),
+    (["drafter.loss_weighting=dpace", "drafter.dpace_alpha=1.5"], 0, r"^drafter\.dpace_alpha: must be in \[0, 1\], got 1\.5$"),
 ]
 
 
@@ -127,3 +137,14 @@ def test_default_gamma_matches_paper_points():
 def test_eval_batches_zero_means_off_and_null_all(value, expected):
     cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml", [f"train.eval_batches={value}"], gpu_count=0)
     assert cfg.train.eval_batches == expected
+
+
+def test_anchor_sampling_and_loss_weighting_keys():
+    cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml", gpu_count=0)
+    assert (cfg.drafter.anchor_sampling, cfg.drafter.anchors_per_conversation) == ("row", None)
+    assert (cfg.drafter.loss_weighting, cfg.drafter.dpace_alpha) == ("decay", None)
+    cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml",
+                      ["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=512",
+                       "drafter.loss_weighting=dpace", "drafter.dpace_alpha=0.3"], gpu_count=0)
+    assert (cfg.drafter.anchor_sampling, cfg.drafter.anchors_per_conversation) == ("conversation", 512)
+    assert cfg.drafter.loss_weighting == "dpace" and cfg.drafter.dpace_alpha == pytest.approx(0.3)

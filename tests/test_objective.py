@@ -24,7 +24,11 @@ from dflash.objective import (
     flex_block_mask,
     restage_attention_mask,
     mask_tiles,
+    conversation_anchor_quotas,
+    dpace_weights,
+    draw_anchors,
     sample_anchors,
+    sample_anchors_per_conversation,
     slot_weights,
     valid_anchor_mask,
 )
@@ -133,7 +137,7 @@ def test_anchor_sampling_has_no_data_dependent_shapes(monkeypatch: pytest.Monkey
     b = packed_batch()
 
     def forbidden(*args: object, **kwargs: object) -> None:
-        raise AssertionError("data-dependent op / host sync in sample_anchors")
+        raise AssertionError("data-dependent op / host sync in the anchor draw")
 
     for name in ("nonzero", "item", "tolist", "masked_select", "unique"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
@@ -141,9 +145,158 @@ def test_anchor_sampling_has_no_data_dependent_shapes(monkeypatch: pytest.Monkey
         monkeypatch.setattr(torch, name, forbidden)
     shapes = set()
     for mask in (b["loss_mask"], torch.zeros_like(b["loss_mask"]), torch.ones_like(b["loss_mask"])):
-        anchors, keep = sample_anchors(mask, b["doc_ids"], 8, anchor_generator(0, 0, 0))
-        shapes.add((tuple(anchors.shape), tuple(keep.shape)))
+        for sampling, cap in (("row", None), ("conversation", None), ("conversation", 3)):
+            anchors, keep = draw_anchors(mask, b["doc_ids"], 8, sampling, cap, anchor_generator(0, 0, 0))
+            shapes.add((tuple(anchors.shape), tuple(keep.shape)))
     assert shapes == {((3, 8), (3, 8))}
+
+
+def random_packed_rows(r: int, s: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_mask, doc_ids)`` of ``r`` rows: 1–7 conversations of random lengths (some of one
+    token), loss masks in random runs (some conversations without a valid anchor), padding at the end."""
+    g = torch.Generator().manual_seed(seed)
+    doc_ids = torch.zeros(r, s, dtype=torch.int32)
+    loss_mask = torch.zeros(r, s, dtype=torch.bool)
+    for row in range(r):
+        n = int(torch.randint(1, 8, (1,), generator=g))
+        used = int(torch.randint(s // 2, s + 1, (1,), generator=g))
+        cuts = sorted(set(torch.randint(1, max(used, 2), (n - 1,), generator=g).tolist()))
+        bounds = [0, *cuts, used]
+        for d, (lo, hi) in enumerate(zip(bounds, bounds[1:]), start=1):
+            doc_ids[row, lo:hi] = d
+            density = float(torch.rand((), generator=g))
+            loss_mask[row, lo:hi] = torch.rand(hi - lo, generator=g) < density
+    return loss_mask, doc_ids
+
+
+def naive_conversation_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, a: int, cap: int | None,
+                               keys: torch.Tensor, priority: torch.Tensor) -> tuple[list, list]:
+    """Per-conversation anchors by Python loops: equal shares (water-filling), capped, left-over
+    slots by priority; inside a conversation the valid positions of largest key (ties: lower first)."""
+    r, s = loss_mask.shape
+    all_anchors, all_keep = [], []
+    for row in range(r):
+        lm, doc = loss_mask[row].tolist(), doc_ids[row].tolist()
+        runs, start = [], 0  # conversations: maximal runs of equal doc ids
+        for p in range(1, s + 1):
+            if p == s or doc[p] != doc[p - 1]:
+                runs.append((start, p))
+                start = p
+        valid = [[p for p in range(lo, hi - 1) if lm[p] and lm[p + 1]] for lo, hi in runs]
+        counts = [len(v) for v in valid]
+        top = a if cap is None else min(cap, a)
+        level = max(t for t in range(top + 1) if sum(min(n, t) for n in counts) <= a)
+        quota = [min(n, level) for n in counts]
+        left = a - sum(quota)
+        if level < top:
+            eligible = sorted((c for c, n in enumerate(counts) if n > level),
+                              key=lambda c: (-float(priority[row, c]), c))
+            for c in eligible[:left]:
+                quota[c] += 1
+        chosen = []
+        for c, positions in enumerate(valid):
+            chosen += sorted(positions, key=lambda p: (-float(keys[row, p]), p))[:quota[c]]
+        chosen.sort()
+        assert len(chosen) <= a
+        all_anchors.append(chosen + [0] * (a - len(chosen)))
+        all_keep.append([True] * len(chosen) + [False] * (a - len(chosen)))
+    return all_anchors, all_keep
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_conversation_anchors_equal_the_naive_loops(seed: int) -> None:
+    """The vectorised per-conversation draw == Python loops over conversations and positions,
+    fed the same generator draws (keys, then priorities), on random packed rows."""
+    r, s = 5, 48
+    loss_mask, doc_ids = random_packed_rows(r, s, seed)
+    for a in (1, 3, 8, 20, 64):
+        for cap in (None, 1, 2, 5, 600):
+            batch_id = 10 * a + (cap or 0)
+            anchors, keep = sample_anchors_per_conversation(loss_mask, doc_ids, a, cap,
+                                                            anchor_generator(seed, 0, batch_id))
+            g = anchor_generator(seed, 0, batch_id)
+            keys = torch.rand((r, s), generator=g)
+            priority = torch.rand((r, s), generator=g)
+            want_anchors, want_keep = naive_conversation_anchors(loss_mask, doc_ids, a, cap, keys, priority)
+            assert anchors.shape == keep.shape == (r, a) and anchors.dtype == torch.int64
+            assert keep.tolist() == want_keep, (a, cap)
+            assert anchors.tolist() == want_anchors, (a, cap)
+            # the row's slots are used up unless every conversation is exhausted (or capped)
+            valid = valid_anchor_mask(loss_mask, doc_ids)
+            if cap is None:
+                assert keep.sum(1).tolist() == valid.sum(1).clamp(max=a).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conversation_anchors_on_gpu_equal_the_naive_loops() -> None:
+    """On CUDA (the generator's own stream), the draw still equals the loops fed the same draws."""
+    r, s = 6, 256
+    loss_mask, doc_ids = random_packed_rows(r, s, 11)
+    for a, cap in ((16, None), (64, 8), (300, None)):
+        anchors, keep = sample_anchors_per_conversation(loss_mask.cuda(), doc_ids.cuda(), a, cap,
+                                                        anchor_generator(0, 1, a, "cuda"))
+        g = anchor_generator(0, 1, a, "cuda")
+        keys = torch.rand((r, s), generator=g, device="cuda").cpu()
+        priority = torch.rand((r, s), generator=g, device="cuda").cpu()
+        want_anchors, want_keep = naive_conversation_anchors(loss_mask, doc_ids, a, cap, keys, priority)
+        assert anchors.is_cuda and keep.cpu().tolist() == want_keep and anchors.cpu().tolist() == want_anchors
+
+
+def test_conversation_quotas_by_hand() -> None:
+    counts = torch.tensor([[10, 2, 0, 5]])
+    prio = torch.tensor([[0.1, 0.9, 0.8, 0.7]])
+    # level 3 fits (3 + 2 + 0 + 3 = 8 <= 9), level 4 does not (10): one slot left for the
+    # conversations above the level (0 and 3), the higher priority (3) takes it.
+    assert conversation_anchor_quotas(counts, 9, None, prio).tolist() == [[3, 2, 0, 4]]
+    assert conversation_anchor_quotas(counts, 9, 2, prio).tolist() == [[2, 2, 0, 2]]      # capped
+    assert conversation_anchor_quotas(counts, 100, None, prio).tolist() == [[10, 2, 0, 5]]  # all fit
+    assert conversation_anchor_quotas(counts, 100, 512, prio).tolist() == [[10, 2, 0, 5]]
+    assert conversation_anchor_quotas(counts, 1, None, prio).tolist() == [[0, 1, 0, 0]]    # priority decides
+    tie = torch.tensor([[0.5, 0.5, 0.5, 0.5]])
+    assert conversation_anchor_quotas(counts, 2, None, tie).tolist() == [[1, 1, 0, 0]]     # ties: lower index
+    with pytest.raises(ValueError, match="cap"):
+        conversation_anchor_quotas(counts, 4, 0, prio)
+    with pytest.raises(ValueError, match="num_anchors"):
+        conversation_anchor_quotas(counts, 0, None, prio)
+
+
+def test_conversation_anchors_on_one_conversation_rows_equal_the_row_draw() -> None:
+    loss_mask = torch.rand(4, 64, generator=torch.Generator().manual_seed(3)) < 0.8
+    doc_ids = torch.ones(4, 64, dtype=torch.int32)
+    for a in (1, 7, 30, 100):
+        row = sample_anchors(loss_mask, doc_ids, a, anchor_generator(1, 2, a))
+        conv = sample_anchors_per_conversation(loss_mask, doc_ids, a, None, anchor_generator(1, 2, a))
+        assert torch.equal(row[0], conv[0]) and torch.equal(row[1], conv[1])
+
+
+def test_conversation_anchors_share_the_row_between_conversations() -> None:
+    """A short conversation gets all its positions, the long one the rest (the row draw would give
+    the short one about its proportional share only)."""
+    s = 64
+    loss_mask = torch.ones(1, s, dtype=torch.bool)
+    doc_ids = torch.ones(1, s, dtype=torch.int32)
+    doc_ids[0, 56:] = 2                     # conversation 2: positions 56..63, valid anchors 56..62
+    for i in range(20):
+        anchors, keep = sample_anchors_per_conversation(loss_mask, doc_ids, 16, None, anchor_generator(0, 0, i))
+        kept = anchors[0][keep[0]].tolist()
+        assert len(kept) == 16 and [p for p in kept if p >= 56] == list(range(56, 63))
+        capped, ckeep = sample_anchors_per_conversation(loss_mask, doc_ids, 16, 3, anchor_generator(0, 0, i))
+        assert int(ckeep.sum()) == 6 and sum(p >= 56 for p in capped[0][ckeep[0]].tolist()) == 3
+
+
+def test_draw_anchors_dispatches_and_checks() -> None:
+    b = packed_batch()
+    lm, doc = b["loss_mask"], b["doc_ids"]
+    assert all(torch.equal(x, y) for x, y in zip(draw_anchors(lm, doc, 6, "row", None, anchor_generator(0, 0, 1)),
+                                                  sample_anchors(lm, doc, 6, anchor_generator(0, 0, 1))))
+    got = draw_anchors(lm, doc, 6, "conversation", 2, anchor_generator(0, 0, 1))
+    want = sample_anchors_per_conversation(lm, doc, 6, 2, anchor_generator(0, 0, 1))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    with pytest.raises(ValueError, match="sampling"):
+        draw_anchors(lm, doc, 6, "sequence")
+    with pytest.raises(ValueError, match="cap"):
+        draw_anchors(lm, doc, 6, "row", 4)
 
 
 # --------------------------------------------------------------------------- labels
@@ -466,6 +619,89 @@ def test_loss_equals_per_block_loop(chunk: int) -> None:
     assert torch.allclose(out.loss, num / den, atol=1e-5, rtol=1e-5)
     assert torch.allclose(grad, grad_ref, atol=1e-6, rtol=1e-5)
     assert out.per_slot_count.tolist() == valid.float().sum((0, 1)).tolist()
+
+
+def naive_dpace_weights(conf: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE weights by loops: w_k = Σ_{m ≥ k, valid} Π_{i ≤ m, valid} ((1 − α) q_i + α)."""
+    out = torch.zeros(conf.shape, dtype=torch.float64)
+    *lead, bs = conf.shape
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in lead]).view(-1, len(lead)).tolist():
+        q, ok = conf[tuple(idx)].tolist(), valid[tuple(idx)].tolist()
+        for k in range(bs):
+            if not ok[k]:
+                continue
+            total = 0.0
+            for m in range(k, bs):
+                if ok[m]:
+                    total += math.prod((1 - alpha) * q[i] + alpha for i in range(m + 1) if ok[i])
+            out[tuple(idx) + (k,)] = total
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 1.0])
+def test_dpace_weights_equal_the_naive_loop(alpha: float) -> None:
+    g = torch.Generator().manual_seed(int(alpha * 10))
+    conf = torch.rand(3, 4, 7, generator=g)
+    valid = torch.rand(3, 4, 7, generator=g) < 0.7
+    valid[..., 0] = False
+    got = dpace_weights(conf, valid, alpha)
+    want = naive_dpace_weights(conf, valid, alpha)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert (got[~valid] == 0).all() and (got[valid] > 0).all()
+    if alpha == 1.0:  # q̃ = 1: w_k = the number of valid slots at or after k
+        counts = valid.flip(-1).cumsum(-1).flip(-1).float() * valid
+        assert torch.equal(got, counts)
+    with pytest.raises(ValueError, match="alpha"):
+        dpace_weights(conf, valid, 1.5)
+
+
+def naive_dpace_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, valid: torch.Tensor,
+                     alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over blocks of Σ_k w_k·CE_k with detached D-PACE weights, and the number of blocks."""
+    num = hidden.new_zeros(())
+    blocks = 0
+    r, a, bs, _ = hidden.shape
+    for row in range(r):
+        for i in range(a):
+            ok = valid[row, i].tolist()
+            if not any(ok):
+                continue
+            blocks += 1
+            ce = [F.cross_entropy(head(hidden[row, i, k])[None], labels[row, i, k][None]) for k in range(bs)]
+            q = [math.exp(-float(c.detach())) for c in ce]
+            for k in range(1, bs):
+                if ok[k]:
+                    w = sum(math.prod((1 - alpha) * q[j] + alpha for j in range(m + 1) if ok[j])
+                            for m in range(k, bs) if ok[m])
+                    num = num + w * ce[k]
+    return num, torch.tensor(float(blocks))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_dpace_loss_equals_per_block_loop(chunk: int) -> None:
+    torch.manual_seed(2)
+    r, a, bs, d, v = 2, 5, 6, 16, 40
+    head = nn.Linear(d, v, bias=True)
+    hidden = torch.randn(r, a, bs, d, requires_grad=True)
+    labels = torch.randint(0, v, (r, a, bs))
+    valid = torch.rand(r, a, bs) < 0.7
+    valid[..., 0] = False
+    valid[0, 2] = False  # a block without a valid slot does not count
+    out = dflash_loss(hidden, head, labels, valid, 99.0, chunk=chunk, weighting="dpace", dpace_alpha=0.4)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    hidden2 = hidden.detach().clone().requires_grad_(True)
+    num, den = naive_dpace_loss(hidden2, head, labels, valid, 0.4)
+    (grad_ref,) = torch.autograd.grad(num / den, hidden2)
+    assert den.item() == valid.any(-1).sum().item() == 9
+    assert torch.allclose(out.loss_sum, num, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out.weight_sum, den)
+    assert torch.allclose(grad, grad_ref, atol=1e-6, rtol=1e-4)
+    decay = dflash_loss(hidden.detach(), head, labels, valid, 2.0, chunk=chunk)
+    assert torch.equal(out.tau_sum, decay.tau_sum) and torch.equal(out.per_slot_correct, decay.per_slot_correct)
+    assert not torch.allclose(out.loss, decay.loss)
+    with pytest.raises(ValueError, match="weighting"):
+        dflash_loss(hidden, head, labels, valid, 2.0, weighting="focal")
 
 
 def test_compiled_loss_chunks_equal_the_loop_and_compile_once_per_shape() -> None:

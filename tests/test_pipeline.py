@@ -1,8 +1,9 @@
 """End to end on CPU with the real SmolLM2 target and real ShareGPT, small shapes.
 
 - the multi-process pipeline (separate target and drafter processes, shared-memory slots, gloo)
-  gives the same per-step losses as the single-process reference trainer: 1 drafter to 1e-6,
-  2 drafters to the reference's doubled batch to 1e-5;
+  gives the same per-step losses as the single-process reference trainer: 1 drafter to 1e-6
+  (with the default objective and with per-conversation anchors + D-PACE weights), 2 drafters
+  to the reference's doubled batch to 1e-5;
 - a run stopped with SIGTERM writes a final checkpoint, and ``--resume`` continues it with the
   losses of an uninterrupted run;
 - a bad config fails before any worker starts.
@@ -71,8 +72,10 @@ def reference_losses(extra: list[str], replicas: int) -> list[float]:
     return run_reference(cfg, "cpu", num_replicas=replicas, evaluate=False).losses
 
 
-def test_one_drafter_matches_reference(tmp_path):
-    extra = ["cluster.drafters=[0]"]
+@pytest.mark.parametrize("objective", [[], ["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=3",
+                                              "drafter.loss_weighting=dpace"]], ids=["row+decay", "conversation+dpace"])
+def test_one_drafter_matches_reference(tmp_path, objective):
+    extra = ["cluster.drafters=[0]", *objective]
     out = run_cluster(tmp_path / "run", extra)
     got = train_losses(tmp_path / "run")
     ref = reference_losses(extra, 1)
