@@ -6,8 +6,10 @@ target's own response and writes a JSONL file the trainer reads directly (``data
 
 ``python -m dflash.regenerate --config configs/X.yaml --output data/regen.jsonl [--max-new-tokens 256]
 [--temperature 0] [--top-p 1] [--seed 0] [--limit 200] [--batch-size 16] [--max-turns K]
-[--max-prompt-tokens T] [--overwrite] [section.key=value ...]`` (also ``python -m launch.cluster --mode
-regenerate ...``).
+[--max-prompt-tokens T] [--gpus 0,1] [--overwrite] [section.key=value ...]`` (also ``python -m launch.cluster
+--mode regenerate ...``). As the first stage of training: the config's ``regenerate`` section
+(:class:`dflash.config.RegenerateConfig`, off by default) makes ``python -m launch.cluster --config X.yaml``
+call :func:`run_stage` before it trains, on ``regenerate.output``.
 
 **What is generated.** Each assistant turn is regenerated given the conversation so far, rendered with
 the target's chat template (``data.enable_thinking`` passed to it) and ``add_generation_prompt``, where
@@ -17,8 +19,9 @@ early (keeping the turns done so far) when ``--max-turns`` turns are done, when 
 ``--max-prompt-tokens`` tokens or longer (default ``data.max_length``: the trainer cuts longer
 sequences anyway, so later turns would be wasted work), when a response is empty, or when the
 template fails. Leading assistant turns (ShareGPT continuation rows: nothing to answer) are dropped.
-Greedy (``--temperature 0``) takes the argmax, which is the target's own greedy continuation;
-sampling uses temperature and top-p with one ``torch.Generator`` per (seed, row id, turn), so a
+Greedy (``--temperature 0``, the default) takes the argmax, which is the target's own greedy
+continuation, through :class:`StaticGreedyGenerator` (:class:`dflash.generation.Generator`);
+sampling keeps :class:`BatchGenerator` and uses temperature and top-p with one ``torch.Generator`` per (seed, row id, turn), so a
 sampled row does not depend on batching, sharding or restarts. A turn ends at the tokenizer's
 end-of-turn / EOS token (not stored: the template adds it back) or after ``--max-new-tokens``.
 Token ids the tokenizer does not have (padding rows of the embedding) are never generated.
@@ -26,41 +29,51 @@ Responses are decoded with special tokens kept, so that re-tokenising the stored
 generated ids back; rows count the turns where it does not (``regen.retokenize_mismatch``).
 
 **Batching.** A worker keeps up to ``--batch-size`` conversations active; each round generates the
-next turn of every active conversation in one left-padded batch with a KV cache (``target.model``,
-the Hugging Face causal LM, called step by step: :class:`BatchGenerator`), and refills the pool
-from its queue as conversations finish. Left padding is exact for attention layers (padded keys
-are masked, positions restart at 0 at each row's first token).
+next turn of every active conversation in one batch, and refills the pool from its queue as
+conversations finish. Greedy: the static KV cache of :class:`dflash.generation.Generator`, one row
+per conversation, its step compiled into a CUDA graph on GPU (``target.compile``); the worker sorts
+its rows by first-prompt length so that a batch holds prompts of similar length, and prompts of
+:data:`SHORT_PROMPT_TOKENS` tokens or more go to a second, eager cache sized for
+``--max-prompt-tokens`` (see :class:`StaticGreedyGenerator`). Sampling: one left-padded batch with
+the Hugging Face causal LM called step by step (:class:`BatchGenerator`); left padding is exact for
+attention layers (padded keys are masked, positions restart at 0 at each row's first token).
+Workers log rows, new tokens/s and an ETA at least every 30 s; the launcher shows the same over all
+workers, with each worker's rate.
 
 **Files.** ``<output>`` (the merged result), ``<output>.rank<k>`` (worker k's shard, appended),
-``<output>.rank<k>.log`` (its log), ``<output>.regen.json`` (options, checked on restart, and the
-last run's report), ``<output>.lock``. Every line is one JSON object with a stable ``id``:
+``<output>.rank<k>.log`` (its log), ``<output>.skipped`` (the skip records of merged shards),
+``<output>.regen.json`` (options, checked on restart, and the last run's report: rows, skips,
+new tokens, overall new tokens/s and ``per_worker`` rows, new tokens, seconds and new tokens/s),
+``<output>.lock``. Every line is one JSON object with a stable ``id``:
 
 * a regenerated row (ShareGPT form, read by :func:`dflash.data.normalize_row`):
   ``{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}], "regen": {"source_index",
   "turns", "new_tokens": [..], "finish": ["stop"|"length", ..], "retokenize_mismatch"}}``;
-* a skipped row (shards only; never in ``<output>``): ``{"id", "skipped": reason, "regen":
-  {"source_index"}}``, reasons :data:`SKIP_REASONS`. Skips are deterministic, so they count as done; after a merge
-  (which keeps only regenerated rows) a later run checks them again (no generation, except for
-  ``empty_response``).
+* a skipped row (shards and ``<output>.skipped``; never in ``<output>``): ``{"id", "skipped": reason,
+  "regen": {"source_index"}}``, reasons :data:`SKIP_REASONS`. Skips are deterministic, so they count as
+  done, also after a merge: a complete output starts no worker and is not rewritten.
 
 **Ids.** The row's ``id`` field when it is a non-empty string or a number, else the first 16 hex digits of
 the sha256 of its canonical JSON; the k-th repeat (k >= 1) of an id in file order becomes ``id#k``.
 Rows that :func:`dflash.data.normalize_row` rejects are counted by reason and never sent to a worker.
 
-**Sharding and resume.** Worker k of N (one per ``cluster.targets`` entry) owns the rows whose
-``sha256(id) mod N == k``, loads the target on ``cuda:<targets[k]>`` (CPU: cores / N torch threads; the
+**Sharding and resume.** Worker k of N (one per ``--gpus`` entry, default ``cluster.targets``; the
+training stage uses ``cluster.targets`` + ``cluster.drafters``) owns the rows whose
+``sha256(id) mod N == k``, loads the target on ``cuda:<gpus[k]>`` (CPU: cores / N torch threads; the
 training layout's ``cluster.cpu_threads_per_target`` is not used), and appends finished rows to its own shard, one ``os.write`` plus
 ``fsync`` per round, under an exclusive ``flock`` on the shard. Rows already in ``<output>`` or in any
 shard (of any earlier N) are done and skipped. A worker first truncates its own shard after the last
 newline, so a line cut by a kill mid-write is dropped and regenerated, never duplicated. When every
 worker has finished, the launcher merges ``<output>`` and the shards into a temporary file in source
-order (an id once), renames it over ``<output>`` and deletes the shards. Workers are separate
+order (an id once), renames it over ``<output>`` (skips into ``<output>.skipped``) and deletes the shards. Workers are separate
 processes (``subprocess``, never a fork of a process holding CUDA) with a parent-death signal, so
 none outlives the launcher; a restarted launcher waits (bounded) for the shard locks of a previous
 run's workers before it reads the shards.
 
 Known limits: sharding by id balances the rows, not the work, and a restart keeps the same owners (a
 shard that had finished idles); a response cut at ``--max-new-tokens`` is kept (``finish: length``);
+a greedy batch runs until its longest row ends (finished rows ride along on the static cache) and
+each prompt's prefill is its own eager forward; a worker's ETA is optimistic early on (short prompts first);
 thinking templates that strip earlier turns' reasoning are rendered as the template does.
 """
 
