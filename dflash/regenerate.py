@@ -1188,14 +1188,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.regenerate",
                                 description="The target rewrites the assistant turns of data.dataset.")
     p.add_argument("--config", required=True, help="YAML config (target, data, cluster sections are used)")
-    p.add_argument("--output", required=True, type=Path, help="output JSONL (ShareGPT form)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="per assistant turn")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per row and turn)")
-    p.add_argument("--limit", type=int, default=None, help="read at most this many rows (default data.max_conversations)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="conversations per generation batch")
-    p.add_argument("--max-turns", type=int, default=None, help="regenerate at most this many assistant turns")
+    p.add_argument("--output", type=Path, default=None, help="output JSONL (ShareGPT form; default regenerate.output)")
+    # Defaults of the options below: the config's regenerate section (dflash.config.RegenerateConfig).
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn (default 256)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off, default)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (per row and turn; default 0)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="read at most this many rows (default regenerate.limit, else data.max_conversations)")
+    p.add_argument("--batch-size", type=int, default=None, help="conversations per generation batch (default 16)")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="regenerate at most this many assistant turns (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="stop a conversation before a prompt this long (default data.max_length)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing output and its shards first")
@@ -1208,11 +1211,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def _options(args: argparse.Namespace, cfg: RunConfig) -> GenerationOptions:
-    """The checked options of a command line (``args.limit`` filled from ``data.max_conversations``).
+    """The checked options of a command line; options not given are filled in ``args`` from the
+    config's ``regenerate`` section (``--limit`` then from ``data.max_conversations``).
 
     Raises:
         ConfigError: an option out of range (named).
     """
+    for key in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "max_turns", "max_prompt_tokens",
+                "limit"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(cfg.regenerate, key))
+    if args.output is None:
+        if not cfg.regenerate.output:
+            raise ConfigError("--output: required (or regenerate.output in the config)")
+        args.output = Path(cfg.regenerate.output)
     if args.limit is None:
         args.limit = cfg.data.max_conversations
     if args.limit is not None and args.limit < 1:
