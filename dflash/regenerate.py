@@ -1117,7 +1117,8 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
                 done_now += len(records)
             elapsed = max(time.monotonic() - gen_started, 1e-9)
             per_worker = ", ".join(f"regen.{k} {n / elapsed:.0f}" for k, n in enumerate(new_tokens))
-            bar.update(done_now, f"rows | {sum(new_tokens) / elapsed:.0f} new tok/s ({per_worker})")
+            if done_now < len(pending) or done_now != bar.n:  # once complete, one line (workers are exiting)
+                bar.update(done_now, f"rows | {sum(new_tokens) / elapsed:.0f} new tok/s ({per_worker})")
             failed = [k for k, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 k = failed[0]
