@@ -27,6 +27,7 @@ __all__ = [
     "TransportConfig",
     "LogConfig",
     "CheckpointConfig",
+    "RegenerateConfig",
     "RunConfig",
     "load_config",
     "parse_overrides",
@@ -213,6 +214,35 @@ class CheckpointConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """Regeneration as the first stage of a training run (``dflash/regenerate.py``).
+
+    When ``enabled``, ``python -m launch.cluster`` first regenerates ``data.dataset`` into ``output``
+    with one worker per GPU of ``cluster.targets`` + ``cluster.drafters`` (rows already in
+    ``output`` are skipped: a complete output costs no model load), then trains on ``output``.
+    The keys are the options of ``python -m dflash.regenerate`` with the same names.
+    """
+
+    enabled: bool = False
+    #: The regenerated JSONL (required when enabled; must differ from ``data.dataset``).
+    output: Optional[str] = None
+    #: New tokens per assistant turn.
+    max_new_tokens: int = 256
+    #: Regenerate at most this many assistant turns per conversation (``null`` = all).
+    max_turns: Optional[int] = None
+    #: Stop a conversation before a prompt this long, in tokens (``null`` = ``data.max_length``).
+    max_prompt_tokens: Optional[int] = None
+    #: Conversations generated together per worker (rows of the static KV cache).
+    batch_size: int = 16
+    #: 0 = greedy (the static-cache generator); > 0 = sampling.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    #: Read at most this many source rows (``null`` = ``data.max_conversations``).
+    limit: Optional[int] = None
+
+
+@dataclass
 class RunConfig:
     """A whole run: one YAML file."""
 
@@ -227,6 +257,7 @@ class RunConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     @property
     def rows_per_batch(self) -> int:
@@ -502,7 +533,28 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     need(cfg.log.every >= 1, "log.every", "must be >= 1")
     need(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    _validate_regenerate(cfg, need)
     return cfg
+
+
+def _validate_regenerate(cfg: RunConfig, need: Any) -> None:
+    """The ``regenerate`` section's ranges (checked whether enabled or not) and, when enabled, its output."""
+    r = cfg.regenerate
+    need(r.max_new_tokens >= 1, "regenerate.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    need(r.batch_size >= 1, "regenerate.batch_size", f"must be >= 1, got {r.batch_size}")
+    need(r.max_turns is None or r.max_turns >= 1, "regenerate.max_turns", f"must be >= 1, got {r.max_turns}")
+    need(r.max_prompt_tokens is None or r.max_prompt_tokens >= 1, "regenerate.max_prompt_tokens",
+         f"must be >= 1, got {r.max_prompt_tokens}")
+    need(r.temperature >= 0, "regenerate.temperature", f"must be >= 0, got {r.temperature}")
+    need(0 < r.top_p <= 1, "regenerate.top_p", f"must be in (0, 1], got {r.top_p}")
+    need(r.limit is None or r.limit >= 1, "regenerate.limit", f"must be >= 1, got {r.limit}")
+    if not r.enabled:
+        return
+    need(bool(r.output), "regenerate.output", "is required when regenerate.enabled is true")
+    out = Path(r.output)
+    need(not out.is_dir(), "regenerate.output", f"is a directory: {r.output}")
+    need(out.resolve() != Path(cfg.data.dataset).resolve(), "regenerate.output",
+         f"must differ from data.dataset ({cfg.data.dataset}): the source is read while the output is written")
 
 
 def load_config(path: Optional[str | os.PathLike], overrides: Optional[list[str]] = None,

@@ -6,8 +6,10 @@ target's own response and writes a JSONL file the trainer reads directly (``data
 
 ``python -m dflash.regenerate --config configs/X.yaml --output data/regen.jsonl [--max-new-tokens 256]
 [--temperature 0] [--top-p 1] [--seed 0] [--limit 200] [--batch-size 16] [--max-turns K]
-[--max-prompt-tokens T] [--overwrite] [section.key=value ...]`` (also ``python -m launch.cluster --mode
-regenerate ...``).
+[--max-prompt-tokens T] [--gpus 0,1] [--overwrite] [section.key=value ...]`` (also ``python -m launch.cluster
+--mode regenerate ...``). As the first stage of training: the config's ``regenerate`` section
+(:class:`dflash.config.RegenerateConfig`, off by default) makes ``python -m launch.cluster --config X.yaml``
+call :func:`run_stage` before it trains, on ``regenerate.output``.
 
 **What is generated.** Each assistant turn is regenerated given the conversation so far, rendered with
 the target's chat template (``data.enable_thinking`` passed to it) and ``add_generation_prompt``, where
@@ -17,8 +19,9 @@ early (keeping the turns done so far) when ``--max-turns`` turns are done, when 
 ``--max-prompt-tokens`` tokens or longer (default ``data.max_length``: the trainer cuts longer
 sequences anyway, so later turns would be wasted work), when a response is empty, or when the
 template fails. Leading assistant turns (ShareGPT continuation rows: nothing to answer) are dropped.
-Greedy (``--temperature 0``) takes the argmax, which is the target's own greedy continuation;
-sampling uses temperature and top-p with one ``torch.Generator`` per (seed, row id, turn), so a
+Greedy (``--temperature 0``, the default) takes the argmax, which is the target's own greedy
+continuation, through :class:`StaticGreedyGenerator` (:class:`dflash.generation.Generator`);
+sampling keeps :class:`BatchGenerator` and uses temperature and top-p with one ``torch.Generator`` per (seed, row id, turn), so a
 sampled row does not depend on batching, sharding or restarts. A turn ends at the tokenizer's
 end-of-turn / EOS token (not stored: the template adds it back) or after ``--max-new-tokens``.
 Token ids the tokenizer does not have (padding rows of the embedding) are never generated.
@@ -26,41 +29,51 @@ Responses are decoded with special tokens kept, so that re-tokenising the stored
 generated ids back; rows count the turns where it does not (``regen.retokenize_mismatch``).
 
 **Batching.** A worker keeps up to ``--batch-size`` conversations active; each round generates the
-next turn of every active conversation in one left-padded batch with a KV cache (``target.model``,
-the Hugging Face causal LM, called step by step: :class:`BatchGenerator`), and refills the pool
-from its queue as conversations finish. Left padding is exact for attention layers (padded keys
-are masked, positions restart at 0 at each row's first token).
+next turn of every active conversation in one batch, and refills the pool from its queue as
+conversations finish. Greedy: the static KV cache of :class:`dflash.generation.Generator`, one row
+per conversation, its step compiled into a CUDA graph on GPU (``target.compile``); the worker sorts
+its rows by first-prompt length so that a batch holds prompts of similar length, and prompts of
+:data:`SHORT_PROMPT_TOKENS` tokens or more go to a second, eager cache sized for
+``--max-prompt-tokens`` (see :class:`StaticGreedyGenerator`). Sampling: one left-padded batch with
+the Hugging Face causal LM called step by step (:class:`BatchGenerator`); left padding is exact for
+attention layers (padded keys are masked, positions restart at 0 at each row's first token).
+Workers log rows, new tokens/s and an ETA at least every 30 s; the launcher shows the same over all
+workers, with each worker's rate.
 
 **Files.** ``<output>`` (the merged result), ``<output>.rank<k>`` (worker k's shard, appended),
-``<output>.rank<k>.log`` (its log), ``<output>.regen.json`` (options, checked on restart, and the
-last run's report), ``<output>.lock``. Every line is one JSON object with a stable ``id``:
+``<output>.rank<k>.log`` (its log), ``<output>.skipped`` (the skip records of merged shards),
+``<output>.regen.json`` (options, checked on restart, and the last run's report: rows, skips,
+new tokens, overall new tokens/s and ``per_worker`` rows, new tokens, seconds and new tokens/s),
+``<output>.lock``. Every line is one JSON object with a stable ``id``:
 
 * a regenerated row (ShareGPT form, read by :func:`dflash.data.normalize_row`):
   ``{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}], "regen": {"source_index",
   "turns", "new_tokens": [..], "finish": ["stop"|"length", ..], "retokenize_mismatch"}}``;
-* a skipped row (shards only; never in ``<output>``): ``{"id", "skipped": reason, "regen":
-  {"source_index"}}``, reasons :data:`SKIP_REASONS`. Skips are deterministic, so they count as done; after a merge
-  (which keeps only regenerated rows) a later run checks them again (no generation, except for
-  ``empty_response``).
+* a skipped row (shards and ``<output>.skipped``; never in ``<output>``): ``{"id", "skipped": reason,
+  "regen": {"source_index"}}``, reasons :data:`SKIP_REASONS`. Skips are deterministic, so they count as
+  done, also after a merge: a complete output starts no worker and is not rewritten.
 
 **Ids.** The row's ``id`` field when it is a non-empty string or a number, else the first 16 hex digits of
 the sha256 of its canonical JSON; the k-th repeat (k >= 1) of an id in file order becomes ``id#k``.
 Rows that :func:`dflash.data.normalize_row` rejects are counted by reason and never sent to a worker.
 
-**Sharding and resume.** Worker k of N (one per ``cluster.targets`` entry) owns the rows whose
-``sha256(id) mod N == k``, loads the target on ``cuda:<targets[k]>`` (CPU: cores / N torch threads; the
+**Sharding and resume.** Worker k of N (one per ``--gpus`` entry, default ``cluster.targets``; the
+training stage uses ``cluster.targets`` + ``cluster.drafters``) owns the rows whose
+``sha256(id) mod N == k``, loads the target on ``cuda:<gpus[k]>`` (CPU: cores / N torch threads; the
 training layout's ``cluster.cpu_threads_per_target`` is not used), and appends finished rows to its own shard, one ``os.write`` plus
 ``fsync`` per round, under an exclusive ``flock`` on the shard. Rows already in ``<output>`` or in any
 shard (of any earlier N) are done and skipped. A worker first truncates its own shard after the last
 newline, so a line cut by a kill mid-write is dropped and regenerated, never duplicated. When every
 worker has finished, the launcher merges ``<output>`` and the shards into a temporary file in source
-order (an id once), renames it over ``<output>`` and deletes the shards. Workers are separate
+order (an id once), renames it over ``<output>`` (skips into ``<output>.skipped``) and deletes the shards. Workers are separate
 processes (``subprocess``, never a fork of a process holding CUDA) with a parent-death signal, so
 none outlives the launcher; a restarted launcher waits (bounded) for the shard locks of a previous
 run's workers before it reads the shards.
 
 Known limits: sharding by id balances the rows, not the work, and a restart keeps the same owners (a
 shard that had finished idles); a response cut at ``--max-new-tokens`` is kept (``finish: length``);
+a greedy batch runs until its longest row ends (finished rows ride along on the static cache) and
+each prompt's prefill is its own eager forward; a worker's ETA is optimistic early on (short prompts first);
 thinking templates that strip earlier turns' reasoning are rendered as the template does.
 """
 
@@ -93,6 +106,9 @@ __all__ = [
     "SourceRow",
     "Generated",
     "BatchGenerator",
+    "StaticGreedyGenerator",
+    "limit_vocab",
+    "prompt_chars",
     "ConversationJob",
     "iter_source",
     "row_id",
@@ -103,6 +119,8 @@ __all__ = [
     "stop_token_ids",
     "turn_seed",
     "merge_outputs",
+    "run_stage",
+    "stage_workers",
     "main",
 ]
 
@@ -352,10 +370,15 @@ def append_records(fd: int, records: list[dict]) -> None:
     os.fsync(fd)
 
 
+def skipped_path(output: Path) -> Path:
+    """``<output>.skipped``: the skip records of merged shards (rows that will never be in ``<output>``)."""
+    return output.with_name(output.name + ".skipped")
+
+
 def done_ids(output: Path) -> set[str]:
-    """Ids already finished: every complete line of ``<output>`` and of every shard."""
+    """Ids already finished: every complete line of ``<output>``, of ``<output>.skipped`` and of every shard."""
     done: set[str] = set()
-    for path in [output, *existing_shards(output)]:
+    for path in [output, skipped_path(output), *existing_shards(output)]:
         records, _, _ = read_lines(path)
         done.update(r["id"] for r in records)
     return done
@@ -376,14 +399,18 @@ def merge_outputs(output: Path) -> MergeReport:
     """Merge ``<output>`` and its shards into ``<output>`` (atomically), then delete the shards.
 
     Rows are ordered by ``regen.source_index`` (rows without one keep their order, last); an id is
-    written once (the first seen: ``<output>`` first, then shards by rank) and later copies are
-    counted as duplicates. Skip records are counted, not written.
+    written once (the first seen: ``<output>`` first, then ``<output>.skipped``, then shards by
+    rank) and later copies are counted as duplicates. Skip records are counted and kept in
+    ``<output>.skipped`` (so that a later run does not check those rows again). Without shards
+    nothing is rewritten: ``<output>`` keeps its bytes and modification time (a complete output
+    stays valid for every cache keyed on it).
     """
     report = MergeReport()
     seen: set[str] = set()
     rows: list[tuple[int, int, dict]] = []
+    skips: list[dict] = []
     shards = existing_shards(output)
-    for path in [output, *shards]:
+    for path in [output, skipped_path(output), *shards]:
         records, _, bad = read_lines(path)
         report.bad_lines += bad
         for record in records:
@@ -394,28 +421,37 @@ def merge_outputs(output: Path) -> MergeReport:
             if "skipped" in record:
                 reason = str(record["skipped"])
                 report.skipped[reason] = report.skipped.get(reason, 0) + 1
+                skips.append(record)
                 continue
             meta = record.get("regen") if isinstance(record.get("regen"), dict) else {}
             index = meta.get("source_index")
             report.new_tokens += sum(meta.get("new_tokens", []) or [])
             rows.append((0 if isinstance(index, int) else 1, index if isinstance(index, int) else len(rows), record))
+    report.rows = len(rows)
+    if not shards and output.exists():
+        return report
     rows.sort(key=lambda item: (item[0], item[1]))
-    tmp = output.with_name(output.name + ".tmp")
+    _write_atomically(skipped_path(output), skips)  # first: a kill between the two renames loses no skip
+    _write_atomically(output, [record for _, _, record in rows])
+    for path in shards:
+        path.unlink()
+    return report
+
+
+def _write_atomically(path: Path, records: list[dict]) -> None:
+    """Write ``records`` as JSON lines to a temporary file, fsync, rename over ``path``, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as handle:
-        for _, _, record in rows:
+        for record in records:
             handle.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(tmp, output)
-    dir_fd = os.open(output.parent, os.O_RDONLY)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    for path in shards:
-        path.unlink()
-    report.rows = len(rows)
-    return report
 
 
 # --------------------------------------------------------------------------- generation
@@ -554,6 +590,159 @@ class BatchGenerator:
             out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
                              **{self.cache_key: cache})
         return [Generated(ids, f) for ids, f in zip(new, finish)]
+
+
+#: Positions of the static cache beyond the longest prompt allowed plus ``max_new_tokens``
+#: (:class:`dflash.generation.Generator` keeps a few slots past a row's last token).
+STATIC_SLACK = 8
+#: Prompts shorter than this (tokens) use :class:`StaticGreedyGenerator`'s short cache.
+SHORT_PROMPT_TOKENS = 512
+
+
+def limit_vocab(model: Any, vocab_limit: int) -> None:
+    """Make ``model``'s output embedding produce logits for ids ``< vocab_limit`` only.
+
+    When the head has more rows than the tokenizer has tokens (embedding padding, e.g. Qwen3's
+    151,936 rows for 151,669 tokens), it is replaced by a ``Linear`` over the first ``vocab_limit``
+    rows of the same weight (a view: no copy, tied weights stay tied). An argmax over the kept
+    logits equals :class:`BatchGenerator`'s argmax with the extra logits set to ``-inf`` (ties to
+    the lowest id in both), so greedy output never holds an id the tokenizer lacks. A head that
+    already fits is left alone.
+
+    Raises:
+        ValueError: ``vocab_limit < 1`` or a head without a 2-D ``weight``.
+    """
+    if vocab_limit < 1:
+        raise ValueError(f"vocab_limit: must be >= 1, got {vocab_limit}")
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dim() != 2:
+        raise ValueError(f"{type(model).__name__}: the output embedding has no [V, D] weight")
+    if weight.shape[0] <= vocab_limit:
+        return
+    bias = getattr(head, "bias", None)
+    cut = torch.nn.Linear(weight.shape[1], vocab_limit, bias=bias is not None, device=weight.device,
+                          dtype=weight.dtype)
+    cut.weight = torch.nn.Parameter(weight[:vocab_limit], requires_grad=False)
+    if bias is not None:
+        cut.bias = torch.nn.Parameter(bias[:vocab_limit], requires_grad=False)
+    model.set_output_embeddings(cut)
+    log.info("output embedding cut from %d to %d rows (the tokenizer's size)", weight.shape[0], vocab_limit)
+
+
+class StaticGreedyGenerator:
+    """Greedy generation through :class:`dflash.generation.Generator` (static KV cache, fixed
+    shapes; on CUDA a compiled step replayed as a CUDA graph): the :meth:`generate` contract of
+    :class:`BatchGenerator` at temperature 0.
+
+    Every step attends over the whole static cache, so its cost grows with ``max_len``, not with
+    the prompts. Two caches keep it small for most rows: prompts shorter than
+    ``short_prompt_tokens`` (most ShareGPT first turns: median 56 SmolLM2 tokens, 90 % under 627)
+    run in the *short* generator (``max_len = short_prompt_tokens − 1 + max_new_tokens +``
+    :data:`STATIC_SLACK`, compiled when ``compile``); longer ones, up to ``max_prompt_tokens − 1``
+    (:class:`ConversationJob` never asks for more), in the *long* generator (``max_prompt_tokens``
+    in place of ``short_prompt_tokens``), built on first use and always eager: it serves few
+    batches, fewer than a second compilation would pay for. Callers that sort rows by prompt
+    length (:func:`run_worker` does) give each call prompts of one kind.
+
+    Ids the tokenizer lacks are cut off the head (:func:`limit_vocab`; the model is changed in
+    place) and every returned id is checked against ``vocab_limit``.
+
+    Args:
+        model: a transformers causal LM in eval mode (``target.model``), on its device.
+        stop_ids: ids that end a turn.
+        vocab_limit: the tokenizer's size (``len(tokenizer)``).
+        batch_size: rows of each static cache (most prompts per :meth:`generate` call).
+        max_prompt_tokens: prompts are shorter than this (tokens).
+        max_new_tokens: the most new tokens per call.
+        short_prompt_tokens: prompts shorter than this use the short cache (``None`` or
+            ``>= max_prompt_tokens``: one cache for all).
+        compile: compile the short generator's step (CUDA graphs); ``None`` = on CUDA only.
+
+    Raises:
+        ValueError: see :class:`dflash.generation.Generator` and :func:`limit_vocab`.
+    """
+
+    def __init__(self, model: Any, stop_ids: list[int], vocab_limit: int, batch_size: int, max_prompt_tokens: int,
+                 max_new_tokens: int, short_prompt_tokens: Optional[int] = SHORT_PROMPT_TOKENS,
+                 compile: Optional[bool] = None) -> None:
+        from dflash.generation import Generator
+
+        limit_vocab(model, vocab_limit)
+        self.model = model
+        self.stop_ids = sorted(set(stop_ids))
+        self.vocab_limit = vocab_limit
+        self.batch_size = batch_size
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        if short_prompt_tokens is None or short_prompt_tokens >= max_prompt_tokens:
+            short_prompt_tokens = max_prompt_tokens
+        self.short_prompt_tokens = short_prompt_tokens
+        self.short = Generator(model, [], max_len=self._max_len(short_prompt_tokens), batch_size=batch_size,
+                               compile=compile)
+        self.long: Any = None
+
+    def _max_len(self, prompt_tokens: int) -> int:
+        return prompt_tokens - 1 + self.max_new_tokens + STATIC_SLACK
+
+    def _long(self) -> Any:
+        if self.long is None:
+            from dflash.generation import Generator
+
+            self.long = Generator(self.model, [], max_len=self._max_len(self.max_prompt_tokens),
+                                  batch_size=self.batch_size, compile=False)
+        return self.long
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seeds: Optional[list[int]] = None) -> list[Generated]:
+        """Greedy turn for each prompt (``top_p`` and ``seeds`` are ignored: greedy needs neither).
+
+        Returns:
+            B :class:`Generated`, in prompt order (the stop token excluded, as :class:`BatchGenerator`).
+        Raises:
+            ValueError: ``temperature != 0``, ``max_new_tokens`` above the constructor's, more prompts
+                than ``batch_size``, an empty prompt or one of ``max_prompt_tokens`` tokens or more.
+            RuntimeError: an id ``>= vocab_limit`` was generated (a head :func:`limit_vocab` did not cut).
+        """
+        if temperature != 0:
+            raise ValueError(f"temperature: StaticGreedyGenerator is greedy only, got {temperature}")
+        if max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens: {max_new_tokens} exceeds the cache's {self.max_new_tokens}")
+        if len(prompts) > self.batch_size:
+            raise ValueError(f"prompts: at most {self.batch_size} (the batch size), got {len(prompts)}")
+        for i, p in enumerate(prompts):
+            if not 0 < len(p) < self.max_prompt_tokens:
+                raise ValueError(f"prompts[{i}]: need 1..{self.max_prompt_tokens - 1} tokens, got {len(p)}")
+        out: list[Optional[Generated]] = [None] * len(prompts)
+        short = [i for i, p in enumerate(prompts) if len(p) < self.short_prompt_tokens]
+        long = [i for i, p in enumerate(prompts) if len(p) >= self.short_prompt_tokens]
+        for rows, generator in ((short, self.short), (long, self.long if not long else self._long())):
+            if not rows:
+                continue
+            runs = generator.greedy([torch.tensor(prompts[i], dtype=torch.long) for i in rows], max_new_tokens,
+                                    self.stop_ids)
+            for i, run in zip(rows, runs):
+                out[i] = self._generated(list(run.tokens))
+        return out  # type: ignore[return-value]
+
+    def _generated(self, ids: list[int]) -> Generated:
+        if any(t >= self.vocab_limit for t in ids):
+            raise RuntimeError(f"generated an id >= the tokenizer's size {self.vocab_limit}: {max(ids)}")
+        if ids and ids[-1] in self.stop_ids:
+            return Generated(ids[:-1], "stop")
+        return Generated(ids, "length")
+
+
+def prompt_chars(row: SourceRow) -> int:
+    """Characters of ``row``'s first prompt (every message before its first assistant turn that
+    follows a user turn): the sort key that batches prompts of similar length together."""
+    total, seen_user = 0, False
+    for message in row.messages:
+        if message["role"] == "assistant" and seen_user:
+            break
+        seen_user = seen_user or message["role"] == "user"
+        total += len(message.get("content") or "")
+    return total
 
 
 class ConversationJob:
@@ -699,11 +888,36 @@ def _on_sigterm(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _generate_shard(fd: int, rows: list[SourceRow], generator: Any, tokenizer: Any, options: GenerationOptions,
+                    stats: dict[str, Any]) -> None:
+    """Regenerate ``rows`` into the shard ``fd``; count rows, new tokens and seconds into ``stats``;
+    a progress line (rows, new tokens/s, ETA) at least every 30 s."""
+    from dflash.progress import Progress
+
+    started = time.perf_counter()
+    bar = Progress(len(rows), desc="regenerate", unit="row", logger=log)
+    try:
+        for records in regenerate_rows(rows, generator, tokenizer, options):
+            append_records(fd, records)
+            stats["rows"] += len(records)
+            stats["new_tokens"] += sum(sum(r["regen"].get("new_tokens", [])) for r in records)
+            rate = stats["new_tokens"] / max(time.perf_counter() - started, 1e-9)
+            bar.update(stats["rows"], f"rows | {stats['new_tokens']} new tokens, {rate:.0f} new tok/s")
+    finally:
+        bar.close()
+    stats["generate_s"] = time.perf_counter() - started
+    stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["generate_s"], 1e-9), 1)
+
+
 def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: int, world: int,
-               limit: Optional[int]) -> int:
+               limit: Optional[int], gpus: Optional[list[int]] = None) -> int:
     """One worker process: load the target, regenerate the pending rows of shard ``rank``, append them.
 
-    Writes ``<output>.rank<rank>.stats.json`` (rows, new tokens, seconds) at the end.
+    Runs on ``cuda:<gpus[rank]>`` (``gpus`` defaults to ``cluster.targets``) or the CPU. Greedy
+    generation goes through :class:`StaticGreedyGenerator` (one per worker, ``options.batch_size``
+    rows), sampling through :class:`BatchGenerator`. Logs a progress line (rows, new tokens/s, ETA)
+    at least every 30 s and writes ``<output>.rank<rank>.stats.json`` (rows, new tokens, seconds,
+    new tokens/s, device) at the end.
 
     Returns:
         0 when every row of the shard is written.
@@ -715,7 +929,7 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
     from dflash.tokenizer import load_tokenizer
 
     if resolve_device(cfg) == "cuda":
-        gpu = cfg.cluster.targets[rank]
+        gpu = (gpus or cfg.cluster.targets)[rank]
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
     else:
@@ -728,23 +942,25 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
         rows = [r for r in iter_source(cfg.data.dataset, limit) if shard_of(r.id, world) == rank and r.id not in done]
         log.info("shard %d/%d on %s (%d torch threads): %d rows to regenerate", rank, world, device,
                  torch.get_num_threads(), len(rows))
-        stats = {"rank": rank, "rows": 0, "new_tokens": 0, "load_s": 0.0, "generate_s": 0.0}
+        stats: dict[str, Any] = {"rank": rank, "device": str(device), "rows": 0, "new_tokens": 0, "load_s": 0.0,
+                                 "generate_s": 0.0, "tokens_per_s": None}
         if rows:
             started = time.perf_counter()
             tokenizer = load_tokenizer(cfg.target)
             target = load_target(cfg.target, device)
             model = target.model
             stop_ids = stop_token_ids(tokenizer, None if cfg.target.kind == "random" else model)
-            generator = BatchGenerator(model, stop_ids, pad_token_id(tokenizer), len(tokenizer))
+            if options.temperature == 0:
+                rows.sort(key=prompt_chars)  # similar prompt lengths share a batch (and a cache)
+                generator: Any = StaticGreedyGenerator(
+                    model, stop_ids, len(tokenizer), min(options.batch_size, len(rows)), options.max_prompt_tokens,
+                    options.max_new_tokens, compile=cfg.target.compile and device.type == "cuda")
+            else:
+                generator = BatchGenerator(model, stop_ids, pad_token_id(tokenizer), len(tokenizer))
             stats["load_s"] = time.perf_counter() - started
-            started = time.perf_counter()
-            for records in regenerate_rows(rows, generator, tokenizer, options):
-                append_records(fd, records)
-                stats["rows"] += len(records)
-                stats["new_tokens"] += sum(sum(r["regen"].get("new_tokens", [])) for r in records)
-            stats["generate_s"] = time.perf_counter() - started
-            log.info("shard %d: %d rows, %d new tokens in %.1f s (%.1f tokens/s)", rank, stats["rows"],
-                     stats["new_tokens"], stats["generate_s"], stats["new_tokens"] / max(stats["generate_s"], 1e-9))
+            _generate_shard(fd, rows, generator, tokenizer, options, stats)
+            log.info("shard %d: %d rows, %d new tokens in %.1f s (%.1f new tokens/s)", rank, stats["rows"],
+                     stats["new_tokens"], stats["generate_s"], stats["tokens_per_s"])
         stats_path = path.with_name(path.name + ".stats.json")
         stats_path.write_text(json.dumps(stats))
     finally:
@@ -796,6 +1012,8 @@ def _worker_command(args: argparse.Namespace, rank: int, world: int) -> list[str
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", repr(args.temperature),
            "--top-p", repr(args.top_p), "--seed", str(args.seed), "--batch-size", str(args.batch_size),
            "--worker-rank", str(rank), "--world", str(world)]
+    if args.gpus is not None:
+        cmd += ["--gpus", ",".join(str(g) for g in args.gpus)]
     for flag, value in (("--limit", args.limit), ("--max-turns", args.max_turns),
                         ("--max-prompt-tokens", args.max_prompt_tokens)):
         if value is not None:
@@ -837,7 +1055,7 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
     identity = run_identity(load_tokenizer(cfg.target))
     wanted.update({k: identity[k] for k in IDENTITY_KEYS})
     if args.overwrite:
-        for path in [output, sidecar, *existing_shards(output)]:
+        for path in [output, sidecar, skipped_path(output), *existing_shards(output)]:
             path.unlink(missing_ok=True)
     if sidecar.is_file():
         previous = json.loads(sidecar.read_text()).get("options", {})
@@ -859,6 +1077,7 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
     for stale in output.parent.glob(output.name + SHARD_INFIX + "*.stats.json"):
         stale.unlink()
     output.with_name(output.name + ".tmp").unlink(missing_ok=True)
+    skipped_path(output).with_name(skipped_path(output).name + ".tmp").unlink(missing_ok=True)
 
     dropped: dict[str, int] = {}
     source = list(iter_source(cfg.data.dataset, args.limit, dropped))
@@ -869,11 +1088,11 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
              len(source), sum(dropped.values()), reasons, len(source) - len(pending), len(pending))
     sidecar.write_text(json.dumps({"options": wanted}, indent=1))
 
-    world = len(cfg.cluster.targets)
+    world = len(args.gpus or cfg.cluster.targets)
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
     offsets = {shard_path(output, k): read_lines(shard_path(output, k))[1] for k in range(world)}
-    new_tokens = 0
+    new_tokens = [0] * world
     done_now = 0
     gen_started = time.monotonic()
     exit_code = EXIT_OK
@@ -889,15 +1108,17 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
                 log.info("started regen.%d (pid %d), log %s", k, procs[-1].pid, logs[-1])
         while procs:
             codes = [p.poll() for p in procs]
-            for path, start in list(offsets.items()):
+            for k, (path, start) in enumerate(list(offsets.items())):
                 records, end, _ = read_lines(path, start)
                 offsets[path] = end
                 for r in records:
                     meta = r.get("regen") if isinstance(r.get("regen"), dict) else {}
-                    new_tokens += sum(meta.get("new_tokens", []) or [])
+                    new_tokens[k] += sum(meta.get("new_tokens", []) or [])
                 done_now += len(records)
-            rate = new_tokens / max(time.monotonic() - gen_started, 1e-9)
-            bar.update(done_now, f"rows | {rate:.0f} new tok/s")
+            elapsed = max(time.monotonic() - gen_started, 1e-9)
+            per_worker = ", ".join(f"regen.{k} {n / elapsed:.0f}" for k, n in enumerate(new_tokens))
+            if done_now < len(pending) or done_now != bar.n:  # once complete, one line (workers are exiting)
+                bar.update(done_now, f"rows | {sum(new_tokens) / elapsed:.0f} new tok/s ({per_worker})")
             failed = [k for k, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 k = failed[0]
@@ -920,6 +1141,7 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
     for path in output.parent.glob(output.name + SHARD_INFIX + "*.stats.json"):
         stats.append(json.loads(path.read_text()))
         path.unlink()
+    stats.sort(key=lambda st: st.get("rank", 0))
     remaining = [r.id for r in source if r.id not in done_ids(output)]
     if remaining:
         log.error("%d rows were not written (first: %s); shards kept", len(remaining), remaining[0])
@@ -934,37 +1156,141 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
         "regenerated_now": len(pending), "new_tokens_now": tokens, "generate_s": round(gen_s, 2),
         "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
         "wall_s": round(time.monotonic() - started, 2), "workers": world,
+        "per_worker": [{k: st.get(k) for k in ("rank", "device", "rows", "new_tokens", "load_s", "generate_s",
+                                               "tokens_per_s")} for st in stats],
     }
     sidecar.write_text(json.dumps({"options": wanted, "last_run": summary}, indent=1))
     log.info("wrote %d rows to %s (skipped: %s; dropped by the reader: %s; duplicates %d); this run: %d rows, "
              "%d new tokens, %.1f tokens/s over %d worker(s) (generation %.1f s, wall %.1f s)", report.rows, output,
              skipped, reasons, report.duplicates, len(pending), tokens, summary["tokens_per_s"] or 0.0, world, gen_s,
              summary["wall_s"])
+    for st in stats:
+        log.info("regen.%s on %s: %d rows, %d new tokens, %.1f new tokens/s (load %.1f s, generation %.1f s)",
+                 st.get("rank"), st.get("device"), st.get("rows", 0), st.get("new_tokens", 0),
+                 st.get("tokens_per_s") or 0.0, st.get("load_s", 0.0), st.get("generate_s", 0.0))
     return EXIT_OK
 
 
 # --------------------------------------------------------------------------- command line
 
 
+def _gpu_list(text: str) -> list[int]:
+    """``"0,1"`` → ``[0, 1]`` (argparse type of ``--gpus``)."""
+    try:
+        gpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU ids, got {text!r}") from None
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"expected distinct GPU ids >= 0, got {text!r}")
+    return gpus
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.regenerate",
                                 description="The target rewrites the assistant turns of data.dataset.")
     p.add_argument("--config", required=True, help="YAML config (target, data, cluster sections are used)")
-    p.add_argument("--output", required=True, type=Path, help="output JSONL (ShareGPT form)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="per assistant turn")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per row and turn)")
-    p.add_argument("--limit", type=int, default=None, help="read at most this many rows (default data.max_conversations)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="conversations per generation batch")
-    p.add_argument("--max-turns", type=int, default=None, help="regenerate at most this many assistant turns")
+    p.add_argument("--output", type=Path, default=None, help="output JSONL (ShareGPT form; default regenerate.output)")
+    # Defaults of the options below: the config's regenerate section (dflash.config.RegenerateConfig).
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn (default 256)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off, default)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (per row and turn; default 0)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="read at most this many rows (default regenerate.limit, else data.max_conversations)")
+    p.add_argument("--batch-size", type=int, default=None, help="conversations per generation batch (default 16)")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="regenerate at most this many assistant turns (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="stop a conversation before a prompt this long (default data.max_length)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing output and its shards first")
+    p.add_argument("--gpus", type=_gpu_list, default=None,
+                   help="comma-separated GPU ids, one worker each (default cluster.targets; on CPU: the worker count)")
     p.add_argument("--worker-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after the options
+
+
+def _options(args: argparse.Namespace, cfg: RunConfig) -> GenerationOptions:
+    """The checked options of a command line; options not given are filled in ``args`` from the
+    config's ``regenerate`` section (``--limit`` then from ``data.max_conversations``).
+
+    Raises:
+        ConfigError: an option out of range (named).
+    """
+    for key in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "max_turns", "max_prompt_tokens",
+                "limit"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(cfg.regenerate, key))
+    if args.output is None:
+        if not cfg.regenerate.output:
+            raise ConfigError("--output: required (or regenerate.output in the config)")
+        args.output = Path(cfg.regenerate.output)
+    if args.limit is None:
+        args.limit = cfg.data.max_conversations
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit: must be >= 1, got {args.limit}")
+    options = GenerationOptions(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        batch_size=args.batch_size, max_turns=args.max_turns,
+        max_prompt_tokens=args.max_prompt_tokens if args.max_prompt_tokens is not None else cfg.data.max_length,
+        enable_thinking=cfg.data.enable_thinking)
+    options.check()
+    return options
+
+
+def stage_workers(cfg: RunConfig) -> list[int]:
+    """The regeneration stage's workers: every distinct GPU id of ``cluster.targets`` then
+    ``cluster.drafters``, in that order (on CPU, the same count of processes)."""
+    return list(dict.fromkeys(cfg.cluster.targets + cfg.cluster.drafters))
+
+
+def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[str]) -> tuple[int, RunConfig]:
+    """Regeneration as the first stage of training: regenerate ``data.dataset`` into
+    ``regenerate.output`` when ``regenerate.enabled``, then hand back the training config.
+
+    Runs :func:`run_launcher` in this process with the ``regenerate`` section as its options and
+    one worker per GPU of :func:`stage_workers` (the workers read ``config_path`` with
+    ``overrides``, as the caller did). Resumable like the command line: rows already in the output
+    (or in a shard, or skipped) are not generated again, and a complete output starts no worker and
+    loads no model.
+
+    Args:
+        cfg: the validated run config.
+        config_path / overrides: what ``cfg`` was loaded from (passed on to the workers).
+
+    Returns:
+        ``(exit code, config)``: :data:`EXIT_OK` and ``cfg`` with ``data.dataset`` = the output
+        and ``regenerate.enabled`` false (what the training stage and its ``config.yaml`` read);
+        otherwise the launcher's exit code (:data:`EXIT_FAILED`, :data:`EXIT_CONFIG`, 130) and
+        ``cfg`` unchanged. A disabled section returns ``(EXIT_OK, cfg)`` at once.
+    """
+    import dataclasses
+
+    r = cfg.regenerate
+    if not r.enabled:
+        return EXIT_OK, cfg
+    argv = ["--config", str(config_path), "--output", str(r.output), "--max-new-tokens", str(r.max_new_tokens),
+            "--temperature", repr(r.temperature), "--top-p", repr(r.top_p), "--seed", str(r.seed),
+            "--batch-size", str(r.batch_size), "--gpus", ",".join(str(g) for g in stage_workers(cfg))]
+    for flag, value in (("--limit", r.limit), ("--max-turns", r.max_turns),
+                        ("--max-prompt-tokens", r.max_prompt_tokens)):
+        if value is not None:
+            argv += [flag, str(value)]
+    args = parse_args(argv + list(overrides))
+    try:
+        options = _options(args, cfg)
+    except ConfigError as exc:
+        log.error("config error: %s", exc)
+        return EXIT_CONFIG, cfg
+    log.info("stage 1: regenerating %s into %s on %d worker(s)", cfg.data.dataset, r.output, len(args.gpus))
+    code = run_launcher(args, cfg, options)
+    if code != EXIT_OK:
+        return code, cfg
+    output = str(Path(r.output).resolve())
+    log.info("stage 2: training on %s", output)
+    return EXIT_OK, dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=output),
+                                        regenerate=dataclasses.replace(r, enabled=False))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -983,23 +1309,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_logging(name)
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.limit is None:
-            args.limit = cfg.data.max_conversations
-        if args.limit is not None and args.limit < 1:
-            raise ConfigError(f"--limit: must be >= 1, got {args.limit}")
-        options = GenerationOptions(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-            batch_size=args.batch_size, max_turns=args.max_turns,
-            max_prompt_tokens=args.max_prompt_tokens if args.max_prompt_tokens is not None else cfg.data.max_length,
-            enable_thinking=cfg.data.enable_thinking)
-        options.check()
+        options = _options(args, cfg)
     except ConfigError as exc:
         log.error("config error: %s", exc)
         return EXIT_CONFIG
     setup_logging(name, cfg.log.level)
     output = Path(args.output).resolve()
     if worker:
-        return run_worker(cfg, options, output, args.worker_rank, args.world, args.limit)
+        return run_worker(cfg, options, output, args.worker_rank, args.world, args.limit, args.gpus)
     return run_launcher(args, cfg, options)
 
 

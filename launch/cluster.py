@@ -752,6 +752,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                       run_dir / "checkpoints", ", ".join(damaged))
             return EXIT_CONFIG
         log.info("--resume: no checkpoint in %s yet, starting fresh", run_dir)
+    if cfg.regenerate.enabled:  # stage 1: the target regenerates data.dataset; training reads the output
+        from dflash.regenerate import run_stage
+
+        code, cfg = run_stage(cfg, args.config, args.overrides)
+        if code:
+            return code
 
     started = time.monotonic()
     try:  # still before any worker starts and any model loads
