@@ -26,7 +26,7 @@ roll back by slot bookkeeping in the same way).
 
 **Steps.**
 
-* :meth:`Generator.prefill` (eager, once per prompt): the prompt's keys/values, features and the
+* :meth:`Generator.prefill` (eager, all prompts right-padded in one forward): the prompts' keys/values, features and the
   first generated token.
 * target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``;
   the row turns inactive after a stop token or its last position.
@@ -442,18 +442,19 @@ class Generator:
         return out
 
     def forward(self, input_ids: Tensor, positions: Tensor, rows: Optional[Tensor] = None,
-                features: bool = True, last_only: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+                features: bool = True, logits_at: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """The target over ``input_ids`` at ``positions``, on top of the cache; writes their keys/values.
 
         Args:
             input_ids / positions: ``[b', T]`` int64.
             rows: ``[b']`` row ids of the cache (``None`` = all rows, ``b' = b``).
             features: also return the fused features.
-            last_only: logits of the last position only (prefill).
+            logits_at: ``[b']`` int64: logits of that token of each row only (prefill: a row's last
+                prompt token when prompts are right-padded to one length).
 
         Returns:
             ``(top2 values [b', T', 2] fp32, top2 ids [b', T', 2] int64, features [b', T, L·D] or None)``
-            with ``T' = 1`` when ``last_only``; ids ``[..., 0]`` is the argmax (ties to the lowest id).
+            with ``T' = 1`` when ``logits_at`` is given; ids ``[..., 0]`` is the argmax (ties to the lowest id).
         """
         dec = self.decoder
         kv = self.state.kv
@@ -484,8 +485,8 @@ class Generator:
                 feats[..., slot * width:(slot + 1) * width] = hidden
         # No tensor stays on the cache object after the call (under CUDA graphs it would pin a graph output).
         kv.positions = kv.rows = None
-        if last_only:
-            hidden = hidden[:, -1:]
+        if logits_at is not None:
+            hidden = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
         logits = self.model.get_output_embeddings()(hidden).float()
         top = logits.topk(2, dim=-1)
         return top.values, top.indices, feats
@@ -583,31 +584,48 @@ class Generator:
         if bad:
             raise ValueError(f"stop_ids: token ids are >= 0, got {bad}")
 
+    #: Elements of one prefill chunk's attention scores (rows × g·P × T_max); longer prompt sets are
+    #: prefilled in several forwards so the transient fp32 scores stay near 1 GiB.
+    PREFILL_CHUNK_ELEMENTS = 1 << 28
+
     @torch.no_grad()
-    def prefill(self, row: int, prompt: Tensor) -> tuple[int, tuple[float, float]]:
-        """Run ``prompt [P]`` into row ``row``: keys/values and features of ``0 … P−1``; the first
-        generated token is written at ``P`` (its top-2 logits too) and becomes the anchor. Eager
-        (one per prompt).
+    def prefill(self, prompts: Sequence[Tensor]) -> list[tuple[int, tuple[float, float]]]:
+        """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
+        ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its top-2 logits
+        too) and becomes its anchor. Eager; the prompts go right-padded to the longest in as few
+        forwards as :attr:`PREFILL_CHUNK_ELEMENTS` allows. A padded row writes keys/values past its
+        prompt too, at slots its own later forwards overwrite before any query can read them (a
+        query at ``p`` reads slots ``≤ p``, and the forward at ``p`` writes slot ``p`` first).
 
         Returns:
-            ``(first token, (z1, z2))``.
+            per row, ``(first token, (z1, z2))``.
         """
         st = self.state
-        p = prompt.numel()
-        ids = prompt.to(self.device).view(1, p)
-        pos = torch.arange(p, device=self.device).view(1, p)
-        rows = torch.tensor([row], device=self.device)
-        vals, top, feats = self.forward(ids, pos, rows=rows, features=bool(self.layer_ids), last_only=True)
-        first = top[0, 0, 0]
-        st.tokens[row, :p] = ids[0]
-        st.tokens[row, p] = first
-        st.top2[row, p] = vals[0, 0]
-        if feats is not None:
-            st.features[row, :p] = feats[0]
-        st.anchor[row] = p
-        st.active[row] = True
-        z = vals[0, 0].tolist()
-        return int(first), (z[0], z[1])
+        lens = [p.numel() for p in prompts]
+        width = max(lens)
+        per_row = max(1, self.group * width * self.max_len)
+        chunk = max(1, self.PREFILL_CHUNK_ELEMENTS // per_row)
+        out: list[tuple[int, tuple[float, float]]] = []
+        for start in range(0, len(prompts), chunk):
+            part = list(range(start, min(len(prompts), start + chunk)))
+            ids = torch.zeros(len(part), width, dtype=torch.long)
+            for i, r in enumerate(part):
+                ids[i, :lens[r]] = prompts[r]
+            ids = ids.to(self.device)
+            pos = torch.arange(width, device=self.device).expand(len(part), width)
+            rows = torch.tensor(part, device=self.device)
+            last = torch.tensor([lens[r] - 1 for r in part], device=self.device)
+            vals, top, feats = self.forward(ids, pos, rows=rows, features=bool(self.layer_ids), logits_at=last)
+            st.tokens[rows, :width] = ids
+            st.tokens[rows, last + 1] = top[:, 0, 0]
+            st.top2[rows, last + 1] = vals[:, 0]
+            if feats is not None:
+                st.features[rows, :width] = feats
+            st.anchor[rows] = last + 1
+            st.active[rows] = True
+            firsts, z = top[:, 0, 0].tolist(), vals[:, 0].tolist()
+            out += [(int(t), (a, b)) for t, (a, b) in zip(firsts, z)]
+        return out
 
     def _set_stops(self, stops: list[int]) -> None:
         """Write ``stops`` into :attr:`DecodeState.stop_ids` (grown to a power of two if too short)."""
@@ -630,10 +648,7 @@ class Generator:
         if max_new_tokens < 1:
             return [False] * len(prompts)
         self._set_stops(stops)
-        active = []
-        for r, prompt in enumerate(prompts):
-            tok, _ = self.prefill(r, prompt)
-            active.append(tok not in self._stops and max_new_tokens > 1)
+        active = [tok not in self._stops and max_new_tokens > 1 for tok, _ in self.prefill(prompts)]
         pad = [False] * (self.batch_size - len(prompts))
         st.active.copy_(torch.tensor(active + pad))
         limits = [p.numel() + max_new_tokens - 1 for p in prompts] + [0] * len(pad)
