@@ -1142,7 +1142,8 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
         stats.append(json.loads(path.read_text()))
         path.unlink()
     stats.sort(key=lambda st: st.get("rank", 0))
-    remaining = [r.id for r in source if r.id not in done_ids(output)]
+    finished = done_ids(output)  # one read of the output and the shards (not one per row)
+    remaining = [r.id for r in source if r.id not in finished]
     if remaining:
         log.error("%d rows were not written (first: %s); shards kept", len(remaining), remaining[0])
         return EXIT_FAILED
