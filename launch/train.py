@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import filelock
 import yaml
 
 from dflash.checkpoint import CheckpointError, CheckpointMismatch, latest_checkpoint, read_state
@@ -103,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _launch(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
     """:func:`run` in the locked run directory."""
-    started = time.monotonic()
     try:
         ckpt = select_checkpoint(run_dir, args.resume, args.overwrite)
+        started = time.monotonic()
         prepared = prepare_launch(cfg, run_dir, ckpt, args.force)
     except LaunchRefused as exc:
         log.error("%s", exc)
@@ -125,7 +126,7 @@ def _launch(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
     return run_workers(cfg, run_dir, ckpt, prepared, started)
 
 
-def lock_run_dir(run_dir: Path):
+def lock_run_dir(run_dir: Path) -> Optional[filelock.FileLock]:
     """An exclusive lock on ``<run_dir>/launcher.lock`` (a ``filelock.FileLock``, held until
     released or this process exits) with this process's pid in ``launcher.pid``; ``None`` after
     logging which launcher holds it: two launchers must not share checkpoints, logs and the
