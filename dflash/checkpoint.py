@@ -48,6 +48,8 @@ from typing import Any, Optional
 
 import torch
 
+from dflash.utils import atomic_directory, process_alive
+
 __all__ = ["CheckpointError", "CheckpointWriter", "host_copy", "save_checkpoint", "latest_checkpoint",
            "checkpoint_problem", "is_damage_error", "quarantine", "load_trainer_state", "read_state",
            "rng_state", "set_rng_state", "CheckpointMismatch", "run_identity", "tokenizer_fingerprint",
@@ -101,25 +103,17 @@ def save_checkpoint(run_dir: Path, step: int, epoch: int, model: Any, trainer_st
         The final checkpoint directory.
     """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
-    tmp = root / f"step-{step:08d}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     started = time.perf_counter()
-    if model_state is None:
-        model.save_pretrained(tmp / "drafter")
-    else:
-        model.save_pretrained(tmp / "drafter", state_dict=model_state)
-    torch.save({"trainer": trainer_state, "rng": rng_state() if rng is None else rng}, tmp / "trainer.pt")
-    state = {"step": step, "epoch": epoch, "time": time.time(), **(extra or {})}
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    _fsync_tree(tmp)  # on disk before the rename makes it the newest and older ones get pruned
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    # on disk before the rename makes it the newest and older ones get pruned
+    with atomic_directory(final, replace=True, tmp=root / f"step-{step:08d}.tmp-{os.getpid()}") as tmp:
+        if model_state is None:
+            model.save_pretrained(tmp / "drafter")
+        else:
+            model.save_pretrained(tmp / "drafter", state_dict=model_state)
+        torch.save({"trainer": trainer_state, "rng": rng_state() if rng is None else rng}, tmp / "trainer.pt")
+        state = {"step": step, "epoch": epoch, "time": time.time(), **(extra or {})}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
     log.info("checkpoint step %d written to %s in %.1f s", step, final, time.perf_counter() - started)
     steps = sorted(_list_steps(root))
     for old in steps[:-keep_last]:
@@ -128,36 +122,11 @@ def save_checkpoint(run_dir: Path, step: int, epoch: int, model: Any, trainer_st
     return final
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # a platform without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """``fsync`` every file and directory under ``root``: a power loss after the rename cannot
-    leave a checkpoint that looks complete with zero-filled files."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
-
-
 def _sweep_orphans(root: Path) -> None:
     """Remove temporary checkpoint directories of processes that no longer exist."""
-    from dflash.transport.carriers import process_gone
-
     for child in root.iterdir():
         m = _TMP_DIR.match(child.name)
-        if m and int(m.group(1)) != os.getpid() and process_gone(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1))):
             log.info("removing %s (its writer, pid %s, is gone)", child, m.group(1))
             shutil.rmtree(child, ignore_errors=True)
 

@@ -59,14 +59,11 @@ from __future__ import annotations
 import argparse
 import codecs
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +77,7 @@ from transformers import PreTrainedTokenizerBase
 from dflash import assets
 from dflash.config import ConfigError, RunConfig
 from dflash.tokenizer import tokenizer_fingerprint
+from dflash.utils import atomic_directory, file_lock
 
 __all__ = [
     "DROP_REASONS",
@@ -972,21 +970,12 @@ def _load_cached(directory: Path) -> Optional[tuple[dict[str, np.ndarray], DataR
 
 def _save(directory: Path, arrays: dict[str, np.ndarray], report: DataReport, meta: dict) -> None:
     """Write the arrays and report into a temporary directory, then rename it into place."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    try:
+    with atomic_directory(directory) as tmp:  # another process may write the same key first: its copy is as good
         for name, array in arrays.items():
             np.save(tmp / f"{name}.npy", array, allow_pickle=False)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         # report.json last: its presence marks a complete directory.
         (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=1, sort_keys=True))
-        try:
-            os.rename(tmp, directory)
-        except OSError:
-            log.debug("data cache %s already written by another process", directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def split_heldout(num_conversations: int, heldout: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -1027,8 +1016,7 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report:
     root = Path(d.cache_dir) if d.cache_dir else assets.cache_root() / DATA_CACHE_DIR
     directory = root / key
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(root / f".{key}.lock"):
         cached = _load_cached(directory)
         if cached is None:
             stats: dict = {}

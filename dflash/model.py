@@ -40,8 +40,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -52,6 +50,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from dflash.objective import FULL_ATTENTION, SLIDING_ATTENTION, AttentionMask, build_attention_masks
+from dflash.utils import atomic_directory
 
 __all__ = [
     "ARCHITECTURE",
@@ -807,8 +806,9 @@ def write_drafter_directory(directory: Union[str, os.PathLike], config: DFlashCo
                             dtype: Optional[str] = None, modeling_file: bool = False) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ the modeling file) into ``directory``, atomically.
 
-    Files go to a temporary sibling directory first, which then replaces ``directory`` (an
-    existing one is moved aside and deleted only after the rename). Holds no embedding and no LM
+    Files go to a temporary sibling directory first, flushed to disk, which then replaces
+    ``directory`` (:func:`dflash.utils.atomic_directory`: an existing one is moved aside and
+    deleted only after the rename). Holds no embedding and no LM
     head. Floating-point tensors are cast to ``dtype``; ``config.json`` states it (``dtype`` and
     ``torch_dtype``). With ``modeling_file`` the directory also holds :data:`MODELING_FILE` and
     the config an ``auto_map`` naming it, so ``transformers.AutoModel.from_pretrained(directory,
@@ -839,23 +839,10 @@ def write_drafter_directory(directory: Union[str, os.PathLike], config: DFlashCo
     tensors = {k: (v.detach().to("cpu", cast) if v.is_floating_point() else v.detach().to("cpu")).contiguous()
                for k, v in state.items()}
     target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(target, replace=True) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         _match_umask(tmp / WEIGHTS_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if modeling_file:
             (tmp / MODELING_FILE).write_text(modeling_source())
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -20,24 +20,22 @@ are docs/DFLASH.md, Target layer ids (DFlash paper arXiv 2602.06036; z-lab/dflas
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from dflash import assets
 from dflash.config import ConfigError, DrafterConfig, TargetConfig
+from dflash.utils import atomic_directory, file_lock
 
 __all__ = [
     "RANDOM_ARCHS",
@@ -50,6 +48,7 @@ __all__ = [
     "resolve_dtype",
     "describe_target",
     "gguf_hf_dir",
+    "gguf_converted",
     "build_random_config",
     "load_target",
     "packed_attention_mask",
@@ -296,16 +295,10 @@ def _cache_complete(path: Path) -> bool:
     return (path / _CACHE_MARKER).is_file() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (processes converting the same file wait for the first)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+def gguf_converted(gguf_path: Path) -> bool:
+    """Whether the conversion of GGUF file ``gguf_path`` (:func:`gguf_hf_dir`) is cached complete:
+    reading the target's config then loads no weights and converts nothing."""
+    return _cache_complete(_gguf_cache_dir(gguf_path))
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -363,22 +356,16 @@ def gguf_hf_dir(gguf_path: str | os.PathLike | None = None) -> Path:
     final = _gguf_cache_dir(path)
     if _cache_complete(final):
         return final
-    with _file_lock(final.parent / f"{final.name}.lock"):
+    with file_lock(final.parent / f"{final.name}.lock"):
         if _cache_complete(final):
             return final
         if final.exists():  # left by hand or by an older layout: never trust it
             logger.warning("removing incomplete cache %s (has: %s)", final,
                            sorted(p.name for p in final.iterdir()) if final.is_dir() else "not a directory")
             shutil.rmtree(final)
-        tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
-        try:
-            tmp.mkdir(parents=True)
+        with atomic_directory(final) as tmp:
             _convert_gguf(path, tmp)
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         logger.info("converted %s to %s in %.1f s", path.name, final, time.perf_counter() - start)
     return final
 

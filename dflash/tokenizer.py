@@ -26,9 +26,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -38,6 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from dflash import assets
 from dflash.config import ConfigError, TargetConfig
+from dflash.utils import atomic_directory
 
 __all__ = [
     "load_tokenizer",
@@ -460,18 +458,8 @@ def _cached(key: str, build: Callable[[], PreTrainedTokenizerBase]) -> PreTraine
     if (final / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(final))
     tokenizer = build()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-    try:
+    with atomic_directory(final) as tmp:  # another process may save the same key first: its copy is as good
         tokenizer.save_pretrained(str(tmp))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process saved the same key first: its copy is equally good.
-            log.debug("tokenizer cache %s already written by another process", final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log.info("cached tokenizer under %s", final)
     return AutoTokenizer.from_pretrained(str(final)) if final.is_dir() else tokenizer
 

@@ -12,23 +12,28 @@ import pytest
 import yaml
 
 import launch.cluster as cluster
+import launch.status as status
+import launch.train as train
+from dflash import resume
 from dflash.config import ConfigError, load_config
-from launch.cluster import _control_request, _lock_run_dir
+from launch.status import control_request
+from launch.train import lock_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_second_launcher_on_a_run_dir_is_refused(tmp_path, caplog):
-    first = _lock_run_dir(tmp_path)
+    first = lock_run_dir(tmp_path)
     assert first is not None
-    assert (tmp_path / "launcher.lock").read_text().strip().isdigit()
+    pid = (tmp_path / "launcher.pid").read_text().strip()
+    assert pid == str(os.getpid())
     with caplog.at_level("ERROR"):
-        assert _lock_run_dir(tmp_path) is None
-    assert "another launcher" in caplog.text and str(tmp_path) in caplog.text
-    first.close()  # the first launcher exits: the directory is free again
-    again = _lock_run_dir(tmp_path)
+        assert lock_run_dir(tmp_path) is None
+    assert f"another launcher (pid {pid})" in caplog.text and str(tmp_path) in caplog.text
+    first.release()  # the first launcher exits: the directory is free again
+    again = lock_run_dir(tmp_path)
     assert again is not None
-    again.close()
+    again.release()
 
 
 def test_status_of_a_dead_launcher_answers_at_once(tmp_path, monkeypatch):
@@ -44,7 +49,7 @@ def test_status_of_a_dead_launcher_answers_at_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(zmq.Context, "instance", no_socket)
     with pytest.raises(RuntimeError, match="is gone"):
-        _control_request(tmp_path, "status", {})
+        control_request(tmp_path, "status", {})
 
 
 @pytest.mark.parametrize("argv, word, suggestion", [
@@ -62,8 +67,9 @@ def test_mistyped_command_fails_before_any_config_loads(argv, word, suggestion, 
     def must_not_run(*args, **kwargs):
         raise AssertionError("reached past the command check")
 
-    for name in ("load_config", "parse_args", "control_main", "_lock_run_dir", "build_batch_plans"):
-        monkeypatch.setattr(cluster, name, must_not_run)
+    for module, name in ((cluster, "train"), (cluster, "control"), (train, "load_config"), (train, "lock_run_dir"),
+                         (train, "build_batch_plans")):
+        monkeypatch.setattr(module, name, must_not_run)
     with caplog.at_level("ERROR"):
         assert cluster.main(argv) == cluster.EXIT_CONFIG == 2
     assert f"unknown command {word!r}: {suggestion}" in caplog.text
@@ -71,26 +77,62 @@ def test_mistyped_command_fails_before_any_config_loads(argv, word, suggestion, 
 
 def test_existing_invocations_still_dispatch(monkeypatch):
     calls = []
-    monkeypatch.setattr(cluster, "control_main", lambda argv: calls.append(("control", argv)) or 0)
-
-    def fake_load_config(path, overrides, gpu_count=None):
-        calls.append(("train", path, overrides))
-        raise ConfigError("stop here")
-
-    monkeypatch.setattr(cluster, "load_config", fake_load_config)
-    monkeypatch.setenv("DFLASH_WORKER", "test")
+    for name in cluster.COMMANDS:
+        monkeypatch.setitem(cluster.COMMANDS, name, lambda args: calls.append(vars(args)) or 0)
     assert cluster.main(["status", "--run-dir", "runs/x", "--json"]) == 0
     assert cluster.main(["restart", "target.0", "--run-dir", "runs/x"]) == 0
     assert cluster.main(["--run-dir", "runs/x", "stop"]) == 0  # a command after its options, too
-    assert cluster.main(["--config", "c.yaml", "train.lr=3e-4", "--resume", "run_dir=/tmp/r"]) == 2
-    assert cluster.main(["cluster.drafters=[0, 1]", "--config", "c.yaml"]) == 2
+    assert cluster.main(["--config", "c.yaml", "train.lr=3e-4", "--resume", "run_dir=/tmp/r"]) == 0
+    assert cluster.main(["cluster.drafters=[0, 1]", "--config", "c.yaml"]) == 0
+    assert cluster.main(["--mode", "regenerate", "--config", "c.yaml", "--output", "o.jsonl", "a.b=1"]) == 0
+    assert cluster.main(["status", "run_dir=/tmp/r", "--config", "c.yaml"]) == 0
+    where = {"run_dir": Path("runs/x"), "config": None, "overrides": []}
     assert calls == [
-        ("control", ["status", "--run-dir", "runs/x", "--json"]),
-        ("control", ["restart", "target.0", "--run-dir", "runs/x"]),
-        ("control", ["--run-dir", "runs/x", "stop"]),
-        ("train", "c.yaml", ["train.lr=3e-4", "run_dir=/tmp/r"]),
-        ("train", "c.yaml", ["cluster.drafters=[0, 1]"]),
+        {"command": "status", **where, "json": True},
+        {"command": "restart", **where, "json": False, "worker": "target.0"},
+        {"command": "stop", **where, "json": False},
+        {"command": "train", "config": "c.yaml", "resume": True, "overwrite": False, "force": False,
+         "overrides": ["train.lr=3e-4", "run_dir=/tmp/r"]},
+        {"command": "train", "config": "c.yaml", "resume": False, "overwrite": False, "force": False,
+         "overrides": ["cluster.drafters=[0, 1]"]},
+        {"command": "regenerate", "args": ["--config", "c.yaml", "--output", "o.jsonl", "a.b=1"]},
+        {"command": "status", "run_dir": None, "config": "c.yaml", "overrides": ["run_dir=/tmp/r"], "json": False},
     ]
+
+
+def test_subcommand_forms_dispatch(monkeypatch):
+    calls = []
+    for name in cluster.COMMANDS:
+        monkeypatch.setitem(cluster.COMMANDS, name, lambda args: calls.append(vars(args)) or 0)
+    assert cluster.main(["train", "--config", "c.yaml", "--overwrite", "train.lr=3e-4"]) == 0
+    assert cluster.main(["regenerate", "--config", "c.yaml", "--output", "o.jsonl"]) == 0
+    assert cluster.main(["speculate", "--checkpoint", "runs/x", "--max-new-tokens", "8"]) == 0
+    assert cluster.main(["export", "--checkpoint", "runs/x", "--out", "exports/x"]) == 0
+    assert cluster.main(["attach", "drafter.1", "--config", "c.yaml"]) == 0
+    assert calls == [
+        {"command": "train", "config": "c.yaml", "resume": False, "overwrite": True, "force": False,
+         "overrides": ["train.lr=3e-4"]},
+        {"command": "regenerate", "args": ["--config", "c.yaml", "--output", "o.jsonl"]},
+        {"command": "speculate", "args": ["--checkpoint", "runs/x", "--max-new-tokens", "8"]},
+        {"command": "export", "args": ["--checkpoint", "runs/x", "--out", "exports/x"]},
+        {"command": "attach", "run_dir": None, "config": "c.yaml", "json": False, "overrides": [],
+         "worker": "drafter.1"},
+    ]
+
+
+def test_forwarded_commands_reach_their_module(monkeypatch):
+    import dflash.export
+    import dflash.regenerate
+    import dflash.speculative
+
+    seen = []
+    for module in (dflash.regenerate, dflash.speculative, dflash.export):
+        monkeypatch.setattr(module, "main", lambda argv, name=module.__name__: seen.append((name, argv)) or 7)
+    assert cluster.main(["--mode=regenerate", "--limit", "3"]) == 7
+    assert cluster.main(["speculate", "--help"]) == 7
+    assert cluster.main(["export", "--out", "x"]) == 7
+    assert seen == [("dflash.regenerate", ["--limit", "3"]), ("dflash.speculative", ["--help"]),
+                    ("dflash.export", ["--out", "x"])]
 
 
 def test_first_word_skips_options_and_their_values():
@@ -156,7 +198,7 @@ def tiny_checkpoint(tmp_path_factory):
 ])
 def test_resume_accepts_the_same_drafter(tiny_checkpoint, overrides, tokens):
     _, ckpt = tiny_checkpoint
-    assert cluster.resume_mismatches(load_config(None, TINY + overrides, gpu_count=0), ckpt, tokens) == []
+    assert resume.resume_mismatches(load_config(None, TINY + overrides, gpu_count=0), ckpt, tokens) == []
 
 
 @pytest.mark.parametrize("overrides, tokens, expected", [
@@ -189,13 +231,13 @@ def test_resume_accepts_the_same_drafter(tiny_checkpoint, overrides, tokens):
 ])
 def test_resume_names_each_differing_field(tiny_checkpoint, overrides, tokens, expected):
     _, ckpt = tiny_checkpoint
-    assert cluster.resume_mismatches(load_config(None, TINY + overrides, gpu_count=0), ckpt, tokens) == expected
+    assert resume.resume_mismatches(load_config(None, TINY + overrides, gpu_count=0), ckpt, tokens) == expected
 
 
 def test_resume_without_a_free_row_or_a_special_token(tiny_checkpoint):
     """tiny-qwen3 names no unk / pad / eos / bos token: with every row a token, the mask is the last row."""
     _, ckpt = tiny_checkpoint
-    assert cluster.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, 512) == [
+    assert resume.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, 512) == [
         "mask_token_id (set by drafter.mask_token_id=null: the target's first unused embedding row, else its unk / "
         "pad / eos / bos token): checkpoint 500, this run 511"]
 
@@ -203,10 +245,10 @@ def test_resume_without_a_free_row_or_a_special_token(tiny_checkpoint):
 def test_resume_check_without_the_target_config(tiny_checkpoint, monkeypatch):
     """A GGUF target not converted yet: described from its metadata (no conversion), fewer fields."""
     _, ckpt = tiny_checkpoint
-    monkeypatch.setattr(cluster, "_cheap_target_config", lambda cfg: None)
-    assert cluster.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, TINY_TOKENS) == []
+    monkeypatch.setattr(resume, "_cheap_target_config", lambda cfg: None)
+    assert resume.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, TINY_TOKENS) == []
     cfg = load_config(None, TINY + ["drafter.block_size=8", "target.arch_overrides={hidden_size: 128}"], gpu_count=0)
-    assert cluster.resume_mismatches(cfg, ckpt, TINY_TOKENS) == [
+    assert resume.resume_mismatches(cfg, ckpt, TINY_TOKENS) == [
         "block_size (set by drafter.block_size): checkpoint 4, this run 8",
         "hidden_size (set by the target model: target.kind / path / arch / arch_overrides): checkpoint 64, "
         "this run 128"]
@@ -215,19 +257,19 @@ def test_resume_check_without_the_target_config(tiny_checkpoint, monkeypatch):
 def test_resume_compares_the_sliding_window_only_where_a_layer_slides(tmp_path):
     sliding = TINY + ["drafter.layer_types=[sliding_attention, full_attention]", "drafter.sliding_window=16"]
     ckpt = write_checkpoint(tmp_path, load_config(None, sliding, gpu_count=0), TINY_TOKENS)
-    assert cluster.resume_mismatches(load_config(None, sliding + ["drafter.sliding_window=32"], gpu_count=0), ckpt,
+    assert resume.resume_mismatches(load_config(None, sliding + ["drafter.sliding_window=32"], gpu_count=0), ckpt,
                                      TINY_TOKENS) == [
         "sliding_window (set by drafter.sliding_window): checkpoint 16, this run 32"]
     full = TINY + ["drafter.sliding_window=32"]  # no sliding layer on either side: the window means nothing
     plain = write_checkpoint(tmp_path / "plain", load_config(None, TINY, gpu_count=0), TINY_TOKENS)
-    assert cluster.resume_mismatches(load_config(None, full, gpu_count=0), plain, TINY_TOKENS) == []
+    assert resume.resume_mismatches(load_config(None, full, gpu_count=0), plain, TINY_TOKENS) == []
 
 
 def test_resume_with_an_unreadable_drafter_config(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step-00000010"
     (ckpt / "drafter").mkdir(parents=True)
     (ckpt / "drafter" / "config.json").write_text("{not json")
-    out = cluster.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, TINY_TOKENS)
+    out = resume.resume_mismatches(load_config(None, TINY, gpu_count=0), ckpt, TINY_TOKENS)
     assert len(out) == 1 and out[0].startswith(f"{ckpt / 'drafter' / 'config.json'} cannot be read as a DFlash "
                                                "drafter config (")
 
@@ -250,9 +292,9 @@ def _must_not_run(*args, **kwargs):
 def test_resume_mismatch_stops_before_data_and_workers(tiny_checkpoint, tmp_path, monkeypatch, caplog):
     run_dir, ckpt = tiny_checkpoint
     monkeypatch.setenv("DFLASH_WORKER", "test")
-    monkeypatch.setattr(cluster, "load_tokenizer", lambda target_cfg: _Tokenizer())
-    for name in ("build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "WandbRun"):
-        monkeypatch.setattr(cluster, name, _must_not_run)
+    monkeypatch.setattr(train, "load_tokenizer", lambda target_cfg: _Tokenizer())
+    for name in ("build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "start_wandb"):
+        monkeypatch.setattr(train, name, _must_not_run)
     before = (run_dir / "config.yaml").read_text()
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(load_config(None, TINY, gpu_count=0).to_dict()))
@@ -278,14 +320,14 @@ def test_resume_mismatch_stops_before_data_and_workers(tiny_checkpoint, tmp_path
 def test_resume_with_the_same_drafter_goes_on_to_the_data(tiny_checkpoint, tmp_path, monkeypatch, caplog):
     run_dir, _ = tiny_checkpoint
     monkeypatch.setenv("DFLASH_WORKER", "test")
-    monkeypatch.setattr(cluster, "load_tokenizer", lambda target_cfg: _Tokenizer())
+    monkeypatch.setattr(train, "load_tokenizer", lambda target_cfg: _Tokenizer())
 
     def data_fails(cfg, tokenizer):
         assert isinstance(tokenizer, _Tokenizer)  # the tokenizer of the check is reused
         raise ConfigError("data.dataset: stop here")
 
-    monkeypatch.setattr(cluster, "build_batch_plans", data_fails)
-    monkeypatch.setattr(cluster, "LocalCluster", _must_not_run)
+    monkeypatch.setattr(train, "build_batch_plans", data_fails)
+    monkeypatch.setattr(train, "LocalCluster", _must_not_run)
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(load_config(None, TINY, gpu_count=0).to_dict()))
     with caplog.at_level("ERROR"):
@@ -353,7 +395,7 @@ def test_json_lines_saved_as_json(tmp_path):
 
 
 def test_resume_and_overwrite_are_exclusive(monkeypatch, capsys):
-    monkeypatch.setattr(cluster, "load_config", _must_not_run)
+    monkeypatch.setattr(train, "load_config", _must_not_run)
     with pytest.raises(SystemExit) as exc:
         cluster.main(["--config", "c.yaml", "--resume", "--overwrite"])
     assert exc.value.code == 2
@@ -375,13 +417,13 @@ RESTARTING = {"step": 7, "total_steps": 60, "attempt": 0, "stop_requested": None
 
 
 def test_status_shows_a_worker_without_a_process_as_restarting(capsys):
-    cluster._print_status(RESTARTING)
+    status.print_status(RESTARTING)
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["worker", "role", "pid", "state", "up", "ready", "failures", "external"]
     assert lines[2].split() == ["target.0", "target", "-", "restarting", "False", "False", "1", "False"]
     assert lines[3].split() == ["drafter.0", "drafter", "4242", "ready", "True", "True", "0", "False"]
     assert lines[4].split() == ["drafter.1", "drafter", "4243", "starting", "False", "False", "0", "False"]
-    view = cluster.worker_view
+    view = status.worker_view
     assert view({"pid": 5, "up": True, "ready": False, "external": False})["state"] == "loading"
     assert view({"pid": 5, "up": True, "ready": True, "external": True})["state"] == "attached"
     assert view({"pid": 5, "up": False, "ready": False, "external": True})["state"] == "detached"
@@ -489,8 +531,8 @@ def test_status_without_a_run(tmp_path, monkeypatch, caplog):
 def _resume_main(tmp_path, cfg, run_dir, monkeypatch) -> int:
     """``cluster.main --resume`` on ``run_dir``; fails the test if it gets past the checkpoint checks."""
     monkeypatch.setenv("DFLASH_WORKER", "test")
-    for name in ("load_tokenizer", "build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "WandbRun"):
-        monkeypatch.setattr(cluster, name, _must_not_run)
+    for name in ("load_tokenizer", "build_batch_plans", "LocalCluster", "Supervisor", "Coordinator", "start_wandb"):
+        monkeypatch.setattr(train, name, _must_not_run)
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(cfg.to_dict()))
     return cluster.main(["--config", str(config), "--resume", f"run_dir={run_dir}"])
@@ -541,7 +583,7 @@ def test_status_of_an_ended_run_names_a_damaged_checkpoint(tmp_path):
     ckpt = write_checkpoint(run_dir, cfg, TINY_TOKENS, step=100)
     weights = ckpt / "drafter" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    text = cluster.ended_run_summary(run_dir)
+    text = status.ended_run_summary(run_dir)
     assert "that checkpoint is damaged (drafter/model.safetensors: SafetensorError" in text
     assert text.endswith("--resume moves it aside and continues from the previous one; continue it with --resume "
                          "(python -m launch.cluster --config <its config> --resume)")
