@@ -37,7 +37,7 @@ _Checker = Callable[[Any, str], Any]
 
 
 def _type_label(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 class Codec:
