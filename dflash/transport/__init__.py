@@ -8,6 +8,7 @@ and copy each READY slot into their own static buffer, then return the credit (F
 module                 job
 =====================  ======================================================================
 ``layout``             :data:`SlotSpec` → :class:`SlotLayout` (named views into one byte buffer)
+``codec``              one msgpack codec of typed dataclass messages (shared with the control plane)
 ``messages``           typed, versioned msgpack messages (HELLO, SLOTS, READY, FREE, HEARTBEAT, STOP)
 ``carriers``           ``cuda_ipc`` (CUDA IPC handles + interprocess events), ``shm`` (memfd
                        passed over a unix socket), ``tcp`` (slot bytes in zmq frames)
@@ -36,7 +37,7 @@ Design decisions (the pitfalls they avoid in brackets)
   consumer, for that slot's current fill *generation*, returns it. A stale or duplicated FREE or
   READY is rejected loudly. In-flight slots of a consumer that restarts, sends STOP, is evicted
   after ``peer_timeout_s`` of silence (it is told so: STOP ``evicted``) or is
-  :meth:`Producer.evict`-ed come back to the pool and their batch ids are reported as
+  :meth:`Producer.evict`-ed come back to the pool and their job keys are reported as
   :class:`LostBatch`; batches are deterministic, so the coordinator just re-assigns them.
 * **CUDA IPC.** One export per producer incarnation [each ``reduce_tensor`` is a separate
   refcount], one import per (producer, incarnation) per consumer, fields as msgpack (no pickle); slot
