@@ -1,5 +1,6 @@
 """Step plan, work sequence and ledger: exactly-once over epochs, against a naive enumeration."""
 
+import dataclasses
 import json
 import random
 
@@ -7,6 +8,7 @@ import pytest
 
 from dflash.schedule import StepPlan
 from dflash.workers.coordinator import Coordinator, Ledger, aggregate_eval, build_work_items, eval_round
+from dflash.workers.messages import Checkpointed, Command
 
 
 def naive_steps(batches_per_epoch, d):
@@ -155,8 +157,8 @@ class _Sock:
     def __init__(self):
         self.sent = []
 
-    def send(self, name, kind, **fields):
-        self.sent.append((name, kind, fields))
+    def send(self, name, msg):
+        self.sent.append((name, msg.TAG, msg))
 
 
 class _Control:
@@ -211,9 +213,9 @@ def _coordinator(tmp_path, start_step, ckpt_step):
 
 def _finish_evals_up_to(c, step):
     """Finish the items in order up to the eval at ``step`` (no drafters: empty eval sums)."""
-    for i, it in enumerate(c.items):
-        c.item_done[i].add("drafter.0")
-        c._finish_item(i)
+    for i, it in enumerate(c.work.items):
+        c.work.done[i].add("drafter.0")
+        c._finish_item(it)
         if it.kind == "eval" and it.at_step == step:
             return
 
@@ -224,29 +226,29 @@ def test_coordinator_rollback_reruns_an_unfinished_eval_at_the_checkpoint(tmp_pa
     got = [(m["eval/round"], m["eval/step"], step) for step, m in metrics if "eval/round" in m]
     assert got == [(0, 0, 0), (1, 4, 4)]
     c.steps_done = 8  # steps 4..7 trained, checkpoint at 8 written, eval round 2 not finished
-    c._restart_drafter_group("test")
-    assert evals(c.items) == [(2, 8), (3, 10)]
-    assert c.items[1].kind == "train" and c.items[1].index == 8
+    c.restart_drafter_group("test")
+    assert evals(c.work.items) == [(2, 8), (3, 10)]
+    assert c.work.items[1].kind == "train" and c.work.items[1].index == 8
 
 
 def test_coordinator_rollback_skips_a_finished_eval_at_the_checkpoint(tmp_path):
     c, metrics = _coordinator(tmp_path, 0, 8)
     _finish_evals_up_to(c, 8)
     assert [m["eval/round"] for _, m in metrics if "eval/round" in m] == [0, 1, 2]
-    c._restart_drafter_group("test")
-    assert evals(c.items) == [(3, 10)]
-    assert c.items[0].kind == "train" and c.items[0].index == 8
+    c.restart_drafter_group("test")
+    assert evals(c.work.items) == [(3, 10)]
+    assert c.work.items[0].kind == "train" and c.work.items[0].index == 8
 
 
 def test_coordinator_resume_off_schedule_rollback_to_start(tmp_path):
     c, metrics = _coordinator(tmp_path, 6, 6)
-    assert evals(c.items) == [(-6, 6), (2, 8), (3, 10)]
-    c._restart_drafter_group("before the baseline finished")
-    assert evals(c.items) == [(-6, 6), (2, 8), (3, 10)]
+    assert evals(c.work.items) == [(-6, 6), (2, 8), (3, 10)]
+    c.restart_drafter_group("before the baseline finished")
+    assert evals(c.work.items) == [(-6, 6), (2, 8), (3, 10)]
     _finish_evals_up_to(c, 6)
     assert [(m["eval/round"], m["eval/step"]) for _, m in metrics] == [(-6, 6)]
-    c._restart_drafter_group("after the baseline")
-    assert evals(c.items) == [(2, 8), (3, 10)]
+    c.restart_drafter_group("after the baseline")
+    assert evals(c.work.items) == [(2, 8), (3, 10)]
 
 
 def test_rollback_below_the_launch_step_is_tracked(tmp_path):
@@ -255,27 +257,27 @@ def test_rollback_below_the_launch_step_is_tracked(tmp_path):
     c, _ = _coordinator(tmp_path, 6, 4)
     assert c.lowest_step == 6
     c.steps_done = 7
-    c._restart_drafter_group("checkpoint step 6 damaged")
+    c.restart_drafter_group("checkpoint step 6 damaged")
     assert c.steps_done == 4 and c.lowest_step == 4
-    assert [it.index for it in c.items if it.kind == "train"][0] == 4
+    assert [it.index for it in c.work.items if it.kind == "train"][0] == 4
 
 
 def test_no_checkpoint_left_in_a_resumed_launch_fails_instead_of_starting_from_scratch(tmp_path):
     """Every checkpoint moved aside as damaged while a launch that resumed at step 6 runs: the
     group cannot rebuild its weights; restarting it from random weights at step 6 (what happened)
     would train on silently. The run stops with the reason."""
-    from dflash.workers.coordinator import _Failure
+    from dflash.workers.coordinator import RunFailed
 
     c, _ = _coordinator(tmp_path, 6, 6)
     c.control.ckpt = None
     c.steps_done = 8
-    with pytest.raises(_Failure, match="no usable checkpoint is left .* resumed at step 6"):
-        c._restart_drafter_group("restart drafters requested")
+    with pytest.raises(RunFailed, match="no usable checkpoint is left .* resumed at step 6"):
+        c.restart_drafter_group("restart drafters requested")
     (tmp_path / "fresh").mkdir()
     fresh, _ = _coordinator(tmp_path / "fresh", 0, 2)
     fresh.control.ckpt = None  # a launch from step 0: restarting from scratch is right
     fresh.steps_done = 1
-    fresh._restart_drafter_group("test")
+    fresh.restart_drafter_group("test")
     assert fresh.steps_done == 0
 
 
@@ -294,10 +296,10 @@ def test_drafters_dying_after_a_group_restart_are_retried_then_the_run_fails(tmp
     control.die("drafter.0")
     control.die("drafter.1")  # both in one poll: one group restart, the second exit is the replaced process'
     c._supervise()
-    assert c.drafter_failures == 1 and control.restarts == ["drafter.0", "drafter.1"]
+    assert c.policy.drafter_failures == 1 and control.restarts == ["drafter.0", "drafter.1"]
     control.die("drafter.1")  # the restarted drafter dies during start-up
     c._supervise()
-    assert c.drafter_failures == 2 and control.restarts.count("drafter.1") == 2
+    assert c.policy.drafter_failures == 2 and control.restarts.count("drafter.1") == 2
     control.die("drafter.0")
     with pytest.raises(Exception, match="failed 3 times in a row"):
         c._supervise()
@@ -313,8 +315,8 @@ class _ScriptedSock(_Sock):
         super().__init__()
         self.script = list(script)
 
-    def send(self, name, kind, **fields):
-        super().send(name, kind, **fields)
+    def send(self, name, msg):
+        super().send(name, msg)
         return True
 
     def recv(self, timeout_s):
@@ -326,20 +328,20 @@ def _running(tmp_path, ckpt_step, steps_done, written, started, script=()):
     ``written`` on disk and ``started`` begun by rank 0; ``latest_checkpoint`` gives step ``ckpt_step``."""
     c, _ = _coordinator(tmp_path, 0, ckpt_step)
     c.sock = _ScriptedSock(script)
-    c.checkpoint_wait_s = 30.0
+    c.config = dataclasses.replace(c.config, checkpoint_wait_s=30.0)
     for w in c.workers.values():
         w.up = w.ready = True
     c._started = True
-    c.steps_done, c.checkpointed_step, c.checkpoint_started = steps_done, written, started
+    c.steps_done, c.checkpoints.written, c.checkpoints.started = steps_done, written, started
     return c
 
 
 def _checkpointed(step):
-    return ("drafter.0", {"type": "checkpointed", "name": "drafter.0", "step": step, "path": f"step-{step:08d}"})
+    return ("drafter.0", Checkpointed(step=step, path=f"step-{step:08d}", name="drafter.0"))
 
 
 def _ctl(c, cmd, **args):
-    c._on_ctl("ctl-1", {"type": "ctl", "cmd": cmd, "args": args})
+    c.commands.handle("ctl-1", Command(cmd=cmd, args=args))
     name, kind, fields = c.sock.sent[-1]
     assert (name, kind) == ("ctl-1", "ctl_reply")
     return fields
@@ -388,7 +390,7 @@ def test_stop_writes_or_waits_for_the_final_checkpoint(tmp_path, state, steps_do
     c._final_checkpoint()
     saves = [fields["step"] for name, kind, fields in c.sock.sent if kind == "save"]
     assert saves == ([] if save is None else [save]), state
-    assert c.checkpointed_step == done and c._write_in_flight() is None, state
+    assert c.checkpoints.written == done and c.checkpoints.in_flight() is None, state
 
 
 def test_second_stop_is_answered_and_nothing_restarts_while_stopping(tmp_path):
@@ -411,15 +413,15 @@ def test_rollback_is_reported_and_train_commands_carry_the_data_position(tmp_pat
     rollbacks, trained = [], []
     c.on_rollback = lambda to, frm, reason: rollbacks.append((to, frm, reason))
     c.on_trained = lambda item, attempt: trained.append((item.index, item.batches, attempt))
-    c._issue(1)  # train step 0
+    c._issue(c.work.items[1])  # train step 0
     sent = [f for name, kind, f in c.sock.sent if kind == "train"]
     assert sent[0]["position"] == [0, 1] and sent[0]["batch_id"] == 0
     for i in range(3):  # eval 0, steps 0 and 1
-        c.item_done[i].add("drafter.0")
-        c._finish_item(i)
+        c.work.done[i].add("drafter.0")
+        c._finish_item(c.work.items[i])
     assert trained == [(0, [0], 0), (1, [1], 0)]
     c.steps_done = 6
-    c._restart_drafter_group("drafter.0 died")
+    c.restart_drafter_group("drafter.0 died")
     assert rollbacks == [(4, 6, "drafter.0 died")]
 
 
@@ -434,6 +436,6 @@ def test_rollback_below_the_launch_start_replans_from_that_checkpoint(tmp_path):
                     build_work_items(plan, 6, **EVAL_ARGS), {**EVAL_ARGS, "first_step": 6}, 2, _Control(ckpt),
                     on_metrics=lambda *a: None, on_progress=lambda *a: None)
     c.steps_done = 7
-    c._restart_drafter_group("checkpoint step 6 damaged")
+    c.restart_drafter_group("checkpoint step 6 damaged")
     assert c.plan.start_step == 2 and c.plan.assignment(2).batch_ids == (4,)
-    assert [it.batches for it in c.items if it.kind == "train"][:2] == [[4], [5]]
+    assert [it.batches for it in c.work.items if it.kind == "train"][:2] == [[4], [5]]

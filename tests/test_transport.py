@@ -1,4 +1,4 @@
-"""Transport tests: layout, messages (fuzzed), credits, epochs, restarts, /dev/shm hygiene, tcp.
+"""Transport tests: layout, messages (fuzzed), credits, incarnations, restarts, /dev/shm hygiene, tcp.
 
 Multi-process tests start ``tests/transport_peer.py`` with ``subprocess`` (nothing fork-shared) and
 follow its JSON event lines with bounded waits; nothing sleeps to synchronise.
@@ -22,7 +22,7 @@ import zmq
 from dflash.transport import Consumer, MessageError, PeerUnavailable, Producer, SlotLayout, TransportError
 from dflash.transport.layout import ALIGN_BYTES
 from dflash.transport.messages import (PROTOCOL_VERSION, CudaExport, Free, Heartbeat, Hello, MsgType, Ready, Slots,
-                                       Stop, decode, encode, new_epoch)
+                                       Stop, decode, encode, new_incarnation)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transport_peer import PeerProcess, check_pattern, fill_pattern, peer_args, spec_to_json  # noqa: E402
@@ -110,7 +110,7 @@ def _samples() -> list:
         Slots("target.0", 9, 5, 77, "boot", 4026531836, "cuda_ipc", 2, 512, [["a", [2], "int64", 0, 16]], export,
               [b"e" * 64, b"f" * 64]),
         Slots("target.0", 9, 5, 77, "boot", 1, "shm", 2, 512, [["a", [2], "int64", 0, 16]]),
-        Ready("target.0", 9, 5, 1, 3, 42, {"epoch": 0, "rows": [1, 2]}),
+        Ready("target.0", 9, 5, 1, 3, 42, {"data_epoch": 0, "rows": [1, 2]}),
         Ready("target.0", 9, 5, 1, 3, "eval-7", {}, 512),
         Free("drafter.0", 5, 9, 1, 3),
         Heartbeat("drafter.0", 5, 9),
@@ -163,10 +163,10 @@ def test_messages_reject_garbage_wrong_types_and_versions():
         pytest.fail(f"accepted {frame!r}")  # only MessageError may come out: anything else propagates
 
 
-def test_epochs_increase():
-    a = new_epoch()
-    time.sleep(0.002)  # epochs have millisecond resolution; this is not synchronisation
-    assert new_epoch() > a > 0 and a < 2**63
+def test_incarnations_increase():
+    a = new_incarnation()
+    time.sleep(0.002)  # incarnation ids have millisecond resolution; this is not synchronisation
+    assert new_incarnation() > a > 0 and a < 2**63
 
 
 # --------------------------------------------------------------------------- one process, real sockets
@@ -190,25 +190,25 @@ def test_credits_generations_and_lost_on_consumer_restart(run_dir, carrier):
             gens.append(producer.publish(slot, "drafter.0", b, {"b": b}))
         assert producer.acquire(0) is None, "a slot in flight was handed out again"
         got = consumer.receive(EVENT_TIMEOUT_S)
-        assert got.batch_id == 0 and check_pattern(got.tensors, 0) and got.meta == {"b": 0}
+        assert got.job_key == 0 and check_pattern(got.tensors, 0) and got.meta == {"b": 0}
         drain_until(consumer, producer, lambda: producer.free_slots() == 1)
         slot = producer.acquire(0)
         fill_pattern(producer.slots[slot], 3)
         assert producer.publish(slot, "drafter.0", 3) == gens[slot] + 1  # generation per fill
-        # The consumer restarts (new epoch, same name) holding batches 1, 2, 3 in flight.
+        # The consumer restarts (new incarnation, same name) holding batches 1, 2, 3 in flight.
         consumer.close()
         consumer2 = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier=carrier, **FAST)
         consumer = consumer2
         drain_until(consumer, producer, lambda: bool(consumer.attached()))
-        lost = sorted(b.batch_id for b in producer.lost_batches())
-        assert lost == [1, 2, 3] and sorted(b.batch_id for b in lost_cb) == [1, 2, 3]
+        lost = sorted(b.job_key for b in producer.lost_batches())
+        assert lost == [1, 2, 3] and sorted(b.job_key for b in lost_cb) == [1, 2, 3]
         assert producer.free_slots() == 3, "credits of the dead consumer were not reset"
         for b in lost:  # the coordinator re-assigns them
             slot = producer.acquire(EVENT_TIMEOUT_S)
             fill_pattern(producer.slots[slot], b)
             producer.publish(slot, "drafter.0", b)
             got = consumer.receive(EVENT_TIMEOUT_S)
-            assert got.batch_id == b and check_pattern(got.tensors, b)
+            assert got.job_key == b and check_pattern(got.tensors, b)
     finally:
         consumer.close()
         producer.close()
@@ -259,7 +259,7 @@ def test_silent_consumer_is_evicted_and_reattaches_without_stale_reads(run_dir):
         producer._consumers["drafter.0"].last_seen -= FAST["peer_timeout_s"] + 1
         producer.poll(0)
         lost = producer.lost_batches()
-        assert sorted(b.batch_id for b in lost) == [0, 1] and all(b.reason == "timeout" for b in lost)
+        assert sorted(b.job_key for b in lost) == [0, 1] and all(b.reason == "timeout" for b in lost)
         assert producer.free_slots() == 2 and not producer.consumers
         slot = producer.acquire(0)  # refilled for someone else while the consumer still holds a READY for it
         fill_pattern(producer.slots[slot], 99)
@@ -272,8 +272,8 @@ def test_silent_consumer_is_evicted_and_reattaches_without_stale_reads(run_dir):
         drain_until(consumer, producer, lambda: "drafter.0" in producer.consumers and bool(consumer.attached()))
         producer.publish(slot, "drafter.0", 99)
         got = consumer.receive(EVENT_TIMEOUT_S)
-        assert got.batch_id == 99 and check_pattern(got.tensors, 99)
-        assert consumer.stats["imports"] == 1  # same producer epoch: the import is reused
+        assert got.job_key == 99 and check_pattern(got.tensors, 99)
+        assert consumer.stats["imports"] == 1  # same producer incarnation: the import is reused
     finally:
         consumer.close()
         producer.close()
@@ -297,10 +297,10 @@ def test_fuzzed_messages_at_producer_are_rejected_and_logged(run_dir, caplog):
         frames = [rng.randbytes(rng.randint(1, 40)) for _ in range(50)]
         frames += [msgpack.packb([PROTOCOL_VERSION + 7, int(MsgType.HELLO), "fuzzer.1"])]
         frames += [msgpack.packb([PROTOCOL_VERSION, int(MsgType.FREE), "fuzzer.1", "x", 1, 2, 3])]
-        # well-formed but wrong: stale producer epoch, unknown consumer, impersonation, wrong generation
-        frames += [encode(Free("fuzzer.1", 1, producer.epoch - 1, slot, gen))]
-        frames += [encode(Free("fuzzer.1", 1, producer.epoch, slot, gen))]
-        frames += [encode(Free("drafter.0", consumer.epoch, producer.epoch, slot, gen))]
+        # well-formed but wrong: stale producer incarnation, unknown consumer, impersonation, wrong generation
+        frames += [encode(Free("fuzzer.1", 1, producer.incarnation - 1, slot, gen))]
+        frames += [encode(Free("fuzzer.1", 1, producer.incarnation, slot, gen))]
+        frames += [encode(Free("drafter.0", consumer.incarnation, producer.incarnation, slot, gen))]
         frames += [encode(Ready("fuzzer.1", 1, 1, 0, 1, 0, {}))]
         frames += [encode(Hello("fuzzer.1", 1, 1, "other-host", "shm", "nope", ""))]
         for frame in frames:
@@ -311,7 +311,7 @@ def test_fuzzed_messages_at_producer_are_rejected_and_logged(run_dir, caplog):
             assert time.monotonic() < deadline, f"only {producer.stats['rejected']} rejected"
             producer.poll(10)
         # A FREE with the wrong generation from the right consumer fails loudly and frees nothing.
-        consumer.sockets[0].send(encode(Free("drafter.0", consumer.epoch, producer.epoch, slot, gen + 5)))
+        consumer.sockets[0].send(encode(Free("drafter.0", consumer.incarnation, producer.incarnation, slot, gen + 5)))
         drain_until(consumer, producer, lambda: producer.stats["rejected"] == len(frames) + 2)
         assert producer.free_slots() == 1
         # The real exchange still works.
@@ -324,7 +324,7 @@ def test_fuzzed_messages_at_producer_are_rejected_and_logged(run_dir, caplog):
         producer.close()
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert all("target.0: rejected message from" in e for e in errors)
-    # messages of an earlier epoch are normal after a restart: a warning, not an error
+    # messages of an earlier incarnation are normal after a restart: a warning, not an error
     stale = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "ignored stale" in r.getMessage()]
     assert all("target.0: ignored stale message from" in e for e in stale)
     errors += stale
@@ -332,14 +332,14 @@ def test_fuzzed_messages_at_producer_are_rejected_and_logged(run_dir, caplog):
     assert sum("from fuzzer.1" in e for e in errors) >= len(frames)
     assert any("undecodable" in e for e in errors)
     assert any("unsupported protocol version" in e for e in errors)
-    assert any("stale producer epoch" in e for e in errors)
+    assert any("stale producer incarnation" in e for e in errors)
     assert any("claims sender 'drafter.0'" in e for e in errors)
     assert any("incompatible HELLO" in e for e in errors)
     assert any(f"stale FREE of slot {slot} generation {gen + 5}" in e for e in errors)
 
 
 def test_fuzzed_messages_at_consumer_are_rejected_and_logged(run_dir, caplog):
-    """A fake producer (raw ROUTER) feeds the consumer garbage, stale epochs and stale generations."""
+    """A fake producer (raw ROUTER) feeds the consumer garbage, stale incarnations and stale generations."""
     caplog.set_level(logging.WARNING, logger=TRANSPORT_LOGGER)
     layout = SlotLayout(SPEC)
     ctx = zmq.Context.instance()
@@ -357,20 +357,20 @@ def test_fuzzed_messages_at_consumer_are_rejected_and_logged(run_dir, caplog):
         hello = decode(hello)
         assert isinstance(hello, Hello) and hello.sender == "drafter.0"
 
-        def slots_msg(epoch):
-            return encode(Slots("target.9", epoch, hello.epoch, os.getpid(), hello.host, 0, "tcp", 2, layout.nbytes,
+        def slots_msg(incarnation):
+            return encode(Slots("target.9", incarnation, hello.incarnation, os.getpid(), hello.host, 0, "tcp", 2, layout.nbytes,
                                 layout.describe()))
 
-        def ready(epoch, slot, gen, batch, nbytes=layout.nbytes, consumer_epoch=None):
-            return encode(Ready("target.9", epoch, consumer_epoch or hello.epoch, slot, gen, batch, {}, nbytes))
+        def ready(incarnation, slot, gen, batch, nbytes=layout.nbytes, consumer_incarnation=None):
+            return encode(Ready("target.9", incarnation, consumer_incarnation or hello.incarnation, slot, gen, batch, {}, nbytes))
 
         payload = torch.zeros(layout.nbytes, dtype=torch.uint8)
         fill_pattern(layout.views(payload), 5)
-        e1 = new_epoch()
+        e1 = new_incarnation()
         fake.send_multipart([ident, slots_msg(e1)])
         fake.send_multipart([ident, ready(e1, 0, 1, 5), payload.numpy().tobytes()])
         got = consumer.receive(EVENT_TIMEOUT_S)
-        assert got is not None and got.producer_epoch == e1 and check_pattern(got.tensors, 5)
+        assert got is not None and got.producer_incarnation == e1 and check_pattern(got.tensors, 5)
         n_bad = 0
         rng = random.Random(2)
         for _ in range(30):
@@ -380,9 +380,9 @@ def test_fuzzed_messages_at_consumer_are_rejected_and_logged(run_dir, caplog):
             [msgpack.packb([PROTOCOL_VERSION + 1, int(MsgType.READY)])],
             [ready(e1, 0, 1, 6), payload.numpy().tobytes()],  # stale generation (1 already seen)
             [ready(e1, 7, 9, 6), payload.numpy().tobytes()],  # no such slot
-            [ready(e1, 1, 1, 6, consumer_epoch=hello.epoch - 1), payload.numpy().tobytes()],  # stale consumer epoch
+            [ready(e1, 1, 1, 6, consumer_incarnation=hello.incarnation - 1), payload.numpy().tobytes()],  # stale consumer incarnation
             [ready(e1, 1, 1, 6)],  # missing payload
-            [encode(Heartbeat("target.8", e1, hello.epoch))],  # impersonation
+            [encode(Heartbeat("target.8", e1, hello.incarnation))],  # impersonation
             [encode(Free("target.9", e1, 1, 0, 1))],  # a consumer never receives FREE
             [encode(Stop("target.9", e1, "done")), b"extra"],
         ]
@@ -393,21 +393,21 @@ def test_fuzzed_messages_at_consumer_are_rejected_and_logged(run_dir, caplog):
         while consumer.stats["rejected"] < n_bad:
             assert time.monotonic() < deadline, f"only {consumer.stats['rejected']} of {n_bad} rejected"
             consumer.poll(10)
-        # The fake producer "restarts": a newer epoch replaces the old ring; the old epoch is stale.
+        # The fake producer "restarts": a newer incarnation replaces the old ring; the old one is stale.
         e2 = e1 + 1
         fake.send_multipart([ident, encode(Heartbeat("target.9", e2, 0))])
         deadline = time.monotonic() + EVENT_TIMEOUT_S
-        while True:  # the consumer answers the new epoch with HELLO
-            assert time.monotonic() < deadline, "no HELLO after a new epoch"
+        while True:  # the consumer answers the new incarnation with HELLO
+            assert time.monotonic() < deadline, "no HELLO after a new incarnation"
             consumer.poll(5)
             if fake.poll(0) and isinstance(decode(fake.recv_multipart()[1]), Hello):
                 break
         fake.send_multipart([ident, slots_msg(e2)])
         fill_pattern(layout.views(payload), 8)
-        fake.send_multipart([ident, ready(e1, 1, 2, 99), payload.numpy().tobytes()])  # stale epoch
+        fake.send_multipart([ident, ready(e1, 1, 2, 99), payload.numpy().tobytes()])  # stale incarnation
         fake.send_multipart([ident, ready(e2, 1, 1, 8), payload.numpy().tobytes()])
         got = consumer.receive(EVENT_TIMEOUT_S)
-        assert got is not None and got.batch_id == 8 and got.producer_epoch == e2 and check_pattern(got.tensors, 8)
+        assert got is not None and got.job_key == 8 and got.producer_incarnation == e2 and check_pattern(got.tensors, 8)
         assert consumer.imports() == 1
     finally:
         consumer.close()
@@ -418,8 +418,8 @@ def test_fuzzed_messages_at_consumer_are_rejected_and_logged(run_dir, caplog):
     assert sum("drafter.0: rejected message from target.9" in e or "drafter.0: ignored stale message from target.9" in e
                for e in errors) >= n_bad + 1
     for needle in ("undecodable", "unsupported protocol version", "stale READY for slot 0", "READY for slot 7",
-                   "stale consumer epoch", "payload frame", "claims sender 'target.8'", "unexpected Free",
-                   "stale producer epoch"):
+                   "stale consumer incarnation", "payload frame", "claims sender 'target.8'", "unexpected Free",
+                   "stale producer incarnation"):
         assert any(needle in e for e in errors), needle
 
 
@@ -442,8 +442,8 @@ def test_two_processes_exchange_1000_slots_with_checksums(run_dir):
                 assert time.monotonic() < deadline, f"only {len(got_ids)} received"
                 got = consumer.receive(1.0)
                 if got is not None:
-                    wrong += not check_pattern(got.tensors, got.batch_id)
-                    got_ids.append(got.batch_id)
+                    wrong += not check_pattern(got.tensors, got.job_key)
+                    got_ids.append(got.job_key)
                     deadline = time.monotonic() + EVENT_TIMEOUT_S  # a bound on each batch, not on all
             assert consumer.imports() == 1 and consumer.stats["imports"] == 1
         finally:
@@ -477,8 +477,8 @@ def test_producer_sigkill_and_restart(run_dir):
                 assert time.monotonic() < deadline, "receive stalled"
                 got = consumer.receive(1.0)
                 if got is not None:
-                    wrong += not check_pattern(got.tensors, got.batch_id)
-                    seen.append((got.producer_epoch, got.batch_id))
+                    wrong += not check_pattern(got.tensors, got.job_key)
+                    seen.append((got.producer_incarnation, got.job_key))
                     n -= 1
                     deadline = time.monotonic() + EVENT_TIMEOUT_S
 
@@ -489,12 +489,12 @@ def test_producer_sigkill_and_restart(run_dir):
             started = second.next_event("started")
             pids.append(started["pid"])
             take(100)
-            new_epoch_id = started["epoch"]
-            after = [(e, b) for e, b in seen if e == new_epoch_id]
+            new_incarnation_id = started["incarnation"]
+            after = [(e, b) for e, b in seen if e == new_incarnation_id]
             assert len(after) >= 100 - 2
-            # after the first batch of the new epoch, nothing of the old epoch is ever read
-            first_new = next(i for i, (e, _) in enumerate(seen) if e == new_epoch_id)
-            assert all(e == new_epoch_id for e, _ in seen[first_new:])
+            # after the first batch of the new incarnation, nothing of the old one is ever read
+            first_new = next(i for i, (e, _) in enumerate(seen) if e == new_incarnation_id)
+            assert all(e == new_incarnation_id for e, _ in seen[first_new:])
             assert all(b >= 100000 for _, b in after)
             assert consumer.imports() == 1 and consumer.stats["imports"] == 2
         finally:
@@ -551,10 +551,10 @@ def test_consumer_sigkill_restart_resets_credits(run_dir):
                 assert time.monotonic() < deadline, "the restart was not detected"
                 producer.poll(10)
                 lost = producer.lost_batches()
-            assert sorted(b.batch_id for b in lost) == in_flight
+            assert sorted(b.job_key for b in lost) == in_flight
             assert all(b.reason == "restarted" for b in lost)
             assert producer.free_slots() == 3, "credits were not reset"
-            redo = [b.batch_id for b in lost]
+            redo = [b.job_key for b in lost]
             deadline = time.monotonic() + EVENT_TIMEOUT_S
             sent = 0
             while sent < 20:  # the lost batches first, then new ones: no slot and no batch is lost
@@ -595,8 +595,8 @@ def test_tcp_carrier_between_processes_on_loopback():
                 assert time.monotonic() < deadline
                 got = consumer.receive(1.0)
                 if got is not None:
-                    wrong += not check_pattern(got.tensors, got.batch_id)
-                    ids.append(got.batch_id)
+                    wrong += not check_pattern(got.tensors, got.job_key)
+                    ids.append(got.job_key)
                     deadline = time.monotonic() + EVENT_TIMEOUT_S
         assert producer.next_event("done")["stats"]["freed"] == 300
         assert producer.finish() == 0

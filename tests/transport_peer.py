@@ -189,7 +189,7 @@ def run_producer(args: argparse.Namespace) -> int:
     consumers = args.consumers.split(",")
     producer = Producer(args.name, args.endpoint, spec, num_slots=args.slots, device=device, carrier=args.carrier,
                         heartbeat_s=args.heartbeat, peer_timeout_s=args.peer_timeout)
-    emit("started", pid=os.getpid(), epoch=producer.epoch, endpoint=producer.endpoint, memfds=_memfds())
+    emit("started", pid=os.getpid(), incarnation=producer.incarnation, endpoint=producer.endpoint, memfds=_memfds())
     redo: collections.deque = collections.deque()
     next_batch = args.first_batch
     published = 0
@@ -197,7 +197,7 @@ def run_producer(args: argparse.Namespace) -> int:
     mem = []
     while not _Stop.requested and (args.count == 0 or published < args.count):
         for lost in producer.lost_batches():
-            redo.append(lost.batch_id)
+            redo.append(lost.job_key)
         slot = producer.acquire(timeout=0.05)
         if slot is None:
             continue
@@ -241,10 +241,10 @@ def run_consumer(args: argparse.Namespace) -> int:
     consumer = Consumer(args.name, producers, spec, device=device, carrier=args.carrier,
                         heartbeat_s=args.heartbeat, peer_timeout_s=args.peer_timeout,
                         import_device=args.import_device)
-    emit("started", pid=os.getpid(), epoch=consumer.epoch)
+    emit("started", pid=os.getpid(), incarnation=consumer.incarnation)
     received, wrong = 0, 0
     batches = []
-    epochs: dict[str, list[int]] = {}
+    incarnations: dict[str, list[int]] = {}
     mem = []
     stalled = False
     deadline = time.monotonic() + args.max_seconds
@@ -258,18 +258,18 @@ def run_consumer(args: argparse.Namespace) -> int:
         got = consumer.receive(timeout=0.5)
         if got is None:
             continue
-        ok = check_pattern(got.tensors, int(got.batch_id))
+        ok = check_pattern(got.tensors, int(got.job_key))
         wrong += not ok
         received += 1
-        batches.append(got.batch_id)
-        seen = epochs.setdefault(got.producer, [])
-        if not seen or seen[-1] != got.producer_epoch:
-            seen.append(got.producer_epoch)
+        batches.append(got.job_key)
+        seen = incarnations.setdefault(got.producer, [])
+        if not seen or seen[-1] != got.producer_incarnation:
+            seen.append(got.producer_incarnation)
         if args.mem_every and received % args.mem_every == 0:
             mem.append(memory_snapshot(device))
         if args.progress_every and received % args.progress_every == 0:
             emit("progress", received=received)
-    emit("done", received=received, wrong=wrong, batches=batches, epochs=epochs, imports=consumer.imports(),
+    emit("done", received=received, wrong=wrong, batches=batches, incarnations=incarnations, imports=consumer.imports(),
          stats=dict(consumer.stats), mem=mem)
     consumer.close(StopReason.DONE)
     return 0

@@ -1,17 +1,18 @@
 """The data plane: slot rings between producers (target workers) and consumers (drafter workers).
 
 docs/ARCHITECTURE.md, The data plane, in code. A producer owns K fixed-shape slots (one ring, exported once per producer
-incarnation, announced with its *epoch*); consumers import each ring once per (producer, epoch)
+incarnation, announced with its *incarnation id*); consumers import each ring once per (producer, incarnation)
 and copy each READY slot into their own static buffer, then return the credit (FREE).
 
 =====================  ======================================================================
 module                 job
 =====================  ======================================================================
 ``layout``             :data:`SlotSpec` → :class:`SlotLayout` (named views into one byte buffer)
+``codec``              one msgpack codec of typed dataclass messages (shared with the control plane)
 ``messages``           typed, versioned msgpack messages (HELLO, SLOTS, READY, FREE, HEARTBEAT, STOP)
 ``carriers``           ``cuda_ipc`` (CUDA IPC handles + interprocess events), ``shm`` (memfd
                        passed over a unix socket), ``tcp`` (slot bytes in zmq frames)
-``producer``           :class:`Producer`: acquire → fill → publish(slot, consumer, batch_id, meta)
+``producer``           :class:`Producer`: acquire → fill → publish(slot, consumer, job_key, meta)
 ``consumer``           :class:`Consumer`: receive() → :class:`Received` (tensors in its own buffer)
 =====================  ======================================================================
 
@@ -22,24 +23,24 @@ Usage (one loop per process; see :mod:`.producer` and :mod:`.consumer` for the f
                  spec, num_slots=2, device="cuda:0")               spec, device="cuda:5")
     slot = p.acquire(timeout=1.0)                      got = c.receive(timeout=1.0)   # Received | None
     fill(p.slots[slot])              # current stream  train(got.tensors)  # own static buffer
-    p.publish(slot, "drafter.0", batch_id, meta)       # poll c.sockets in your zmq.Poller with
+    p.publish(slot, "drafter.0", job_key, meta)       # poll c.sockets in your zmq.Poller with
     lost = p.lost_batches()          # re-assign them  # your coordinator socket; call c.poll(0)
 
 Design decisions (the pitfalls they avoid in brackets)
 
-* **Epochs.** Every process incarnation has an epoch (ms timestamp << 20 | random bits: later
-  starts are larger). Every message carries its sender's epoch; READY and FREE carry both sides'.
-  Older epochs are rejected as stale (logged, never fatal); a newer producer epoch makes the
+* **Incarnations.** Every process incarnation has an id (ms timestamp << 20 | random bits: later
+  starts are larger). Every message carries its sender's incarnation; READY and FREE carry both sides'.
+  Older incarnations are rejected as stale (logged, never fatal); a newer producer incarnation makes the
   consumer drop the old ring before touching anything of the new one [a dead producer's handles
-  are invalid]; a newer consumer epoch in HELLO resets that consumer's credits.
+  are invalid]; a newer consumer incarnation in HELLO resets that consumer's credits.
 * **Credits.** A slot is free, acquired or in flight to exactly one consumer; only the FREE of that
   consumer, for that slot's current fill *generation*, returns it. A stale or duplicated FREE or
   READY is rejected loudly. In-flight slots of a consumer that restarts, sends STOP, is evicted
   after ``peer_timeout_s`` of silence (it is told so: STOP ``evicted``) or is
-  :meth:`Producer.evict`-ed come back to the pool and their batch ids are reported as
+  :meth:`Producer.evict`-ed come back to the pool and their job keys are reported as
   :class:`LostBatch`; batches are deterministic, so the coordinator just re-assigns them.
 * **CUDA IPC.** One export per producer incarnation [each ``reduce_tensor`` is a separate
-  refcount], one import per (producer, epoch) per consumer, fields as msgpack (no pickle); slot
+  refcount], one import per (producer, incarnation) per consumer, fields as msgpack (no pickle); slot
   memory allocated with ``expandable_segments`` off [pidfd_getfd is EPERM in containers]; one
   interprocess event per slot, recorded after each fill, opened on the consumer's **own** device
   [opening on the producer's device hung] and waited on the consumer's stream before each copy [a
@@ -59,9 +60,9 @@ Design decisions (the pitfalls they avoid in brackets)
 
 Routing: each producer binds one ROUTER endpoint (``ipc://`` in the run dir, or ``tcp://``); every
 consumer connects a DEALER (identity = its name, e.g. ``drafter.0``) to every producer. A READY is
-addressed to one named consumer. A consumer restart (newer consumer epoch in HELLO) resets the
+addressed to one named consumer. A consumer restart (newer consumer incarnation in HELLO) resets the
 credits of the slots in flight to it and reports their batch ids (:class:`LostBatch`); a producer
-restart (newer producer epoch) makes every consumer drop the old ring and import the new one.
+restart (newer producer incarnation) makes every consumer drop the old ring and import the new one.
 """
 
 from .carriers import CARRIERS, TransportError

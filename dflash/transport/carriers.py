@@ -2,14 +2,14 @@
 
 One protocol, three carriers (docs/ARCHITECTURE.md, The data plane). A producer owns a *ring*: one ``[K, slot_nbytes]``
 uint8 buffer (K slots, each laid out by :class:`~dflash.transport.layout.SlotLayout`), allocated
-and exported **once** per producer incarnation. A consumer *imports* it once per (producer, epoch)
+and exported **once** per producer incarnation. A consumer *imports* it once per (producer, incarnation)
 and copies one slot at a time into its own buffer.
 
 ``cuda_ipc`` (GPU, same host)
     The ring is one CUDA allocation, exported with
     ``torch.multiprocessing.reductions.reduce_tensor``; its fields travel as msgpack
     (:class:`~dflash.transport.messages.CudaExport`), never pickle. The consumer rebuilds it with
-    ``rebuild_cuda_tensor`` once per (producer, epoch) — each ``reduce_tensor`` call is a separate
+    ``rebuild_cuda_tensor`` once per (producer, incarnation) — each ``reduce_tensor`` call is a separate
     reference count (vLLM #51258), so the producer exports once and every consumer imports once.
     One interprocess CUDA event per slot, recorded after every fill; the consumer opens each event
     handle once **on its own device** (opening it on the producer's device hung on an H200) and
@@ -80,7 +80,7 @@ FD_SEND_TIMEOUT_S = 2.0
 FD_RECV_TIMEOUT_S = 5.0
 #: Pending connections on a consumer's fd socket.
 FD_BACKLOG = 64
-#: Largest fd-passing header (msgpack ``[version, producer, epoch, nbytes]``).
+#: Largest fd-passing header (msgpack ``[version, producer, incarnation, nbytes]``).
 FD_HEADER_MAX = 4096
 #: Abstract unix socket names are limited to 107 bytes (108 with the leading NUL).
 UNIX_NAME_MAX = 107
@@ -201,7 +201,7 @@ class ProducerRing:
         """Carrier fields of the SLOTS message (``cuda``, ``events``)."""
         return {}
 
-    def on_hello(self, hello: Hello, producer: str, epoch: int) -> None:
+    def on_hello(self, hello: Hello, producer: str, incarnation: int) -> None:
         """Per-consumer set-up before SLOTS is sent (shm: hand over the memfd).
 
         Raises:
@@ -288,10 +288,10 @@ class ShmRing(ProducerRing):
         self._mm = mmap.mmap(self.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return torch.frombuffer(self._mm, dtype=torch.uint8).view(self.num_slots, self.layout.nbytes)
 
-    def on_hello(self, hello: Hello, producer: str, epoch: int) -> None:
+    def on_hello(self, hello: Hello, producer: str, incarnation: int) -> None:
         if not hello.fd_socket:
             raise TransportError(f"{hello.sender} announced no fd socket for the shm carrier")
-        header = msgpack.packb([PROTOCOL_VERSION, producer, epoch, self.num_slots * self.layout.nbytes])
+        header = msgpack.packb([PROTOCOL_VERSION, producer, incarnation, self.num_slots * self.layout.nbytes])
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(FD_SEND_TIMEOUT_S)
@@ -354,13 +354,13 @@ def make_ring(carrier: str, layout: SlotLayout, num_slots: int, device: torch.de
 class FdMailbox:
     """A consumer's abstract unix socket where producers drop the memfd of their ring.
 
-    Producers connect and send ``[version, producer, epoch, nbytes]`` plus one descriptor
-    (``SCM_RIGHTS``); the mailbox keeps the latest descriptor per (producer, epoch) until
+    Producers connect and send ``[version, producer, incarnation, nbytes]`` plus one descriptor
+    (``SCM_RIGHTS``); the mailbox keeps the latest descriptor per (producer, incarnation) until
     :meth:`take` claims it, and closes superseded ones.
     """
 
-    def __init__(self, owner: str, epoch: int):
-        name = f"dflash-fds/{owner}/{epoch}/{os.getpid()}"
+    def __init__(self, owner: str, incarnation: int):
+        name = f"dflash-fds/{owner}/{incarnation}/{os.getpid()}"
         if len(name) > UNIX_NAME_MAX:
             name = name[-UNIX_NAME_MAX:]
         self.address = name
@@ -368,7 +368,7 @@ class FdMailbox:
         self.sock.bind("\0" + name)
         self.sock.listen(FD_BACKLOG)
         self.sock.setblocking(False)
-        #: (producer, epoch) → (fd, nbytes, sender pid)
+        #: (producer, incarnation) → (fd, nbytes, sender pid)
         self._fds: dict[tuple[str, int], tuple[int, int, int]] = {}
 
     def _drain(self) -> None:
@@ -388,7 +388,7 @@ class FdMailbox:
             finally:
                 conn.close()
             try:
-                version, producer, epoch, nbytes = msgpack.unpackb(data, raw=False)
+                version, producer, incarnation, nbytes = msgpack.unpackb(data, raw=False)
                 ok = version == PROTOCOL_VERSION and isinstance(producer, str) and len(fds) == 1
             except (ValueError, TypeError, msgpack.UnpackException) as exc:
                 ok, producer = False, f"pid {pid}"
@@ -397,13 +397,13 @@ class FdMailbox:
                 for fd in fds:
                     os.close(fd)
                 continue
-            old = self._fds.pop((producer, epoch), None)
+            old = self._fds.pop((producer, incarnation), None)
             if old is not None:
                 os.close(old[0])
-            self._fds[(producer, epoch)] = (fds[0], int(nbytes), pid)
+            self._fds[(producer, incarnation)] = (fds[0], int(nbytes), pid)
 
-    def take(self, producer: str, epoch: int, pid: int, nbytes: int, timeout_s: float = FD_RECV_TIMEOUT_S) -> int:
-        """The ring's descriptor from ``producer`` incarnation ``epoch`` (the caller owns it).
+    def take(self, producer: str, incarnation: int, pid: int, nbytes: int, timeout_s: float = FD_RECV_TIMEOUT_S) -> int:
+        """The ring's descriptor from ``producer`` incarnation ``incarnation`` (the caller owns it).
 
         Raises:
             TransportError: none arrived within ``timeout_s``, or it came from another pid or
@@ -412,12 +412,12 @@ class FdMailbox:
         deadline = time.monotonic() + timeout_s
         while True:
             self._drain()
-            entry = self._fds.pop((producer, epoch), None)
+            entry = self._fds.pop((producer, incarnation), None)
             if entry is not None:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TransportError(f"no ring descriptor from {producer} (epoch {epoch}) within {timeout_s:.1f} s")
+                raise TransportError(f"no ring descriptor from {producer} (incarnation {incarnation}) within {timeout_s:.1f} s")
             select.select([self.sock], [], [], remaining)
         fd, got_nbytes, got_pid = entry
         if got_pid != pid or got_nbytes != nbytes:
@@ -426,9 +426,9 @@ class FdMailbox:
                                  f"expected pid {pid} / {nbytes} B")
         return fd
 
-    def discard_older(self, producer: str, epoch: int) -> None:
-        """Close descriptors of ``producer`` from incarnations up to ``epoch``."""
-        for key in [k for k in self._fds if k[0] == producer and k[1] <= epoch]:
+    def discard_older(self, producer: str, incarnation: int) -> None:
+        """Close descriptors of ``producer`` from incarnations up to ``incarnation``."""
+        for key in [k for k in self._fds if k[0] == producer and k[1] <= incarnation]:
             os.close(self._fds.pop(key)[0])
 
     def close(self) -> None:
@@ -439,13 +439,13 @@ class FdMailbox:
 
 
 class ImportedRing:
-    """A producer's ring as seen by one consumer (one per (producer, epoch))."""
+    """A producer's ring as seen by one consumer (one per (producer, incarnation))."""
 
     carrier = ""
 
     def __init__(self, slots: Slots):
         self.producer = slots.sender
-        self.epoch = slots.epoch
+        self.incarnation = slots.incarnation
         self.num_slots = slots.num_slots
         self.slot_nbytes = slots.slot_nbytes
         self.producer_pid = slots.pid
@@ -571,7 +571,7 @@ class ShmImport(ImportedRing):
     def __init__(self, slots: Slots, mailbox: FdMailbox):
         super().__init__(slots)
         total = slots.num_slots * slots.slot_nbytes
-        fd = mailbox.take(slots.sender, slots.epoch, slots.pid, total)
+        fd = mailbox.take(slots.sender, slots.incarnation, slots.pid, total)
         try:
             if os.fstat(fd).st_size != total:
                 raise TransportError(f"ring memfd from {slots.sender} has {os.fstat(fd).st_size} B, expected {total}")

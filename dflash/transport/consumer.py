@@ -1,7 +1,7 @@
 """The consumer end (a drafter worker): receive filled slots from any producer into its own buffer.
 
 The consumer connects one DEALER (identity = its name) to every producer's endpoint, says HELLO,
-imports each producer's ring once per producer epoch, and turns each READY into a
+imports each producer's ring once per producer incarnation, and turns each READY into a
 :class:`Received`: the slot's tensors copied into the consumer's **own static buffer** (fixed
 addresses, so a captured CUDA graph can read them), after which the slot is freed (FREE) at once.
 
@@ -40,7 +40,7 @@ from .carriers import (CudaIpcImport, FdMailbox, ImportedRing, ShmImport, TcpImp
                        resolve_carrier)
 from .layout import SlotLayout, SlotSpec
 from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
-                       new_epoch)
+                       new_incarnation)
 from .producer import DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, SOCKET_HWM
 
 __all__ = ["Consumer", "Received"]
@@ -69,10 +69,10 @@ class Received:
     """
 
     producer: str
-    producer_epoch: int
-    batch_id: Union[int, str]
+    producer_incarnation: int
+    job_key: Union[int, str]
     meta: dict
-    slot: int
+    ring_slot: int
     generation: int
     buffer: int
     tensors: dict[str, torch.Tensor]
@@ -93,15 +93,15 @@ class _Link:
     producer: str
     endpoint: str
     socket: zmq.Socket
-    #: producer epoch of the imported ring (0 = none)
-    epoch: int = 0
-    #: newest producer epoch seen; messages of older epochs are stale
+    #: producer incarnation of the imported ring (0 = none)
+    incarnation: int = 0
+    #: newest producer incarnation seen; messages of older incarnations are stale
     newest: int = 0
     attached: bool = False
     ring: Optional[ImportedRing] = None
     last_seen: float = field(default_factory=time.monotonic)
     next_timer: float = 0.0
-    #: last generation seen per slot (this epoch)
+    #: last generation seen per slot (this incarnation)
     generations: dict[int, int] = field(default_factory=dict)
     #: slots received (READY) and not yet freed: slot → generation
     held: dict[int, int] = field(default_factory=dict)
@@ -134,7 +134,7 @@ class Consumer:
             consumer's stream forever (the READY is dropped with the dead producer's ring).
             ``False``: stream wait only (lets the copy be enqueued before the fill ends).
         context: a zmq context (default: the process-wide instance).
-        epoch: this incarnation's id (default: a new one).
+        incarnation: this incarnation's id (default: a new one).
 
     Raises:
         TransportError: a bad carrier/device combination or spec.
@@ -144,7 +144,7 @@ class Consumer:
                  device: Union[str, torch.device] = "cpu", carrier: str = "auto", *, num_buffers: int = 1,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  sync: bool = True, import_device: str = "own", host_gate: bool = True,
-                 context: Optional[zmq.Context] = None, epoch: Optional[int] = None):
+                 context: Optional[zmq.Context] = None, incarnation: Optional[int] = None):
         if peer_timeout_s <= heartbeat_s:
             raise TransportError(f"peer_timeout_s ({peer_timeout_s}) must exceed heartbeat_s ({heartbeat_s})")
         if num_buffers < 1:
@@ -155,7 +155,7 @@ class Consumer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.carrier = resolve_carrier(carrier, self.device)
         self.layout = SlotLayout(spec)
-        self.epoch = new_epoch() if epoch is None else epoch
+        self.incarnation = new_incarnation() if incarnation is None else incarnation
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
         self.sync = sync or self.device.type != "cuda"
@@ -172,7 +172,7 @@ class Consumer:
         self._pending: collections.deque[_Pending] = collections.deque()
         #: copies enqueued and not yet known complete: (done event, link, slot, generation)
         self._copies: collections.deque[tuple[Any, _Link, int, int]] = collections.deque()
-        self._mailbox = FdMailbox(name, self.epoch) if self.carrier == "shm" else None
+        self._mailbox = FdMailbox(name, self.incarnation) if self.carrier == "shm" else None
         self._closed = False
         ctx = context or zmq.Context.instance()
         self._links: dict[str, _Link] = {}
@@ -190,7 +190,7 @@ class Consumer:
             self._links[producer] = link
             self._by_socket[sock] = link
             self._poller.register(sock, zmq.POLLIN)
-        log.info("%s: consumer epoch %d, carrier %s, device %s, producers %s", name, self.epoch, self.carrier,
+        log.info("%s: consumer incarnation %d, carrier %s, device %s, producers %s", name, self.incarnation, self.carrier,
                  self.device, ", ".join(f"{p}@{e}" for p, e in producers.items()))
         self._timers()
 
@@ -202,8 +202,8 @@ class Consumer:
         return [link.socket for link in self._links.values()]
 
     def attached(self) -> dict[str, int]:
-        """``{producer: epoch}`` of the producers whose ring is imported and attached."""
-        return {p: link.epoch for p, link in self._links.items() if link.attached}
+        """``{producer: incarnation}`` of the producers whose ring is imported and attached."""
+        return {p: link.incarnation for p, link in self._links.items() if link.attached}
 
     def stopped(self) -> dict[str, str]:
         """``{producer: reason}`` of the producers that sent STOP (cleared when they re-attach)."""
@@ -238,12 +238,12 @@ class Consumer:
         only looks.
 
         Args:
-            match: ``match(batch_id, meta) -> bool``: take only a READY it accepts; the others
+            match: ``match(job_key, meta) -> bool``: take only a READY it accepts; the others
                 stay pending (their slots held) for later calls. ``None`` = the oldest.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self.poll(0)  # drain first: a STOP/EVICTED or a new epoch invalidates pending READYs
+            self.poll(0)  # drain first: a STOP/EVICTED or a new incarnation invalidates pending READYs
             item, blocked = self._pop_pending(match)
             if item is not None:
                 got = self._take(item)
@@ -274,7 +274,7 @@ class Consumer:
         for item in list(self._pending):
             if item not in self._pending:  # its ring was dropped while we looked at another one
                 continue
-            if match is not None and not match(item.msg.batch_id, item.msg.meta):
+            if match is not None and not match(item.msg.job_key, item.msg.meta):
                 continue
             ring = item.link.ring
             if self.host_gate and ring is not None and not self._fill_done(item):
@@ -286,10 +286,10 @@ class Consumer:
 
     def _fill_done(self, item: _Pending) -> bool:
         try:
-            return item.link.ring.ready(item.msg.slot)
+            return item.link.ring.ready(item.msg.ring_slot)
         except TransportError as exc:
             log.error("%s: fill event of %s slot %d unusable (%s): dropping its ring", self.name,
-                      item.link.producer, item.msg.slot, exc)
+                      item.link.producer, item.msg.ring_slot, exc)
             self._drop_ring(item.link, "fill event failed", dead=True)
             return False
 
@@ -318,7 +318,7 @@ class Consumer:
         self._flush_copies(block=True)
         for link in self._links.values():
             if link.attached:
-                self._send(link, Stop(self.name, self.epoch, reason, detail))
+                self._send(link, Stop(self.name, self.incarnation, reason, detail))
             self._drop_ring(link, "closing")
             link.socket.close(linger=CLOSE_LINGER_MS)
         if self._mailbox is not None:
@@ -368,7 +368,7 @@ class Consumer:
                 "ignored stale" if stale else "rejected", link.producer, what)
 
     def _hello(self, link: _Link) -> bool:
-        return self._send(link, Hello(self.name, self.epoch, os.getpid(), self.host, self.carrier, self.layout.digest,
+        return self._send(link, Hello(self.name, self.incarnation, os.getpid(), self.host, self.carrier, self.layout.digest,
                                self._mailbox.address if self._mailbox is not None else ""))
 
     def _handle(self, link: _Link, frames: list) -> None:
@@ -395,34 +395,34 @@ class Consumer:
         else:
             self._reject(link, f"unexpected {type(msg).__name__} (a consumer receives SLOTS, READY, HEARTBEAT, STOP)")
 
-    def _check_epoch(self, link: _Link, msg: Any) -> bool:
-        """True for a message of the attached producer epoch. An older epoch is rejected as stale;
+    def _check_incarnation(self, link: _Link, msg: Any) -> bool:
+        """True for a message of the attached producer incarnation. An older incarnation is rejected as stale;
         a newer one means the producer restarted: drop the old ring (its handles are never
         touched again) and say HELLO to the new incarnation."""
-        if msg.epoch < link.newest:
-            self._reject(link, f"{type(msg).__name__} from stale producer epoch {msg.epoch} (current {link.newest})", stale=True)
+        if msg.incarnation < link.newest:
+            self._reject(link, f"{type(msg).__name__} from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
             return False
-        if msg.epoch > link.newest:
+        if msg.incarnation > link.newest:
             if link.newest:
-                log.warning("%s: producer %s restarted (epoch %d -> %d): dropping the old ring", self.name,
-                            link.producer, link.newest, msg.epoch)
+                log.warning("%s: producer %s restarted (incarnation %d -> %d): dropping the old ring", self.name,
+                            link.producer, link.newest, msg.incarnation)
                 self._drop_ring(link, "producer restarted", dead=True)
-            link.newest = msg.epoch
-        if link.attached and msg.epoch == link.epoch:
+            link.newest = msg.incarnation
+        if link.attached and msg.incarnation == link.incarnation:
             return True
         self._hello(link)
         return False
 
     def _on_slots(self, link: _Link, msg: Slots) -> None:
-        if msg.consumer_epoch != self.epoch:
-            self._reject(link, f"SLOTS for stale consumer epoch {msg.consumer_epoch} (this is {self.epoch})", stale=True)
+        if msg.consumer_incarnation != self.incarnation:
+            self._reject(link, f"SLOTS for stale consumer incarnation {msg.consumer_incarnation} (this is {self.incarnation})", stale=True)
             return
-        if msg.epoch < link.newest:
-            self._reject(link, f"SLOTS from stale producer epoch {msg.epoch} (current {link.newest})", stale=True)
+        if msg.incarnation < link.newest:
+            self._reject(link, f"SLOTS from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
             return
-        link.newest = msg.epoch
+        link.newest = msg.incarnation
         link.last_seen = time.monotonic()
-        if link.attached and msg.epoch == link.epoch:
+        if link.attached and msg.incarnation == link.incarnation:
             return  # a duplicate answer to a repeated HELLO
         if msg.layout != self.layout.describe() or msg.slot_nbytes != self.layout.nbytes:
             self._reject(link, f"SLOTS layout {msg.layout} differs from this consumer's {self.layout.describe()}")
@@ -430,19 +430,19 @@ class Consumer:
         if msg.carrier != self.carrier or msg.num_slots < 1:
             self._reject(link, f"SLOTS carrier {msg.carrier} / {msg.num_slots} slots (this consumer: {self.carrier})")
             return
-        if link.ring is not None and msg.epoch != link.epoch:
+        if link.ring is not None and msg.incarnation != link.incarnation:
             self._drop_ring(link, "producer restarted", dead=True)
-        if link.ring is None:  # import once per (producer, epoch)
+        if link.ring is None:  # import once per (producer, incarnation)
             try:
                 link.ring = self._import(msg)
             except (TransportError, RuntimeError, OSError) as exc:
-                log.error("%s: cannot import the ring of %s (epoch %d): %s", self.name, link.producer, msg.epoch, exc)
+                log.error("%s: cannot import the ring of %s (incarnation %d): %s", self.name, link.producer, msg.incarnation, exc)
                 return
             self.stats["imports"] += 1
-        link.epoch = msg.epoch
+        link.incarnation = msg.incarnation
         link.attached = True
         link.stopped = ""
-        log.info("%s: attached to %s epoch %d (%d slots of %.1f MiB, %s)", self.name, link.producer, msg.epoch,
+        log.info("%s: attached to %s incarnation %d (%d slots of %.1f MiB, %s)", self.name, link.producer, msg.incarnation,
                  msg.num_slots, msg.slot_nbytes / 2**20, msg.carrier)
 
     def _import(self, msg: Slots) -> ImportedRing:
@@ -451,50 +451,50 @@ class Consumer:
         if self.carrier == "shm":
             assert self._mailbox is not None
             ring = ShmImport(msg, self._mailbox)
-            self._mailbox.discard_older(msg.sender, msg.epoch)
+            self._mailbox.discard_older(msg.sender, msg.incarnation)
             return ring
         return TcpImport(msg)
 
     def _on_ready(self, link: _Link, msg: Ready, payload: list) -> None:
-        if not self._check_epoch(link, msg):
+        if not self._check_incarnation(link, msg):
             return
         link.last_seen = time.monotonic()
-        if msg.consumer_epoch != self.epoch:
-            self._reject(link, f"READY for stale consumer epoch {msg.consumer_epoch} (this is {self.epoch})", stale=True)
+        if msg.consumer_incarnation != self.incarnation:
+            self._reject(link, f"READY for stale consumer incarnation {msg.consumer_incarnation} (this is {self.incarnation})", stale=True)
             return
         assert link.ring is not None
-        if not 0 <= msg.slot < link.ring.num_slots:
-            self._reject(link, f"READY for slot {msg.slot} (ring of {link.ring.num_slots})")
+        if not 0 <= msg.ring_slot < link.ring.num_slots:
+            self._reject(link, f"READY for slot {msg.ring_slot} (ring of {link.ring.num_slots})")
             return
-        last = link.generations.get(msg.slot, 0)
-        if msg.generation <= last or msg.slot in link.held:
-            self._reject(link, f"stale READY for slot {msg.slot}: generation {msg.generation} (last seen {last}"
-                         f"{', slot not freed yet' if msg.slot in link.held else ''}), batch {msg.batch_id!r}")
+        last = link.generations.get(msg.ring_slot, 0)
+        if msg.generation <= last or msg.ring_slot in link.held:
+            self._reject(link, f"stale READY for slot {msg.ring_slot}: generation {msg.generation} (last seen {last}"
+                         f"{', slot not freed yet' if msg.ring_slot in link.held else ''}), batch {msg.job_key!r}")
             return
         expected_frames = 1 if self.carrier == "tcp" else 0
         if len(payload) != expected_frames:
             self._reject(link, f"READY with {len(payload)} payload frame(s), expected {expected_frames}")
             return
-        link.generations[msg.slot] = msg.generation
-        link.held[msg.slot] = msg.generation
+        link.generations[msg.ring_slot] = msg.generation
+        link.held[msg.ring_slot] = msg.generation
         self._pending.append(_Pending(link, msg, payload))
 
     def _on_heartbeat(self, link: _Link, msg: Heartbeat) -> None:
-        if not self._check_epoch(link, msg):
+        if not self._check_incarnation(link, msg):
             return
         link.last_seen = time.monotonic()
-        if msg.peer_epoch != self.epoch:  # the producer lost track of us: attach again
+        if msg.peer_incarnation != self.incarnation:  # the producer lost track of us: attach again
             self._hello(link)
 
     def _on_stop(self, link: _Link, msg: Stop) -> None:
-        if msg.epoch < link.newest:
-            self._reject(link, f"STOP from stale producer epoch {msg.epoch} (current {link.newest})", stale=True)
+        if msg.incarnation < link.newest:
+            self._reject(link, f"STOP from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
             return
         level = logging.INFO if msg.reason == StopReason.DONE else logging.ERROR
         log.log(level, "%s: %s sent STOP (%s%s)", self.name, link.producer, msg.reason,
                 f": {msg.detail}" if msg.detail else "")
-        if msg.reason == StopReason.EVICTED and msg.epoch == link.epoch:
-            # Same incarnation: keep the import (cached per epoch), forget what was in flight.
+        if msg.reason == StopReason.EVICTED and msg.incarnation == link.incarnation:
+            # Same incarnation: keep the import (cached per incarnation), forget what was in flight.
             self._forget_in_flight(link, "evicted")
             link.attached = False
             self._hello(link)
@@ -503,7 +503,7 @@ class Consumer:
         self._drop_ring(link, f"producer sent STOP ({msg.reason})")
 
     def _forget_in_flight(self, link: _Link, why: str) -> None:
-        dropped = [p.msg.batch_id for p in self._pending if p.link is link]
+        dropped = [p.msg.job_key for p in self._pending if p.link is link]
         if dropped:
             log.warning("%s: dropping %d pending batch(es) from %s (%s): %s", self.name, len(dropped),
                         link.producer, why, dropped)
@@ -530,12 +530,12 @@ class Consumer:
             ring.close()
             if dead:
                 ring.cleanup_dead_producer()
-            log.info("%s: released the ring of %s epoch %d (%s)", self.name, link.producer, link.epoch, why)
-        link.epoch = 0
+            log.info("%s: released the ring of %s incarnation %d (%s)", self.name, link.producer, link.incarnation, why)
+        link.incarnation = 0
 
     def _take(self, item: _Pending) -> Optional[Received]:
         link, msg = item.link, item.msg
-        if link.ring is None or not link.attached or link.epoch != msg.epoch:
+        if link.ring is None or not link.attached or link.incarnation != msg.incarnation:
             return None  # its producer incarnation was dropped meanwhile
         ipc = link.ring.carrier == "cuda_ipc"
         if ipc and link.ring.producer_gone():  # never read the memory of a dead producer
@@ -546,33 +546,33 @@ class Consumer:
         self._next_buffer = (index + 1) % self.buffers.shape[0]
         dst = self.buffers[index]  # copies into one buffer are ordered by the stream
         try:
-            link.ring.copy_slot(msg.slot, item.frames, dst)
+            link.ring.copy_slot(msg.ring_slot, item.frames, dst)
         except TransportError as exc:
             self._reject(link, str(exc))
-            link.held.pop(msg.slot, None)
+            link.held.pop(msg.ring_slot, None)
             return None
         if self.device.type == "cuda":
             done = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-            self._copies.append((done, link, msg.slot, msg.generation))
+            self._copies.append((done, link, msg.ring_slot, msg.generation))
             self._flush_copies(block=self.sync)
             if ipc and self.sync and link.ring is not None and link.ring.producer_gone():
                 # it died while we copied: the bytes may be garbage, do not hand them out
                 self._drop_ring(link, "producer died during a copy", dead=True)
                 return None
         else:
-            self._free(link, msg.slot, msg.generation)
+            self._free(link, msg.ring_slot, msg.generation)
         self.stats["received"] += 1
         # host seconds spent taking slots: the copy until complete with ``sync``, its launch otherwise
         self.stats["copy_s"] += time.perf_counter() - started
-        return Received(link.producer, msg.epoch, msg.batch_id, msg.meta, msg.slot, msg.generation, index,
+        return Received(link.producer, msg.incarnation, msg.job_key, msg.meta, msg.ring_slot, msg.generation, index,
                         self._views[index])
 
     def _free(self, link: _Link, slot: int, generation: int) -> None:
         if link.held.get(slot) != generation:
             return
         del link.held[slot]
-        self._send(link, Free(self.name, self.epoch, link.epoch, slot, generation))
+        self._send(link, Free(self.name, self.incarnation, link.incarnation, slot, generation))
 
     def _flush_copies(self, block: bool, wait_oldest: bool = False) -> None:
         """Send FREE for every finished copy, in order (``block``: wait for all of them;
@@ -604,7 +604,7 @@ class Consumer:
                 self._drop_ring(link, "timeout", dead=True)
             if now >= link.next_timer:
                 if link.attached:
-                    self._send(link, Heartbeat(self.name, self.epoch, link.epoch))
+                    self._send(link, Heartbeat(self.name, self.incarnation, link.incarnation))
                     link.next_timer = now + self.heartbeat_s
                 else:
                     sent = self._hello(link)

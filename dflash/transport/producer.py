@@ -10,14 +10,14 @@ consumer's name. Everything runs in the caller's thread: :meth:`Producer.poll` (
         if slot is None:
             continue
         fill(producer.slots[slot])                     # on the current CUDA stream
-        producer.publish(slot, consumer="drafter.1", batch_id=batch_id, meta={"epoch": e})
+        producer.publish(slot, consumer="drafter.1", job_key=job_key, meta={"data_epoch": e})
         for lost in producer.lost_batches():           # a consumer restarted / was evicted
-            reassign(lost.batch_id)
+            reassign(lost.job_key)
     producer.close()
 
 Credits: a slot is FREE, ACQUIRED (by the caller) or IN_FLIGHT (published to one consumer, until
 that consumer's FREE for that exact fill generation). A slot is never handed out again while in
-flight. A consumer restart (a HELLO with a newer consumer epoch), its STOP or its silence past
+flight. A consumer restart (a HELLO with a newer consumer incarnation), its STOP or its silence past
 ``peer_timeout_s`` returns its in-flight slots to the pool and reports their batch ids as
 :class:`LostBatch` (``on_lost`` callback and :meth:`Producer.lost_batches`).
 """
@@ -37,7 +37,7 @@ import zmq
 from .carriers import ProducerRing, TransportError, host_id, make_ring, pid_namespace, resolve_carrier
 from .layout import SlotLayout, SlotSpec
 from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
-                       new_epoch)
+                       new_incarnation)
 
 __all__ = ["Producer", "LostBatch", "PeerUnavailable", "DEFAULT_HEARTBEAT_S", "DEFAULT_PEER_TIMEOUT_S"]
 
@@ -67,8 +67,8 @@ class LostBatch:
     """
 
     consumer: str
-    batch_id: Union[int, str]
-    slot: int
+    job_key: Union[int, str]
+    ring_slot: int
     generation: int
     meta: dict
     #: ``restarted`` | ``stopped`` | ``timeout`` | ``closed``
@@ -79,7 +79,7 @@ class LostBatch:
 class _ConsumerState:
     name: str
     identity: bytes
-    epoch: int
+    incarnation: int
     last_seen: float
     attached_at: float = field(default_factory=time.monotonic)
 
@@ -88,7 +88,7 @@ class _ConsumerState:
 class _SlotState:
     state: str = _FREE
     consumer: str = ""
-    batch_id: Union[int, str] = -1
+    job_key: Union[int, str] = -1
     meta: dict = field(default_factory=dict)
     generation: int = 0
 
@@ -109,13 +109,13 @@ class Producer:
         on_lost: called with each list of :class:`LostBatch` when it is detected (they are also
             kept for :meth:`lost_batches`).
         context: a zmq context (default: the process-wide instance).
-        epoch: this incarnation's id (default :func:`~dflash.transport.messages.new_epoch`).
+        incarnation: this incarnation's id (default :func:`~dflash.transport.messages.new_incarnation`).
 
     Attributes:
         socket: the ROUTER socket; register it in a caller's ``zmq.Poller`` (``POLLIN``) and call
             :meth:`poll` when it is readable, and at least every :meth:`next_timer_s` seconds.
         endpoint: the bound endpoint (with the real port for ``tcp://host:0``).
-        epoch: this incarnation's id.
+        incarnation: this incarnation's id.
         stats: counters ``published``, ``freed``, ``rejected``, ``lost``.
 
     Raises:
@@ -126,7 +126,7 @@ class Producer:
                  device: Union[str, torch.device] = "cpu", carrier: str = "auto", *,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  on_lost: Optional[Callable[[list[LostBatch]], None]] = None,
-                 context: Optional[zmq.Context] = None, epoch: Optional[int] = None):
+                 context: Optional[zmq.Context] = None, incarnation: Optional[int] = None):
         if peer_timeout_s <= heartbeat_s:
             raise TransportError(f"peer_timeout_s ({peer_timeout_s}) must exceed heartbeat_s ({heartbeat_s})")
         self.name = name
@@ -134,7 +134,7 @@ class Producer:
         self.carrier = resolve_carrier(carrier, self.device)
         self.layout = SlotLayout(spec)
         self.num_slots = num_slots
-        self.epoch = new_epoch() if epoch is None else epoch
+        self.incarnation = new_incarnation() if incarnation is None else incarnation
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
         self.on_lost = on_lost
@@ -167,7 +167,7 @@ class Producer:
             self._ring.close()
             raise TransportError(f"{name}: cannot bind {endpoint}: {exc}") from None
         self.endpoint = endpoint
-        log.info("%s: producer epoch %d on %s, %d x %.1f MiB slots, carrier %s, device %s", name, self.epoch,
+        log.info("%s: producer incarnation %d on %s, %d x %.1f MiB slots, carrier %s, device %s", name, self.incarnation,
                  endpoint, num_slots, self.layout.nbytes / 2**20, self.carrier, self.device)
 
     # ------------------------------------------------------------------ public API
@@ -187,8 +187,8 @@ class Producer:
         return len(self._free)
 
     def in_flight(self) -> dict[int, tuple[str, Union[int, str]]]:
-        """``{slot: (consumer, batch_id)}`` of the slots published and not yet freed."""
-        return {i: (s.consumer, s.batch_id) for i, s in enumerate(self._slots) if s.state == _IN_FLIGHT}
+        """``{slot: (consumer, job_key)}`` of the slots published and not yet freed."""
+        return {i: (s.consumer, s.job_key) for i, s in enumerate(self._slots) if s.state == _IN_FLIGHT}
 
     def acquire(self, timeout: Optional[float] = None) -> Optional[int]:
         """A free slot for the caller to fill, or ``None`` when none frees within ``timeout`` s.
@@ -219,14 +219,15 @@ class Producer:
         self._slots[slot].state = _FREE
         self._free.append(slot)
 
-    def publish(self, slot: int, consumer: str, batch_id: Union[int, str], meta: Optional[dict] = None,
+    def publish(self, slot: int, consumer: str, job_key: Union[int, str], meta: Optional[dict] = None,
                 stream: Optional[Any] = None) -> int:
         """Hand the filled slot to ``consumer``: record the fill event (CUDA), send READY.
 
         Args:
             slot: a slot returned by :meth:`acquire` and filled on ``stream``.
             consumer: the attached consumer's name (``drafter.1``).
-            batch_id: the batch's id (int or str), reported back in :class:`LostBatch`.
+            job_key: the job's key (the coordinator's job key, or any int or str id the caller chooses),
+                reported back in :class:`LostBatch`.
             meta: plain msgpack data for the consumer (no tensors).
             stream: the CUDA stream that filled the slot (default: the current stream).
         Returns:
@@ -244,17 +245,17 @@ class Producer:
         generation = state.generation + 1
         meta = dict(meta or {})
         try:
-            header = encode(Ready(self.name, self.epoch, peer.epoch, slot, generation, batch_id, meta,
+            header = encode(Ready(self.name, self.incarnation, peer.incarnation, slot, generation, job_key, meta,
                                   self.layout.nbytes if self.carrier == "tcp" else 0))
         except MessageError as exc:
-            raise TransportError(f"{self.name}: cannot publish batch {batch_id!r}: {exc}") from None
+            raise TransportError(f"{self.name}: cannot publish batch {job_key!r}: {exc}") from None
         self._ring.mark_filled(slot, stream)
         frames = [peer.identity, header, *self._ring.payload(slot, stream)]
         try:
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == _ROUTER_FRAMES)
         except zmq.ZMQError as exc:
             raise PeerUnavailable(f"{self.name}: cannot send READY to {consumer}: {exc}") from None
-        state.state, state.consumer, state.batch_id, state.meta = _IN_FLIGHT, consumer, batch_id, meta
+        state.state, state.consumer, state.job_key, state.meta = _IN_FLIGHT, consumer, job_key, meta
         state.generation = generation
         self.stats["published"] += 1
         return generation
@@ -302,7 +303,7 @@ class Producer:
             return
         self._closed = True
         for peer in list(self._consumers.values()):
-            self._send(peer.identity, Stop(self.name, self.epoch, reason, detail))
+            self._send(peer.identity, Stop(self.name, self.incarnation, reason, detail))
         self.socket.close(linger=100)
         self._ring.close()
         log.info("%s: producer closed (%s): %d published", self.name, reason, self.stats["published"])
@@ -365,8 +366,8 @@ class Producer:
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         known = self._consumers.get(msg.sender)
-        if known is not None and msg.epoch < known.epoch:
-            self._reject(msg.sender, f"HELLO with stale consumer epoch {msg.epoch} (current {known.epoch})", stale=True)
+        if known is not None and msg.incarnation < known.incarnation:
+            self._reject(msg.sender, f"HELLO with stale consumer incarnation {msg.incarnation} (current {known.incarnation})", stale=True)
             return
         problem = ""
         if msg.carrier != self.carrier:
@@ -377,66 +378,66 @@ class Producer:
             problem = f"host {msg.host} != {self.host}: {self.carrier} needs the same host (use tcp)"
         if problem:
             self._reject(msg.sender, f"incompatible HELLO: {problem}")
-            self._send(identity, Stop(self.name, self.epoch, StopReason.INCOMPATIBLE, problem))
+            self._send(identity, Stop(self.name, self.incarnation, StopReason.INCOMPATIBLE, problem))
             return
-        if known is not None and msg.epoch > known.epoch:
-            log.warning("%s: consumer %s restarted (epoch %d -> %d)", self.name, msg.sender, known.epoch, msg.epoch)
+        if known is not None and msg.incarnation > known.incarnation:
+            log.warning("%s: consumer %s restarted (incarnation %d -> %d)", self.name, msg.sender, known.incarnation, msg.incarnation)
             self._drop_consumer(msg.sender, "restarted")
             known = None
         try:
-            self._ring.on_hello(msg, self.name, self.epoch)
+            self._ring.on_hello(msg, self.name, self.incarnation)
         except TransportError as exc:
             log.error("%s: cannot attach %s: %s", self.name, msg.sender, exc)
             return
         now = time.monotonic()
         if known is None:
-            self._consumers[msg.sender] = _ConsumerState(msg.sender, identity, msg.epoch, now)
-            log.info("%s: consumer %s attached (epoch %d, pid %d)", self.name, msg.sender, msg.epoch, msg.pid)
+            self._consumers[msg.sender] = _ConsumerState(msg.sender, identity, msg.incarnation, now)
+            log.info("%s: consumer %s attached (incarnation %d, pid %d)", self.name, msg.sender, msg.incarnation, msg.pid)
         else:
             known.last_seen = now
-        slots = Slots(self.name, self.epoch, msg.epoch, os.getpid(), self.host, pid_namespace(), self.carrier,
+        slots = Slots(self.name, self.incarnation, msg.incarnation, os.getpid(), self.host, pid_namespace(), self.carrier,
                       self.num_slots,
                       self.layout.nbytes, self.layout.describe(), **self._export)
         self._send(identity, slots)
 
     def _on_free(self, msg: Free) -> None:
         peer = self._consumers.get(msg.sender)
-        if msg.producer_epoch != self.epoch:
-            self._reject(msg.sender, f"FREE for stale producer epoch {msg.producer_epoch} (current {self.epoch})", stale=True)
+        if msg.producer_incarnation != self.incarnation:
+            self._reject(msg.sender, f"FREE for stale producer incarnation {msg.producer_incarnation} (current {self.incarnation})", stale=True)
             return
-        if peer is None or peer.epoch != msg.epoch:
-            have = "unknown" if peer is None else str(peer.epoch)
-            self._reject(msg.sender, f"FREE from stale consumer epoch {msg.epoch} (attached: {have})", stale=True)
+        if peer is None or peer.incarnation != msg.incarnation:
+            have = "unknown" if peer is None else str(peer.incarnation)
+            self._reject(msg.sender, f"FREE from stale consumer incarnation {msg.incarnation} (attached: {have})", stale=True)
             return
         peer.last_seen = time.monotonic()
-        if not 0 <= msg.slot < self.num_slots:
-            self._reject(msg.sender, f"FREE of slot {msg.slot} (ring of {self.num_slots})")
+        if not 0 <= msg.ring_slot < self.num_slots:
+            self._reject(msg.sender, f"FREE of slot {msg.ring_slot} (ring of {self.num_slots})")
             return
-        state = self._slots[msg.slot]
+        state = self._slots[msg.ring_slot]
         if state.state != _IN_FLIGHT or state.consumer != msg.sender or state.generation != msg.generation:
-            self._reject(msg.sender, f"stale FREE of slot {msg.slot} generation {msg.generation} (slot is "
+            self._reject(msg.sender, f"stale FREE of slot {msg.ring_slot} generation {msg.generation} (slot is "
                          f"{state.state}, generation {state.generation}, consumer {state.consumer or '-'})")
             return
         state.state, state.consumer, state.meta = _FREE, "", {}
-        self._free.append(msg.slot)
+        self._free.append(msg.ring_slot)
         self.stats["freed"] += 1
 
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         peer = self._consumers.get(msg.sender)
-        if peer is not None and peer.epoch == msg.epoch and msg.peer_epoch == self.epoch:
+        if peer is not None and peer.incarnation == msg.incarnation and msg.peer_incarnation == self.incarnation:
             peer.last_seen = time.monotonic()
             return
-        if peer is not None and msg.epoch < peer.epoch:
-            self._reject(msg.sender, f"HEARTBEAT from stale consumer epoch {msg.epoch} (current {peer.epoch})", stale=True)
+        if peer is not None and msg.incarnation < peer.incarnation:
+            self._reject(msg.sender, f"HEARTBEAT from stale consumer incarnation {msg.incarnation} (current {peer.incarnation})", stale=True)
             return
-        # The consumer knows another incarnation of us, or we do not know it: tell it our epoch;
+        # The consumer knows another incarnation of us, or we do not know it: tell it our incarnation;
         # it answers with HELLO.
-        self._send(identity, Heartbeat(self.name, self.epoch, peer.epoch if peer else 0))
+        self._send(identity, Heartbeat(self.name, self.incarnation, peer.incarnation if peer else 0))
 
     def _on_stop(self, msg: Stop) -> None:
         peer = self._consumers.get(msg.sender)
-        if peer is None or peer.epoch != msg.epoch:
-            self._reject(msg.sender, f"STOP from unknown or stale consumer epoch {msg.epoch}", stale=True)
+        if peer is None or peer.incarnation != msg.incarnation:
+            self._reject(msg.sender, f"STOP from unknown or stale consumer incarnation {msg.incarnation}", stale=True)
             return
         log.info("%s: consumer %s stopped (%s%s)", self.name, msg.sender, msg.reason,
                  f": {msg.detail}" if msg.detail else "")
@@ -447,13 +448,13 @@ class Producer:
         lost = []
         for i, s in enumerate(self._slots):
             if s.state == _IN_FLIGHT and s.consumer == name:
-                lost.append(LostBatch(name, s.batch_id, i, s.generation, s.meta, reason))
+                lost.append(LostBatch(name, s.job_key, i, s.generation, s.meta, reason))
                 s.state, s.consumer, s.meta = _FREE, "", {}
                 self._free.append(i)
         if lost:
             self.stats["lost"] += len(lost)
             log.warning("%s: %d batch(es) in flight to %s lost (%s): %s", self.name, len(lost), name, reason,
-                        [b.batch_id for b in lost])
+                        [b.job_key for b in lost])
             self._lost.extend(lost)
             if self.on_lost is not None:
                 self.on_lost(lost)
@@ -464,10 +465,10 @@ class Producer:
         for peer in list(self._consumers.values()):
             if now - peer.last_seen > self.peer_timeout_s:
                 log.warning("%s: consumer %s silent for %.1f s: evicted", self.name, peer.name, now - peer.last_seen)
-                self._send(peer.identity, Stop(self.name, self.epoch, StopReason.EVICTED,
+                self._send(peer.identity, Stop(self.name, self.incarnation, StopReason.EVICTED,
                                                f"silent for more than {self.peer_timeout_s} s"))
                 self._drop_consumer(peer.name, "timeout")
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
             for peer in self._consumers.values():
-                self._send(peer.identity, Heartbeat(self.name, self.epoch, peer.epoch))
+                self._send(peer.identity, Heartbeat(self.name, self.incarnation, peer.incarnation))

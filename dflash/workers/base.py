@@ -22,7 +22,9 @@ import zmq
 
 from dflash.config import RunConfig, load_config, resolve_device
 from dflash.logs import setup_logging
-from dflash.workers.control import Incarnation, WorkerLink, encode, set_parent_death_signal
+from dflash.transport.messages import new_incarnation
+from dflash.workers.control import WorkerLink, set_parent_death_signal
+from dflash.workers.messages import CODEC, Failed, Heartbeat, Hello
 
 __all__ = ["WorkerContext", "WorkerStop", "start_worker", "run_worker", "memory_gib"]
 
@@ -52,7 +54,9 @@ class WorkerContext:
     run_dir: Path
     device: torch.device
     link: WorkerLink
-    incarnation: Incarnation
+    #: this process's incarnation id (:func:`~dflash.transport.messages.new_incarnation`), the same on
+    #: the control plane and the data plane
+    incarnation: int
     resume_from: Optional[Path]
     stats: dict
     endpoint: Optional[str] = None
@@ -85,7 +89,7 @@ def _heartbeat(endpoint: str, name: str, period_s: float, stop: threading.Event,
         snapshot = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
         snapshot["mem_gib"] = memory_gib(device)
         try:
-            sock.send(encode("heartbeat", name=name, stats=snapshot), zmq.NOBLOCK)
+            sock.send(CODEC.encode(Heartbeat(stats=snapshot, name=name)), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
     sock.close(linger=0)
@@ -126,8 +130,8 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
         device = torch.device("cpu")
         torch.set_num_threads(_cpu_threads(cfg, role))
     link = WorkerLink(args.control, name)
-    inc = Incarnation.now()
-    link.send("hello", role=role, rank=args.rank, pid=os.getpid(), incarnation=inc.id)
+    inc = new_incarnation()
+    link.send(Hello(role=role, rank=args.rank, pid=os.getpid(), incarnation=inc))
     stats: dict = {}
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(args.control, name, cfg.transport.heartbeat_s, stop, stats, device),
@@ -163,7 +167,7 @@ def run_worker(role: str, build: Callable[[WorkerContext], Any], argv: Optional[
         raise
     except Exception as exc:  # noqa: BLE001 - report any failure to the coordinator, then exit non-zero
         log.exception("%s worker failed", role)
-        ctx.link.send("failed", error=f"{type(exc).__name__}: {exc}")
+        ctx.link.send(Failed(error=f"{type(exc).__name__}: {exc}"))
         return 1
     finally:
         if worker is not None:

@@ -1,22 +1,23 @@
 """Control plane between the coordinator and the workers: typed msgpack messages over ZeroMQ.
 
 The coordinator binds one ROUTER socket; each worker connects a DEALER whose identity is its
-name (``target.0``, ``drafter.1``). Messages carry no tensors (tensors travel through
-:mod:`dflash.transport`). Every message is a msgpack map ``{"v": VERSION, "type": ..., **fields}``;
-a message that does not decode, has another version or an unknown type raises
-:class:`ControlError`, which receivers log (naming the sender) and drop.
+name (``target.0``, ``drafter.1``). The messages are the dataclasses of
+:mod:`dflash.workers.messages`, encoded by the shared codec; a message that does not decode, has
+another version, an unknown kind or a mistyped field raises :class:`ControlError`, which
+receivers log (naming the sender) and drop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-import msgpack
 import zmq
+
+from dflash.workers.messages import BY_KIND, CODEC, CONTROL_VERSION, ControlError, ControlMessage
 
 __all__ = [
     "CONTROL_VERSION",
@@ -30,77 +31,45 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CONTROL_VERSION = 1
 
-#: Message types and the fields each must carry.
-MESSAGE_FIELDS: dict[str, tuple[str, ...]] = {
-    # worker -> coordinator
-    "hello": ("name", "role", "rank", "pid", "incarnation"),
-    "ready": ("name", "info"),
-    "produced": ("name", "key", "epoch", "batch_id", "split", "drafter", "seconds", "tokens"),
-    "dropped": ("name", "key", "reason"),
-    "received": ("name", "key"),
-    "trained": ("name", "attempt", "step", "epoch", "batch_id", "metrics"),
-    "evaluated": ("name", "attempt", "round", "sums"),
-    "checkpointed": ("name", "step", "path"),
-    "heartbeat": ("name", "stats"),
-    "failed": ("name", "error"),
-    "bye": ("name",),
-    # coordinator -> worker
-    "targets": ("endpoints",),
-    "produce": ("key", "epoch", "batch_id", "split", "drafter"),
-    "flush": ("drafters",),
-    "train": ("attempt", "step", "epoch", "batch_id", "key", "checkpoint"),
-    "evaluate": ("attempt", "round", "batch_ids", "keys", "step"),
-    "save": ("step",),
-    "stop": ("reason",),
-    # command-line client <-> coordinator (python -m launch.cluster status | restart | stop | attach)
-    "ctl": ("cmd", "args"),
-    "ctl_reply": ("ok", "text", "data"),
-}
-
-
-class ControlError(ValueError):
-    """A control message that cannot be accepted (undecodable, wrong version, unknown type, missing field)."""
-
-
-def encode(kind: str, **fields: Any) -> bytes:
-    """Encode one control message.
-
-    Raises:
-        ControlError: unknown ``kind`` or a required field missing (guarded at the send).
-    """
-    required = MESSAGE_FIELDS.get(kind)
-    if required is None:
+def _message(kind: Union[str, ControlMessage], fields: dict) -> ControlMessage:
+    if isinstance(kind, ControlMessage):
+        if fields:
+            raise ControlError(f"{type(kind).__name__}: fields given twice ({sorted(fields)})")
+        return kind
+    cls = BY_KIND.get(kind)
+    if cls is None:
         raise ControlError(f"unknown message type {kind!r}")
-    missing = [f for f in required if f not in fields]
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        raise ControlError(f"{cls.__name__}: unknown field(s) {unknown} (fields: {names})")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in fields
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ControlError(f"{kind}: missing field(s) {missing}")
-    return msgpack.packb({"v": CONTROL_VERSION, "type": kind, **fields}, use_bin_type=True)
+    return cls(**fields)
 
 
-def decode(frame: bytes) -> dict:
-    """Decode and check one control message.
+def encode(kind: Union[str, ControlMessage], **fields: Any) -> bytes:
+    """Encode one control message: a message object, or its kind and fields
+    (``encode("ctl", cmd="status", args={})``).
 
     Raises:
-        ControlError: not msgpack, not a map, another version, unknown type, missing field.
+        ControlError: an unknown kind, a missing, unknown or mistyped field (named), or a value
+            msgpack cannot carry (guarded at the send).
     """
-    try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise ControlError(f"undecodable frame of {len(frame)} bytes: {exc}") from None
-    if not isinstance(msg, dict):
-        raise ControlError(f"expected a map, got {type(msg).__name__}")
-    if msg.get("v") != CONTROL_VERSION:
-        raise ControlError(f"unsupported version {msg.get('v')!r} (expected {CONTROL_VERSION})")
-    kind = msg.get("type")
-    required = MESSAGE_FIELDS.get(kind) if isinstance(kind, str) else None
-    if required is None:
-        raise ControlError(f"unknown message type {kind!r}")
-    missing = [f for f in required if f not in msg]
-    if missing:
-        raise ControlError(f"{kind}: missing field(s) {missing}")
-    return msg
+    return CODEC.encode(_message(kind, fields))
+
+
+def decode(frame: bytes) -> ControlMessage:
+    """Decode and check one control message (read it by attribute, or as a map: ``msg["type"]``).
+
+    Raises:
+        ControlError: not msgpack, not an array, another version, an unknown kind, a wrong number
+            of fields or a mistyped field (named).
+    """
+    return CODEC.decode(frame)
 
 
 class WorkerLink:
@@ -119,10 +88,17 @@ class WorkerLink:
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.connect(endpoint)
 
-    def send(self, kind: str, **fields: Any) -> None:
-        self.socket.send(encode(kind, name=self.name, **fields) if "name" in MESSAGE_FIELDS[kind] else encode(kind, **fields))
+    def send(self, msg: ControlMessage) -> None:
+        """Send ``msg`` to the coordinator, with this worker's name as its ``name`` (when it has one).
 
-    def recv(self, timeout_s: Optional[float]) -> Optional[dict]:
+        Raises:
+            ControlError: a mistyped field (named).
+        """
+        if "name" in msg.__dataclass_fields__:  # type: ignore[attr-defined]
+            msg = dataclasses.replace(msg, name=self.name)
+        self.socket.send(CODEC.encode(msg))
+
+    def recv(self, timeout_s: Optional[float]) -> Optional[ControlMessage]:
         """Next valid message, or None after ``timeout_s`` (None = wait forever). Bad ones are logged and dropped."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -153,16 +129,22 @@ class CoordinatorSocket:
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
 
-    def send(self, worker: str, kind: str, **fields: Any) -> bool:
-        """Send to ``worker``; False (logged) when that worker is not connected."""
+    def send(self, worker: str, kind: Union[str, ControlMessage], **fields: Any) -> bool:
+        """Send a message (an object, or its kind and fields) to ``worker``; False (logged) when that
+        worker is not connected.
+
+        Raises:
+            ControlError: an unknown kind or a missing, unknown or mistyped field (named).
+        """
+        msg = _message(kind, fields)
         try:
-            self.socket.send_multipart([worker.encode(), encode(kind, **fields)])
+            self.socket.send_multipart([worker.encode(), CODEC.encode(msg)])
             return True
         except zmq.ZMQError as exc:
-            log.warning("cannot send %s to %s: %s", kind, worker, exc)
+            log.warning("cannot send %s to %s: %s", msg.TAG, worker, exc)
             return False
 
-    def recv(self, timeout_s: float) -> Optional[tuple[str, dict]]:
+    def recv(self, timeout_s: float) -> Optional[tuple[str, ControlMessage]]:
         """(sender, message) or None after ``timeout_s``; malformed messages are logged and skipped."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -199,19 +181,3 @@ def set_parent_death_signal(sig: int = 15) -> None:
         return
     if os.getppid() == 1:  # parent already gone before prctl took effect
         os._exit(1)
-
-
-@dataclass
-class Incarnation:
-    """Identity of one start of a worker: a new value at every (re)start."""
-
-    pid: int
-    started: float
-
-    @classmethod
-    def now(cls) -> "Incarnation":
-        return cls(os.getpid(), time.time())
-
-    @property
-    def id(self) -> str:
-        return f"{self.pid}-{int(self.started * 1e6)}"

@@ -6,8 +6,8 @@ embedding and LM head (only those two tensors are loaded), restore a checkpoint 
 compile and warm up the train step in this main thread (GPU), connect to every target's slot
 ring, say READY.
 
-Loop: commands arrive in the same order at every rank. ``train {step, epoch, batch_id}``: take
-that batch's slot (waiting on its fill event on CUDA), run :meth:`DrafterTrainer.step` with the
+Loop: commands arrive in the same order at every rank and are dispatched by type through one
+table. ``train {step, data epoch, batch id, job key}``: take that job's ring slot (waiting on its fill event on CUDA), run :meth:`DrafterTrainer.step` with the
 loss denominator and the gradients all-reduced over the group, all-reduce the metrics, report.
 ``evaluate``: held-out batches without gradients. ``save`` / ``train.checkpoint``: rank 0 writes
 an atomic checkpoint. ``stop``: leave.
@@ -42,6 +42,8 @@ from dflash.optim import LRSchedule
 from dflash.resume import LaunchPlan, checkpoint_position
 from dflash.schedule import DataPosition, StepPlan
 from dflash.workers.base import WorkerContext, WorkerStop, memory_gib, run_worker
+from dflash.workers.messages import (Checkpointed, ControlMessage, Evaluate, Evaluated, Ready, Received, Save, Stop,
+                                    Targets, Train, Trained)
 
 log = logging.getLogger("dflash.workers.drafter")
 
@@ -101,10 +103,10 @@ class DrafterWorker:
         warm = self.watch.arm()
         ctx.stats.update(warmup_compiles=warm.compiles, warmup_cudagraph_records=warm.cudagraph_records)
         self.consumer = None
-        #: transport keys already taken: a duplicate READY (a batch re-assigned after its first
-        #: target died while we were copying it) is discarded, freeing its slot
+        #: job keys already taken: a duplicate READY (a batch re-assigned after its first
+        #: target died while we were copying it) is discarded, freeing its ring slot
         self.consumed: set[str] = set()
-        self.commands: collections.deque[dict] = collections.deque()
+        self.commands: collections.deque[ControlMessage] = collections.deque()
         self.stats = ctx.stats
         self._last_loss: Optional[float] = None  # rank 0: the last step's training loss
         self.stats.update(trained=0, wait_s=0.0, step_s=0.0, copy_s=0.0)
@@ -181,7 +183,7 @@ class DrafterWorker:
         return seconds
 
     # ------------------------------------------------------------------ commands
-    def _next_command(self) -> dict:
+    def _next_command(self) -> ControlMessage:
         while not self.commands:
             self._report_checkpoints()
             msg = self.ctx.link.recv(1.0)
@@ -194,23 +196,23 @@ class DrafterWorker:
             msg = self.ctx.link.recv(0)
             if msg is None:
                 return
-            if msg["type"] == "stop":
-                raise WorkerStop(msg["reason"])
+            if isinstance(msg, Stop):
+                raise WorkerStop(msg.reason)
             self.commands.append(msg)
 
-    def _receive(self, key: str):
-        """The slot of transport key ``key`` (waiting for it; duplicates of taken keys are freed)."""
+    def _receive(self, job_key: str):
+        """The ring slot of ``job_key`` (waiting for it; duplicates of taken job keys are freed)."""
         started = time.perf_counter()
         copy_before = self.consumer.stats["copy_s"]
         while True:
-            while self.consumer.receive(0, match=lambda bid, meta: bid in self.consumed) is not None:
+            while self.consumer.receive(0, match=lambda key, meta: key in self.consumed) is not None:
                 log.info("discarded a duplicate batch")
-            got = self.consumer.receive(RECEIVE_SLICE_S, match=lambda bid, meta: bid == key)
+            got = self.consumer.receive(RECEIVE_SLICE_S, match=lambda key, meta: key == job_key)
             if got is not None:
                 self.stats["wait_s"] += time.perf_counter() - started
                 self.stats["copy_s"] = self.consumer.stats["copy_s"] - copy_before
-                self.consumed.add(key)
-                self.ctx.link.send("received", key=key)
+                self.consumed.add(job_key)
+                self.ctx.link.send(Received(job_key=job_key))
                 return got
             self._report_checkpoints()  # a write in flight is reported while the batch is awaited
             self._check_stop()
@@ -220,14 +222,15 @@ class DrafterWorker:
 
         tp = self.cfg.transport
         self.consumer = Consumer(self.ctx.name, endpoints, self.spec, self.device, tp.carrier,
-                                 heartbeat_s=tp.heartbeat_s, peer_timeout_s=tp.peer_timeout_s)
+                                 heartbeat_s=tp.heartbeat_s, peer_timeout_s=tp.peer_timeout_s,
+                                 incarnation=self.ctx.incarnation)
         if not self.consumer.wait_attached(timeout=ATTACH_TIMEOUT_S):
             # a target may be restarting: carry on, it attaches when it is back
             log.warning("attached to %s of %s within %.0f s; continuing", sorted(self.consumer.attached()),
                         sorted(endpoints), ATTACH_TIMEOUT_S)
 
-    def train(self, cmd: dict) -> None:
-        step, epoch, batch_id = cmd["step"], cmd["epoch"], cmd["batch_id"]
+    def train(self, cmd: Train) -> None:
+        step, epoch, batch_id = cmd.step, cmd.data_epoch, cmd.batch_id
         wait_before = self.stats["wait_s"]
         tokens = 0
         if batch_id is None:  # the epoch's last step has no batch for this rank
@@ -241,7 +244,7 @@ class DrafterWorker:
             local = torch.zeros(2 * b + 4, device=self.device)
             metrics = {"lr": lr, "grad_norm": grad_norm}
         else:
-            got = self._receive(cmd["key"])
+            got = self._receive(cmd.job_key)
             started = time.perf_counter()
             metrics = self.trainer.step(got.tensors, epoch, batch_id)
             local = LossOutput(loss_sum=metrics["loss_sum"], weight_sum=metrics["weight_sum"],
@@ -252,8 +255,8 @@ class DrafterWorker:
         total = LossOutput.from_stats_vector(self._all_reduce(local.clone()))
         step_s = time.perf_counter() - started
         self.steps_done = step + 1
-        if cmd.get("position") is not None:
-            self.position = DataPosition.from_list(cmd["position"])
+        if cmd.position is not None:
+            self.position = DataPosition.from_list(cmd.position)
         self.stats["trained"] += 1
         delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
         self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
@@ -272,16 +275,16 @@ class DrafterWorker:
                         "train/blocks": float(total.num_blocks), "time/step_s": step_s,
                         "time/drafter_wait_s": self.stats["wait_s"] - wait_before})
             out.update({f"train/acc_slot_{k}": a for k, a in enumerate(acc) if k > 0})
-        self.ctx.link.send("trained", attempt=cmd["attempt"], step=step, epoch=epoch, batch_id=batch_id, metrics=out)
-        if cmd["checkpoint"]:
+        self.ctx.link.send(Trained(attempt=cmd.attempt, step=step, data_epoch=epoch, batch_id=batch_id, metrics=out))
+        if cmd.checkpoint:
             self.save()
         else:
             self._report_checkpoints()
 
-    def evaluate(self, cmd: dict) -> None:
+    def evaluate(self, cmd: Evaluate) -> None:
         sums = None
-        for batch_id, key in zip(cmd["batch_ids"], cmd["keys"]):
-            got = self._receive(key)
+        for batch_id, job_key in zip(cmd.batch_ids, cmd.job_keys):
+            got = self._receive(job_key)
             s = eval_sums(self.trainer.evaluate(got.tensors, batch_id))
             if sums is None:
                 sums = s
@@ -291,7 +294,7 @@ class DrafterWorker:
         b = self.trainer.block_size
         sums = sums or {"loss_sum": 0.0, "weight_sum": 0.0, "tau_sum": 0.0, "blocks": 0.0,
                         "correct": [0.0] * b, "count": [0.0] * b}
-        self.ctx.link.send("evaluated", attempt=cmd["attempt"], round=cmd["round"], sums=sums)
+        self.ctx.link.send(Evaluated(attempt=cmd.attempt, round=cmd.round, sums=sums))
 
     def save(self, block: bool = False) -> None:
         """Rank 0: checkpoint the current step (``block``: wait until it is on disk).
@@ -325,37 +328,50 @@ class DrafterWorker:
     def _announce(self, done) -> None:
         if done is not None:
             step, path = done
-            self.ctx.link.send("checkpointed", step=step, path=str(path))
+            self.ctx.link.send(Checkpointed(step=step, path=str(path)))
+
+    def _on_stop(self, cmd: Stop) -> bool:
+        log.info("stop (%s) after %d steps", cmd.reason, self.steps_done)
+        if self.writer is not None:  # the last checkpoint may still be being written
+            self._announce(self.writer.wait())
+        return False
+
+    def _on_train(self, cmd: Train) -> bool:
+        self.train(cmd)
+        return True
+
+    def _on_evaluate(self, cmd: Evaluate) -> bool:
+        self.evaluate(cmd)
+        return True
+
+    def _on_save(self, cmd: Save) -> bool:
+        self.save(block=True)
+        return True
+
+    def _on_targets(self, cmd: Targets) -> bool:
+        log.info("new target endpoints: %s", cmd.endpoints)
+        return True
 
     def run(self) -> None:
         link = self.ctx.link
         while True:  # wait for the targets' endpoints
             cmd = self._next_command()
-            if cmd["type"] == "targets":
-                self.connect(cmd["endpoints"])
+            if isinstance(cmd, Targets):
+                self.connect(cmd.endpoints)
                 break
-            if cmd["type"] == "stop":
+            if isinstance(cmd, Stop):
                 return
-        link.send("ready", info={"trainable_params_M": self.model.num_trainable_params() / 1e6,
-                                 "warmup_s": self.warmup_s, "steps_done": self.steps_done})
+        link.send(Ready(info={"trainable_params_M": self.model.num_trainable_params() / 1e6,
+                              "warmup_s": self.warmup_s, "steps_done": self.steps_done}))
+        handlers = {Train: self._on_train, Evaluate: self._on_evaluate, Save: self._on_save, Stop: self._on_stop,
+                    Targets: self._on_targets}
         while True:
             cmd = self._next_command()
-            kind = cmd["type"]
-            if kind == "train":
-                self.train(cmd)
-            elif kind == "evaluate":
-                self.evaluate(cmd)
-            elif kind == "save":
-                self.save(block=True)
-            elif kind == "stop":
-                log.info("stop (%s) after %d steps", cmd["reason"], self.steps_done)
-                if self.writer is not None:  # the last checkpoint may still be being written
-                    self._announce(self.writer.wait())
+            handler = handlers.get(type(cmd))
+            if handler is None:
+                log.debug("ignoring %s", cmd.TAG)
+            elif not handler(cmd):
                 return
-            elif kind == "targets":
-                log.info("new target endpoints: %s", cmd["endpoints"])
-            else:
-                log.debug("ignoring %s", kind)
 
     def close(self) -> None:
         writer = getattr(self, "writer", None)

@@ -4,10 +4,11 @@ Start-up: load the target, build the batch plans (from the tokenised-data cache)
 warm up the forward in this main thread (``torch.compile(mode="reduce-overhead")`` on GPU when
 ``target.compile``), export the slot ring, say READY with the ring's endpoint.
 
-Loop: take ``produce {split, epoch, batch_id, drafter}`` commands in order; for each, build the
-batch (a deterministic function of its ids), copy it into the static input buffers, run the
-forward, copy the context features and greedy tokens into a free slot (credits permitting) and
-publish the slot to the named drafter. Report ``produced`` with the forward time.
+Loop: take ``produce {split, data epoch, batch id, drafter, job key}`` commands in order; for
+each, build the batch (a deterministic function of its ids), copy it into the static input
+buffers, run the forward, copy the context features and greedy tokens into a free ring slot
+(credits permitting) and publish it to the named drafter under the job key. Report ``produced``
+with the forward time. Control messages are dispatched by type through one table.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import zmq
 from dflash.compile_watch import CompileWatch
 from dflash.factory import build_batch_plans, slot_spec
 from dflash.workers.base import WorkerContext, memory_gib, run_worker
+from dflash.workers.messages import Dropped, Flush, Produce, Produced, Ready, Stop
 
 log = logging.getLogger("dflash.workers.target")
 
@@ -55,8 +57,8 @@ class TargetWorker:
         ctx.stats.update(warmup_compiles=warm.compiles, warmup_cudagraph_records=warm.cudagraph_records)
         self.producer = Producer(ctx.name, ctx.endpoint or f"tcp://{cfg.transport.host}:0", self.spec, cfg.transport.slots,
                                  self.device, cfg.transport.carrier, heartbeat_s=cfg.transport.heartbeat_s,
-                                 peer_timeout_s=cfg.transport.peer_timeout_s)
-        self.queue: collections.deque[dict] = collections.deque()
+                                 peer_timeout_s=cfg.transport.peer_timeout_s, incarnation=ctx.incarnation)
+        self.queue: collections.deque[Produce] = collections.deque()
         self.stats = ctx.stats
         self.stats.update(produced=0, busy_s=0.0, wait_slot_s=0.0)
 
@@ -81,17 +83,17 @@ class TargetWorker:
         for key, value in batch.to_dict().items():
             self.inputs[key].copy_(value, non_blocking=True)
 
-    def produce(self, job: dict, slot: int) -> None:
-        """Fill ``slot`` with the job's batch and the target's outputs; publish it to the job's drafter."""
+    def produce(self, job: Produce, ring_slot: int) -> None:
+        """Fill ``ring_slot`` with the job's batch and the target's outputs; publish it to the job's drafter."""
         from dflash.transport import PeerUnavailable
 
-        split, epoch, batch_id = job["split"], job["epoch"], job["batch_id"]
+        split, epoch, batch_id = job.split, job.data_epoch, job.batch_id
         plan = self.plans.train if split == "train" else self.plans.heldout
         started = time.perf_counter()
         batch = plan.batch(epoch, batch_id)
         self._load_inputs(batch)
         features, tokens = self._run_forward()
-        out = self.producer.slots[slot]
+        out = self.producer.slots[ring_slot]
         for key in self.inputs:
             out[key].copy_(self.inputs[key], non_blocking=True)
         out["features"].copy_(features, non_blocking=True)
@@ -100,45 +102,54 @@ class TargetWorker:
             torch.cuda.current_stream(self.device).synchronize()
         seconds = time.perf_counter() - started
         try:
-            self.producer.publish(slot, job["drafter"], job["key"],
-                                  meta={"split": split, "epoch": epoch, "batch_id": batch_id})
+            self.producer.publish(ring_slot, job.drafter, job.job_key,
+                                  meta={"split": split, "data_epoch": epoch, "batch_id": batch_id})
         except PeerUnavailable as exc:
-            self.producer.release(slot)
-            self.ctx.link.send("dropped", key=job["key"], reason=str(exc))
+            self.producer.release(ring_slot)
+            self.ctx.link.send(Dropped(job_key=job.job_key, reason=str(exc)))
             return
         self.stats["produced"] += 1
         self.stats["busy_s"] += seconds
         self.stats["mem_gib"] = memory_gib(self.device)
         delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
         self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
-        self.ctx.link.send("produced", key=job["key"], epoch=epoch, batch_id=batch_id, split=split,
-                           drafter=job["drafter"], seconds=seconds, tokens=batch.num_tokens)
+        self.ctx.link.send(Produced(job_key=job.job_key, data_epoch=epoch, batch_id=batch_id, split=split,
+                                    drafter=job.drafter, seconds=seconds, tokens=batch.num_tokens))
+
+    def _on_flush(self, msg: Flush) -> bool:
+        """The drafter group restarts: forget its queued jobs and reset its credits."""
+        dropped = len(self.queue)
+        self.queue.clear()
+        for name in msg.drafters:
+            self.producer.evict(name, reason="drafter group restart")
+        log.info("flushed %d queued batch(es); credits of %s reset", dropped, msg.drafters)
+        return True
+
+    def _on_stop(self, msg: Stop) -> bool:
+        log.info("stop (%s): %d batches produced", msg.reason, self.stats["produced"])
+        return False
+
+    def _on_produce(self, msg: Produce) -> bool:
+        self.queue.append(msg)
+        return True
 
     def _handle_control(self) -> bool:
-        """Drain control messages; False when told to stop."""
+        """Drain control messages through the dispatch table; False when told to stop."""
+        handlers = {Produce: self._on_produce, Flush: self._on_flush, Stop: self._on_stop}
         while True:
             msg = self.ctx.link.recv(0)
             if msg is None:
                 return True
-            kind = msg["type"]
-            if kind == "produce":
-                self.queue.append(msg)
-            elif kind == "flush":  # the drafter group restarts: forget its queued batches and credits
-                dropped = len(self.queue)
-                self.queue.clear()
-                for name in msg["drafters"]:
-                    self.producer.evict(name, reason="drafter group restart")
-                log.info("flushed %d queued batch(es); credits of %s reset", dropped, msg["drafters"])
-            elif kind == "stop":
-                log.info("stop (%s): %d batches produced", msg["reason"], self.stats["produced"])
+            handler = handlers.get(type(msg))
+            if handler is None:
+                log.debug("ignoring %s", msg.TAG)
+            elif not handler(msg):
                 return False
-            else:
-                log.debug("ignoring %s", kind)
 
     def run(self) -> None:
         link = self.ctx.link
-        link.send("ready", info={"endpoint": self.producer.endpoint, "warmup_s": self.warmup_s,
-                                 "params_M": self.target.num_parameters() / 1e6, "compiled": self.compiled})
+        link.send(Ready(info={"endpoint": self.producer.endpoint, "warmup_s": self.warmup_s,
+                              "params_M": self.target.num_parameters() / 1e6, "compiled": self.compiled}))
         poller = zmq.Poller()
         poller.register(link.socket, zmq.POLLIN)
         poller.register(self.producer.socket, zmq.POLLIN)
@@ -148,22 +159,22 @@ class TargetWorker:
             self.producer.poll(0)
             if self.queue:
                 job = self.queue[0]
-                if job["drafter"] not in self.producer.consumers:
+                if job.drafter not in self.producer.consumers:
                     # a restarted drafter has not attached yet: wait for it, within the peer timeout
                     unattached_since = unattached_since or time.monotonic()
                     if time.monotonic() - unattached_since > self.ctx.cfg.transport.peer_timeout_s:
                         self.queue.popleft()
-                        link.send("dropped", key=job["key"], reason=f"{job['drafter']} is not attached")
+                        link.send(Dropped(job_key=job.job_key, reason=f"{job.drafter} is not attached"))
                         unattached_since = None
                         continue
                 else:
                     unattached_since = None
-                    slot = self.producer.acquire(timeout=0)
-                    if slot is not None:
+                    ring_slot = self.producer.acquire(timeout=0)
+                    if ring_slot is not None:
                         if waiting_since is not None:
                             self.stats["wait_slot_s"] += time.perf_counter() - waiting_since
                             waiting_since = None
-                        self.produce(self.queue.popleft(), slot)
+                        self.produce(self.queue.popleft(), ring_slot)
                         continue
                     waiting_since = waiting_since or time.perf_counter()
             poller.poll(min(IDLE_POLL_MS, max(1, int(self.producer.next_timer_s() * 1000))))
