@@ -40,6 +40,7 @@ def control_request(run_dir: Path, cmd: str, args: dict) -> dict:
             :data:`CONTROL_TIMEOUT_S`.
     """
     from dflash.workers.control import WorkerLink
+    from dflash.workers.messages import Command, CommandReply
 
     info_file = run_dir / CLUSTER_FILE
     if not run_dir.is_dir():
@@ -58,11 +59,11 @@ def control_request(run_dir: Path, cmd: str, args: dict) -> dict:
                            + (f"; {ended}" if ended else ""))
     link = WorkerLink(info["control"], f"ctl-{os.getpid()}")
     try:
-        link.send("ctl", cmd=cmd, args=args)
+        link.send(Command(cmd=cmd, args=args))
         deadline = time.monotonic() + CONTROL_TIMEOUT_S
         while (left := deadline - time.monotonic()) > 0:
             msg = link.recv(left)
-            if msg is not None and msg["type"] == "ctl_reply":
+            if isinstance(msg, CommandReply):
                 return msg
         raise RuntimeError(f"the cluster at {info['control']} (launcher pid {info['launcher_pid']}) did not answer "
                            f"within {CONTROL_TIMEOUT_S:.0f} s")

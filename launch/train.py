@@ -37,7 +37,7 @@ from dflash.resume import LaunchPlan, check_resume, plan_launch
 from dflash.schedule import StepPlan
 from dflash.utils import LockTimeout, atomic_write_text, file_lock
 from dflash.workers.control import CoordinatorSocket
-from dflash.workers.coordinator import Coordinator, build_work_items
+from dflash.workers.coordinator import Coordinator, CoordinatorConfig, CoordinatorSetup, build_work_items
 from launch import EXIT_CONFIG
 from launch.local_cluster import CLUSTER_FILE, LocalCluster
 from launch.recorder import METRICS_FILE, RunRecorder, start_wandb, undo_later_steps
@@ -250,11 +250,12 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
     control.write_info()
     recorder = RunRecorder(run_dir, start_wandb(cfg, run_dir, derived_values(cfg, prepared), ckpt is not None),
                            start_step, lambda: coordinator.ready_info.get("drafter.0", {}).get("trainable_params_M"))
-    coordinator = Coordinator(sock, control.targets, control.drafters, control.endpoints, plan, start_step,
-                              build_work_items(plan, start_step, **item_args), {**item_args, "first_step": start_step},
-                              cfg.transport.slots, control, on_metrics=recorder.metrics,
-                              on_progress=progress.update, peer_timeout_s=cfg.transport.peer_timeout_s,
-                              max_restarts=cfg.cluster.max_restarts, restart_backoff_s=cfg.cluster.restart_backoff_s,
+    setup = CoordinatorSetup(
+        control.targets, control.drafters, control.endpoints, plan, start_step,
+        build_work_items(plan, start_step, **item_args), {**item_args, "first_step": start_step}, cfg.transport.slots,
+        CoordinatorConfig(peer_timeout_s=cfg.transport.peer_timeout_s, max_restarts=cfg.cluster.max_restarts,
+                          restart_backoff_s=cfg.cluster.restart_backoff_s))
+    coordinator = Coordinator(sock, setup, control, on_metrics=recorder.metrics, on_progress=progress.update,
                               on_trained=recorder.trained, on_rollback=recorder.rollback)
     coordinator.install_signal_handlers()
     for signum in early_signals[:1]:

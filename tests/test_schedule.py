@@ -7,7 +7,8 @@ import random
 import pytest
 
 from dflash.schedule import StepPlan
-from dflash.workers.coordinator import Coordinator, Ledger, aggregate_eval, build_work_items, eval_round
+from dflash.workers.coordinator import (Coordinator, CoordinatorConfig, CoordinatorSetup, Ledger, aggregate_eval,
+                                       build_work_items, eval_round)
 from dflash.workers.messages import Checkpointed, Command
 
 
@@ -204,9 +205,10 @@ def _coordinator(tmp_path, start_step, ckpt_step):
     ckpt.mkdir()
     (ckpt / "state.json").write_text(json.dumps({"step": ckpt_step}))
     metrics = []
-    c = Coordinator(_Sock(), ["target.0"], ["drafter.0"], {"target.0": "tcp://x"}, plan, start_step,
-                    build_work_items(plan, start_step, **EVAL_ARGS), {**EVAL_ARGS, "first_step": start_step}, 2,
-                    _Control(ckpt), on_metrics=lambda step, m: metrics.append((step, m)),
+    setup = CoordinatorSetup(["target.0"], ["drafter.0"], {"target.0": "tcp://x"}, plan, start_step,
+                             build_work_items(plan, start_step, **EVAL_ARGS),
+                             {**EVAL_ARGS, "first_step": start_step}, 2)
+    c = Coordinator(_Sock(), setup, _Control(ckpt), on_metrics=lambda step, m: metrics.append((step, m)),
                     on_progress=lambda *a: None)
     return c, metrics
 
@@ -290,9 +292,10 @@ def test_drafters_dying_after_a_group_restart_are_retried_then_the_run_fails(tmp
     ckpt.mkdir()
     (ckpt / "state.json").write_text(json.dumps({"step": 0}))
     control = _Control(ckpt)
-    c = Coordinator(_Sock(), ["target.0"], ["drafter.0", "drafter.1"], {"target.0": "tcp://x"}, plan, 0,
-                    build_work_items(plan, 0, **EVAL_ARGS), {**EVAL_ARGS, "first_step": 0}, 2, control,
-                    on_metrics=lambda *a: None, on_progress=lambda *a: None, max_restarts=2)
+    setup = CoordinatorSetup(["target.0"], ["drafter.0", "drafter.1"], {"target.0": "tcp://x"}, plan, 0,
+                             build_work_items(plan, 0, **EVAL_ARGS), {**EVAL_ARGS, "first_step": 0}, 2,
+                             CoordinatorConfig(max_restarts=2))
+    c = Coordinator(_Sock(), setup, control, on_metrics=lambda *a: None, on_progress=lambda *a: None)
     control.die("drafter.0")
     control.die("drafter.1")  # both in one poll: one group restart, the second exit is the replaced process'
     c._supervise()
@@ -432,9 +435,9 @@ def test_rollback_below_the_launch_start_replans_from_that_checkpoint(tmp_path):
     ckpt = tmp_path / "step-00000002"
     ckpt.mkdir()
     (ckpt / "state.json").write_text(json.dumps({"step": 2, "data_position": [0, 4], "num_drafters": 2}))
-    c = Coordinator(_Sock(), ["target.0"], ["drafter.0"], {"target.0": "tcp://x"}, plan, 6,
-                    build_work_items(plan, 6, **EVAL_ARGS), {**EVAL_ARGS, "first_step": 6}, 2, _Control(ckpt),
-                    on_metrics=lambda *a: None, on_progress=lambda *a: None)
+    setup = CoordinatorSetup(["target.0"], ["drafter.0"], {"target.0": "tcp://x"}, plan, 6,
+                             build_work_items(plan, 6, **EVAL_ARGS), {**EVAL_ARGS, "first_step": 6}, 2)
+    c = Coordinator(_Sock(), setup, _Control(ckpt), on_metrics=lambda *a: None, on_progress=lambda *a: None)
     c.steps_done = 7
     c.restart_drafter_group("checkpoint step 6 damaged")
     assert c.plan.start_step == 2 and c.plan.assignment(2).batch_ids == (4,)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from dflash.schedule import StepPlan
@@ -103,19 +103,6 @@ class CoordinatorSetup:
     config: CoordinatorConfig = field(default_factory=CoordinatorConfig)
 
 
-_FLAT_NAMES = ("targets", "drafters", "endpoints", "plan", "start_step", "items", "item_args", "slots_per_target",
-               "control", "on_metrics", "on_progress")
-
-
-def _group_flat_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The launcher's flat argument list (:data:`_FLAT_NAMES`, then :class:`CoordinatorConfig`
-    fields and hooks as keywords) grouped into ``(setup, control, on_metrics, on_progress)``."""
-    flat = dict(zip(_FLAT_NAMES, args), **{k: kwargs.pop(k) for k in _FLAT_NAMES if k in kwargs})
-    options = {f.name: kwargs.pop(f.name) for f in fields(CoordinatorConfig) if f.name in kwargs}
-    setup = CoordinatorSetup(*(flat[n] for n in _FLAT_NAMES[:8]), config=CoordinatorConfig(**options))
-    return (setup, flat["control"], flat["on_metrics"], flat["on_progress"]), kwargs
-
-
 @dataclass
 class CoordinatorResult:
     exit_code: int
@@ -129,10 +116,7 @@ class CoordinatorResult:
 class Coordinator(SupervisionMixin, StopMixin):
     """Drives one run from READY to the last checkpoint, through worker failures and restarts.
 
-    ``Coordinator(socket, setup, control, on_metrics, on_progress, on_trained=None, on_rollback=None)``;
-    the flat form ``Coordinator(socket, targets, drafters, endpoints, plan, start_step, items,
-    item_args, slots_per_target, control, on_metrics, on_progress, **config fields)`` is grouped
-    into a :class:`CoordinatorSetup`.
+    ``Coordinator(socket, setup, control, on_metrics, on_progress, on_trained=None, on_rollback=None)``.
 
     Args:
         socket: the bound control socket.
@@ -149,15 +133,10 @@ class Coordinator(SupervisionMixin, StopMixin):
     :class:`dflash.workers.stopping.StopMixin`.
     """
 
-    def __init__(self, socket: CoordinatorSocket, *args: Any, **kwargs: Any):
-        if not (args and isinstance(args[0], CoordinatorSetup)):
-            args, kwargs = _group_flat_arguments(args, kwargs)
-        self._setup(socket, *args, **kwargs)
-
-    def _setup(self, socket: CoordinatorSocket, setup: CoordinatorSetup, control: ClusterControl,
-               on_metrics: Callable[[int, dict], None], on_progress: Callable[[int, str], None],
-               on_trained: Optional[Callable[[WorkItem, int], None]] = None,
-               on_rollback: Optional[Callable[[int, int, str], None]] = None) -> None:
+    def __init__(self, socket: CoordinatorSocket, setup: CoordinatorSetup, control: ClusterControl,
+                 on_metrics: Callable[[int, dict], None], on_progress: Callable[[int, str], None],
+                 on_trained: Optional[Callable[[WorkItem, int], None]] = None,
+                 on_rollback: Optional[Callable[[int, int, str], None]] = None) -> None:
         self.sock = socket
         self.config = setup.config
         self.targets, self.drafters, self.endpoints = setup.targets, setup.drafters, setup.endpoints
