@@ -8,7 +8,7 @@ import dataclasses
 import random
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Union
 
 import msgpack
 import pytest
