@@ -73,7 +73,7 @@ def phase_times(trainer, tensors: dict, batch_id: int) -> dict[str, float]:
     gradient), ``backward`` (through the drafter layers) and ``optimizer`` (clip, fused AdamW).
     Runs :meth:`DrafterTrainer.step`'s pieces in its order (one extra optimizer step).
     """
-    import dflash.trainer as tr
+    import dflash.training.trainer as tr
 
     names = ["prepare", "forward", "loss", "backward", "optimizer"]
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
@@ -142,9 +142,9 @@ def main() -> int:
         torch.cuda.empty_cache = lambda *a, **k: None
         torch.cuda.get_device_name = lambda *a, **k: "cpu"
         torch.compiler.cudagraph_mark_step_begin = lambda: None
-    from dflash.factory import build_drafter
-    from dflash.target import load_target
-    from dflash.trainer import DrafterTrainer, metrics_to_host
+    from dflash.training.factory import build_drafter
+    from dflash.models.target import load_target
+    from dflash.training.trainer import DrafterTrainer, metrics_to_host
 
     dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     overrides = {"num_hidden_layers": args.target_layers} if args.target_layers else {}

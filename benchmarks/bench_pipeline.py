@@ -6,10 +6,10 @@ hardware can do? For ``--config`` plus ``section.key=value`` overrides (:func:`d
 and ``--steps`` batches:
 
 * ``--mode threaded``: one process, two threads. The *target thread* runs the target forward
-  (:func:`dflash.target.load_target`, ``forward_features``) on the target device and puts the
+  (:func:`dflash.models.target.load_target`, ``forward_features``) on the target device and puts the
   features, greedy tokens and batch (copied to the drafter device on a side stream) into a bounded
   queue (``--queue-size``, like ``transport.slots``); the *drafter thread* trains
-  (:class:`dflash.trainer.DrafterTrainer` around :func:`dflash.factory.build_drafter`) on the
+  (:class:`dflash.training.trainer.DrafterTrainer` around :func:`dflash.training.factory.build_drafter`) on the
   drafter device. With ``--compile`` each thread compiles its stage with
   ``torch.compile(mode="reduce-overhead")`` and captures its CUDA graphs itself
   (``--compile-warmup main``: captured in the main thread first, then replayed in the threads, as
@@ -17,7 +17,7 @@ and ``--steps`` batches:
   state in thread-local storage, pytorch#123177): the first exception of each thread is caught and
   its type, first line and innermost frame go to the JSON (``status: compile_failed``, exit 0).
 * ``--mode sequential``: one process, one thread, per batch the target forward then the drafter
-  step (as :mod:`dflash.reference`), eager or ``--compile``.
+  step (as :mod:`dflash.training.reference`), eager or ``--compile``.
 * ``--mode limits``: bf16 matmul TFLOP/s (``--matmul-n``³, CUDA events, after warm-up) on each
   used GPU; same-device copy GiB/s (1 GiB); device-to-device peer copy GiB/s between GPU 0 and 1,
   both directions, when there are two GPUs. GiB/s = bytes copied (counted once) / s.
@@ -393,9 +393,9 @@ class Setup:
     """Everything a pipeline run needs, built once: data, target, drafter, trainer, batches, anchors."""
 
     def __init__(self, cfg: Any, t_dev: torch.device, d_dev: torch.device, steps: int, compiled: bool):
-        from dflash.factory import build_batch_plans, build_drafter
-        from dflash.target import load_embedding_and_head, load_target
-        from dflash.trainer import DrafterTrainer
+        from dflash.training.factory import build_batch_plans, build_drafter
+        from dflash.models.target import load_embedding_and_head, load_target
+        from dflash.training.trainer import DrafterTrainer
 
         self.cfg, self.t_dev, self.d_dev, self.steps = cfg, t_dev, d_dev, steps
         timings = RESULT.setdefault("setup_s", {})

@@ -89,7 +89,7 @@ class DrafterConfig:
     #: How a row's anchor slots are filled: ``row`` = uniformly over the row's valid positions;
     #: ``conversation`` = per conversation, as the paper draws per sequence: equal shares of the
     #: row's slots, a short conversation taking all its positions and leaving the rest to the
-    #: others (water-filling; ``dflash.objective.conversation_anchor_quotas``).
+    #: others (water-filling; ``dflash.training.objective.conversation_anchor_quotas``).
     anchor_sampling: Literal["row", "conversation"] = "row"
     #: ``anchor_sampling: conversation`` only: at most this many anchors per conversation
     #: (the paper: 512 per sequence); ``null`` = no cap besides ``anchors_per_row``.
@@ -215,12 +215,12 @@ class CheckpointConfig:
 
 @dataclass
 class RegenerateConfig:
-    """Regeneration as the first stage of a training run (``dflash/regenerate.py``).
+    """Regeneration as the first stage of a training run (``dflash/inference/regenerate.py``).
 
     When ``enabled``, ``python -m launch.cluster`` first regenerates ``data.dataset`` into ``output``
     with one worker per GPU of ``cluster.targets`` + ``cluster.drafters`` (rows already in
     ``output`` are skipped: a complete output costs no model load), then trains on ``output``.
-    The keys are the options of ``python -m dflash.regenerate`` with the same names.
+    The keys are the options of ``python -m dflash.inference.regenerate`` with the same names.
     """
 
     enabled: bool = False

@@ -8,9 +8,9 @@ status        a running cluster's workers, pids, step and restarts (``--json``) 
 restart       restart ``target.K`` alone, or the drafter group (``drafters``)     :mod:`launch.status`
 stop          stop a running cluster gracefully (final checkpoint, then exit)     :mod:`launch.status`
 attach        run worker ``target.K`` / ``drafter.K`` here, in the foreground     :mod:`launch.status`
-regenerate    rewrite the training responses with the target                      :mod:`dflash.regenerate`
-speculate     speculative decoding with a trained drafter against the target     :mod:`dflash.speculative`
-export        write a trained drafter in the serving layout                       :mod:`dflash.export`
+regenerate    rewrite the training responses with the target                      :mod:`dflash.inference.regenerate`
+speculate     speculative decoding with a trained drafter against the target     :mod:`dflash.inference.speculative`
+export        write a trained drafter in the serving layout                       :mod:`dflash.inference.export`
 ============  ==================================================================  ==================
 
 The forms without a subcommand keep working: ``--config X.yaml [section.key=value ...]`` is
@@ -39,9 +39,9 @@ PROG = "python -m launch.cluster"
 CONTROL_COMMANDS = ("status", "restart", "stop", "attach")
 #: Subcommands whose arguments go, unparsed, to another module's command line: name -> (module, help).
 FORWARDED = {
-    "regenerate": ("dflash.regenerate", "rewrite the training data's responses with the target (--help: its options)"),
-    "speculate": ("dflash.speculative", "speculative decoding with a trained drafter vs the target alone (--help)"),
-    "export": ("dflash.export", "export a trained drafter for vLLM / SGLang / transformers (--help: its options)"),
+    "regenerate": ("dflash.inference.regenerate", "rewrite the training data's responses with the target (--help: its options)"),
+    "speculate": ("dflash.inference.speculative", "speculative decoding with a trained drafter vs the target alone (--help)"),
+    "export": ("dflash.inference.export", "export a trained drafter for vLLM / SGLang / transformers (--help: its options)"),
 }
 #: Options that take a value (the next argument is not a command).
 VALUE_OPTIONS = ("--config", "--run-dir", "--mode")

@@ -1,6 +1,6 @@
 """The worker processes of this node: their command lines, stable ring endpoints, (re)starts.
 
-:class:`LocalCluster` is what the coordinator (:class:`dflash.workers.coordinator.Coordinator`)
+:class:`LocalCluster` is what the coordinator (:class:`dflash.runtime.coordinator.Coordinator`)
 drives to start, kill and restart workers; ``<run_dir>/cluster.json`` (:meth:`LocalCluster.write_info`)
 tells ``python -m launch.cluster status | restart | stop | attach`` how to reach the running cluster.
 """
@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from dflash.checkpoint import latest_checkpoint
+from dflash.training.checkpoint import latest_checkpoint
 from dflash.config import RunConfig
 from dflash.utils import atomic_write_text
 from launch.supervisor import Supervisor, WorkerSpec
@@ -37,7 +37,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalCluster:
     """The worker processes of this node: specs, stable ring endpoints, (re)starts.
 
-    Implements :class:`dflash.workers.coordinator.ClusterControl` for the coordinator.
+    Implements :class:`dflash.runtime.coordinator.ClusterControl` for the coordinator.
 
     Args:
         cfg: the run's config (``cluster.targets`` / ``cluster.drafters``: one worker each).
@@ -64,12 +64,12 @@ class LocalCluster:
         role, rank = name.split(".")
         r = int(rank)
         if role == "target":
-            return WorkerSpec(name, role, r, "dflash.workers.target",
+            return WorkerSpec(name, role, r, "dflash.runtime.target",
                               ["--rank", rank, *self.common, "--endpoint", self.endpoints[name]])
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.master_port), "RANK": rank,
                "WORLD_SIZE": str(len(self.drafters)), "LOCAL_RANK": rank}
         resume = ["--resume-from", str(resume_from)] if resume_from is not None else []
-        return WorkerSpec(name, role, r, "dflash.workers.drafter", ["--rank", rank, *self.common, *resume], env=env)
+        return WorkerSpec(name, role, r, "dflash.runtime.drafter", ["--rank", rank, *self.common, *resume], env=env)
 
     def start_all(self, resume_from: Optional[Path]) -> None:
         """Start every target, then every drafter (loading ``resume_from`` when given)."""

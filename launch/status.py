@@ -1,7 +1,7 @@
 """The control commands' side: ask a running cluster (``status | restart | stop | attach``), show
 its status, and say what a run directory without a running cluster holds.
 
-The request travels over the control plane (:mod:`dflash.workers.control`) to the coordinator
+The request travels over the control plane (:mod:`dflash.runtime.control`) to the coordinator
 named in ``<run_dir>/cluster.json``; the reply's ``data`` is the coordinator's status.
 """
 
@@ -17,7 +17,7 @@ from typing import Optional
 
 import yaml
 
-from dflash.checkpoint import checkpoint_problem, latest_checkpoint, read_state
+from dflash.training.checkpoint import checkpoint_problem, latest_checkpoint, read_state
 from dflash.utils import process_alive
 from launch import EXIT_BROKEN_PIPE
 from launch.local_cluster import CLUSTER_FILE
@@ -39,8 +39,8 @@ def control_request(run_dir: Path, cmd: str, args: dict) -> dict:
             gone: said at once, with what the run directory holds), or no answer within
             :data:`CONTROL_TIMEOUT_S`.
     """
-    from dflash.workers.control import WorkerLink
-    from dflash.workers.messages import Command, CommandReply
+    from dflash.runtime.control import WorkerLink
+    from dflash.runtime.messages import Command, CommandReply
 
     info_file = run_dir / CLUSTER_FILE
     if not run_dir.is_dir():

@@ -1,6 +1,6 @@
 """Start, watch and stop worker processes; forward their output with the worker's name.
 
-Each worker is a separate OS process (``python -m dflash.workers.target|drafter``). Its stdout
+Each worker is a separate OS process (``python -m dflash.runtime.target|drafter``). Its stdout
 and stderr are read by one small thread each in the launcher (the launcher owns no CUDA state,
 so threads are harmless here), prefixed with the worker's name when the line does not carry it,
 written to ``<run_dir>/logs/<name>.log`` and kept in a tail buffer for failure reports.
@@ -40,7 +40,7 @@ class WorkerSpec:
     name: str  # "target.0"
     role: str  # "target" | "drafter"
     rank: int
-    module: str  # "dflash.workers.target"
+    module: str  # "dflash.runtime.target"
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 

@@ -7,7 +7,7 @@ metrics (console line with ETA, wandb) and exits non-zero when the run fails.
 
 Order of events (:func:`run`): validate the config (before any model loads) → lock the run
 directory → pick the checkpoint to continue (``--resume``) → check that it fits this config
-(:func:`dflash.resume.check_resume`) → prepare and cache the data → start workers → every
+(:func:`dflash.training.resume.check_resume`) → prepare and cache the data → start workers → every
 target READY (model loaded, forward compiled and warmed up, ring slots exported) → drafters
 connect → every drafter READY (graphs captured) → batches flow → final checkpoint → workers
 stopped.
@@ -28,16 +28,16 @@ from typing import Optional
 import filelock
 import yaml
 
-from dflash.checkpoint import CheckpointError, CheckpointMismatch, latest_checkpoint, read_state
+from dflash.training.checkpoint import CheckpointError, CheckpointMismatch, latest_checkpoint, read_state
 from dflash.config import ConfigError, RunConfig, load_config
-from dflash.factory import build_batch_plans
+from dflash.training.factory import build_batch_plans
 from dflash.logs import setup_logging
 from dflash.metrics import ProgressLine, format_duration
-from dflash.resume import LaunchPlan, check_resume, plan_launch
-from dflash.schedule import StepPlan
+from dflash.training.resume import LaunchPlan, check_resume, plan_launch
+from dflash.data.schedule import StepPlan
 from dflash.utils import LockTimeout, atomic_write_text, file_lock
-from dflash.workers.control import CoordinatorSocket
-from dflash.workers.coordinator import Coordinator, CoordinatorConfig, CoordinatorSetup, build_work_items
+from dflash.runtime.control import CoordinatorSocket
+from dflash.runtime.coordinator import Coordinator, CoordinatorConfig, CoordinatorSetup, build_work_items
 from launch import EXIT_CONFIG
 from launch.local_cluster import CLUSTER_FILE, LocalCluster
 from launch.recorder import METRICS_FILE, RunRecorder, start_wandb, undo_later_steps
@@ -59,9 +59,9 @@ class LaunchRefused(Exception):
 
 
 def load_tokenizer(target_cfg):
-    """:func:`dflash.tokenizer.load_tokenizer`, imported when first needed (transformers takes
+    """:func:`dflash.data.tokenizer.load_tokenizer`, imported when first needed (transformers takes
     ~0.7 s to import)."""
-    from dflash.tokenizer import load_tokenizer as load
+    from dflash.data.tokenizer import load_tokenizer as load
 
     return load(target_cfg)
 
@@ -110,7 +110,7 @@ def _launch(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return EXIT_CONFIG
     if cfg.regenerate.enabled:  # stage 1: the target regenerates data.dataset; training reads the output
-        from dflash.regenerate import run_stage
+        from dflash.inference.regenerate import run_stage
 
         code, cfg = run_stage(cfg, args.config, args.overrides)
         if code:
@@ -187,7 +187,7 @@ def select_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Optional[
 
 
 def prepare_launch(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], force: bool) -> Prepared:
-    """Check ``ckpt`` against ``cfg`` (:func:`dflash.resume.check_resume`), prepare the data
+    """Check ``ckpt`` against ``cfg`` (:func:`dflash.training.resume.check_resume`), prepare the data
     (tokenised and cached) and plan the launch's steps and learning-rate schedule; loads no model.
 
     Raises:

@@ -1,8 +1,8 @@
 """Decoding benchmark: target-only vs speculative greedy decoding, bf16 and fp32, eager and compiled.
 
-For each dtype and mode it runs :func:`dflash.speculative.decode_report` (the lossless check's core:
+For each dtype and mode it runs :func:`dflash.inference.speculative.decode_report` (the lossless check's core:
 the same held-out prompts decoded target-only and speculatively over the static cache of
-:mod:`dflash.generation`) and writes, after every run, ``decode_bench.json`` (all reports) and
+:mod:`dflash.inference.generation`) and writes, after every run, ``decode_bench.json`` (all reports) and
 ``decode_bench.md`` (one table row per run) into ``--out``, so a run cut short still leaves its
 results.
 
@@ -87,14 +87,14 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from dflash.config import load_config
-    from dflash.data import prepare_data
-    from dflash.factory import build_drafter
+    from dflash.data.corpus import prepare_data
+    from dflash.training.factory import build_drafter
     from dflash.logs import setup_logging
-    from dflash.model import DFlashDraftModel
-    from dflash.speculative import decode_report, format_report, prompts_from_corpus, resolve_checkpoint, \
+    from dflash.models.drafter import DFlashDraftModel
+    from dflash.inference.speculative import decode_report, format_report, prompts_from_corpus, resolve_checkpoint, \
         stop_token_ids
-    from dflash.target import load_target
-    from dflash.tokenizer import load_tokenizer
+    from dflash.models.target import load_target
+    from dflash.data.tokenizer import load_tokenizer
 
     args = parse_args(argv)
     setup_logging("decode_bench")

@@ -6,7 +6,7 @@ graphs). Random weights decode at the same speed as trained ones, and a random d
 1, so the speculative figure is the cost of a pass with nothing accepted. Also checks that compiled
 and eager decoding produce the same tokens in fp32 (exit 1 otherwise).
 
-Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.decode_layers`),
+Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.inference.decode_layers`),
 ``compiled-sdpa`` (the same with SDPA attention) and ``compiled-plain`` (the transformers layers). ``--profile`` also counts the GPU kernels of one
 compiled target-only token and lists the costliest (torch.profiler).
 
@@ -36,10 +36,10 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
 
 def main(argv: Optional[list[str]] = None) -> int:
     from dflash.config import DrafterConfig, TargetConfig
-    from dflash.generation import Generator
+    from dflash.inference.generation import Generator
     from dflash.logs import setup_logging
-    from dflash.model import DFlashConfig, DFlashDraftModel, mask_fallback_token_ids, resolve_mask_token_id
-    from dflash.target import load_target
+    from dflash.models.drafter import DFlashConfig, DFlashDraftModel, mask_fallback_token_ids, resolve_mask_token_id
+    from dflash.models.target import load_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -2,7 +2,7 @@
 
 Builds a randomly initialised 5-layer drafter at Qwen3-8B shape (hidden 4096, FFN 12288, 32/8 heads
 of 128, vocabulary 151,936) on the given device, writes its checkpoint form (``drafter/``, fp32),
-exports it with :func:`dflash.export.export_drafter` in bfloat16 and float32, and prints each
+exports it with :func:`dflash.inference.export.export_drafter` in bfloat16 and float32, and prints each
 directory's files with their sizes in bytes and GiB.
 
     python scripts/export_size.py --out /tmp/export-size [--device cuda]
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.export import export_drafter
-from dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash.inference.export import export_drafter
+from dflash.models.drafter import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 
 
 def _sizes(directory: Path) -> str:

@@ -12,7 +12,7 @@ Variants: ``eager``; ``default`` (torch.compile, no CUDA graphs); ``reduce-overh
 before the optimizer step); ``ro-sdpa`` (SDPA with a dense mask instead of flex_attention);
 ``ro-masks-inside`` / ``default-masks-inside`` (the attention masks built *inside* the compiled
 region: on CUDA, torch 2.11, their gradients are ~500× off eager (docs/benchmarks.md); the
-trainer builds them eagerly, :meth:`dflash.trainer.DrafterTrainer.attention_masks`).
+trainer builds them eagerly, :meth:`dflash.training.trainer.DrafterTrainer.attention_masks`).
 
     python3 scripts/gpu_compile_diag.py --layers 2 --rows 4 --anchors 128     # GPU, ~3-4 min
     python3 scripts/gpu_compile_diag.py --cpu-smoke                            # CPU, tiny shapes
@@ -37,9 +37,9 @@ from torch import nn  # noqa: E402
 
 from bench_compile import synthetic_batch  # noqa: E402
 from dflash.config import config_from_dict  # noqa: E402
-from dflash.factory import build_drafter, target_hf_config  # noqa: E402
-from dflash.objective import anchor_generator, flex_block_mask, sample_anchors  # noqa: E402
-from dflash.trainer import DrafterTrainer  # noqa: E402
+from dflash.training.factory import build_drafter, target_hf_config  # noqa: E402
+from dflash.training.objective import anchor_generator, flex_block_mask, sample_anchors  # noqa: E402
+from dflash.training.trainer import DrafterTrainer  # noqa: E402
 
 
 def main() -> int:

@@ -5,12 +5,12 @@
         [--steps 400] [--labels data,target] [--eval-anchors 64] [--spec-prompts 8] [--spec-new-tokens 64] \\
         [--threads 2] [section.key=value ...]
 
-1. ``python -m dflash.regenerate`` (greedy) over the first ``--limit`` ShareGPT rows into
+1. ``python -m dflash.inference.regenerate`` (greedy) over the first ``--limit`` ShareGPT rows into
    ``OUT/regen.jsonl``; an existing complete output is reused (the regenerate launcher resumes it).
 2. Pairs: every regenerated row with the same source row, cut to the same turns, its assistant
    turns the original ones (``raw``). Same ids, same prompts; only the responses differ.
    ``--heldout`` ids (seeded sample) are held out of both training sets.
-3. The reference trainer (:func:`dflash.reference.run_reference`: same init seed, same anchors
+3. The reference trainer (:func:`dflash.training.reference.run_reference`: same init seed, same anchors
    seeds, same step count) trains one drafter per (data, ``drafter.labels``).
    The target's features are cached per conversation (:class:`FeatureCache`), so later epochs and
    the second label mode cost no target pass; a packed row's conversations are independent
@@ -18,7 +18,7 @@
 4. Held-out τ, labels = the target's greedy tokens, every valid anchor (``--eval-anchors`` per row):
    on the *regenerated* held-out conversations (the target's own responses: what speculative
    decoding sees) and, for reference, on the raw held-out ones. Then real greedy speculative
-   decoding (:meth:`dflash.generation.Generator.speculative`) on the first ``--spec-prompts`` held-out
+   decoding (:meth:`dflash.inference.generation.Generator.speculative`) on the first ``--spec-prompts`` held-out
    prompts: τ = tokens per target verification pass.
 
 Results: ``OUT/results.json`` (one entry per drafter, written as each finishes; a rerun with the
@@ -40,17 +40,17 @@ from pathlib import Path
 
 import torch
 
-from dflash.batching import BatchPlan
+from dflash.data.batching import BatchPlan
 from dflash.config import load_config
-from dflash.data import normalize_row, prepare_data
-from dflash.factory import DataPlans, build_batch_plans, pad_token_id
+from dflash.data.corpus import normalize_row, prepare_data
+from dflash.training.factory import DataPlans, build_batch_plans, pad_token_id
 from dflash.logs import setup_logging
-from dflash.reference import evaluate_heldout, run_reference
-from dflash.regenerate import iter_source
-from dflash.generation import Generator
-from dflash.speculative import prompts_from_corpus, stop_token_ids
-from dflash.target import load_target
-from dflash.tokenizer import load_tokenizer
+from dflash.training.reference import evaluate_heldout, run_reference
+from dflash.inference.regenerate import iter_source
+from dflash.inference.generation import Generator
+from dflash.inference.speculative import prompts_from_corpus, stop_token_ids
+from dflash.models.target import load_target
+from dflash.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("regen_compare")
 
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
 
     # 1. regenerate (or resume / reuse)
     regen_path = out / "regen.jsonl"
-    subprocess.run([sys.executable, "-m", "dflash.regenerate", "--config", args.config, "--output", str(regen_path),
+    subprocess.run([sys.executable, "-m", "dflash.inference.regenerate", "--config", args.config, "--output", str(regen_path),
                     "--limit", str(args.limit), *args.overrides], check=True)
 
     # 2. paired raw / regenerated data, same held-out ids

@@ -1,4 +1,4 @@
-"""dflash.batching: fixed shapes, exactly-once per epoch, determinism, packing vs naive references."""
+"""dflash.data.batching: fixed shapes, exactly-once per epoch, determinism, packing vs naive references."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.batching import BATCH_TENSORS, BatchPlan, batch_tensor_specs, pack_best_fit
-from dflash.data import TokenizedCorpus
+from dflash.data.batching import BATCH_TENSORS, BatchPlan, batch_tensor_specs, pack_best_fit
+from dflash.data.corpus import TokenizedCorpus
 
 PAD = 7
 

@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (dflash/checkpoint.py: CheckpointWriter, host_copy)."""
+"""Checkpoints written in the background (dflash/training/checkpoint.py: CheckpointWriter, host_copy)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.checkpoint import (
+from dflash.training.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     checkpoint_problem,
@@ -23,7 +23,7 @@ from dflash.checkpoint import (
     save_checkpoint,
 )
 from dflash.config import TrainConfig
-from dflash.trainer import DrafterTrainer
+from dflash.training.trainer import DrafterTrainer
 from tests.test_trainer import drafter_cfg, random_batch, tiny_model
 
 
@@ -269,9 +269,9 @@ def test_the_drafter_refuses_to_checkpoint_a_non_finite_loss() -> None:
     be checkpointed: pruning would then delete the good checkpoints before them."""
     from types import SimpleNamespace
 
-    from dflash.optim import LRSchedule
-    from dflash.schedule import DataPosition
-    from dflash.workers.drafter import DrafterWorker
+    from dflash.training.optim import LRSchedule
+    from dflash.data.schedule import DataPosition
+    from dflash.runtime.drafter import DrafterWorker
 
     saved = []
     fake = SimpleNamespace(rank=0, steps_done=7, _last_loss=float("nan"), model=None, world=1,

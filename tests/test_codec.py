@@ -16,8 +16,8 @@ import torch
 
 from dflash.transport import messages as data_plane
 from dflash.transport.codec import Codec, MessageError
-from dflash.workers import control
-from dflash.workers import messages as control_plane
+from dflash.runtime import control
+from dflash.runtime import messages as control_plane
 
 PLANES = [(data_plane.CODEC, data_plane.MessageError), (control_plane.CODEC, control_plane.ControlError)]
 ALL_TYPES = [(codec, cls) for codec, _ in PLANES for cls in codec.by_tag.values()]

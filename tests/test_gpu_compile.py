@@ -26,7 +26,7 @@ def _worker(rank: int, results, device_type: str = "cuda") -> None:  # runs in a
         from dflash.compile_watch import CompileWatch
         from dflash.config import TrainConfig
         from tests.test_trainer import drafter_cfg, pattern_batch, tiny_model
-        from dflash.trainer import DrafterTrainer
+        from dflash.training.trainer import DrafterTrainer
 
         dev = torch.device("cpu")  # harness check only (the trainer runs eager on CPU)
         if device_type == "cuda":

@@ -14,7 +14,7 @@ import yaml
 import launch.cluster as cluster
 import launch.status as status
 import launch.train as train
-from dflash import resume
+from dflash.training import resume
 from dflash.config import ConfigError, load_config
 from launch.status import control_request
 from launch.train import lock_run_dir
@@ -121,18 +121,18 @@ def test_subcommand_forms_dispatch(monkeypatch):
 
 
 def test_forwarded_commands_reach_their_module(monkeypatch):
-    import dflash.export
-    import dflash.regenerate
-    import dflash.speculative
+    import dflash.inference.export
+    import dflash.inference.regenerate
+    import dflash.inference.speculative
 
     seen = []
-    for module in (dflash.regenerate, dflash.speculative, dflash.export):
+    for module in (dflash.inference.regenerate, dflash.inference.speculative, dflash.inference.export):
         monkeypatch.setattr(module, "main", lambda argv, name=module.__name__: seen.append((name, argv)) or 7)
     assert cluster.main(["--mode=regenerate", "--limit", "3"]) == 7
     assert cluster.main(["speculate", "--help"]) == 7
     assert cluster.main(["export", "--out", "x"]) == 7
-    assert seen == [("dflash.regenerate", ["--limit", "3"]), ("dflash.speculative", ["--help"]),
-                    ("dflash.export", ["--out", "x"])]
+    assert seen == [("dflash.inference.regenerate", ["--limit", "3"]), ("dflash.inference.speculative", ["--help"]),
+                    ("dflash.inference.export", ["--out", "x"])]
 
 
 def test_first_word_skips_options_and_their_values():
@@ -161,13 +161,13 @@ TINY_TOKENS = 500  # < the 512 embedding rows: the mask token is row 500
 
 
 def write_checkpoint(run_dir: Path, cfg, tokenizer_size: int, step: int = 100) -> Path:
-    """A checkpoint whose drafter/config.json is what dflash.factory.build_drafter builds for ``cfg``
+    """A checkpoint whose drafter/config.json is what dflash.training.factory.build_drafter builds for ``cfg``
     (written as save_pretrained writes it), with its weights and an empty trainer state: enough for
     the launcher's checks (``--resume`` verifies the files are whole; it loads no tensor)."""
     import torch
     from safetensors.torch import save_file
 
-    from dflash.factory import build_drafter, target_hf_config
+    from dflash.training.factory import build_drafter, target_hf_config
 
     tc = target_hf_config(cfg)
     text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
@@ -434,7 +434,7 @@ def fake_cluster(tmp_path):
     """A run directory whose cluster.json points at a socket answering every ctl with RESTARTING."""
     import threading
 
-    from dflash.workers.control import CoordinatorSocket
+    from dflash.runtime.control import CoordinatorSocket
 
     sock = CoordinatorSocket("127.0.0.1")
     done = threading.Event()

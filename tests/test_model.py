@@ -1,4 +1,4 @@
-"""The DFlash drafter (dflash/model.py): shapes, no-leak attention, mask token, checkpoint format."""
+"""The DFlash drafter (dflash/models/drafter.py): shapes, no-leak attention, mask token, checkpoint format."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 from dflash.config import DrafterConfig
-from dflash.model import (
+from dflash.models.drafter import (
     DFlashConfig,
     DFlashDraftModel,
     default_target_layer_ids,
     mask_fallback_token_ids,
     resolve_mask_token_id,
 )
-from dflash.objective import SLIDING_ATTENTION, build_attention_masks
+from dflash.training.objective import SLIDING_ATTENTION, build_attention_masks
 
 V, D, L = 48, 32, 2
 

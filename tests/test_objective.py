@@ -1,4 +1,4 @@
-"""Anchors, labels, attention mask, decayed CE loss and τ (dflash/objective.py)."""
+"""Anchors, labels, attention mask, decayed CE loss and τ (dflash/training/objective.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.config import default_gamma
-from dflash.objective import (
+from dflash.training.objective import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     LossOutput,
@@ -711,7 +711,7 @@ def test_compiled_loss_chunks_equal_the_loop_and_compile_once_per_shape() -> Non
     the hidden states) and one of 2 rows: two compilations, none for the second call.
     """
     from dflash.compile_watch import compile_counts
-    from dflash.objective import compiled_linear_ce_chunk
+    from dflash.training.objective import compiled_linear_ce_chunk
 
     torch.manual_seed(1)
     r, a, bs, d, v = 2, 5, 6, 16, 40
@@ -793,7 +793,7 @@ def test_loss_output_stats_vector_round_trip() -> None:
 @pytest.mark.parametrize("bs", [4, 16])
 def test_compiled_flex_matches_dense_on_gpu(window: int | None, bs: int) -> None:
     """On CUDA, compiled flex_attention with our BlockMask == SDPA with the dense mask (engines' rule)."""
-    from dflash.model import _flex_attention
+    from dflash.models.drafter import _flex_attention
 
     b = {k: v.cuda() for k, v in packed_batch(r=2, s=300, seed=4).items()}
     anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 24, anchor_generator(0, 0, 7, "cuda"))

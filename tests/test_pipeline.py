@@ -65,7 +65,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def reference_losses(extra: list[str], replicas: int) -> list[float]:
-    from dflash.reference import run_reference
+    from dflash.training.reference import run_reference
 
     torch.set_num_threads(1)  # as the drafter workers: same kernels, same rounding
     cfg = load_config(CONFIG, [*SMALL, *extra])
@@ -97,8 +97,8 @@ def test_two_drafters_match_reference_doubled_batch(tmp_path):
     for step, loss in enumerate(ref, start=1):
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), (step, got, ref)
     # each step's "tokens" counts both ranks' batches (real tokens, from the batch plan)
-    from dflash.factory import build_batch_plans
-    from dflash.schedule import StepPlan
+    from dflash.training.factory import build_batch_plans
+    from dflash.data.schedule import StepPlan
 
     cfg = load_config(CONFIG, [*SMALL, *extra])
     plans = build_batch_plans(cfg)
@@ -193,11 +193,11 @@ def test_resume_with_other_drafter_counts_trains_every_batch_once(tmp_path):
     the learning rate stays continuous (the schedule spread over the steps left); the losses equal
     a single-process run on the same batches with the same rates; metrics.jsonl holds each step
     once in its final view, with the rollbacks marked."""
-    from dflash.factory import build_batch_plans
+    from dflash.training.factory import build_batch_plans
     from dflash.metrics import metrics_view
-    from dflash.optim import LRSchedule
-    from dflash.resume import ledger_problems, ledger_view
-    from dflash.schedule import StepPlan
+    from dflash.training.optim import LRSchedule
+    from dflash.training.resume import ledger_problems, ledger_view
+    from dflash.data.schedule import StepPlan
 
     base = ["data.max_conversations=20", "train.epochs=2", "train.max_steps=null", "train.eval_batches=0",
             "checkpoint.every=2", "checkpoint.keep_last=10"]  # 5 + 5 training batches
@@ -249,7 +249,7 @@ def test_resume_with_other_drafter_counts_trains_every_batch_once(tmp_path):
     assert rates == pytest.approx([schedule.lr * schedule.factor(s) for s in range(6)], rel=1e-6)
     assert rates[2] == pytest.approx(a.rate(2), rel=1e-12) and rates[4] == pytest.approx(b.rate(4), rel=1e-12)
 
-    from dflash.reference import run_reference
+    from dflash.training.reference import run_reference
 
     torch.set_num_threads(1)
     ref = run_reference(cfg, "cpu", evaluate=False, assignments=expected, schedule=schedule)

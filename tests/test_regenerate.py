@@ -1,11 +1,11 @@
-"""Data regeneration (``dflash.regenerate``) on CPU with a tiny random target and the Qwen3 tokenizer.
+"""Data regeneration (``dflash.inference.regenerate``) on CPU with a tiny random target and the Qwen3 tokenizer.
 
 - batched, left-padded greedy generation with a KV cache equals a naive loop (full forward, argmax)
   for each prompt on its own; sampling depends only on (seed, row, turn), not on the batch;
 - ids are stable and de-duplicated, shards cover every id once, a line cut mid-write is dropped;
 - end to end through ``python -m launch.cluster --mode regenerate`` with 2 workers: SIGKILL of the
   launcher mid-way (no worker outlives it), a cut line injected, a restart: every id exactly once,
-  the reader's drops counted, the output read back by ``dflash.data`` without a drop, and a
+  the reader's drops counted, the output read back by ``dflash.data.corpus`` without a drop, and a
   multi-turn row equal to the target's own greedy continuation, turn by turn.
 """
 
@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from dflash.config import TargetConfig
-from dflash.regenerate import (BatchGenerator, Generated, GenerationOptions, SourceRow, iter_source, merge_outputs,
+from dflash.inference.regenerate import (BatchGenerator, Generated, GenerationOptions, SourceRow, iter_source, merge_outputs,
                                read_lines, recover_shard, row_id, shard_of, shard_path, stop_token_ids, append_records)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,14 +38,14 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from dflash.tokenizer import load_tokenizer
+    from dflash.data.tokenizer import load_tokenizer
 
     return load_tokenizer(TargetConfig(kind="random", tokenizer="qwen3"))
 
 
 @pytest.fixture(scope="module")
 def target():
-    from dflash.target import load_target
+    from dflash.models.target import load_target
 
     torch.set_num_threads(1)
     return load_target(TargetConfig(kind="random", arch="tiny-llama", arch_overrides={"vocab_size": QWEN3_VOCAB},
@@ -268,7 +268,7 @@ def test_regenerate_sigkill_and_resume(tmp_path, monkeypatch, target, tokenizer)
     assert [r["regen"]["source_index"] for r in records] == sorted(r["regen"]["source_index"] for r in records)
 
     # 3) the trainer's reader takes every row
-    from dflash.data import read_rows, tokenize_rows
+    from dflash.data.corpus import read_rows, tokenize_rows
 
     _, _, _, _, report = tokenize_rows(read_rows(str(out)), tokenizer, 256, False)
     assert report.conversations == len(ids) and report.num_dropped == 0
@@ -306,7 +306,7 @@ def test_regenerate_sigkill_and_resume(tmp_path, monkeypatch, target, tokenizer)
 
 def test_source_rows_follow_template(tokenizer):
     """A consistency check of the job rules without a model: leading assistant turns are dropped."""
-    from dflash.regenerate import ConversationJob
+    from dflash.inference.regenerate import ConversationJob
 
     row = SourceRow(0, "x", [{"role": "assistant", "content": "cont"}, {"role": "user", "content": "q"},
                              {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}])

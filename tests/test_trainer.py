@@ -1,4 +1,4 @@
-"""DrafterTrainer, AdamW and the schedule (dflash/trainer.py, dflash/optim.py)."""
+"""DrafterTrainer, AdamW and the schedule (dflash/training/trainer.py, dflash/training/optim.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from dflash.config import DrafterConfig, TrainConfig
-from dflash.model import DFlashConfig, DFlashDraftModel
-from dflash.objective import anchor_generator, draw_anchors, sample_anchors
-from dflash.optim import build_optimizer, build_scheduler, lr_factor, warmup_steps
-from dflash.trainer import DrafterTrainer, metrics_to_host
+from dflash.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash.training.objective import anchor_generator, draw_anchors, sample_anchors
+from dflash.training.optim import build_optimizer, build_scheduler, lr_factor, warmup_steps
+from dflash.training.trainer import DrafterTrainer, metrics_to_host
 
 V, D, L, B = 32, 32, 2, 4
 
@@ -278,7 +278,7 @@ def test_missing_tensor_is_reported() -> None:
 
 
 def test_compile_on_cpu_is_ignored_and_says_so(caplog) -> None:
-    with caplog.at_level("INFO", logger="dflash.trainer"):
+    with caplog.at_level("INFO", logger="dflash.training.trainer"):
         tr = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(compile=True), 10, "cpu")
     assert not tr.compiled
     assert "drafter.compile: ignored on cpu (CUDA graphs need a GPU); the drafter runs eager" in caplog.text
@@ -344,7 +344,7 @@ def test_rng_state_round_trip_through_a_checkpoint_file(tmp_path):
     covered by scripts/gpu_pipeline_check.py's drafter-group restart)."""
     import random
 
-    from dflash.checkpoint import load_trainer_state, rng_state, set_rng_state
+    from dflash.training.checkpoint import load_trainer_state, rng_state, set_rng_state
 
     torch.manual_seed(123)
     random.seed(7)

@@ -1,0 +1,191 @@
+"""Target worker: one process per target GPU (or CPU process). One loop.
+
+Start-up: load the target, build the batch plans (from the tokenised-data cache), compile and
+warm up the forward in this main thread (``torch.compile(mode="reduce-overhead")`` on GPU when
+``target.compile``), export the slot ring, say READY with the ring's endpoint.
+
+Loop: take ``produce {split, data epoch, batch id, drafter, job key}`` commands in order; for
+each, build the batch (a deterministic function of its ids), copy it into the static input
+buffers, run the forward, copy the context features and greedy tokens into a free ring slot
+(credits permitting) and publish it to the named drafter under the job key. Report ``produced``
+with the forward time. Control messages are dispatched by type through one table.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from dflash.compile_watch import CompileWatch
+from dflash.training.factory import build_batch_plans, slot_spec
+from dflash.runtime.base import WorkerContext, memory_gib, run_worker
+from dflash.runtime.messages import Dropped, Flush, Produce, Produced, Ready, Stop
+
+log = logging.getLogger("dflash.runtime.target")
+
+WARMUP_ITERS = 3
+IDLE_POLL_MS = 200
+
+
+class TargetWorker:
+    def __init__(self, ctx: WorkerContext):
+        from dflash.models.target import load_target
+        from dflash.transport import Producer
+
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.device = ctx.device
+        self.plans = build_batch_plans(cfg, log_report=False)
+        self.target = load_target(cfg.target, self.device, num_drafter_layers=cfg.drafter.num_layers)
+        self.spec = slot_spec(cfg, self.target.feature_size, self.target.dtype)
+        # Static inputs: the compiled forward always reads the same addresses.
+        self.inputs = {k: torch.zeros(shape, dtype=dtype, device=self.device)
+                       for k, (shape, dtype) in self.spec.items() if k not in ("features", "target_tokens")}
+        self.forward: Callable[..., Any] = self.target.forward_features
+        self.compiled = bool(cfg.target.compile and self.device.type == "cuda")
+        if self.compiled:
+            self.forward = torch.compile(self.target.forward_features, mode="reduce-overhead", dynamic=False)
+        self.warmup_s = self._warm_up()
+        self.watch = CompileWatch("target forward")
+        warm = self.watch.arm()
+        ctx.stats.update(warmup_compiles=warm.compiles, warmup_cudagraph_records=warm.cudagraph_records)
+        self.producer = Producer(ctx.name, ctx.endpoint or f"tcp://{cfg.transport.host}:0", self.spec, cfg.transport.slots,
+                                 self.device, cfg.transport.carrier, heartbeat_s=cfg.transport.heartbeat_s,
+                                 peer_timeout_s=cfg.transport.peer_timeout_s, incarnation=ctx.incarnation)
+        self.queue: collections.deque[Produce] = collections.deque()
+        self.stats = ctx.stats
+        self.stats.update(produced=0, busy_s=0.0, wait_slot_s=0.0)
+
+    def _run_forward(self):
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.forward(self.inputs["input_ids"], self.inputs["position_ids"], self.inputs["doc_ids"])
+
+    def _warm_up(self) -> float:
+        """Run the forward on a real batch until its graphs are captured (GPU) / caches warm (CPU)."""
+        started = time.perf_counter()
+        self._load_inputs(self.plans.train.batch(0, 0))
+        for _ in range(WARMUP_ITERS if self.compiled else 1):
+            self._run_forward()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        log.info("forward warmed up in %.1f s (%s)", seconds, "compiled, graphs captured" if self.compiled else "eager")
+        return seconds
+
+    def _load_inputs(self, batch: Any) -> None:
+        for key, value in batch.to_dict().items():
+            self.inputs[key].copy_(value, non_blocking=True)
+
+    def produce(self, job: Produce, ring_slot: int) -> None:
+        """Fill ``ring_slot`` with the job's batch and the target's outputs; publish it to the job's drafter."""
+        from dflash.transport import PeerUnavailable
+
+        split, epoch, batch_id = job.split, job.data_epoch, job.batch_id
+        plan = self.plans.train if split == "train" else self.plans.heldout
+        started = time.perf_counter()
+        batch = plan.batch(epoch, batch_id)
+        self._load_inputs(batch)
+        features, tokens = self._run_forward()
+        out = self.producer.slots[ring_slot]
+        for key in self.inputs:
+            out[key].copy_(self.inputs[key], non_blocking=True)
+        out["features"].copy_(features, non_blocking=True)
+        out["target_tokens"].copy_(tokens, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        seconds = time.perf_counter() - started
+        try:
+            self.producer.publish(ring_slot, job.drafter, job.job_key,
+                                  meta={"split": split, "data_epoch": epoch, "batch_id": batch_id})
+        except PeerUnavailable as exc:
+            self.producer.release(ring_slot)
+            self.ctx.link.send(Dropped(job_key=job.job_key, reason=str(exc)))
+            return
+        self.stats["produced"] += 1
+        self.stats["busy_s"] += seconds
+        self.stats["mem_gib"] = memory_gib(self.device)
+        delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
+        self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
+        self.ctx.link.send(Produced(job_key=job.job_key, data_epoch=epoch, batch_id=batch_id, split=split,
+                                    drafter=job.drafter, seconds=seconds, tokens=batch.num_tokens))
+
+    def _on_flush(self, msg: Flush) -> bool:
+        """The drafter group restarts: forget its queued jobs and reset its credits."""
+        dropped = len(self.queue)
+        self.queue.clear()
+        for name in msg.drafters:
+            self.producer.evict(name, reason="drafter group restart")
+        log.info("flushed %d queued batch(es); credits of %s reset", dropped, msg.drafters)
+        return True
+
+    def _on_stop(self, msg: Stop) -> bool:
+        log.info("stop (%s): %d batches produced", msg.reason, self.stats["produced"])
+        return False
+
+    def _on_produce(self, msg: Produce) -> bool:
+        self.queue.append(msg)
+        return True
+
+    def _handle_control(self) -> bool:
+        """Drain control messages through the dispatch table; False when told to stop."""
+        handlers = {Produce: self._on_produce, Flush: self._on_flush, Stop: self._on_stop}
+        while True:
+            msg = self.ctx.link.recv(0)
+            if msg is None:
+                return True
+            handler = handlers.get(type(msg))
+            if handler is None:
+                log.debug("ignoring %s", msg.TAG)
+            elif not handler(msg):
+                return False
+
+    def run(self) -> None:
+        link = self.ctx.link
+        link.send(Ready(info={"endpoint": self.producer.endpoint, "warmup_s": self.warmup_s,
+                              "params_M": self.target.num_parameters() / 1e6, "compiled": self.compiled}))
+        poller = zmq.Poller()
+        poller.register(link.socket, zmq.POLLIN)
+        poller.register(self.producer.socket, zmq.POLLIN)
+        waiting_since = None
+        unattached_since = None
+        while self._handle_control():
+            self.producer.poll(0)
+            if self.queue:
+                job = self.queue[0]
+                if job.drafter not in self.producer.consumers:
+                    # a restarted drafter has not attached yet: wait for it, within the peer timeout
+                    unattached_since = unattached_since or time.monotonic()
+                    if time.monotonic() - unattached_since > self.ctx.cfg.transport.peer_timeout_s:
+                        self.queue.popleft()
+                        link.send(Dropped(job_key=job.job_key, reason=f"{job.drafter} is not attached"))
+                        unattached_since = None
+                        continue
+                else:
+                    unattached_since = None
+                    ring_slot = self.producer.acquire(timeout=0)
+                    if ring_slot is not None:
+                        if waiting_since is not None:
+                            self.stats["wait_slot_s"] += time.perf_counter() - waiting_since
+                            waiting_since = None
+                        self.produce(self.queue.popleft(), ring_slot)
+                        continue
+                    waiting_since = waiting_since or time.perf_counter()
+            poller.poll(min(IDLE_POLL_MS, max(1, int(self.producer.next_timer_s() * 1000))))
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker("target", TargetWorker, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

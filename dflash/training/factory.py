@@ -1,0 +1,121 @@
+"""Turn a :class:`~dflash.config.RunConfig` into components: batch plans, slot spec, drafter.
+
+Shared by the reference trainer and the workers, so both build exactly the same things.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from dflash.data.batching import BatchPlan, batch_tensor_specs
+from dflash.config import RunConfig
+
+__all__ = ["DataPlans", "build_batch_plans", "slot_spec", "target_hf_config", "build_drafter", "pad_token_id"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataPlans:
+    """Tokenised data and its batch plans (``train`` over epochs, ``heldout`` at epoch 0)."""
+
+    data: Any  # dflash.data.corpus.PreparedData
+    train: BatchPlan
+    heldout: Optional[BatchPlan]
+    tokenizer: Any
+    pad_id: int
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its EOS id, else 0."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def build_batch_plans(cfg: RunConfig, tokenizer: Any = None, log_report: bool = True) -> DataPlans:
+    """Tokenise ``cfg.data`` (or load the cache) and plan its batches.
+
+    ``log_report=False`` logs the data report at DEBUG (workers: the launcher already logged it).
+
+    Raises:
+        ConfigError: from data preparation (missing dataset, nothing usable, …).
+    """
+    from dflash.data.corpus import prepare_data
+    from dflash.data.tokenizer import load_tokenizer
+
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
+    data = prepare_data(cfg, tokenizer, log_report)
+    pad_id = pad_token_id(tokenizer)
+    rows, seq = cfg.rows_per_batch, cfg.data.max_length
+    train = BatchPlan(data.train, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)
+    heldout = (BatchPlan(data.heldout, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)
+               if len(data.heldout) else None)
+    return DataPlans(data=data, train=train, heldout=heldout, tokenizer=tokenizer, pad_id=pad_id)
+
+
+def slot_spec(cfg: RunConfig, feature_size: int, feature_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of one slot: the batch contract plus the target's outputs.
+
+    ``features [R, S, L·D]`` (target dtype) and ``target_tokens [R, S]`` int64 beside
+    ``input_ids``, ``position_ids``, ``doc_ids``, ``loss_mask`` (docs/ARCHITECTURE.md).
+    """
+    rows, seq = cfg.rows_per_batch, cfg.data.max_length
+    spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = dict(batch_tensor_specs(rows, seq))
+    spec["features"] = ((rows, seq, feature_size), feature_dtype)
+    spec["target_tokens"] = ((rows, seq), torch.int64)
+    return spec
+
+
+def target_hf_config(cfg: RunConfig) -> Any:
+    """The target's Hugging Face config without loading its weights."""
+    from transformers import AutoConfig
+
+    from dflash.models.target import build_random_config, gguf_hf_dir
+
+    t = cfg.target
+    if t.kind == "random":
+        return build_random_config(t.arch, t.arch_overrides)
+    directory = gguf_hf_dir(t.path) if t.kind == "gguf" else t.path
+    return AutoConfig.from_pretrained(directory)
+
+
+def drafter_config(cfg: RunConfig, target_config: Any, tokenizer_size: int, embedding_rows: int):
+    """The :class:`dflash.models.drafter.DFlashConfig` this run's drafter gets (no weights touched).
+
+    Raises:
+        ConfigError: a bad ``target.layer_ids`` for this target.
+        ValueError: a drafter setting the target's shape cannot take.
+    """
+    from dflash.models.drafter import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
+    from dflash.models.target import resolve_layer_ids
+
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), cfg.drafter.num_layers)
+    mask_id = resolve_mask_token_id(cfg.drafter.mask_token_id, tokenizer_size, embedding_rows,
+                                    mask_fallback_token_ids(target_config))
+    return DFlashConfig.from_target(target_config, cfg.drafter, target_layer_ids=layer_ids, mask_token_id=mask_id)
+
+
+def build_drafter(cfg: RunConfig, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, tokenizer_size: int,
+                  device: torch.device, target_config: Any = None):
+    """A fresh DFlash drafter (seeded by ``train.seed``) around the target's frozen embedding and head.
+
+    Returns:
+        :class:`dflash.models.drafter.DFlashDraftModel` on ``device`` in fp32 (bf16 autocast on GPU).
+    """
+    from dflash.models.drafter import DFlashDraftModel
+
+    tc = target_config if target_config is not None else target_hf_config(cfg)
+    dcfg = drafter_config(cfg, tc, tokenizer_size, embed_tokens.weight.shape[0])
+    layer_ids, mask_id = dcfg.target_layer_ids, dcfg.mask_token_id
+    torch.manual_seed(cfg.train.seed)
+    model = DFlashDraftModel(dcfg, embed_tokens, lm_head, attention=cfg.drafter.attention).to(device)
+    log.info("drafter: %d layer(s), B=%d, mask token %d, target layers %s, %.2fM trainable params",
+             dcfg.num_hidden_layers, dcfg.block_size, mask_id, layer_ids, model.num_trainable_params() / 1e6)
+    return model

@@ -1,0 +1,154 @@
+"""The single-process reference trainer: target forward, then drafter step, in one process.
+
+No transport, no coordinator: the simplest place to debug the DFlash math, and the oracle the
+multi-process pipeline is tested against. It trains exactly what the pipeline trains: the same
+:class:`~dflash.data.schedule.StepPlan`, and with ``num_replicas = D`` it concatenates the D batches
+a step gives the D drafter ranks (each with its own anchors, seeded by its batch id) into one
+batch — which is what D data-parallel drafters with an all-reduced loss denominator compute.
+
+``python -m dflash.training.reference --config configs/smollm2-135m-cpu.yaml [key=value ...]`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from dflash.config import RunConfig, load_config
+from dflash.training.factory import DataPlans, build_batch_plans, build_drafter
+from dflash.training.objective import LossOutput
+from dflash.data.schedule import StepPlan
+from dflash.training.trainer import DrafterTrainer, metrics_to_host
+
+__all__ = ["ReferenceResult", "run_reference", "target_tensors", "eval_sums", "evaluate_heldout"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReferenceResult:
+    losses: list[float] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    model: Any = None
+    trainer: Any = None
+
+
+def target_tensors(target: Any, batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch's tensors plus the target's ``features [R, S, L·D]`` and ``target_tokens [R, S]``."""
+    t = {k: v.to(device) for k, v in batch.to_dict().items()}
+    features, tokens = target.forward_features(t["input_ids"], t["position_ids"], t["doc_ids"])
+    t["features"] = features
+    t["target_tokens"] = tokens
+    return t
+
+
+def eval_sums(out: LossOutput) -> dict:
+    """Host-side sums of one or more batches' :class:`LossOutput` (to add over batches and ranks)."""
+    return {"loss_sum": float(out.loss_sum), "weight_sum": float(out.weight_sum), "tau_sum": float(out.tau_sum),
+            "blocks": float(out.num_blocks), "correct": out.per_slot_correct.tolist(),
+            "count": out.per_slot_count.tolist()}
+
+
+def evaluate_heldout(trainer: DrafterTrainer, target: Any, plans: DataPlans, num_batches: Optional[int],
+                     device: torch.device) -> dict:
+    """Held-out loss, τ and per-slot accuracy over the first ``num_batches`` held-out batches."""
+    from dflash.runtime.coordinator import aggregate_eval
+
+    if plans.heldout is None:
+        return {}
+    n = plans.heldout.num_batches(0)
+    n = n if num_batches is None else min(n, num_batches)
+    sums = [eval_sums(trainer.evaluate(target_tensors(target, plans.heldout.batch(0, b), device), b))
+            for b in range(n)]
+    return aggregate_eval(sums)
+
+
+def run_reference(cfg: RunConfig, device: str | torch.device = "cpu", num_replicas: Optional[int] = None,
+                  steps: Optional[int] = None, evaluate: bool = True, plans: Optional[DataPlans] = None,
+                  target: Any = None, assignments: Optional[Sequence[tuple[int, Sequence[Optional[int]]]]] = None,
+                  schedule: Any = None) -> ReferenceResult:
+    """Train for ``steps`` (default: the whole plan) optimizer steps in this process.
+
+    Args:
+        num_replicas: batches per step (default: ``len(cluster.drafters)``, the pipeline's D).
+        evaluate: held-out evaluation before and after (``train.eval_batches`` batches).
+        assignments: ``(epoch, batch ids)`` of every step, instead of the plan's (e.g. a run
+            resumed with another number of drafters: its ledger).
+        schedule: the learning rate of every step (``factor(step)``, ``lr``:
+            :class:`dflash.training.optim.LRSchedule` or alike); ``None`` = the recipe's curve.
+    Returns:
+        per-step losses and metrics, evaluations, wall time, the trained model and trainer.
+    """
+    from dflash.models.target import load_target
+
+    device = torch.device(device)
+    d = num_replicas or len(cfg.cluster.drafters)
+    plans = plans or build_batch_plans(cfg)
+    target = target or load_target(cfg.target, device, num_drafter_layers=cfg.drafter.num_layers)
+    plan = StepPlan([plans.train.num_batches(e) for e in range(cfg.train.epochs)], d, cfg.train.max_steps)
+    if assignments is None:
+        assignments = [(a.epoch, a.batch_ids) for a in map(plan.assignment, range(plan.total_steps))]
+    total = len(assignments) if steps is None else min(steps, len(assignments))
+    model = build_drafter(cfg, target.embed_tokens, target.lm_head, len(plans.tokenizer), device, target.config)
+    trainer = DrafterTrainer(model, cfg.train, cfg.drafter, max(1, len(assignments)), device, schedule=schedule)
+    result = ReferenceResult(model=model, trainer=trainer)
+    if evaluate:
+        result.evals.append({"step": 0, **evaluate_heldout(trainer, target, plans, cfg.train.eval_batches, device)})
+        log.info("step 0 held-out: %s", result.evals[-1])
+    started = time.perf_counter()
+    for step in range(total):
+        epoch, batch_ids = assignments[step]
+        parts, anchors, keeps = [], [], []
+        for batch_id in batch_ids:
+            if batch_id is None:
+                continue
+            t = target_tensors(target, plans.train.batch(epoch, batch_id), device)
+            anc, keep = trainer.draw_anchors(t["loss_mask"], t["doc_ids"], epoch, batch_id)
+            parts.append(t)
+            anchors.append(anc)
+            keeps.append(keep)
+        tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        m = metrics_to_host(trainer.step(tensors, epoch, batch_ids[0],
+                                         anchors=(torch.cat(anchors), torch.cat(keeps))))
+        result.losses.append(m["loss"])
+        result.metrics.append(m)
+        if (step + 1) % max(1, cfg.log.every * 10) == 0 or step + 1 == total:
+            log.info("step %d/%d loss %.4f tau %.3f lr %.2e grad_norm %.3f", step + 1, total, m["loss"], m["tau"],
+                     m["lr"], m["grad_norm"])
+    result.seconds = time.perf_counter() - started
+    if evaluate:
+        result.evals.append({"step": total, **evaluate_heldout(trainer, target, plans, cfg.train.eval_batches,
+                                                                device)})
+        log.info("step %d held-out: %s", total, result.evals[-1])
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from dflash.logs import setup_logging
+
+    p = argparse.ArgumentParser(prog="python -m dflash.training.reference", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    setup_logging("reference")
+    cfg = load_config(args.config, args.overrides)
+    device = "cuda" if cfg.cluster.device != "cpu" and torch.cuda.is_available() else "cpu"
+    res = run_reference(cfg, device, steps=args.steps)
+    first, last = res.evals[0], res.evals[-1]
+    log.info("%d steps in %.1f min: train loss %.3f -> %.3f; held-out loss %.3f -> %.3f, tau %.3f -> %.3f",
+             len(res.losses), res.seconds / 60, res.losses[0], res.losses[-1], first.get("eval/loss", float("nan")),
+             last.get("eval/loss", float("nan")), first.get("eval/tau", float("nan")), last.get("eval/tau", float("nan")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
