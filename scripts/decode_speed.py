@@ -74,7 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for mode in [m for m in args.modes.split(",") if m]:
         gen = Generator(target.model, target.layer_ids, max_len, batch_size=args.batch, drafter=drafter,
                         compile=mode.startswith("compiled"), fuse=mode != "compiled-plain",
-                        attention="sdpa" if mode == "compiled-sdpa" else "matmul")
+                        attention="matmul" if mode == "compiled-matmul" else "sdpa")
         for warm in range(2):  # compile + capture, then once more
             gen.greedy(prompts[:args.batch], 16)
             gen.speculative(prompts[:args.batch], 16)

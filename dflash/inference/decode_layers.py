@@ -13,10 +13,10 @@ layer with
   static cache ``[b, H_kv, T_max, hd]`` in place (the FlashInfer / vLLM decode layout);
 * the cache write as one indexed store per buffer, which inductor fuses with the rotary embedding
   that produces it;
-* attention written out as two batched matmuls around a masked softmax (:data:`ATTENTION` =
-  ``"matmul"``): for the few query rows of a decoding step, inductor fuses the mask, scale and
-  softmax into one kernel, where a fused SDPA kernel spends a 64- or 128-row tile on 3–48 rows
-  (``"sdpa"`` keeps :func:`torch.nn.functional.scaled_dot_product_attention`).
+* attention by :func:`torch.nn.functional.scaled_dot_product_attention` (:data:`ATTENTION` =
+  ``"sdpa"``, measured), or written out as two batched matmuls around an fp32 masked softmax
+  (``"matmul"``): a fused SDPA kernel spends a 64- or 128-row tile on the 3–48 query rows of a
+  decoding step, where inductor can fuse mask, scale and softmax into one small kernel.
 
 The original ``nn.Linear`` weights become views into the fused tensors, so the model's own forward
 (prefill in other code, training) keeps working and no weight is stored twice.
@@ -37,8 +37,8 @@ from torch import Tensor, nn
 
 __all__ = ["ATTENTION", "FusedDecoderLayer", "fusable", "fuse_layers", "rotate_half"]
 
-#: How a fused layer attends: ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax) or ``"sdpa"``.
-ATTENTION = "matmul"
+#: How a fused layer attends: ``"sdpa"`` or ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax).
+ATTENTION = "sdpa"
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
