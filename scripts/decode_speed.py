@@ -6,12 +6,13 @@ graphs). Random weights decode at the same speed as trained ones, and a random d
 1, so the speculative figure is the cost of a pass with nothing accepted. Also checks that compiled
 and eager decoding produce the same tokens in fp32 (exit 1 otherwise).
 
-Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.inference.decode_layers`),
-``compiled-sdpa`` (the same with SDPA attention) and ``compiled-plain`` (the transformers layers). ``--profile`` also counts the GPU kernels of one
-compiled target-only token and lists the costliest (torch.profiler).
+Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.inference.decode_layers`, SDPA
+attention), ``compiled-matmul`` (the same with matmul attention) and ``compiled-plain`` (the
+transformers layers). ``--profile`` also counts the GPU kernels of one compiled target-only token
+and lists the costliest (torch.profiler).
 
     python scripts/decode_speed.py --out /tmp/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
-        [--modes eager,compiled,compiled-plain] [--profile]
+        [--modes eager,compiled,compiled-matmul,compiled-plain] [--profile]
 """
 
 from __future__ import annotations
