@@ -50,14 +50,15 @@ class NodeLost(RunFailed):
 
 
 def add_rendezvous_args(p: argparse.ArgumentParser) -> None:
-    """``--nnodes --node-rank --master-addr --master-port --node-addr`` (torchrun's names)."""
+    """``--nnodes --node-rank --master-addr --master-port --node-addr`` (torchrun's names; absent from the
+    namespace unless given, so the environment can supply them)."""
     g = p.add_argument_group("several machines (torchrun's rendezvous; env NNODES / NODE_RANK / MASTER_ADDR / "
                              "MASTER_PORT, SLURM_NNODES / SLURM_NODEID)")
-    g.add_argument("--nnodes", type=int, default=None, help="machines of the run (= len(cluster.nodes))")
-    g.add_argument("--node-rank", type=int, default=None, help="this machine's rank; node 0 runs the coordinator")
-    g.add_argument("--master-addr", default=None, help="node 0's address, reachable from every node")
-    g.add_argument("--master-port", type=int, default=None, help=f"the coordinator's port (default {DEFAULT_MASTER_PORT})")
-    g.add_argument("--node-addr", default=None,
+    g.add_argument("--nnodes", type=int, default=argparse.SUPPRESS, help="machines of the run (= len(cluster.nodes))")
+    g.add_argument("--node-rank", type=int, default=argparse.SUPPRESS, help="this machine's rank; node 0 runs the coordinator")
+    g.add_argument("--master-addr", default=argparse.SUPPRESS, help="node 0's address, reachable from every node")
+    g.add_argument("--master-port", type=int, default=argparse.SUPPRESS, help=f"the coordinator's port (default {DEFAULT_MASTER_PORT})")
+    g.add_argument("--node-addr", default=argparse.SUPPRESS,
                    help="this machine's address as the other nodes reach it (default: the interface that routes "
                         "to --master-addr)")
 
