@@ -102,3 +102,22 @@ def _process(pid: int):
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
+
+
+def test_rendezvous_flags_win_over_torchrun_and_slurm_environment():
+    import argparse
+
+    from launch.nodes import Rendezvous
+
+    env = {"SLURM_NNODES": "4", "SLURM_NODEID": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600"}
+    r = Rendezvous.from_args(argparse.Namespace(), env)
+    assert (r.nnodes, r.node_rank, r.master_addr, r.master_port, r.node_addr) == (4, 3, "127.0.0.1", 29600, "127.0.0.1")
+    r = Rendezvous.from_args(argparse.Namespace(nnodes=2, node_rank=1), {**env, "NNODES": "8", "NODE_RANK": "5"})
+    assert (r.nnodes, r.node_rank, r.master_port) == (2, 1, 29600)
+    assert Rendezvous.from_args(argparse.Namespace(), {}) == Rendezvous()
+    with pytest.raises(ValueError, match="--node-rank 2 is outside"):
+        Rendezvous.from_args(argparse.Namespace(nnodes=2, node_rank=2), {})
+    with pytest.raises(ValueError, match="--nnodes 3 but cluster.nodes"):
+        from dflash.config import load_config
+
+        Rendezvous(nnodes=3).check(load_config(CONFIG, PLACEMENT))
