@@ -177,6 +177,54 @@ class ClusterConfig:
     #: progress in between; then the run stops with a report.
     max_restarts: int = 3
     restart_backoff_s: float = 1.0
+    #: Placement over several machines, one entry per node in node-rank order:
+    #: ``[{targets: [0, 1], drafters: [2, 3]}, {drafters: [0, 1]}]`` (GPU ids on that node; on CPU
+    #: one process per entry). Global ranks follow node order (node 0's targets are ``target.0`` …).
+    #: When set, ``targets`` / ``drafters`` are derived from it (their own values are ignored);
+    #: ``null`` = one node with ``targets`` / ``drafters``.
+    nodes: Optional[list[dict]] = None
+    #: Multi-node: the longest wait (s) for every node's launcher to register with node 0.
+    node_join_timeout_s: float = 600.0
+
+    @property
+    def num_nodes(self) -> int:
+        """Machines of the run (1 without ``nodes``)."""
+        return len(self.nodes) if self.nodes else 1
+
+    def node_of(self, name: str) -> int:
+        """The node rank that runs worker ``name`` (``target.K`` / ``drafter.K``, global rank K).
+
+        Raises:
+            ValueError: ``name`` is not a worker of this placement.
+        """
+        role, _, rank = name.partition(".")
+        per_node = [list((n or {}).get(role + "s", [])) for n in (self.nodes or [{role + "s": getattr(self, role + "s", [])}])]
+        k = int(rank)
+        for node, ids in enumerate(per_node):
+            if k < len(ids):
+                return node
+            k -= len(ids)
+        raise ValueError(f"{name}: no such worker in cluster placement")
+
+    def local_rank(self, name: str) -> int:
+        """Index of worker ``name`` among its node's workers of the same role (its ``LOCAL_RANK``)."""
+        role = name.partition(".")[0]
+        node = self.node_of(name)
+        return sum(1 for r in range(int(name.partition(".")[2])) if self.node_of(f"{role}.{r}") == node)
+
+    def workers_on(self, node: int) -> list[str]:
+        """The worker names placed on ``node``: its targets, then its drafters."""
+        names = [f"target.{r}" for r in range(len(self.targets))] + [f"drafter.{r}" for r in range(len(self.drafters))]
+        return [n for n in names if self.node_of(n) == node]
+
+
+def derive_placement(c: "ClusterConfig") -> None:
+    """With ``cluster.nodes``: set ``targets`` / ``drafters`` to the node-ordered concatenation of
+    the nodes' lists (the GPU of global rank K is ``targets[K]`` on its node)."""
+    if not c.nodes:
+        return
+    c.targets = [int(g) for n in c.nodes if isinstance(n, dict) for g in n.get("targets", []) or []]
+    c.drafters = [int(g) for n in c.nodes if isinstance(n, dict) for g in n.get("drafters", []) or []]
 
 
 @dataclass
@@ -431,7 +479,8 @@ def resolve_device(cfg: RunConfig, gpu_count: Optional[int] = None) -> str:
 
 
 def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfig:
-    """Check every range and cross-field rule; return ``cfg`` unchanged.
+    """Check every range and cross-field rule; return ``cfg`` (with ``cluster.nodes``: its
+    ``cluster.targets`` / ``cluster.drafters`` derived from the placement, :func:`derive_placement`).
 
     Args:
         gpu_count: GPUs on this machine (``None`` = ask torch).
@@ -504,10 +553,14 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     need(tr.eval_batches is None or tr.eval_batches >= 0, "train.eval_batches",
          f"must be >= 0 (0 = no held-out evaluation, null = all held-out batches), got {tr.eval_batches}")
     # cluster
+    _validate_nodes(c, need)
     need(len(c.targets) >= 1, "cluster.targets", "needs at least one target worker")
     need(len(c.drafters) >= 1, "cluster.drafters", "needs at least one drafter worker")
-    need(len(set(c.targets)) == len(c.targets), "cluster.targets", f"lists a GPU twice: {c.targets}")
-    need(len(set(c.drafters)) == len(c.drafters), "cluster.drafters", f"lists a GPU twice: {c.drafters}")
+    for node in range(c.num_nodes):
+        where = f"cluster.nodes[{node}]" if c.nodes else "cluster"
+        for role in ("targets", "drafters"):
+            ids = [getattr(c, role)[r] for r in range(len(getattr(c, role))) if c.node_of(f"{role[:-1]}.{r}") == node]
+            need(len(set(ids)) == len(ids), f"{where}.{role}", f"lists a GPU twice: {ids}")
     need(all(i >= 0 for i in c.targets + c.drafters), "cluster.targets", "GPU ids must be >= 0")
     need(c.max_restarts >= 0, "cluster.max_restarts", f"must be >= 0, got {c.max_restarts}")
     need(c.restart_backoff_s >= 0, "cluster.restart_backoff_s", f"must be >= 0, got {c.restart_backoff_s}")
@@ -519,7 +572,8 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
         for role in ("targets", "drafters"):
             for gpu in getattr(c, role):
                 need(gpu < count, f"cluster.{role}", f"GPU {gpu} does not exist (this machine has {count} GPU(s))")
-        shared = sorted(set(c.targets) & set(c.drafters))
+        shared = sorted({g for node in range(c.num_nodes) for g in _node_gpus(c, node, "targets")
+                         if g in _node_gpus(c, node, "drafters")})
         need(not shared or c.allow_shared_gpu, "cluster.drafters",
              f"GPU(s) {shared} are used by both targets and drafters (set cluster.allow_shared_gpu: true for the 1-GPU layout)")
     # transport
@@ -535,6 +589,29 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _validate_regenerate(cfg, need)
     return cfg
+
+
+def _node_gpus(c: ClusterConfig, node: int, role: str) -> list[int]:
+    return [g for r, g in enumerate(getattr(c, role)) if c.node_of(f"{role[:-1]}.{r}") == node]
+
+
+def _validate_nodes(c: ClusterConfig, need: Any) -> None:
+    """``cluster.nodes``: a non-empty list of ``{targets: [...], drafters: [...]}`` mappings of GPU
+    ids, every node with at least one worker; derives ``targets`` / ``drafters`` from it."""
+    if c.nodes is None:
+        return
+    need(len(c.nodes) >= 1, "cluster.nodes", "needs at least one node (or null for one machine)")
+    for i, node in enumerate(c.nodes):
+        need(isinstance(node, dict), f"cluster.nodes[{i}]", f"expected a mapping {{targets: [...], drafters: [...]}}, got {node!r}")
+        unknown = sorted(set(node) - {"targets", "drafters"})
+        need(not unknown, f"cluster.nodes[{i}]", f"unknown key(s) {unknown} (known: drafters, targets)")
+        for role in ("targets", "drafters"):
+            ids = node.get(role, []) or []
+            need(isinstance(ids, list) and all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in ids),
+                 f"cluster.nodes[{i}].{role}", f"expected a list of GPU ids >= 0, got {ids!r}")
+        need(node.get("targets") or node.get("drafters"), f"cluster.nodes[{i}]", "places no worker on this node")
+    derive_placement(c)
+    need(c.node_join_timeout_s > 0, "cluster.node_join_timeout_s", "must be > 0")
 
 
 def _validate_regenerate(cfg: RunConfig, need: Any) -> None:

@@ -44,7 +44,8 @@ FORWARDED = {
     "export": ("dflash.inference.export", "export a trained drafter for vLLM / SGLang / transformers (--help: its options)"),
 }
 #: Options that take a value (the next argument is not a command).
-VALUE_OPTIONS = ("--config", "--run-dir", "--mode")
+VALUE_OPTIONS = ("--config", "--run-dir", "--mode", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                 "--node-addr")
 #: Flags a bare word may have been meant as (``resume`` → ``--resume``).
 FLAG_OPTIONS = ("--resume", "--overwrite", "--json")
 USAGE = (f"{PROG} [train] --config configs/X.yaml [section.key=value ...] [--resume | --overwrite], "
@@ -72,6 +73,9 @@ def _train_parser(sub) -> None:
                    help="with --resume: continue although the checkpoint was trained with another tokenizer, chat "
                         "template, thinking mode or target architecture name (shapes must still match)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    from launch.nodes import add_rendezvous_args
+
+    add_rendezvous_args(p)
 
 
 def _control_parser(sub, name: str, help_text: str, worker_help: Optional[str]) -> None:

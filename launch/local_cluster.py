@@ -46,17 +46,25 @@ class LocalCluster:
         supervisor: starts the processes and forwards their output.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, control_endpoint: str, supervisor: Supervisor):
+    def __init__(self, cfg: RunConfig, run_dir: Path, control_endpoint: str, supervisor: Supervisor,
+                 node_addr: Optional[str] = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.supervisor = supervisor
         self.targets = [f"target.{r}" for r in range(len(cfg.cluster.targets))]
         self.drafters = [f"drafter.{r}" for r in range(len(cfg.cluster.drafters))]
+        #: this machine's address as the other nodes reach it (``transport.host`` on one machine)
+        self.node_addr = node_addr or cfg.transport.host
+        #: the workers of this node (node 0); the others run under their node's launcher
+        self.local = set(cfg.cluster.workers_on(0))
         # fixed ports: a restarted target binds the same endpoint, so drafters reconnect by themselves
-        self.endpoints = {t: f"tcp://{cfg.transport.host}:{free_port(cfg.transport.host)}" for t in self.targets}
+        self.endpoints = {t: f"tcp://{self.node_addr}:{free_port(self.node_addr)}" for t in self.targets
+                          if t in self.local}
         self.control_endpoint = control_endpoint
         self.common = ["--run-dir", str(run_dir), "--control", control_endpoint]
-        self.master_port = free_port()
+        #: the drafter group's torch.distributed rendezvous (hosted by drafter.0's node)
+        self.master_addr = self.node_addr
+        self.master_port = free_port(self.node_addr)
         self._reported: set[tuple[str, int]] = set()
 
     def spec(self, name: str, resume_from: Optional[Path] = None) -> WorkerSpec:
@@ -66,17 +74,21 @@ class LocalCluster:
         if role == "target":
             return WorkerSpec(name, role, r, "dflash.runtime.target",
                               ["--rank", rank, *self.common, "--endpoint", self.endpoints[name]])
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.master_port), "RANK": rank,
-               "WORLD_SIZE": str(len(self.drafters)), "LOCAL_RANK": rank}
+        env = {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port), "RANK": rank,
+               "WORLD_SIZE": str(len(self.drafters)), "LOCAL_RANK": str(self.cfg.cluster.local_rank(name))}
         resume = ["--resume-from", str(resume_from)] if resume_from is not None else []
         return WorkerSpec(name, role, r, "dflash.runtime.drafter", ["--rank", rank, *self.common, *resume], env=env)
 
     def start_all(self, resume_from: Optional[Path]) -> None:
         """Start every target, then every drafter (loading ``resume_from`` when given)."""
         for name in self.targets:
-            self.supervisor.start(self.spec(name))
+            self.start(name, None)
         for name in self.drafters:
-            self.supervisor.start(self.spec(name, resume_from))
+            self.start(name, resume_from)
+
+    def start(self, name: str, resume_from: Optional[Path]) -> None:
+        """Start worker ``name`` (a local process here)."""
+        self.supervisor.start(self.spec(name, resume_from))
 
     def write_info(self) -> Path:
         """Write ``<run_dir>/cluster.json`` atomically: how ``status / restart / stop / attach`` reach
@@ -91,7 +103,7 @@ class LocalCluster:
     # ClusterControl
     def restart(self, name: str, resume_from: Optional[Path]) -> None:
         self.kill(name)
-        self.supervisor.start(self.spec(name, resume_from))
+        self.start(name, resume_from)
 
     def kill(self, name: str) -> None:
         proc = self.supervisor.workers.get(name)
@@ -116,7 +128,7 @@ class LocalCluster:
         return self.supervisor.report(self.supervisor.workers[name])
 
     def new_drafter_group(self) -> None:
-        self.master_port = free_port()
+        self.master_port = free_port(self.node_addr)
         self.write_info()
 
     def latest_checkpoint(self) -> Optional[Path]:

@@ -180,11 +180,13 @@ def print_status(data: dict) -> None:
     data = status_view(data)
     print(f"step {data['step']}/{data['total_steps']}  attempt {data['attempt']}  "
           f"batches in flight {data['batches_in_flight']}  unassigned {data['unassigned_batches']}")
-    print(f"{'worker':<12}{'role':<9}{'pid':>8}  {'state':<12}{'up':<6}{'ready':<7}{'failures':<9}external")
+    for rank, node in sorted(data.get("nodes", {}).items(), key=lambda kv: int(kv[0])):
+        print(f"node {rank}: {node['addr']}  launcher pid {node['pid']}  {node['state']}")
+    print(f"{'worker':<12}{'node':>4}  {'role':<9}{'pid':>8}  {'state':<12}{'up':<6}{'ready':<7}{'failures':<9}external")
     for name, w in data["workers"].items():
         pid = "-" if w["pid"] is None else str(w["pid"])
-        print(f"{name:<12}{w['role']:<9}{pid:>8}  {w['state']:<12}{str(w['up']):<6}{str(w['ready']):<7}"
-              f"{w['failures']:<9}{w['external']}")
+        print(f"{name:<12}{w.get('node', 0):>4}  {w['role']:<9}{pid:>8}  {w['state']:<12}{str(w['up']):<6}"
+              f"{str(w['ready']):<7}{w['failures']:<9}{w['external']}")
     for r in data.get("restarts", []):
         print(f"restart: {r['worker']} back after {r['seconds']:.1f} s")
 

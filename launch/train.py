@@ -27,6 +27,7 @@ from typing import Optional
 
 import filelock
 import yaml
+import zmq
 
 from dflash.training.checkpoint import CheckpointError, CheckpointMismatch, latest_checkpoint, read_state
 from dflash.config import ConfigError, RunConfig, load_config
@@ -40,6 +41,7 @@ from dflash.runtime.control import CoordinatorSocket
 from dflash.runtime.coordinator import Coordinator, CoordinatorConfig, CoordinatorSetup, build_work_items
 from launch import EXIT_CONFIG
 from launch.local_cluster import CLUSTER_FILE, LocalCluster
+from launch.nodes import NodeCluster, NodeLost, Rendezvous
 from launch.recorder import METRICS_FILE, RunRecorder, start_wandb, undo_later_steps
 from launch.supervisor import Supervisor
 
@@ -91,8 +93,20 @@ def run(args: argparse.Namespace) -> int:
         log.error("config error: %s", exc)
         return EXIT_CONFIG
     setup_logging("cluster", cfg.log.level)
+    try:
+        rdzv = Rendezvous.from_args(args)
+        rdzv.check(cfg)
+    except (ValueError, OSError) as exc:
+        log.error("rendezvous: %s", exc)
+        return EXIT_CONFIG
     run_dir = cfg.resolved_run_dir().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if rdzv.node_rank > 0:  # node 0 holds the run directory's lock, data and coordinator
+        from launch.node_agent import run_node
+
+        setup_logging(f"node.{rdzv.node_rank}", cfg.log.level)
+        return run_node(cfg, run_dir, rdzv)
+    args.rendezvous = rdzv
     lock = lock_run_dir(run_dir)
     if lock is None:
         return EXIT_CONFIG
@@ -133,7 +147,7 @@ def _launch(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
     prepared.launch.write(run_dir)
     undo_later_steps(run_dir, plan.start_step, f"launch at step {plan.start_step}"
                      + (f" (--resume from {ckpt.name})" if ckpt is not None else ""))
-    return run_workers(cfg, run_dir, ckpt, prepared, started)
+    return run_workers(cfg, run_dir, ckpt, prepared, started, getattr(args, "rendezvous", Rendezvous()))
 
 
 def lock_run_dir(run_dir: Path) -> Optional[filelock.FileLock]:
@@ -234,18 +248,35 @@ def derived_values(cfg: RunConfig, prepared: Prepared) -> dict:
     }
 
 
-def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: Prepared, started: float) -> int:
-    """Start the workers and the coordinator, run until done or stopped, stop the workers and
-    report; returns the exit code (see :func:`run`)."""
+def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: Prepared, started: float,
+                rdzv: Rendezvous = Rendezvous()) -> int:
+    """Start the workers and the coordinator (node 0 of ``rdzv``; the other nodes' launchers
+    first join it), run until done or stopped, stop the workers and report; returns the exit code
+    (see :func:`run`)."""
     plan, start_step = prepared.plan, prepared.plan.start_step
     item_args = {"heldout_batches": prepared.heldout_batches, "eval_every": cfg.train.eval_every,
                  "checkpoint_every": cfg.checkpoint.every, "eval_batches": cfg.train.eval_batches}
-    sock = CoordinatorSocket(cfg.transport.host)
     progress = ProgressLine(plan.total_steps, start_step)
-    control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir, progress.write))
     early_signals: list[int] = []  # a stop while workers start, before the coordinator's handlers
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda sig, _frame: early_signals.append(sig))
+    if rdzv.nnodes > 1:  # the control socket on every interface at the master port; wait for every node
+        try:
+            sock = CoordinatorSocket("*", port=rdzv.master_port, advertise=rdzv.master_addr)
+        except zmq.ZMQError as exc:
+            log.error("cannot bind the coordinator at port %d (--master-port): %s", rdzv.master_port, exc)
+            return 1
+        control = NodeCluster(cfg, run_dir, sock, Supervisor(run_dir, progress.write), rdzv)
+        try:
+            control.wait_for_nodes(cfg.cluster.node_join_timeout_s)
+        except NodeLost as exc:
+            log.error("%s", exc)
+            control.stop_nodes("a node did not join", wait_s=5.0)
+            sock.close()
+            return 1
+    else:
+        sock = CoordinatorSocket(cfg.transport.host)
+        control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir, progress.write))
     control.start_all(ckpt)
     control.write_info()
     recorder = RunRecorder(run_dir, start_wandb(cfg, run_dir, derived_values(cfg, prepared), ckpt is not None),
@@ -270,6 +301,8 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
     finally:
         progress.close()
         control.supervisor.stop_all(terminate_now=coordinator.unready_workers(), between=coordinator.serve_controls)
+        if isinstance(control, NodeCluster):
+            control.stop_nodes(coordinator.stop_reason or ("done" if exit_code == 0 else "failed"))
         (run_dir / CLUSTER_FILE).unlink(missing_ok=True)
         sock.close()
         recorder.close(exit_code)

@@ -419,10 +419,21 @@ RESTARTING = {"step": 7, "total_steps": 60, "attempt": 0, "stop_requested": None
 def test_status_shows_a_worker_without_a_process_as_restarting(capsys):
     status.print_status(RESTARTING)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["worker", "role", "pid", "state", "up", "ready", "failures", "external"]
-    assert lines[2].split() == ["target.0", "target", "-", "restarting", "False", "False", "1", "False"]
-    assert lines[3].split() == ["drafter.0", "drafter", "4242", "ready", "True", "True", "0", "False"]
-    assert lines[4].split() == ["drafter.1", "drafter", "4243", "starting", "False", "False", "0", "False"]
+    assert lines[1].split() == ["worker", "node", "role", "pid", "state", "up", "ready", "failures", "external"]
+    assert lines[2].split() == ["target.0", "0", "target", "-", "restarting", "False", "False", "1", "False"]
+    assert lines[3].split() == ["drafter.0", "0", "drafter", "4242", "ready", "True", "True", "0", "False"]
+    assert lines[4].split() == ["drafter.1", "0", "drafter", "4243", "starting", "False", "False", "0", "False"]
+
+
+def test_status_lists_every_node_and_each_workers_node(capsys):
+    data = {**RESTARTING, "nodes": {"0": {"addr": "10.0.0.1", "pid": 11, "state": "coordinator"},
+                                    "1": {"addr": "10.0.0.2", "pid": 12, "state": "lost: silent"}},
+            "workers": {**RESTARTING["workers"], "drafter.1": {**RESTARTING["workers"]["drafter.1"], "node": 1}}}
+    status.print_status(data)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "node 0: 10.0.0.1  launcher pid 11  coordinator"
+    assert lines[2] == "node 1: 10.0.0.2  launcher pid 12  lost: silent"
+    assert lines[6].split()[:2] == ["drafter.1", "1"]
     view = status.worker_view
     assert view({"pid": 5, "up": True, "ready": False, "external": False})["state"] == "loading"
     assert view({"pid": 5, "up": True, "ready": True, "external": True})["state"] == "attached"

@@ -245,6 +245,33 @@ def test_routing_two_producers_two_consumers(run_dir):
             x.close()
 
 
+def test_one_ring_serves_a_local_consumer_over_shm_and_a_remote_one_over_tcp():
+    """A producer of an shm ring serves a consumer that says it is remote (``remote=``) over tcp:
+    that consumer's SLOTS carry no memfd, each READY brings the slot's bytes; the local one maps
+    the ring. Both receive exactly what was filled."""
+    producer = Producer("target.0", "tcp://127.0.0.1:0", SPEC, num_slots=2, carrier="shm", **FAST)
+    near = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier="shm", **FAST)
+    far = Consumer("drafter.1", {"target.0": producer.endpoint}, SPEC, carrier="shm", remote=["target.0"], **FAST)
+    try:
+        attach(producer, near, "drafter.0")
+        attach(producer, far, "drafter.1")
+        for b in range(12):
+            consumer = (near, far)[b % 2]
+            slot = producer.acquire(EVENT_TIMEOUT_S)
+            fill_pattern(producer.slots[slot], b)
+            producer.publish(slot, consumer.name, b)
+            r = consumer.receive(EVENT_TIMEOUT_S)
+            assert r is not None and r.job_key == b and check_pattern(r.tensors, b)
+        assert near._links["target.0"].ring.carrier == "shm"
+        assert far._links["target.0"].ring.carrier == "tcp"
+        assert near.stats["received"] == far.stats["received"] == 6
+    finally:
+        for x in (near, far, producer):
+            x.close()
+    with pytest.raises(TransportError, match="remote producer"):
+        Consumer("drafter.2", {"target.0": "tcp://127.0.0.1:1"}, SPEC, remote=["target.9"], **FAST)
+
+
 def test_silent_consumer_is_evicted_and_reattaches_without_stale_reads(run_dir):
     producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=2, carrier="shm", **FAST)
     consumer = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier="shm", **FAST)

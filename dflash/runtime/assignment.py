@@ -3,7 +3,8 @@
 A **job** is one batch handed to a target for one drafter, named by its job key
 (``train:e0:12:a0`` = split, data epoch / eval round tag, batch id, attempt); it lives until the
 drafter reports its ring slot received. A job goes to the ready target with the fewest jobs not
-yet received (ties round-robin); a job whose target dies or cannot deliver it goes back to the
+yet received (ties round-robin) among those on its drafter's node when one is ready there (CUDA IPC
+or shared memory instead of the network), else among all; a job whose target dies or cannot deliver it goes back to the
 queue of unassigned jobs and is given to another target.
 """
 
@@ -43,10 +44,14 @@ class Assignment:
 
     Args:
         send_produce: ``send_produce(target, job)`` sends the job's ``produce`` command to ``target``.
+        near: ``near(drafter, target)``: the target runs on the drafter's node (preferred);
+            default: every target is near.
     """
 
-    def __init__(self, send_produce: Callable[[str, Job], None]):
+    def __init__(self, send_produce: Callable[[str, Job], None],
+                 near: Optional[Callable[[str, str], bool]] = None):
         self.send_produce = send_produce
+        self.near = near
         self.jobs: dict[str, Job] = {}
         self.unassigned: collections.deque[str] = collections.deque()
         self._rr = 0
@@ -55,7 +60,9 @@ class Assignment:
         """Jobs whose ring slot no drafter has received yet."""
         return sum(1 for j in self.jobs.values() if not j.received)
 
-    def _pick_target(self, live: list[str]) -> Optional[str]:
+    def _pick_target(self, live: list[str], drafter: str = "") -> Optional[str]:
+        if self.near is not None:
+            live = [t for t in live if self.near(drafter, t)] or live
         if not live:
             return None
         load = {t: sum(1 for j in self.jobs.values() if j.target == t and not j.received) for t in live}
@@ -66,7 +73,7 @@ class Assignment:
         return target
 
     def _assign(self, job: Job, live: list[str]) -> bool:
-        target = self._pick_target(live)
+        target = self._pick_target(live, job.drafter)
         if target is None:
             return False
         job.target = target

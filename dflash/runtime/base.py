@@ -67,11 +67,12 @@ class WorkerContext:
         self._hb_stop.set()  # type: ignore[attr-defined]
 
 
-def _cpu_threads(cfg: RunConfig, role: str) -> int:
+def _cpu_threads(cfg: RunConfig, role: str, rank: int) -> int:
     chosen = cfg.cluster.cpu_threads_per_target if role == "target" else cfg.cluster.cpu_threads_per_drafter
     if chosen:
         return chosen
-    workers = len(cfg.cluster.targets) + len(cfg.cluster.drafters)
+    node = cfg.cluster.node_of(f"{role}.{rank}")
+    workers = len(cfg.cluster.workers_on(node))  # the processes sharing this machine's cores
     return max(1, (os.cpu_count() or 1) // workers)
 
 
@@ -128,7 +129,7 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
         device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(_cpu_threads(cfg, role))
+        torch.set_num_threads(_cpu_threads(cfg, role, args.rank))
     link = WorkerLink(args.control, name)
     inc = new_incarnation()
     link.send(Hello(role=role, rank=args.rank, pid=os.getpid(), incarnation=inc))

@@ -120,14 +120,28 @@ class WorkerLink:
 class CoordinatorSocket:
     """The coordinator's ROUTER socket: receives from any worker, sends to a named one."""
 
-    def __init__(self, host: str = "127.0.0.1", context: Optional[zmq.Context] = None):
+    def __init__(self, host: str = "127.0.0.1", context: Optional[zmq.Context] = None, port: int = 0,
+                 advertise: Optional[str] = None):
+        """Bind on ``host`` (``*``: every interface) at ``port`` (0: a free one); :attr:`endpoint`
+        names ``advertise`` (default ``host``), the address workers and node launchers connect to.
+
+        Raises:
+            zmq.ZMQError: the port cannot be bound.
+        """
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its name
-        port = self.socket.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        if port:
+            try:
+                self.socket.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError:
+                self.socket.close(linger=0)
+                raise
+        else:
+            port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{advertise or host}:{port}"
 
     def send(self, worker: str, kind: Union[str, ControlMessage], **fields: Any) -> bool:
         """Send a message (an object, or its kind and fields) to ``worker``; False (logged) when that

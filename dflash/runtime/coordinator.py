@@ -34,7 +34,7 @@ from dflash.runtime.commands import ControlCommands
 from dflash.runtime.control import CoordinatorSocket
 from dflash.runtime.ledger import Ledger
 from dflash.runtime.messages import (Checkpointed, Command, ControlMessage, Dropped, Evaluate, Evaluated, Failed,
-                                    Heartbeat, Hello, Produce, Produced, Ready, Received, Save, Stop,
+                                    Heartbeat, Hello, NODE_MESSAGES, Produce, Produced, Ready, Received, Save, Stop,
                                     Targets, Train, Trained)
 from dflash.runtime.restarts import ClusterControl, RestartPolicy, RunFailed, SupervisionMixin, WorkerInfo
 from dflash.runtime.run_metrics import StepMetrics, aggregate_eval, progress_text
@@ -155,7 +155,7 @@ class Coordinator(SupervisionMixin, StopMixin):
         self.last_seen: dict[str, float] = {}
         self.ready_info: dict[str, dict] = {}
         self.ledger = Ledger()
-        self.assignment = Assignment(self._send_produce)
+        self.assignment = Assignment(self._send_produce, near=lambda drafter, target: self.node_of(drafter) == self.node_of(target))
         self.metrics = StepMetrics()
         self.policy = RestartPolicy(setup.config.max_restarts, setup.config.restart_backoff_s)
         self.commands = ControlCommands(self)
@@ -277,6 +277,9 @@ class Coordinator(SupervisionMixin, StopMixin):
         if isinstance(msg, Command):
             self.commands.handle(sender, msg)
             return
+        if isinstance(msg, NODE_MESSAGES) and hasattr(self.control, "on_node_message"):
+            self.control.on_node_message(sender, msg)  # a node launcher (multi-node runs)
+            return
         sender = getattr(msg, "name", "") or sender  # heartbeats come from a second socket of the worker
         w = self.workers.get(sender)
         handler = self.handlers.get(type(msg))
@@ -366,10 +369,17 @@ class Coordinator(SupervisionMixin, StopMixin):
             "unassigned_batches": len(self.assignment.unassigned),
             "batches_in_flight": self.assignment.in_flight(),
             "workers": {n: {"role": w.role, "pid": self.control.pid(n) if not w.external else w.pid, "up": w.up,
-                            "ready": w.ready, "failures": w.failures, "external": w.external}
+                            "ready": w.ready, "failures": w.failures, "external": w.external,
+                            "node": self.node_of(n)}
                         for n, w in self.workers.items()},
+            "nodes": getattr(self.control, "node_status", lambda: {})(),
             "restarts": self.restarts,
         }
+
+    def node_of(self, name: str) -> int:
+        """The node rank running worker ``name`` (0 on one machine)."""
+        node_of = getattr(self.control, "node_of", None)
+        return node_of(name) if node_of is not None else 0
 
     # ------------------------------------------------------------------ finished items
     def _finish_item(self, item: WorkItem) -> None:

@@ -221,9 +221,12 @@ class DrafterWorker:
         from dflash.transport import Consumer
 
         tp = self.cfg.transport
+        here = self.cfg.cluster.node_of(self.ctx.name)
+        # targets on another node: tcp; on this one: the configured carrier (CUDA IPC / shm)
+        remote = [t for t in endpoints if self.cfg.cluster.node_of(t) != here]
         self.consumer = Consumer(self.ctx.name, endpoints, self.spec, self.device, tp.carrier,
                                  heartbeat_s=tp.heartbeat_s, peer_timeout_s=tp.peer_timeout_s,
-                                 incarnation=self.ctx.incarnation)
+                                 incarnation=self.ctx.incarnation, remote=remote)
         if not self.consumer.wait_attached(timeout=ATTACH_TIMEOUT_S):
             # a target may be restarting: carry on, it attaches when it is back
             log.warning("attached to %s of %s within %.0f s; continuing", sorted(self.consumer.attached()),

@@ -29,12 +29,14 @@ __all__ = [
     "Failed",
     # coordinator -> worker
     "Targets", "Produce", "Flush", "Train", "Evaluate", "Save", "Stop",
+    # node launcher <-> coordinator
+    "NodeHello", "NodeBeat", "NodeExited", "NodeStart", "NodeKill", "NodeStop", "NODE_MESSAGES",
     # command-line client <-> coordinator
     "Command", "CommandReply", "Message",
 ]
 
 #: Bump on any change of a message's fields or meaning.
-CONTROL_VERSION = 2
+CONTROL_VERSION = 3
 
 
 class ControlError(MessageError):
@@ -252,6 +254,73 @@ class Stop(ControlMessage):
     reason: str
 
 
+# --------------------------------------------------------------------------- node launcher <-> coordinator
+@dataclass(frozen=True)
+class NodeHello(ControlMessage):
+    """A node's launcher (node rank ``node`` > 0) has joined: its address (where its targets bind
+    their ring endpoints), pid, incarnation and ``{target name: ring endpoint}`` of its targets."""
+
+    TAG: ClassVar[str] = "node_hello"
+    node: int
+    addr: str
+    pid: int
+    incarnation: int
+    endpoints: dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodeBeat(ControlMessage):
+    """Liveness of a node launcher (both ways). From the node: ``pids`` of its live workers and
+    ``stopped`` once every worker has exited after :class:`NodeStop`."""
+
+    TAG: ClassVar[str] = "node_beat"
+    node: int
+    pids: dict[str, int] = field(default_factory=dict)
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class NodeExited(ControlMessage):
+    """A worker of node ``node`` exited; ``report``: its exit code and last log lines."""
+
+    TAG: ClassVar[str] = "node_exited"
+    node: int
+    worker: str
+    report: str
+
+
+@dataclass(frozen=True)
+class NodeStart(ControlMessage):
+    """To a node launcher: (re)start ``worker`` (killing a running one first) as
+    ``python -m module *args`` with ``env`` added to the launcher's environment."""
+
+    TAG: ClassVar[str] = "node_start"
+    worker: str
+    module: str
+    args: list[str]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodeKill(ControlMessage):
+    """To a node launcher: SIGKILL ``worker`` and reap it."""
+
+    TAG: ClassVar[str] = "node_kill"
+    worker: str
+
+
+@dataclass(frozen=True)
+class NodeStop(ControlMessage):
+    """To a node launcher: the run is over (``reason``): stop its workers, then exit."""
+
+    TAG: ClassVar[str] = "node_stop"
+    reason: str
+
+
+#: Messages a node launcher sends to the coordinator.
+NODE_MESSAGES = (NodeHello, NodeBeat, NodeExited)
+
+
 # --------------------------------------------------------------------------- command-line client <-> coordinator
 @dataclass(frozen=True)
 class Command(ControlMessage):
@@ -274,7 +343,8 @@ class CommandReply(ControlMessage):
 
 
 _TYPES = (Hello, Ready, Produced, Dropped, Received, Trained, Evaluated, Checkpointed, Heartbeat, Failed,
-          Targets, Produce, Flush, Train, Evaluate, Save, Stop, Command, CommandReply)
+          Targets, Produce, Flush, Train, Evaluate, Save, Stop, Command, CommandReply,
+          NodeHello, NodeBeat, NodeExited, NodeStart, NodeKill, NodeStop)
 CODEC = Codec("control plane", CONTROL_VERSION, _TYPES, error=ControlError)
 #: kind → message class
 BY_KIND: dict[str, type] = {cls.TAG: cls for cls in _TYPES}

@@ -191,6 +191,7 @@ class ProducerRing:
         self.layout = layout
         self.num_slots = num_slots
         self.device = device
+        self._mirror: Optional[torch.Tensor] = None
         self.ring = self._allocate()
         self.slots: list[dict[str, torch.Tensor]] = [layout.views(self.ring[i]) for i in range(num_slots)]
 
@@ -215,7 +216,25 @@ class ProducerRing:
         """Frames that follow READY (tcp: the slot's bytes)."""
         return []
 
+    def host_bytes(self, slot: int, stream: Optional[Any] = None) -> list:
+        """The slot's bytes as one frame, for a consumer served over tcp (any ring: a consumer on
+        another host of a cuda_ipc / shm ring). CUDA slots are staged through a pinned host mirror
+        (allocated at the first use) after ``stream`` (default: the current one) is synchronised;
+        the frame is a view, valid while the slot is in flight (credits keep it unchanged)."""
+        host = self.ring[slot]
+        if self.device.type == "cuda":
+            if self._mirror is None:
+                self._mirror = torch.empty(self.num_slots, self.layout.nbytes, dtype=torch.uint8, pin_memory=True)
+            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream):
+                self._mirror[slot].copy_(self.ring[slot], non_blocking=True)
+            stream.synchronize()
+            host = self._mirror[slot]
+        # numpy view keeps the tensor alive while zmq sends it without copying.
+        return [host.numpy()]
+
     def close(self) -> None:
+        self._mirror = None
         self.slots = []
         self.ring = torch.empty(0, dtype=torch.uint8)
 
@@ -322,19 +341,7 @@ class TcpRing(ProducerRing):
             self._mirror = torch.empty(num_slots, layout.nbytes, dtype=torch.uint8, pin_memory=True)
 
     def payload(self, slot: int, stream: Optional[Any] = None) -> list:
-        host = self.ring[slot]
-        if self._mirror is not None:
-            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(stream):
-                self._mirror[slot].copy_(self.ring[slot], non_blocking=True)
-            stream.synchronize()
-            host = self._mirror[slot]
-        # numpy view keeps the tensor alive while zmq sends it without copying.
-        return [host.numpy()]
-
-    def close(self) -> None:
-        self._mirror = None
-        super().close()
+        return self.host_bytes(slot, stream)
 
 
 def make_ring(carrier: str, layout: SlotLayout, num_slots: int, device: torch.device, name: str) -> ProducerRing:

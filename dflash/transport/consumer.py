@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Any, Optional, Union
+from typing import Callable, Any, Collection, Optional, Union
 
 import torch
 import zmq
@@ -106,6 +106,8 @@ class _Link:
     #: slots received (READY) and not yet freed: slot → generation
     held: dict[int, int] = field(default_factory=dict)
     stopped: str = ""
+    #: the carrier of this producer's slots: the consumer's own, or ``tcp`` for a remote producer
+    carrier: str = "tcp"
 
 
 class Consumer:
@@ -117,7 +119,9 @@ class Consumer:
         spec: the slot spec, identical to the producers'.
         device: where the consumer's buffer lives (``cuda:N`` or ``cpu``).
         carrier: ``auto`` (cuda_ipc on CUDA, shm on CPU), ``cuda_ipc``, ``shm`` or ``tcp``; must
-            match the producers'.
+            match the producers' (of those not in ``remote``).
+        remote: producers on another host: their slots come over ``tcp`` whatever ``carrier``
+            is (a producer serves tcp to any consumer that asks for it).
         num_buffers: own buffers used round-robin (``Received.tensors`` stay valid for
             ``num_buffers - 1`` further receives).
         heartbeat_s, peer_timeout_s: liveness (s); a producer silent past the timeout is dropped
@@ -144,7 +148,7 @@ class Consumer:
                  device: Union[str, torch.device] = "cpu", carrier: str = "auto", *, num_buffers: int = 1,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  sync: bool = True, import_device: str = "own", host_gate: bool = True,
-                 context: Optional[zmq.Context] = None, incarnation: Optional[int] = None):
+                 remote: Collection[str] = (), context: Optional[zmq.Context] = None, incarnation: Optional[int] = None):
         if peer_timeout_s <= heartbeat_s:
             raise TransportError(f"peer_timeout_s ({peer_timeout_s}) must exceed heartbeat_s ({heartbeat_s})")
         if num_buffers < 1:
@@ -172,7 +176,11 @@ class Consumer:
         self._pending: collections.deque[_Pending] = collections.deque()
         #: copies enqueued and not yet known complete: (done event, link, slot, generation)
         self._copies: collections.deque[tuple[Any, _Link, int, int]] = collections.deque()
-        self._mailbox = FdMailbox(name, self.incarnation) if self.carrier == "shm" else None
+        unknown = sorted(set(remote) - set(producers))
+        if unknown:
+            raise TransportError(f"{name}: remote producer(s) {unknown} are not among the producers {sorted(producers)}")
+        local = [p for p in producers if p not in remote]
+        self._mailbox = FdMailbox(name, self.incarnation) if self.carrier == "shm" and local else None
         self._closed = False
         ctx = context or zmq.Context.instance()
         self._links: dict[str, _Link] = {}
@@ -186,12 +194,12 @@ class Consumer:
             sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
             sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
             sock.connect(endpoint)
-            link = _Link(producer, endpoint, sock)
+            link = _Link(producer, endpoint, sock, carrier="tcp" if producer in remote else self.carrier)
             self._links[producer] = link
             self._by_socket[sock] = link
             self._poller.register(sock, zmq.POLLIN)
         log.info("%s: consumer incarnation %d, carrier %s, device %s, producers %s", name, self.incarnation, self.carrier,
-                 self.device, ", ".join(f"{p}@{e}" for p, e in producers.items()))
+                 self.device, ", ".join(f"{p}@{e}" + (" (tcp)" if p in remote else "") for p, e in producers.items()))
         self._timers()
 
     # ------------------------------------------------------------------ public API
@@ -368,7 +376,7 @@ class Consumer:
                 "ignored stale" if stale else "rejected", link.producer, what)
 
     def _hello(self, link: _Link) -> bool:
-        return self._send(link, Hello(self.name, self.incarnation, os.getpid(), self.host, self.carrier, self.layout.digest,
+        return self._send(link, Hello(self.name, self.incarnation, os.getpid(), self.host, link.carrier, self.layout.digest,
                                self._mailbox.address if self._mailbox is not None else ""))
 
     def _handle(self, link: _Link, frames: list) -> None:
@@ -427,14 +435,14 @@ class Consumer:
         if msg.layout != self.layout.describe() or msg.slot_nbytes != self.layout.nbytes:
             self._reject(link, f"SLOTS layout {msg.layout} differs from this consumer's {self.layout.describe()}")
             return
-        if msg.carrier != self.carrier or msg.num_slots < 1:
-            self._reject(link, f"SLOTS carrier {msg.carrier} / {msg.num_slots} slots (this consumer: {self.carrier})")
+        if msg.carrier != link.carrier or msg.num_slots < 1:
+            self._reject(link, f"SLOTS carrier {msg.carrier} / {msg.num_slots} slots (expected: {link.carrier})")
             return
         if link.ring is not None and msg.incarnation != link.incarnation:
             self._drop_ring(link, "producer restarted", dead=True)
         if link.ring is None:  # import once per (producer, incarnation)
             try:
-                link.ring = self._import(msg)
+                link.ring = self._import(msg, link.carrier)
             except (TransportError, RuntimeError, OSError) as exc:
                 log.error("%s: cannot import the ring of %s (incarnation %d): %s", self.name, link.producer, msg.incarnation, exc)
                 return
@@ -445,10 +453,10 @@ class Consumer:
         log.info("%s: attached to %s incarnation %d (%d slots of %.1f MiB, %s)", self.name, link.producer, msg.incarnation,
                  msg.num_slots, msg.slot_nbytes / 2**20, msg.carrier)
 
-    def _import(self, msg: Slots) -> ImportedRing:
-        if self.carrier == "cuda_ipc":
+    def _import(self, msg: Slots, carrier: str) -> ImportedRing:
+        if carrier == "cuda_ipc":
             return CudaIpcImport(msg, self.device, self.import_device)
-        if self.carrier == "shm":
+        if carrier == "shm":
             assert self._mailbox is not None
             ring = ShmImport(msg, self._mailbox)
             self._mailbox.discard_older(msg.sender, msg.incarnation)
@@ -471,7 +479,7 @@ class Consumer:
             self._reject(link, f"stale READY for slot {msg.ring_slot}: generation {msg.generation} (last seen {last}"
                          f"{', slot not freed yet' if msg.ring_slot in link.held else ''}), batch {msg.job_key!r}")
             return
-        expected_frames = 1 if self.carrier == "tcp" else 0
+        expected_frames = 1 if link.carrier == "tcp" else 0
         if len(payload) != expected_frames:
             self._reject(link, f"READY with {len(payload)} payload frame(s), expected {expected_frames}")
             return

@@ -82,6 +82,8 @@ class _ConsumerState:
     incarnation: int
     last_seen: float
     attached_at: float = field(default_factory=time.monotonic)
+    #: the ring's carrier, or ``tcp`` for a consumer served over the network (another host)
+    carrier: str = "tcp"
 
 
 @dataclass
@@ -103,7 +105,9 @@ class Producer:
         spec: the slot's tensors ``{name: (shape, dtype)}``; consumers must use the same spec.
         num_slots: K, the ring size (credits).
         device: where slots live (``cuda:N`` for cuda_ipc, ``cpu`` for shm; either for tcp).
-        carrier: ``auto`` (cuda_ipc on CUDA, shm on CPU), ``cuda_ipc``, ``shm`` or ``tcp``.
+        carrier: ``auto`` (cuda_ipc on CUDA, shm on CPU), ``cuda_ipc``, ``shm`` or ``tcp``: the
+            ring's carrier. A consumer that says HELLO with ``tcp`` (one on another host) is served
+            over tcp whatever the ring's carrier: each READY brings the slot's bytes.
         heartbeat_s: heartbeat period to attached consumers (s).
         peer_timeout_s: a consumer silent this long (s) is evicted: credits reset, batches lost.
         on_lost: called with each list of :class:`LostBatch` when it is detected (they are also
@@ -244,13 +248,15 @@ class Producer:
         state = self._slots[slot]
         generation = state.generation + 1
         meta = dict(meta or {})
+        over_tcp = peer.carrier == "tcp"
         try:
             header = encode(Ready(self.name, self.incarnation, peer.incarnation, slot, generation, job_key, meta,
-                                  self.layout.nbytes if self.carrier == "tcp" else 0))
+                                  self.layout.nbytes if over_tcp else 0))
         except MessageError as exc:
             raise TransportError(f"{self.name}: cannot publish batch {job_key!r}: {exc}") from None
         self._ring.mark_filled(slot, stream)
-        frames = [peer.identity, header, *self._ring.payload(slot, stream)]
+        payload = self._ring.host_bytes(slot, stream) if over_tcp else self._ring.payload(slot, stream)
+        frames = [peer.identity, header, *payload]
         try:
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == _ROUTER_FRAMES)
         except zmq.ZMQError as exc:
@@ -370,11 +376,11 @@ class Producer:
             self._reject(msg.sender, f"HELLO with stale consumer incarnation {msg.incarnation} (current {known.incarnation})", stale=True)
             return
         problem = ""
-        if msg.carrier != self.carrier:
-            problem = f"carrier {msg.carrier} != {self.carrier}"
+        if msg.carrier not in (self.carrier, "tcp"):  # every ring also serves tcp (a consumer on another host)
+            problem = f"carrier {msg.carrier} != {self.carrier} (nor tcp)"
         elif msg.layout_digest != self.layout.digest:
             problem = f"slot layout {msg.layout_digest} != {self.layout.digest} ({self.layout})"
-        elif self.carrier in ("shm", "cuda_ipc") and msg.host != self.host:
+        elif msg.carrier in ("shm", "cuda_ipc") and msg.host != self.host:
             problem = f"host {msg.host} != {self.host}: {self.carrier} needs the same host (use tcp)"
         if problem:
             self._reject(msg.sender, f"incompatible HELLO: {problem}")
@@ -384,20 +390,23 @@ class Producer:
             log.warning("%s: consumer %s restarted (incarnation %d -> %d)", self.name, msg.sender, known.incarnation, msg.incarnation)
             self._drop_consumer(msg.sender, "restarted")
             known = None
-        try:
-            self._ring.on_hello(msg, self.name, self.incarnation)
-        except TransportError as exc:
-            log.error("%s: cannot attach %s: %s", self.name, msg.sender, exc)
-            return
+        local = msg.carrier == self.carrier and self.carrier != "tcp"
+        if local:
+            try:
+                self._ring.on_hello(msg, self.name, self.incarnation)
+            except TransportError as exc:
+                log.error("%s: cannot attach %s: %s", self.name, msg.sender, exc)
+                return
         now = time.monotonic()
         if known is None:
-            self._consumers[msg.sender] = _ConsumerState(msg.sender, identity, msg.incarnation, now)
-            log.info("%s: consumer %s attached (incarnation %d, pid %d)", self.name, msg.sender, msg.incarnation, msg.pid)
+            self._consumers[msg.sender] = _ConsumerState(msg.sender, identity, msg.incarnation, now, carrier=msg.carrier)
+            log.info("%s: consumer %s attached (incarnation %d, pid %d, carrier %s)", self.name, msg.sender,
+                     msg.incarnation, msg.pid, msg.carrier)
         else:
             known.last_seen = now
-        slots = Slots(self.name, self.incarnation, msg.incarnation, os.getpid(), self.host, pid_namespace(), self.carrier,
+        slots = Slots(self.name, self.incarnation, msg.incarnation, os.getpid(), self.host, pid_namespace(), msg.carrier,
                       self.num_slots,
-                      self.layout.nbytes, self.layout.describe(), **self._export)
+                      self.layout.nbytes, self.layout.describe(), **(self._export if local else {}))
         self._send(identity, slots)
 
     def _on_free(self, msg: Free) -> None:
