@@ -63,7 +63,8 @@ def test_both_planes_register_every_message_type():
         "Hello", "Slots", "Ready", "Free", "Heartbeat", "Stop"}
     assert set(control_plane.BY_KIND) == {
         "hello", "ready", "produced", "dropped", "received", "trained", "evaluated", "checkpointed", "heartbeat",
-        "failed", "targets", "produce", "flush", "train", "evaluate", "save", "stop", "ctl", "ctl_reply"}
+        "failed", "targets", "produce", "flush", "train", "evaluate", "save", "stop", "ctl", "ctl_reply",
+        "node_hello", "node_beat", "node_exited", "node_start", "node_kill", "node_stop"}
 
 
 @pytest.mark.parametrize("codec, cls", ALL_TYPES, ids=lambda x: getattr(x, "__name__", getattr(x, "plane", "")))
