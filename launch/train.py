@@ -41,7 +41,7 @@ from dflash.runtime.coordinator import Coordinator, CoordinatorConfig, Coordinat
 from launch import EXIT_CONFIG
 from launch.local_cluster import CLUSTER_FILE, LocalCluster
 from launch.recorder import METRICS_FILE, RunRecorder, start_wandb, undo_later_steps
-from launch.supervisor import Supervisor
+from dflash.runtime.supervisor import Supervisor
 
 __all__ = ["run", "lock_run_dir", "select_checkpoint", "prepare_launch", "LaunchRefused"]
 
@@ -242,7 +242,7 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
                  "checkpoint_every": cfg.checkpoint.every, "eval_batches": cfg.train.eval_batches}
     sock = CoordinatorSocket(cfg.transport.host)
     progress = ProgressLine(plan.total_steps, start_step)
-    control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir, progress.write))
+    control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir / "logs", progress.write))
     early_signals: list[int] = []  # a stop while workers start, before the coordinator's handlers
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda sig, _frame: early_signals.append(sig))
