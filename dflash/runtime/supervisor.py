@@ -40,7 +40,7 @@ class WorkerSpec:
     """How to start one worker."""
 
     name: str  # "target.0"
-    role: str  # "target" | "drafter"
+    role: str  # "target" | "drafter" | "regen"
     rank: int
     module: str  # "dflash.runtime.target"
     args: list[str] = field(default_factory=list)
