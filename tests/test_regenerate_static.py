@@ -250,3 +250,23 @@ def test_stage_off_does_nothing(tmp_path):
 
     cfg = RunConfig()
     assert regenerate.run_stage(cfg, tmp_path / "missing.yaml", []) == (0, cfg)
+
+
+@pytest.mark.parametrize("given", [
+    dict(max_new_tokens=7, temperature=0.1 + 0.2, top_p=0.9, seed=3, batch_size=5, limit=11, max_turns=2,
+         max_prompt_tokens=99),
+    dict(temperature=1, limit=None, max_turns=None, max_prompt_tokens=None),  # an int temperature, unset options
+])
+def test_option_flags_read_back_as_the_same_options(given):
+    """The flags a launcher gives its workers (and the training stage its launcher) parse back to
+    the same values, floats exactly; unset options stay unset."""
+    from dflash.config import RegenerateConfig
+    from dflash.inference.regenerate import parse_args
+    from dflash.inference.regeneration.launcher import option_flags
+
+    section = RegenerateConfig(**given)
+    args = parse_args(["--config", "c.yaml", *option_flags(section)])
+    for key in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "limit", "max_turns",
+                "max_prompt_tokens"):
+        assert getattr(args, key) == getattr(section, key), key
+    assert parse_args(["--config", "c.yaml", *option_flags(args)]) == args
