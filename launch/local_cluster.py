@@ -17,7 +17,7 @@ from typing import Optional
 from dflash.training.checkpoint import latest_checkpoint
 from dflash.config import RunConfig
 from dflash.utils import atomic_write_text
-from launch.supervisor import Supervisor, WorkerSpec
+from dflash.runtime.supervisor import Supervisor, WorkerSpec
 
 __all__ = ["CLUSTER_FILE", "LocalCluster", "free_port"]
 

@@ -27,7 +27,7 @@ from dflash.runtime.messages import (CODEC, ControlError, NodeBeat, NodeExited, 
 from dflash.transport.messages import new_incarnation
 from launch.local_cluster import KILL_WAIT_S, free_port
 from launch.nodes import Rendezvous
-from launch.supervisor import Supervisor, WorkerSpec
+from dflash.runtime.supervisor import Supervisor, WorkerSpec
 
 __all__ = ["run_node"]
 
@@ -46,7 +46,7 @@ class NodeAgent:
         self.names = cfg.cluster.workers_on(self.node)
         self.endpoints = {n: f"tcp://{rdzv.node_addr}:{free_port(rdzv.node_addr)}" for n in self.names
                           if n.startswith("target.")}
-        self.supervisor = Supervisor(run_dir, lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush()))
+        self.supervisor = Supervisor(run_dir / "logs", lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush()))
         self.incarnation = new_incarnation()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"node.{self.node}".encode())

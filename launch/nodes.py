@@ -33,7 +33,7 @@ from dflash.runtime.control import CoordinatorSocket
 from dflash.runtime.messages import NodeBeat, NodeExited, NodeHello, NodeKill, NodeStart, NodeStop
 from dflash.runtime.restarts import RunFailed
 from launch.local_cluster import LocalCluster
-from launch.supervisor import Supervisor
+from dflash.runtime.supervisor import Supervisor
 
 __all__ = ["Rendezvous", "NodeCluster", "NodeLost", "add_rendezvous_args", "node_address", "DEFAULT_MASTER_PORT"]
 

@@ -39,11 +39,11 @@ from dflash.data.schedule import StepPlan
 from dflash.utils import LockTimeout, atomic_write_text, file_lock
 from dflash.runtime.control import CoordinatorSocket
 from dflash.runtime.coordinator import Coordinator, CoordinatorConfig, CoordinatorSetup, build_work_items
+from dflash.runtime.supervisor import Supervisor
 from launch import EXIT_CONFIG
 from launch.local_cluster import CLUSTER_FILE, LocalCluster
 from launch.nodes import NodeCluster, NodeLost, Rendezvous
 from launch.recorder import METRICS_FILE, RunRecorder, start_wandb, undo_later_steps
-from launch.supervisor import Supervisor
 
 __all__ = ["run", "lock_run_dir", "select_checkpoint", "prepare_launch", "LaunchRefused"]
 
@@ -266,7 +266,7 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
         except zmq.ZMQError as exc:
             log.error("cannot bind the coordinator at port %d (--master-port): %s", rdzv.master_port, exc)
             return 1
-        control = NodeCluster(cfg, run_dir, sock, Supervisor(run_dir, progress.write), rdzv)
+        control = NodeCluster(cfg, run_dir, sock, Supervisor(run_dir / "logs", progress.write), rdzv)
         try:
             control.wait_for_nodes(cfg.cluster.node_join_timeout_s)
         except NodeLost as exc:
@@ -276,7 +276,7 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
             return 1
     else:
         sock = CoordinatorSocket(cfg.transport.host)
-        control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir, progress.write))
+        control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir / "logs", progress.write))
     control.start_all(ckpt)
     control.write_info()
     recorder = RunRecorder(run_dir, start_wandb(cfg, run_dir, derived_values(cfg, prepared), ckpt is not None),

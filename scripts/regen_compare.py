@@ -46,7 +46,7 @@ from dflash.data.corpus import normalize_row, prepare_data
 from dflash.training.factory import DataPlans, build_batch_plans, pad_token_id
 from dflash.logs import setup_logging
 from dflash.training.reference import evaluate_heldout, run_reference
-from dflash.inference.regenerate import iter_source
+from dflash.inference.regeneration.rows import iter_source
 from dflash.inference.generation import Generator
 from dflash.inference.speculative import prompts_from_corpus, stop_token_ids
 from dflash.models.target import load_target

@@ -1,4 +1,4 @@
-"""Data regeneration (``dflash.inference.regenerate``) on CPU with a tiny random target and the Qwen3 tokenizer.
+"""Data regeneration (``dflash.inference.regenerate`` and ``dflash.inference.regeneration``) on CPU with a tiny random target and the Qwen3 tokenizer.
 
 - batched, left-padded greedy generation with a KV cache equals a naive loop (full forward, argmax)
   for each prompt on its own; sampling depends only on (seed, row, turn), not on the batch;
@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -25,8 +24,11 @@ import torch
 import yaml
 
 from dflash.config import TargetConfig
-from dflash.inference.regenerate import (BatchGenerator, Generated, GenerationOptions, SourceRow, iter_source, merge_outputs,
-                               read_lines, recover_shard, row_id, shard_of, shard_path, stop_token_ids, append_records)
+from dflash.inference.regeneration.generators import BatchGenerator, Generated, stop_token_ids
+from dflash.inference.regeneration.jobs import ConversationJob, GenerationOptions
+from dflash.inference.regeneration.rows import SourceRow, iter_source, row_id, shard_of
+from dflash.inference.regeneration.shards import ShardWriter, merge_outputs, read_lines, shard_lock_path, shard_path
+from dflash.utils import file_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 BAD_ROWS = ROOT / "tests" / "fixtures" / "bad_rows.jsonl"
@@ -143,19 +145,16 @@ def test_recover_shard_drops_a_cut_line(tmp_path):
     path.write_bytes(b'{"id": "a", "conversations": []}\n{"id": "b", "skipped": "x"}\n{"id": "c", "conv')
     records, end, bad = read_lines(path)
     assert [r["id"] for r in records] == ["a", "b"] and bad == 0 and end < path.stat().st_size
-    fd = recover_shard(path)
-    try:
+    with ShardWriter(path) as shard:
         assert path.stat().st_size == end
         with pytest.raises(TimeoutError):  # the shard is locked while its worker writes
-            recover_shard(path, timeout_s=0.2)
-        append_records(fd, [{"id": "c", "conversations": [], "regen": {"source_index": 0}}])
-    finally:
-        os.close(fd)
+            ShardWriter(path, timeout_s=0.2)
+        shard.append([{"id": "c", "conversations": [], "regen": {"source_index": 0}}])
     assert [r["id"] for r in read_lines(path)[0]] == ["a", "b", "c"]
     report = merge_outputs(out)
     assert report.rows == 2 and report.skipped == {"x": 1} and report.duplicates == 0
     assert [r["id"] for r in read_lines(out)[0]] == ["c", "a"]  # source order first
-    assert not path.exists()
+    assert not path.exists() and not shard_lock_path(path).exists()
 
 
 # --------------------------------------------------------------------------- end to end
@@ -198,19 +197,14 @@ def _shard_ids(out: Path) -> list[str]:
     return [r["id"] for k in range(2) for r in read_lines(shard_path(out, k))[0]]
 
 
-def _wait_unlocked(path: Path, deadline: float) -> None:
-    """Poll (with a deadline) until nobody holds ``path``'s flock: its worker has exited."""
-    fd = os.open(path, os.O_RDONLY)
+def _wait_unlocked(shard: Path, timeout_s: float) -> None:
+    """Wait (bounded) until nobody holds ``shard``'s lock: its worker has exited."""
+    lock = file_lock(shard_lock_path(shard))
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                assert time.monotonic() < deadline, f"a worker still holds {path} after the launcher died"
-                time.sleep(0.05)
-    finally:
-        os.close(fd)
+        lock.acquire(timeout=timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"a worker still holds {shard_lock_path(shard)} after the launcher died") from None
+    lock.release()
 
 
 def test_regenerate_sigkill_and_resume(tmp_path, monkeypatch, target, tokenizer):
@@ -238,10 +232,9 @@ def test_regenerate_sigkill_and_resume(tmp_path, monkeypatch, target, tokenizer)
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=WAIT_S)
-    deadline = time.monotonic() + WAIT_S
     for k in range(2):
         if shard_path(out, k).exists():
-            _wait_unlocked(shard_path(out, k), deadline)  # no worker outlives the launcher
+            _wait_unlocked(shard_path(out, k), WAIT_S)  # no worker outlives the launcher
     before = _shard_ids(out)
     assert not out.exists() and 0 < len(before) < len(expected), before
     assert len(set(before)) == len(before)
@@ -306,8 +299,6 @@ def test_regenerate_sigkill_and_resume(tmp_path, monkeypatch, target, tokenizer)
 
 def test_source_rows_follow_template(tokenizer):
     """A consistency check of the job rules without a model: leading assistant turns are dropped."""
-    from dflash.inference.regenerate import ConversationJob
-
     row = SourceRow(0, "x", [{"role": "assistant", "content": "cont"}, {"role": "user", "content": "q"},
                              {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}])
     job = ConversationJob(row, tokenizer, GenerationOptions(max_prompt_tokens=256, enable_thinking=False))

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from dflash.config import ConfigError, RunConfig, TargetConfig, load_config
-from dflash.inference.regenerate import BatchGenerator, Generated, StaticGreedyGenerator, limit_vocab
+from dflash.inference.regeneration.generators import BatchGenerator, Generated, StaticGreedyGenerator, limit_vocab
 
 VOCAB = 512        # the tiny-llama's embedding rows
 VOCAB_LIMIT = 500  # a "tokenizer" smaller than the embedding: ids 500..511 must never appear
@@ -87,7 +87,8 @@ def test_static_greedy_equals_batch_generator_and_naive_loop(model):
 
 
 def test_prompt_chars_is_the_first_prompt():
-    from dflash.inference.regenerate import SourceRow, prompt_chars
+    from dflash.inference.regeneration.jobs import prompt_chars
+    from dflash.inference.regeneration.rows import SourceRow
 
     row = SourceRow(0, "x", [{"role": "assistant", "content": "lead"}, {"role": "system", "content": "sys"},
                              {"role": "user", "content": "hello"}, {"role": "assistant", "content": "answer"},
@@ -172,6 +173,7 @@ QWEN3_VOCAB = 151669
 
 def test_stage_regenerates_then_is_skipped_when_complete(tmp_path, monkeypatch):
     from dflash.inference import regenerate
+    from dflash.inference.regeneration import launcher
     from dflash.data.corpus import read_rows
 
     source = tmp_path / "source.jsonl"
@@ -221,8 +223,8 @@ def test_stage_regenerates_then_is_skipped_when_complete(tmp_path, monkeypatch):
 
     monkeypatch.setattr(subprocess, "Popen", no_worker)
     reads = []
-    read_done = regenerate.done_ids
-    monkeypatch.setattr(regenerate, "done_ids", lambda path: reads.append(path) or read_done(path))
+    read_done = launcher.done_ids
+    monkeypatch.setattr(launcher, "done_ids", lambda path: reads.append(path) or read_done(path))
     code, again = regenerate.run_stage(cfg, config, [])
     assert code == 0 and again.data.dataset == trained.data.dataset
     # the finished rows are read a fixed number of times, not once per row (a 17k-row output
@@ -248,3 +250,23 @@ def test_stage_off_does_nothing(tmp_path):
 
     cfg = RunConfig()
     assert regenerate.run_stage(cfg, tmp_path / "missing.yaml", []) == (0, cfg)
+
+
+@pytest.mark.parametrize("given", [
+    dict(max_new_tokens=7, temperature=0.1 + 0.2, top_p=0.9, seed=3, batch_size=5, limit=11, max_turns=2,
+         max_prompt_tokens=99),
+    dict(temperature=1, limit=None, max_turns=None, max_prompt_tokens=None),  # an int temperature, unset options
+])
+def test_option_flags_read_back_as_the_same_options(given):
+    """The flags a launcher gives its workers (and the training stage its launcher) parse back to
+    the same values, floats exactly; unset options stay unset."""
+    from dflash.config import RegenerateConfig
+    from dflash.inference.regenerate import parse_args
+    from dflash.inference.regeneration.launcher import option_flags
+
+    section = RegenerateConfig(**given)
+    args = parse_args(["--config", "c.yaml", *option_flags(section)])
+    for key in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "limit", "max_turns",
+                "max_prompt_tokens"):
+        assert getattr(args, key) == getattr(section, key), key
+    assert parse_args(["--config", "c.yaml", *option_flags(args)]) == args

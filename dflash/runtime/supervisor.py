@@ -1,9 +1,11 @@
 """Start, watch and stop worker processes; forward their output with the worker's name.
 
-Each worker is a separate OS process (``python -m dflash.runtime.target|drafter``). Its stdout
-and stderr are read by one small thread each in the launcher (the launcher owns no CUDA state,
-so threads are harmless here), prefixed with the worker's name when the line does not carry it,
-written to ``<run_dir>/logs/<name>.log`` and kept in a tail buffer for failure reports.
+Each worker is a separate OS process (``python -m dflash.runtime.target|drafter`` for training,
+``python -m dflash.inference.regenerate --worker-rank k`` for regeneration), in its own session.
+Its stdout and stderr are read by one small thread each in the launcher (the launcher owns no CUDA
+state, so threads are harmless here), prefixed with the worker's name when the line does not carry
+it, written to its log file (``<log_dir>/<name>.log`` unless its :class:`WorkerSpec` names one) and
+kept in a tail buffer for failure reports.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ class WorkerSpec:
     """How to start one worker."""
 
     name: str  # "target.0"
-    role: str  # "target" | "drafter"
+    role: str  # "target" | "drafter" | "regen"
     rank: int
     module: str  # "dflash.runtime.target"
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    log_path: Optional[Path] = None  # default: <log_dir>/<name>.log
 
 
 class WorkerProcess:
@@ -50,7 +53,7 @@ class WorkerProcess:
 
     def __init__(self, spec: WorkerSpec, log_dir: Path, emit: Callable[[str], None]):
         self.spec = spec
-        self.log_path = log_dir / f"{spec.name}.log"
+        self.log_path = spec.log_path or log_dir / f"{spec.name}.log"
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.emit = emit
         self.popen: Optional[subprocess.Popen] = None
@@ -129,10 +132,15 @@ class WorkerProcess:
 
 
 class Supervisor:
-    """Owns all worker processes of a run."""
+    """Owns all worker processes of a run.
 
-    def __init__(self, run_dir: Path, emit: Callable[[str], None]):
-        self.log_dir = run_dir / "logs"
+    Args:
+        log_dir: where worker logs go (created), unless a :class:`WorkerSpec` names its own file.
+        emit: called with every output line of every worker, tagged with the worker's name.
+    """
+
+    def __init__(self, log_dir: Path, emit: Callable[[str], None]):
+        self.log_dir = log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.emit = emit
         self.workers: dict[str, WorkerProcess] = {}

@@ -1,0 +1,302 @@
+"""One generated turn for a batch of prompts: the target's greedy or sampled continuation.
+
+Greedy (temperature 0) goes through :class:`StaticGreedyGenerator`: the static KV cache of
+:class:`dflash.inference.generation.Generator`, one row per conversation, its step compiled into a
+CUDA graph on GPU (``target.compile``); prompts of :data:`SHORT_PROMPT_TOKENS` tokens or more go to
+a second, eager cache sized for ``--max-prompt-tokens``. Sampling keeps :class:`BatchGenerator`: one
+left-padded batch with the Hugging Face causal LM called step by step; left padding is exact for
+attention layers (padded keys are masked, positions restart at 0 at each row's first token). A turn
+ends at a stop token (:func:`stop_token_ids`; not returned) or after ``max_new_tokens``; ids the
+tokenizer does not have (padding rows of the embedding) are never generated.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["STATIC_SLACK", "SHORT_PROMPT_TOKENS", "stop_token_ids", "Generated", "BatchGenerator", "limit_vocab",
+           "StaticGreedyGenerator"]
+
+log = logging.getLogger(__name__)
+
+
+def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """Ids that end a turn: the tokenizer's end-of-turn tokens and EOS, plus the model's
+    ``generation_config.eos_token_id`` when ``model`` is given (pass None for a random target, whose
+    generation config is a default that knows nothing of the tokenizer)."""
+    from dflash.data.corpus import end_of_turn_tokens
+
+    ids = {int(tokenizer.convert_tokens_to_ids(t)) for t in end_of_turn_tokens(tokenizer)}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    eos = getattr(gen, "eos_token_id", None)
+    for value in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if isinstance(value, int):
+            ids.add(value)
+    return sorted(i for i in ids if i >= 0)
+
+
+@dataclass
+class Generated:
+    """One generated turn: ``ids`` (the new tokens, the stop token excluded) and why it ended
+    (``stop``: a stop token; ``length``: ``max_new_tokens`` reached)."""
+
+    ids: list[int]
+    finish: str
+
+
+class BatchGenerator:
+    """Left-padded batched generation with a KV cache, greedy or temperature / top-p sampling.
+
+    Calls the Hugging Face causal LM ``model`` step by step (``logits_to_keep=1``, explicit
+    ``position_ids`` that restart at each row's first real token, 2-D attention mask). Logits of ids
+    ``>= vocab_limit`` (embedding rows without a token) are set to -inf before choosing.
+
+    Args:
+        model: a transformers causal LM in eval mode (``target.model``).
+        stop_ids: ids that end a turn.
+        pad_id: id written in padding positions (masked, any valid id).
+        vocab_limit: the tokenizer's size (``len(tokenizer)``).
+    """
+
+    def __init__(self, model: Any, stop_ids: list[int], pad_id: int, vocab_limit: int) -> None:
+        self.model = model
+        self.stop_ids = set(stop_ids)
+        self.fill_id = stop_ids[0] if stop_ids else pad_id
+        self.pad_id = pad_id
+        self.vocab_limit = vocab_limit
+        self.device = next(model.parameters()).device
+        # transformers renamed ``past_key_values`` to ``cache`` (5.24 has ``cache``, older 5.x the old name).
+        params = inspect.signature(model.forward).parameters
+        self.cache_key = "cache" if "cache" in params else "past_key_values"
+
+    def _choose(self, logits: torch.Tensor, temperature: float, top_p: float,
+                generators: Optional[list[torch.Generator]]) -> torch.Tensor:
+        """Next token per row from ``logits`` ``[B, V]`` → int64 ``[B]`` (argmax when temperature is 0)."""
+        logits = logits.float()
+        if logits.shape[-1] > self.vocab_limit:
+            logits[:, self.vocab_limit:] = float("-inf")
+        if temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = logits / temperature
+        if top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            # Drop a token when the tokens ranked before it already reach top_p (the first always stays).
+            drop = (probs.cumsum(dim=-1) - probs) >= top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        if generators is None or len(generators) != probs.shape[0]:
+            raise ValueError("sampling needs one generator per row")
+        return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)[0] for i, g in enumerate(generators)])
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seeds: Optional[list[int]] = None) -> list[Generated]:
+        """Generate one turn for each prompt.
+
+        Args:
+            prompts: B lists of token ids (each non-empty).
+            max_new_tokens: at most this many new tokens per row (the stop token included).
+            temperature: 0 = greedy; else sampling at this temperature.
+            top_p: nucleus sampling mass (1 = off); only with ``temperature > 0``.
+            seeds: one seed per row (required when sampling): row i samples from its own generator.
+        Returns:
+            B :class:`Generated`, in prompt order.
+        Raises:
+            ValueError: an empty prompt, or sampling without one seed per row.
+        """
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        generators = None
+        if temperature > 0:
+            if seeds is None or len(seeds) != len(prompts):
+                raise ValueError("generate: sampling needs one seed per prompt")
+            generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        rows, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        new: list[list[int]] = [[] for _ in range(rows)]
+        finish = ["length"] * rows
+        active = list(range(rows))
+        for step in range(max_new_tokens):
+            chosen = self._choose(out.logits[:, -1, :], temperature, top_p, generators)
+            host = chosen.tolist()
+            still = []
+            for i in active:
+                if host[i] in self.stop_ids:
+                    finish[i] = "stop"
+                else:
+                    new[i].append(host[i])
+                    still.append(i)
+            active = still
+            if not active or step + 1 == max_new_tokens:
+                break
+            # Finished rows keep running on a filler token; their outputs are ignored.
+            done = torch.ones(rows, dtype=torch.bool)
+            done[active] = False
+            chosen = chosen.masked_fill(done.to(self.device), self.fill_id)
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            cache = out.get(self.cache_key)
+            if cache is None:
+                raise RuntimeError(f"{type(self.model).__name__} returned no {self.cache_key}: cannot generate with a cache")
+            out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self.cache_key: cache})
+        return [Generated(ids, f) for ids, f in zip(new, finish)]
+
+
+#: Positions of the static cache beyond the longest prompt allowed plus ``max_new_tokens``
+#: (:class:`dflash.inference.generation.Generator` keeps a few slots past a row's last token).
+STATIC_SLACK = 8
+#: Prompts shorter than this (tokens) use :class:`StaticGreedyGenerator`'s short cache.
+SHORT_PROMPT_TOKENS = 512
+
+
+def limit_vocab(model: Any, vocab_limit: int) -> None:
+    """Make ``model``'s output embedding produce logits for ids ``< vocab_limit`` only.
+
+    When the head has more rows than the tokenizer has tokens (embedding padding, e.g. Qwen3's
+    151,936 rows for 151,669 tokens), it is replaced by a ``Linear`` over the first ``vocab_limit``
+    rows of the same weight (a view: no copy, tied weights stay tied). An argmax over the kept
+    logits equals :class:`BatchGenerator`'s argmax with the extra logits set to ``-inf`` (ties to
+    the lowest id in both), so greedy output never holds an id the tokenizer lacks. A head that
+    already fits is left alone.
+
+    Raises:
+        ValueError: ``vocab_limit < 1`` or a head without a 2-D ``weight``.
+    """
+    if vocab_limit < 1:
+        raise ValueError(f"vocab_limit: must be >= 1, got {vocab_limit}")
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dim() != 2:
+        raise ValueError(f"{type(model).__name__}: the output embedding has no [V, D] weight")
+    if weight.shape[0] <= vocab_limit:
+        return
+    bias = getattr(head, "bias", None)
+    cut = torch.nn.Linear(weight.shape[1], vocab_limit, bias=bias is not None, device=weight.device,
+                          dtype=weight.dtype)
+    cut.weight = torch.nn.Parameter(weight[:vocab_limit], requires_grad=False)
+    if bias is not None:
+        cut.bias = torch.nn.Parameter(bias[:vocab_limit], requires_grad=False)
+    model.set_output_embeddings(cut)
+    log.info("output embedding cut from %d to %d rows (the tokenizer's size)", weight.shape[0], vocab_limit)
+
+
+class StaticGreedyGenerator:
+    """Greedy generation through :class:`dflash.inference.generation.Generator` (static KV cache, fixed
+    shapes; on CUDA a compiled step replayed as a CUDA graph): the :meth:`generate` contract of
+    :class:`BatchGenerator` at temperature 0.
+
+    Every step attends over the whole static cache, so its cost grows with ``max_len``, not with
+    the prompts. Two caches keep it small for most rows: prompts shorter than
+    ``short_prompt_tokens`` (most ShareGPT first turns: median 56 SmolLM2 tokens, 90 % under 627)
+    run in the *short* generator (``max_len = short_prompt_tokens − 1 + max_new_tokens +``
+    :data:`STATIC_SLACK`, compiled when ``compile``); longer ones, up to ``max_prompt_tokens − 1``
+    (:class:`dflash.inference.regeneration.jobs.ConversationJob` never asks for more), in the
+    *long* generator (``max_prompt_tokens`` in place of ``short_prompt_tokens``), built on first use
+    and always eager: it serves few batches, fewer than a second compilation would pay for. Callers
+    that sort rows by prompt length (:func:`dflash.inference.regeneration.worker.run_worker` does)
+    give each call prompts of one kind.
+
+    Ids the tokenizer lacks are cut off the head (:func:`limit_vocab`; the model is changed in
+    place) and every returned id is checked against ``vocab_limit``.
+
+    Args:
+        model: a transformers causal LM in eval mode (``target.model``), on its device.
+        stop_ids: ids that end a turn.
+        vocab_limit: the tokenizer's size (``len(tokenizer)``).
+        batch_size: rows of each static cache (most prompts per :meth:`generate` call).
+        max_prompt_tokens: prompts are shorter than this (tokens).
+        max_new_tokens: the most new tokens per call.
+        short_prompt_tokens: prompts shorter than this use the short cache (``None`` or
+            ``>= max_prompt_tokens``: one cache for all).
+        compile: compile the short generator's step (CUDA graphs); ``None`` = on CUDA only.
+
+    Raises:
+        ValueError: see :class:`dflash.inference.generation.Generator` and :func:`limit_vocab`.
+    """
+
+    def __init__(self, model: Any, stop_ids: list[int], vocab_limit: int, batch_size: int, max_prompt_tokens: int,
+                 max_new_tokens: int, short_prompt_tokens: Optional[int] = SHORT_PROMPT_TOKENS,
+                 compile: Optional[bool] = None) -> None:
+        from dflash.inference.generation import Generator
+
+        limit_vocab(model, vocab_limit)
+        self.model = model
+        self.stop_ids = sorted(set(stop_ids))
+        self.vocab_limit = vocab_limit
+        self.batch_size = batch_size
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        if short_prompt_tokens is None or short_prompt_tokens >= max_prompt_tokens:
+            short_prompt_tokens = max_prompt_tokens
+        self.short_prompt_tokens = short_prompt_tokens
+        self.short = Generator(model, [], max_len=self._max_len(short_prompt_tokens), batch_size=batch_size,
+                               compile=compile)
+        self.long: Any = None
+
+    def _max_len(self, prompt_tokens: int) -> int:
+        return prompt_tokens - 1 + self.max_new_tokens + STATIC_SLACK
+
+    def _long(self) -> Any:
+        if self.long is None:
+            from dflash.inference.generation import Generator
+
+            self.long = Generator(self.model, [], max_len=self._max_len(self.max_prompt_tokens),
+                                  batch_size=self.batch_size, compile=False)
+        return self.long
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seeds: Optional[list[int]] = None) -> list[Generated]:
+        """Greedy turn for each prompt (``top_p`` and ``seeds`` are ignored: greedy needs neither).
+
+        Returns:
+            B :class:`Generated`, in prompt order (the stop token excluded, as :class:`BatchGenerator`).
+        Raises:
+            ValueError: ``temperature != 0``, ``max_new_tokens`` above the constructor's, more prompts
+                than ``batch_size``, an empty prompt or one of ``max_prompt_tokens`` tokens or more.
+            RuntimeError: an id ``>= vocab_limit`` was generated (a head :func:`limit_vocab` did not cut).
+        """
+        if temperature != 0:
+            raise ValueError(f"temperature: StaticGreedyGenerator is greedy only, got {temperature}")
+        if max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens: {max_new_tokens} exceeds the cache's {self.max_new_tokens}")
+        if len(prompts) > self.batch_size:
+            raise ValueError(f"prompts: at most {self.batch_size} (the batch size), got {len(prompts)}")
+        for i, p in enumerate(prompts):
+            if not 0 < len(p) < self.max_prompt_tokens:
+                raise ValueError(f"prompts[{i}]: need 1..{self.max_prompt_tokens - 1} tokens, got {len(p)}")
+        out: list[Optional[Generated]] = [None] * len(prompts)
+        short = [i for i, p in enumerate(prompts) if len(p) < self.short_prompt_tokens]
+        long = [i for i, p in enumerate(prompts) if len(p) >= self.short_prompt_tokens]
+        for rows, generator in ((short, self.short), (long, self.long if not long else self._long())):
+            if not rows:
+                continue
+            runs = generator.greedy([torch.tensor(prompts[i], dtype=torch.long) for i in rows], max_new_tokens,
+                                    self.stop_ids)
+            for i, run in zip(rows, runs):
+                out[i] = self._generated(list(run.tokens))
+        return out  # type: ignore[return-value]
+
+    def _generated(self, ids: list[int]) -> Generated:
+        if any(t >= self.vocab_limit for t in ids):
+            raise RuntimeError(f"generated an id >= the tokenizer's size {self.vocab_limit}: {max(ids)}")
+        if ids and ids[-1] in self.stop_ids:
+            return Generated(ids[:-1], "stop")
+        return Generated(ids, "length")

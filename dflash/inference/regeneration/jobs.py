@@ -1,0 +1,219 @@
+"""Regeneration jobs: the generation options and one conversation regenerated turn by turn.
+
+Each assistant turn is regenerated given the conversation so far, rendered with the target's chat
+template (``enable_thinking`` passed to it) and ``add_generation_prompt``, where earlier assistant
+turns are *already the regenerated ones*; system and user turns are kept verbatim. A conversation
+ends at its last regenerated turn, and stops early (keeping the turns done so far) when
+``max_turns`` turns are done, when the next prompt is ``max_prompt_tokens`` tokens or longer, when a
+response is empty, or when the template fails; a row with no regenerated turn becomes a skip record
+(:data:`SKIP_REASONS`). Leading assistant turns (nothing to answer) are dropped.
+
+**Batching** (:func:`regenerate_rows`): a worker keeps up to ``batch_size`` conversations active;
+each round generates the next turn of every active conversation in one batch
+(:mod:`dflash.inference.regeneration.generators`) and refills the pool from its queue as
+conversations finish. Sampling seeds come from :func:`dflash.inference.regeneration.rows.turn_seed`
+(seed, row id, turn), so a sampled row depends neither on batching nor on sharding.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from jinja2.exceptions import TemplateError
+
+from dflash.config import ConfigError
+from dflash.inference.regeneration.generators import BatchGenerator, Generated, StaticGreedyGenerator
+from dflash.inference.regeneration.rows import SourceRow, turn_seed
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_BATCH_SIZE", "SKIP_REASONS", "SHAREGPT_ROLE", "GenerationOptions",
+           "prompt_chars", "ConversationJob", "regenerate_rows"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_BATCH_SIZE = 16
+
+# Why a row is skipped (a line in a shard, never in the output).
+NO_USER_TURN = "no_user_turn"          # only assistant turns before the first user turn
+PROMPT_TOO_LONG = "prompt_too_long"    # the first prompt alone reaches --max-prompt-tokens
+EMPTY_RESPONSE = "empty_response"      # the first regenerated turn is empty or only whitespace
+TEMPLATE_ERROR = "template_error"      # the chat template raised on the first prompt
+SKIP_REASONS = (NO_USER_TURN, PROMPT_TOO_LONG, EMPTY_RESPONSE, TEMPLATE_ERROR)
+
+#: Roles written in the output (ShareGPT ``from`` values).
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+@dataclass
+class GenerationOptions:
+    """How responses are generated (the options of ``python -m dflash.inference.regenerate``).
+
+    ``temperature == 0`` is greedy; ``top_p`` in (0, 1] (1 = off); ``max_turns`` = None regenerates
+    every assistant turn; ``max_prompt_tokens`` (tokens) stops a conversation before a longer prompt.
+    """
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = DEFAULT_BATCH_SIZE
+    max_turns: Optional[int] = None
+    max_prompt_tokens: int = 3072
+    enable_thinking: Optional[bool] = None
+
+    def check(self) -> None:
+        """Raises:
+            ConfigError: a value out of range (the message names the option)."""
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p: must be in (0, 1], got {self.top_p}")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size: must be >= 1, got {self.batch_size}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ConfigError(f"--max-turns: must be >= 1, got {self.max_turns}")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"--max-prompt-tokens: must be >= 1, got {self.max_prompt_tokens}")
+
+
+def prompt_chars(row: SourceRow) -> int:
+    """Characters of ``row``'s first prompt (every message before its first assistant turn that
+    follows a user turn): the sort key that batches prompts of similar length together."""
+    total, seen_user = 0, False
+    for message in row.messages:
+        if message["role"] == "assistant" and seen_user:
+            break
+        seen_user = seen_user or message["role"] == "user"
+        total += len(message.get("content") or "")
+    return total
+
+
+class ConversationJob:
+    """One conversation being regenerated turn by turn (the rules: this module's docstring).
+
+    ``messages`` grows with the kept system/user turns and the regenerated assistant turns;
+    :meth:`next_prompt` gives the token ids of the next prompt (or None when the conversation is
+    finished) and :meth:`accept` takes the generated turn.
+    """
+
+    def __init__(self, row: SourceRow, tokenizer: Any, options: GenerationOptions) -> None:
+        self.row = row
+        self.tokenizer = tokenizer
+        self.options = options
+        self.messages: list[dict[str, str]] = []
+        self.cursor = 0  # next source message to look at
+        self.turns = 0
+        self.new_tokens: list[int] = []
+        self.finish: list[str] = []
+        self.retokenize_mismatch = 0
+        self.stop_reason: Optional[str] = None
+        self.done = False
+        self.template_kwargs: dict[str, Any] = {}
+        if options.enable_thinking is not None:
+            self.template_kwargs["enable_thinking"] = options.enable_thinking
+
+    def _stop(self, reason: Optional[str]) -> None:
+        self.done = True
+        if self.turns == 0:
+            self.stop_reason = reason or NO_USER_TURN
+
+    def next_prompt(self) -> Optional[list[int]]:
+        """Token ids of the prompt for the next assistant turn, or None (then :attr:`done` is set)."""
+        if self.done:
+            return None
+        if self.options.max_turns is not None and self.turns >= self.options.max_turns:
+            self._stop(None)
+            return None
+        source = self.row.messages
+        while self.cursor < len(source):
+            message = source[self.cursor]
+            if message["role"] != "assistant":
+                self.messages.append(dict(message))
+                self.cursor += 1
+                continue
+            if not any(m["role"] == "user" for m in self.messages):
+                self.cursor += 1  # a leading assistant turn answers nothing here: dropped
+                continue
+            try:
+                text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True,
+                                                          **self.template_kwargs)
+            except (TemplateError, TypeError, ValueError, KeyError) as exc:
+                log.debug("%s: chat template failed: %s", self.row.id, exc)
+                self._stop(TEMPLATE_ERROR)
+                return None
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) >= self.options.max_prompt_tokens:
+                self._stop(PROMPT_TOO_LONG)
+                return None
+            return ids
+        self._stop(None)
+        return None
+
+    def accept(self, generated: Generated) -> None:
+        """Take the turn generated for the last :meth:`next_prompt`."""
+        text = self.tokenizer.decode(generated.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if not text.strip():
+            self._stop(EMPTY_RESPONSE)
+            return
+        if self.tokenizer(text, add_special_tokens=False)["input_ids"] != generated.ids:
+            self.retokenize_mismatch += 1
+        self.messages.append({"role": "assistant", "content": text})
+        self.cursor += 1
+        self.turns += 1
+        self.new_tokens.append(len(generated.ids) + (generated.finish == "stop"))
+        self.finish.append(generated.finish)
+
+    def record(self) -> dict:
+        """The output line of a finished job: a regenerated row, or a skip record."""
+        meta: dict[str, Any] = {"source_index": self.row.index}
+        if self.turns == 0:
+            return {"id": self.row.id, "skipped": self.stop_reason or NO_USER_TURN, "regen": meta}
+        last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
+        conversation = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in self.messages[:last + 1]]
+        meta.update(turns=self.turns, new_tokens=self.new_tokens, finish=self.finish,
+                    retokenize_mismatch=self.retokenize_mismatch)
+        return {"id": self.row.id, "conversations": conversation, "regen": meta}
+
+
+def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGreedyGenerator, tokenizer: Any,
+                    options: GenerationOptions) -> Iterator[list[dict]]:
+    """Regenerate ``rows``; yield the records of the conversations that finish, as soon as they do.
+
+    A pool of at most ``options.batch_size`` active conversations, each with its next prompt ready,
+    generates one turn per round (one batch); finished conversations leave the pool and the queue
+    refills it. Rows skipped before any generation are yielded before the round that replaces them.
+    """
+    queue = list(reversed(rows))
+    active: list[tuple[ConversationJob, list[int]]] = []
+    while queue or active:
+        skipped: list[dict] = []
+        while len(active) < options.batch_size and queue:
+            job = ConversationJob(queue.pop(), tokenizer, options)
+            prompt = job.next_prompt()
+            if prompt is None:
+                skipped.append(job.record())
+            else:
+                active.append((job, prompt))
+        if skipped:
+            yield skipped
+        if not active:
+            continue
+        seeds = [turn_seed(options.seed, job.row.id, job.turns) for job, _ in active]
+        outs = generator.generate([prompt for _, prompt in active], options.max_new_tokens, options.temperature,
+                                  options.top_p, seeds)
+        finished: list[dict] = []
+        still: list[tuple[ConversationJob, list[int]]] = []
+        for (job, _), out in zip(active, outs):
+            job.accept(out)
+            prompt = job.next_prompt()
+            if prompt is None:
+                finished.append(job.record())
+            else:
+                still.append((job, prompt))
+        active = still
+        if finished:
+            yield finished

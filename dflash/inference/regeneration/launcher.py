@@ -1,0 +1,294 @@
+"""The regeneration launcher: start one worker per GPU, show progress over all of them, merge, report.
+
+Holds ``<output>.lock`` (:func:`dflash.utils.file_lock`: one launcher per output) for the whole
+run. Checks the options against ``<output>.regen.json`` (a restart continues only with the same
+options, tokenizer and chat template), waits (bounded) for a previous run's workers to release
+their shard locks, counts the rows still to do, and starts the workers through
+:class:`dflash.runtime.supervisor.Supervisor` — separate processes (never a fork of a process
+holding CUDA), each with a parent-death signal, so none outlives the launcher; their output goes
+to ``<output>.rank<k>.log``. It polls the shards for progress (rows, new tokens/s, each worker's
+rate) and the workers for their exit; when every worker has finished it merges the shards
+(:func:`dflash.inference.regeneration.shards.merge_outputs`) and writes the run's report into
+``<output>.regen.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash.config import RunConfig
+from dflash.inference.regeneration.jobs import GenerationOptions
+from dflash.inference.regeneration.rows import SourceRow, iter_source
+from dflash.inference.regeneration.shards import (SHARD_INFIX, done_ids, existing_shards, merge_outputs, read_lines,
+                                                  shard_path, skipped_path, wait_for_shard_locks)
+from dflash.runtime.supervisor import Supervisor, WorkerProcess, WorkerSpec
+from dflash.utils import LockTimeout, atomic_write_text, file_lock
+
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_CONFIG", "EXIT_INTERRUPTED", "RESUME_KEYS", "IDENTITY_KEYS",
+           "option_flags", "run_launcher"]
+
+log = logging.getLogger(__name__)
+
+#: Exit codes of the launcher.
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+#: The module every worker runs (the command line, with ``--worker-rank``).
+WORKER_MODULE = "dflash.inference.regenerate"
+#: Seconds between two polls of the shard files by the launcher (progress, worker exits).
+POLL_S = 0.5
+#: Seconds a worker gets to exit after SIGTERM before SIGKILL.
+STOP_GRACE_S = 20.0
+#: Options that must match for a restart to continue an existing output.
+RESUME_KEYS = ("dataset", "target", "tokenizer", "enable_thinking", "max_new_tokens", "temperature", "top_p",
+               "seed", "max_turns", "max_prompt_tokens")
+#: Compared on a restart only when the previous run recorded them: what the tokenizer and its chat
+#: template are (``dflash.training.checkpoint.run_identity``), not only how they were named.
+IDENTITY_KEYS = ("tokenizer.sha256", "chat_template.sha256")
+#: Option flags of the command line taken from same-named attributes (always given / only when set).
+VALUE_FLAGS = ("max_new_tokens", "temperature", "top_p", "seed", "batch_size")
+OPTIONAL_FLAGS = ("limit", "max_turns", "max_prompt_tokens")
+
+
+def option_flags(source: Any) -> list[str]:
+    """The generation options of ``source`` (command-line arguments, or the config's ``regenerate``
+    section: the same attribute names) as command-line flags; floats in ``repr`` (exact)."""
+    argv: list[str] = []
+    for key in VALUE_FLAGS:
+        value = getattr(source, key)
+        argv += [f"--{key.replace('_', '-')}", repr(value) if isinstance(value, float) else str(value)]
+    for key in OPTIONAL_FLAGS:
+        value = getattr(source, key)
+        if value is not None:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def _worker_spec(args: argparse.Namespace, output: Path, rank: int, world: int) -> WorkerSpec:
+    """How to start worker ``rank`` of ``world``: the launcher's command line plus its rank."""
+    argv = ["--config", str(args.config), "--output", str(args.output), *option_flags(args),
+            "--worker-rank", str(rank), "--world", str(world)]
+    if args.gpus is not None:
+        argv += ["--gpus", ",".join(str(g) for g in args.gpus)]
+    shard = shard_path(output, rank)
+    return WorkerSpec(f"regen.{rank}", "regen", rank, WORKER_MODULE, argv + list(args.overrides),
+                      log_path=shard.with_name(shard.name + ".log"))
+
+
+def _options_record(cfg: RunConfig, options: GenerationOptions) -> dict:
+    """What an output was made with (``options`` in ``<output>.regen.json``), without the identity."""
+    t = cfg.target
+    return {
+        "dataset": cfg.data.dataset,
+        "target": {"kind": t.kind, "path": t.path, "arch": t.arch, "arch_overrides": t.arch_overrides,
+                   "dtype": t.dtype, "seed": t.seed},
+        "tokenizer": t.tokenizer,
+        "enable_thinking": options.enable_thinking,
+        "max_new_tokens": options.max_new_tokens,
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "seed": options.seed,
+        "max_turns": options.max_turns,
+        "max_prompt_tokens": options.max_prompt_tokens,
+    }
+
+
+def _stats_files(output: Path) -> list[Path]:
+    """Every worker's ``<output>.rank<k>.stats.json`` on disk."""
+    return list(output.parent.glob(output.name + SHARD_INFIX + "*.stats.json"))
+
+
+def run_launcher(args: argparse.Namespace, cfg: RunConfig, options: GenerationOptions) -> int:
+    """Start one worker per ``--gpus`` entry (default ``cluster.targets``), show progress, merge the shards.
+
+    Returns:
+        :data:`EXIT_OK`, :data:`EXIT_FAILED` (a worker failed; shards are kept for a restart),
+        :data:`EXIT_CONFIG` (options differ from the existing output's, output locked) or
+        :data:`EXIT_INTERRUPTED` (Ctrl-C; finished rows are kept).
+    """
+    output = Path(args.output).resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    lock = file_lock(output.with_name(output.name + ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except LockTimeout:
+        log.error("%s is being regenerated by another launcher", output)
+        return EXIT_CONFIG
+    try:
+        return _launch_locked(args, cfg, options, output)
+    finally:
+        lock.release()
+
+
+def _wanted_options(args: argparse.Namespace, cfg: RunConfig, options: GenerationOptions, output: Path) -> dict | None:
+    """The options record of this run (with the tokenizer's identity), after ``--overwrite`` has
+    deleted an existing output; None (logged) when the existing output was made with other options."""
+    from dflash.data.tokenizer import load_tokenizer
+    from dflash.training.checkpoint import run_identity
+
+    sidecar = output.with_name(output.name + ".regen.json")
+    wanted = _options_record(cfg, options)
+    identity = run_identity(load_tokenizer(cfg.target))
+    wanted.update({k: identity[k] for k in IDENTITY_KEYS})
+    if args.overwrite:
+        for path in [output, sidecar, skipped_path(output), *existing_shards(output)]:
+            path.unlink(missing_ok=True)
+    if sidecar.is_file():
+        previous = json.loads(sidecar.read_text()).get("options", {})
+        diff = [k for k in RESUME_KEYS if previous.get(k) != wanted.get(k)]
+        diff += [k for k in IDENTITY_KEYS if k in previous and previous[k] != wanted[k]]
+        if diff:
+            log.error("%s was made with other options (%s: %s, now %s): pass --overwrite or choose another --output",
+                      output, diff[0], previous.get(diff[0]), wanted.get(diff[0]))
+            return None
+    elif output.exists() or existing_shards(output):
+        log.warning("%s has no %s: continuing it, assuming the same options", output, sidecar.name)
+    return wanted
+
+
+def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: GenerationOptions, output: Path) -> int:
+    """:func:`run_launcher` once ``<output>.lock`` is held."""
+    started = time.monotonic()
+    sidecar = output.with_name(output.name + ".regen.json")
+    wanted = _wanted_options(args, cfg, options, output)
+    if wanted is None:
+        return EXIT_CONFIG
+    wait_for_shard_locks(output)  # a previous launcher's workers may still be exiting
+    for stale in _stats_files(output):
+        stale.unlink()
+
+    dropped: dict[str, int] = {}
+    source = list(iter_source(cfg.data.dataset, args.limit, dropped))
+    done = done_ids(output)
+    pending = [r for r in source if r.id not in done]
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(dropped.items())) or "none"
+    log.info("%s: %d usable rows (dropped %d: %s); %d already done, %d to regenerate", cfg.data.dataset,
+             len(source), sum(dropped.values()), reasons, len(source) - len(pending), len(pending))
+    atomic_write_text(sidecar, json.dumps({"options": wanted}, indent=1))
+
+    world = len(args.gpus or cfg.cluster.targets)
+    code = _run_workers(args, output, world, len(pending))
+    if code != EXIT_OK:
+        return code
+    summary = _merge_and_report(output, source, dropped, len(pending), world)
+    if summary is None:
+        return EXIT_FAILED
+    summary["wall_s"] = round(time.monotonic() - started, 2)
+    atomic_write_text(sidecar, json.dumps({"options": wanted, "last_run": summary}, indent=1))
+    _log_summary(output, summary, reasons)
+    return EXIT_OK
+
+
+def _run_workers(args: argparse.Namespace, output: Path, world: int, pending: int) -> int:
+    """Start ``world`` workers when ``pending`` rows remain; poll their shards (progress) and their
+    exits until all have finished (:data:`EXIT_OK`), one has failed (:data:`EXIT_FAILED`, its log's
+    tail shown) or Ctrl-C (:data:`EXIT_INTERRUPTED`); the workers are stopped in every case."""
+    from dflash.progress import Progress
+
+    supervisor = Supervisor(output.parent, emit=lambda line: None)  # worker output: its log file only
+    workers: list[WorkerProcess] = []
+    progress = _ShardProgress(output, world)
+    bar = Progress(pending, desc="regenerate", unit="row")  # a live line, or a log line every 30 s
+    exit_code = EXIT_OK
+    try:
+        if pending:
+            for k in range(world):
+                workers.append(supervisor.start(_worker_spec(args, output, k, world)))
+                log.info("regen.%d logs to %s", k, workers[-1].log_path)
+        while workers:
+            codes = [w.returncode() for w in workers]
+            progress.poll()
+            if progress.rows < pending or progress.rows != bar.n:  # once complete, one line (workers exiting)
+                bar.update(progress.rows, progress.text())
+            failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+            if failed:
+                failed[0].wait(0.0)  # its output read to the end
+                log.error("%s", supervisor.report(failed[0]))
+                exit_code = EXIT_FAILED
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(POLL_S)  # polling the shard files and the workers
+    except KeyboardInterrupt:
+        log.error("interrupted: stopping the workers (finished rows are kept; run again to continue)")
+        exit_code = EXIT_INTERRUPTED
+    finally:
+        bar.close()
+        supervisor.stop_all(exit_s=0.0, grace_s=STOP_GRACE_S)
+    return exit_code
+
+
+class _ShardProgress:
+    """Rows and new tokens appended to each worker's shard since the launcher started (read
+    incrementally from each shard's last complete line)."""
+
+    def __init__(self, output: Path, world: int) -> None:
+        self.paths = [shard_path(output, k) for k in range(world)]
+        self.offsets = [read_lines(path)[1] for path in self.paths]
+        self.new_tokens = [0] * world
+        self.rows = 0
+        self.started = time.monotonic()
+
+    def poll(self) -> None:
+        """Read the lines appended since the last poll."""
+        for k, path in enumerate(self.paths):
+            records, self.offsets[k], _ = read_lines(path, self.offsets[k])
+            for r in records:
+                meta = r.get("regen") if isinstance(r.get("regen"), dict) else {}
+                self.new_tokens[k] += sum(meta.get("new_tokens", []) or [])
+            self.rows += len(records)
+
+    def text(self) -> str:
+        """The progress line's tail: new tokens/s over all workers and per worker."""
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        per_worker = ", ".join(f"regen.{k} {n / elapsed:.0f}" for k, n in enumerate(self.new_tokens))
+        return f"rows | {sum(self.new_tokens) / elapsed:.0f} new tok/s ({per_worker})"
+
+
+def _merge_and_report(output: Path, source: list[SourceRow], dropped: dict[str, int], pending: int,
+                      world: int) -> dict | None:
+    """Collect the workers' stats, check every source row is done, merge the shards; the run's
+    summary (``last_run`` of ``<output>.regen.json``, without ``wall_s``), or None (logged) when
+    rows are missing (the shards are then kept)."""
+    stats = []
+    for path in _stats_files(output):
+        stats.append(json.loads(path.read_text()))
+        path.unlink()
+    stats.sort(key=lambda st: st.get("rank", 0))
+    finished = done_ids(output)  # one read of the output and the shards (not one per row)
+    remaining = [r.id for r in source if r.id not in finished]
+    if remaining:
+        log.error("%d rows were not written (first: %s); shards kept", len(remaining), remaining[0])
+        return None
+    report = merge_outputs(output)
+    tokens = sum(s["new_tokens"] for s in stats)
+    gen_s = max((s["generate_s"] for s in stats), default=0.0)
+    return {
+        "rows_read": len(source) + sum(dropped.values()), "dropped": dropped, "rows": report.rows,
+        "skipped": report.skipped, "duplicates": report.duplicates, "bad_lines": report.bad_lines,
+        "regenerated_now": pending, "new_tokens_now": tokens, "generate_s": round(gen_s, 2),
+        "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
+        "wall_s": None, "workers": world,
+        "per_worker": [{k: st.get(k) for k in ("rank", "device", "rows", "new_tokens", "load_s", "generate_s",
+                                               "tokens_per_s")} for st in stats],
+    }
+
+
+def _log_summary(output: Path, summary: dict, reasons: str) -> None:
+    """The run's final log lines: the output, then each worker's rate."""
+    skipped = ", ".join(f"{k}={v}" for k, v in sorted(summary["skipped"].items())) or "none"
+    log.info("wrote %d rows to %s (skipped: %s; dropped by the reader: %s; duplicates %d); this run: %d rows, "
+             "%d new tokens, %.1f tokens/s over %d worker(s) (generation %.1f s, wall %.1f s)", summary["rows"], output,
+             skipped, reasons, summary["duplicates"], summary["regenerated_now"], summary["new_tokens_now"],
+             summary["tokens_per_s"] or 0.0, summary["workers"], summary["generate_s"], summary["wall_s"])
+    for st in summary["per_worker"]:
+        log.info("regen.%s on %s: %d rows, %d new tokens, %.1f new tokens/s (load %.1f s, generation %.1f s)",
+                 st.get("rank"), st.get("device"), st.get("rows") or 0, st.get("new_tokens") or 0,
+                 st.get("tokens_per_s") or 0.0, st.get("load_s") or 0.0, st.get("generate_s") or 0.0)

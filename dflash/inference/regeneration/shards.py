@@ -1,0 +1,232 @@
+"""The files of data regeneration: each worker's shard, the finished ids, the merge into the output.
+
+``<output>.rank<k>`` is worker k's shard: finished rows appended, one ``os.write`` plus ``fsync`` per
+round, while the worker holds the exclusive lock ``<output>.rank<k>.lock``
+(:func:`dflash.utils.file_lock`) — so a restarted launcher can wait, bounded, for a previous run's
+workers to exit before it reads the shards. A worker first truncates its shard after the last
+newline, so a line cut by a kill mid-write is dropped and regenerated, never duplicated.
+``<output>.skipped`` keeps the skip records of merged shards. Rows already in ``<output>``, in
+``<output>.skipped`` or in any shard (of any earlier worker count) are done.
+:func:`merge_outputs` writes ``<output>`` and ``<output>.skipped`` in source order (an id once;
+:func:`dflash.utils.atomic_write_text`) and deletes the shards and their locks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.utils import atomic_write_text, file_lock
+
+__all__ = ["LOCK_WAIT_S", "SHARD_INFIX", "shard_path", "shard_lock_path", "existing_shards", "read_lines", "ShardWriter",
+           "wait_for_shard_locks", "skipped_path", "done_ids", "MergeReport", "merge_outputs"]
+
+log = logging.getLogger(__name__)
+
+#: Longest wait for a previous run's worker to release its shard lock (seconds).
+LOCK_WAIT_S = 60.0
+SHARD_INFIX = ".rank"
+LOCK_SUFFIX = ".lock"
+
+
+def shard_path(output: Path, rank: int) -> Path:
+    """``<output>.rank<rank>``: worker ``rank``'s shard."""
+    return output.with_name(f"{output.name}{SHARD_INFIX}{rank}")
+
+
+def shard_lock_path(shard: Path) -> Path:
+    """``<shard>.lock``: held (exclusively) by the worker that appends to ``shard``."""
+    return shard.with_name(shard.name + LOCK_SUFFIX)
+
+
+def existing_shards(output: Path) -> list[Path]:
+    """Every shard of ``output`` on disk (any rank, any earlier worker count), by rank."""
+    prefix = output.name + SHARD_INFIX
+    found = []
+    if output.parent.is_dir():
+        for p in output.parent.iterdir():
+            suffix = p.name[len(prefix):]
+            if p.name.startswith(prefix) and suffix.isdigit() and p.is_file():
+                found.append((int(suffix), p))
+    return [p for _, p in sorted(found)]
+
+
+def read_lines(path: Path, start: int = 0) -> tuple[list[dict], int, int]:
+    """Complete JSON-object lines of ``path`` from byte ``start``.
+
+    A trailing piece without a newline (a write cut by a kill) is not read; a complete line that
+    does not parse as a JSON object with an ``id`` is skipped and counted.
+
+    Returns:
+        ``(records, end, bad)``: the records, the byte offset just after the last complete line
+        (``start`` when there is none; 0 when the file does not exist) and the count of bad lines.
+    """
+    if not path.is_file():
+        return [], 0, 0
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        data = handle.read()
+    cut = data.rfind(b"\n") + 1
+    records: list[dict] = []
+    bad = 0
+    for raw in data[:cut].split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            bad += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("id"), str):
+            records.append(record)
+        else:
+            bad += 1
+    return records, start + cut, bad
+
+
+class ShardWriter:
+    """A worker's shard opened for appending while the worker holds the shard's exclusive lock.
+
+    Opening takes the lock (:func:`shard_lock_path`, waiting up to ``timeout_s``), creates the shard
+    when missing and truncates it just after its last newline, so a line cut by a kill mid-write
+    disappears (its row is regenerated, once). The lock is held until :meth:`close` (also on
+    leaving a ``with`` block); the operating system releases it when the process dies.
+
+    Raises:
+        TimeoutError: another process holds the shard's lock for ``timeout_s`` seconds
+            (:data:`dflash.utils.LockTimeout` is a ``TimeoutError``).
+    """
+
+    def __init__(self, path: Path, timeout_s: float = LOCK_WAIT_S) -> None:
+        self.path = path
+        self.lock = file_lock(shard_lock_path(path))
+        self.lock.acquire(timeout=timeout_s)
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except BaseException:
+            self.lock.release()
+            raise
+        try:
+            _, end, _ = read_lines(path)
+            size = os.fstat(self.fd).st_size
+            if size != end:
+                log.warning("%s: dropping %d bytes of a line cut mid-write", path, size - end)
+                os.ftruncate(self.fd, end)
+                os.fsync(self.fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def append(self, records: list[dict]) -> None:
+        """Append ``records`` as JSON lines with one write call (retried until complete), then ``fsync``."""
+        view = memoryview(_jsonl(records).encode("utf-8"))
+        while view:
+            written = os.write(self.fd, view)
+            view = view[written:]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        """Close the shard, then release its lock."""
+        try:
+            os.close(self.fd)
+        finally:
+            self.lock.release()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_for_shard_locks(output: Path, timeout_s: float = LOCK_WAIT_S) -> None:
+    """Wait until no process holds the lock of any shard of ``output``: a previous launcher's
+    workers may still be exiting.
+
+    Raises:
+        TimeoutError: a shard's lock is still held after ``timeout_s`` seconds (each).
+    """
+    prefix = output.name + SHARD_INFIX
+    for path in sorted(output.parent.glob(f"{prefix}*{LOCK_SUFFIX}")):
+        if path.name[len(prefix):-len(LOCK_SUFFIX)].isdigit():
+            lock = file_lock(path)
+            lock.acquire(timeout=timeout_s)
+            lock.release()
+
+
+def _jsonl(records: list[dict]) -> str:
+    """``records`` as JSON lines (UTF-8 text, one object per line)."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+def skipped_path(output: Path) -> Path:
+    """``<output>.skipped``: the skip records of merged shards (rows that will never be in ``<output>``)."""
+    return output.with_name(output.name + ".skipped")
+
+
+def done_ids(output: Path) -> set[str]:
+    """Ids already finished: every complete line of ``<output>``, of ``<output>.skipped`` and of every shard."""
+    done: set[str] = set()
+    for path in [output, skipped_path(output), *existing_shards(output)]:
+        records, _, _ = read_lines(path)
+        done.update(r["id"] for r in records)
+    return done
+
+
+@dataclass
+class MergeReport:
+    """What a merge wrote: rows, skipped rows by reason, lines seen twice, unreadable lines."""
+
+    rows: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    bad_lines: int = 0
+    new_tokens: int = 0
+
+
+def merge_outputs(output: Path) -> MergeReport:
+    """Merge ``<output>`` and its shards into ``<output>`` (atomically), then delete the shards and
+    their lock files (the caller holds the output's lock; no worker runs).
+
+    Rows are ordered by ``regen.source_index`` (rows without one keep their order, last); an id is
+    written once (the first seen: ``<output>`` first, then ``<output>.skipped``, then shards by
+    rank) and later copies are counted as duplicates. Skip records are counted and kept in
+    ``<output>.skipped`` (so that a later run does not check those rows again). Without shards
+    nothing is rewritten: ``<output>`` keeps its bytes and modification time (a complete output
+    stays valid for every cache keyed on it).
+    """
+    report = MergeReport()
+    seen: set[str] = set()
+    rows: list[tuple[int, int, dict]] = []
+    skips: list[dict] = []
+    shards = existing_shards(output)
+    for path in [output, skipped_path(output), *shards]:
+        records, _, bad = read_lines(path)
+        report.bad_lines += bad
+        for record in records:
+            if record["id"] in seen:
+                report.duplicates += 1
+                continue
+            seen.add(record["id"])
+            if "skipped" in record:
+                reason = str(record["skipped"])
+                report.skipped[reason] = report.skipped.get(reason, 0) + 1
+                skips.append(record)
+                continue
+            meta = record.get("regen") if isinstance(record.get("regen"), dict) else {}
+            index = meta.get("source_index")
+            report.new_tokens += sum(meta.get("new_tokens", []) or [])
+            rows.append((0 if isinstance(index, int) else 1, index if isinstance(index, int) else len(rows), record))
+    report.rows = len(rows)
+    if not shards and output.exists():
+        return report
+    rows.sort(key=lambda item: (item[0], item[1]))
+    atomic_write_text(skipped_path(output), _jsonl(skips))  # first: a kill between the two renames loses no skip
+    atomic_write_text(output, _jsonl([record for _, _, record in rows]))
+    for path in shards:
+        path.unlink()
+        shard_lock_path(path).unlink(missing_ok=True)
+    return report

@@ -1,0 +1,130 @@
+"""One regeneration worker process: load the target, regenerate the pending rows of its shard.
+
+Started by :mod:`dflash.inference.regeneration.launcher` as ``python -m dflash.inference.regenerate
+--worker-rank k --world N ...``. Worker k of N owns the rows whose ``sha256(id) mod N == k``
+(:func:`dflash.inference.regeneration.rows.shard_of`), loads the target on ``cuda:<gpus[k]>`` (CPU:
+cores / N torch threads; the training layout's ``cluster.cpu_threads_per_target`` is not used) and
+appends finished rows to its shard (:class:`dflash.inference.regeneration.shards.ShardWriter`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dflash.config import RunConfig, resolve_device
+from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator, stop_token_ids
+from dflash.inference.regeneration.jobs import GenerationOptions, prompt_chars, regenerate_rows
+from dflash.inference.regeneration.rows import SourceRow, iter_source, shard_of
+from dflash.inference.regeneration.shards import ShardWriter, done_ids, shard_path
+
+__all__ = ["stats_path", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+
+def stats_path(output: Path, rank: int) -> Path:
+    """``<output>.rank<rank>.stats.json``: what worker ``rank`` did (written when it ends)."""
+    shard = shard_path(output, rank)
+    return shard.with_name(shard.name + ".stats.json")
+
+
+def _cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, tokenizer: Any,
+                    options: GenerationOptions, stats: dict[str, Any]) -> None:
+    """Regenerate ``rows`` into ``shard``; count rows, new tokens and seconds into ``stats``;
+    a progress line (rows, new tokens/s, ETA) at least every 30 s."""
+    from dflash.progress import Progress
+
+    started = time.perf_counter()
+    bar = Progress(len(rows), desc="regenerate", unit="row", logger=log)
+    try:
+        for records in regenerate_rows(rows, generator, tokenizer, options):
+            shard.append(records)
+            stats["rows"] += len(records)
+            stats["new_tokens"] += sum(sum(r["regen"].get("new_tokens", [])) for r in records)
+            rate = stats["new_tokens"] / max(time.perf_counter() - started, 1e-9)
+            bar.update(stats["rows"], f"rows | {stats['new_tokens']} new tokens, {rate:.0f} new tok/s")
+    finally:
+        bar.close()
+    stats["generate_s"] = time.perf_counter() - started
+    stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["generate_s"], 1e-9), 1)
+
+
+def _device(cfg: RunConfig, rank: int, world: int, gpus: Optional[list[int]]) -> torch.device:
+    """Worker ``rank``'s device: ``cuda:<gpus[rank]>`` (``gpus`` defaults to ``cluster.targets``), made
+    current; or the CPU, with cores / ``world`` torch threads."""
+    if resolve_device(cfg) == "cuda":
+        gpu = (gpus or cfg.cluster.targets)[rank]
+        torch.cuda.set_device(gpu)
+        return torch.device("cuda", gpu)
+    torch.set_num_threads(max(1, _cores() // world))
+    return torch.device("cpu")
+
+
+def _generator(cfg: RunConfig, options: GenerationOptions, rows: list[SourceRow], device: torch.device,
+               tokenizer: Any) -> BatchGenerator | StaticGreedyGenerator:
+    """Load the target on ``device`` and wrap it: :class:`StaticGreedyGenerator` when greedy (``rows``
+    are sorted by first-prompt length, so that similar lengths share a batch and a cache), else
+    :class:`BatchGenerator`."""
+    from dflash.models.target import load_target
+    from dflash.training.factory import pad_token_id
+
+    model = load_target(cfg.target, device).model
+    stop_ids = stop_token_ids(tokenizer, None if cfg.target.kind == "random" else model)
+    if options.temperature != 0:
+        return BatchGenerator(model, stop_ids, pad_token_id(tokenizer), len(tokenizer))
+    rows.sort(key=prompt_chars)
+    return StaticGreedyGenerator(model, stop_ids, len(tokenizer), min(options.batch_size, len(rows)),
+                                 options.max_prompt_tokens, options.max_new_tokens,
+                                 compile=cfg.target.compile and device.type == "cuda")
+
+
+def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: int, world: int,
+               limit: Optional[int], gpus: Optional[list[int]] = None) -> int:
+    """One worker process: load the target, regenerate the pending rows of shard ``rank``, append them.
+
+    Runs on ``cuda:<gpus[rank]>`` (``gpus`` defaults to ``cluster.targets``) or the CPU. Greedy
+    generation goes through :class:`StaticGreedyGenerator` (one per worker, ``options.batch_size``
+    rows), sampling through :class:`BatchGenerator`. Logs a progress line (rows, new tokens/s, ETA)
+    at least every 30 s and writes :func:`stats_path` (rows, new tokens, seconds, new tokens/s,
+    device) at the end. The shard's lock is held from before the shard is read until the end.
+
+    Returns:
+        0 when every row of the shard is written.
+    Raises:
+        TimeoutError: the shard stays locked by another process.
+    """
+    from dflash.data.tokenizer import load_tokenizer
+
+    device = _device(cfg, rank, world, gpus)
+    with ShardWriter(shard_path(output, rank)) as shard:
+        done = done_ids(output)
+        rows = [r for r in iter_source(cfg.data.dataset, limit) if shard_of(r.id, world) == rank and r.id not in done]
+        log.info("shard %d/%d on %s (%d torch threads): %d rows to regenerate", rank, world, device,
+                 torch.get_num_threads(), len(rows))
+        stats: dict[str, Any] = {"rank": rank, "device": str(device), "rows": 0, "new_tokens": 0, "load_s": 0.0,
+                                 "generate_s": 0.0, "tokens_per_s": None}
+        if rows:
+            started = time.perf_counter()
+            tokenizer = load_tokenizer(cfg.target)
+            generator = _generator(cfg, options, rows, device, tokenizer)
+            stats["load_s"] = time.perf_counter() - started
+            _generate_shard(shard, rows, generator, tokenizer, options, stats)
+            log.info("shard %d: %d rows, %d new tokens in %.1f s (%.1f new tokens/s)", rank, stats["rows"],
+                     stats["new_tokens"], stats["generate_s"], stats["tokens_per_s"])
+        stats_path(output, rank).write_text(json.dumps(stats))
+    return 0
