@@ -1,6 +1,6 @@
 """Decoding benchmark: target-only vs speculative greedy decoding, bf16 and fp32, eager and compiled.
 
-For each dtype and mode it runs :func:`dflash.inference.speculative.decode_report` (the lossless check's core:
+For each dtype and mode it runs :func:`dflash.inference.spec_report.decode_report` (the lossless check's core:
 the same held-out prompts decoded target-only and speculatively over the static cache of
 :mod:`dflash.inference.generation`) and writes, after every run, ``decode_bench.json`` (all reports) and
 ``decode_bench.md`` (one table row per run) into ``--out``, so a run cut short still leaves its
@@ -91,8 +91,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.training.factory import build_drafter
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
-    from dflash.inference.speculative import decode_report, format_report, prompts_from_corpus, resolve_checkpoint, \
-        stop_token_ids
+    from dflash.inference.drafter_checkpoint import resolve_checkpoint
+    from dflash.inference.prompts import prompts_from_corpus, stop_token_ids
+    from dflash.inference.spec_report import decode_report, format_report
     from dflash.models.target import load_target
     from dflash.data.tokenizer import load_tokenizer
 

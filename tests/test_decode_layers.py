@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from dflash.inference.decode_layers import fusable, fuse_layers
-from dflash.inference.generation import Generator, naive_greedy_decode
+from dflash.inference.generation import Generator
+from dflash.inference.oracle import naive_greedy_decode
 
 SMALL = dict(vocab_size=257, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=512)

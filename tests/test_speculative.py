@@ -1,4 +1,5 @@
-"""Decoding over the static cache (dflash/inference/generation.py) and the speculative check (dflash/inference/speculative.py).
+"""Decoding over the static cache (dflash/inference/generation.py) and the speculative check
+(dflash/inference/speculative.py and the modules it runs: lossless, acceptance, prompts, drafter_checkpoint).
 
 The oracle is :func:`naive_greedy_decode`: a full target forward over the whole sequence for every
 token (no KV cache, no features). Targets are tiny random llamas in fp32; the drafter is either
@@ -17,18 +18,13 @@ import pytest
 import torch
 
 from dflash.config import DrafterConfig, TargetConfig, TrainConfig
-from dflash.inference.generation import Generation, Generator, naive_greedy_decode
+from dflash.inference.generation import Generation, Generator
+from dflash.inference.oracle import naive_greedy_decode
 from dflash.models.drafter import DFlashConfig, DFlashDraftModel
-from dflash.inference.speculative import (
-    checkpoint_step,
-    first_difference,
-    last_eval_tau,
-    measured_per_position,
-    offline_tau,
-    prompts_from_corpus,
-    resolve_checkpoint,
-    tie_bound,
-)
+from dflash.inference.acceptance import measured_per_position, offline_tau
+from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
+from dflash.inference.lossless import first_difference, tie_bound
+from dflash.inference.prompts import prompts_from_corpus
 from dflash.models.target import TargetModel, load_target
 from dflash.training.trainer import DrafterTrainer
 
@@ -344,7 +340,7 @@ def test_bad_inputs(target, prompts):
 
 def test_context_features_are_the_training_features(target, prompts, trained_drafter):
     """The drafter gets exactly ``forward_features`` of the verified tokens before the anchor."""
-    from dflash.inference.generation import DFlashProposer
+    from dflash.inference.proposer import DFlashProposer
 
     seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
     inner = DFlashProposer(trained_drafter)
@@ -388,7 +384,7 @@ def test_proposer_ignores_the_anchor_row_and_sees_the_context(target, trained_dr
 def test_static_buffer_draft_equals_the_exact_length_draft(target, prompts, trained_drafter):
     """Drafting over the whole static buffer (what the compiled path does) gives the same drafts as
     drafting over exactly ``anchor + 1`` positions: stale entries past the anchor are never seen."""
-    from dflash.inference.generation import DFlashProposer
+    from dflash.inference.proposer import DFlashProposer
 
     gen = Generator(target.model, target.layer_ids, MAX_LEN, drafter=trained_drafter)
     gen.speculative([prompts[0]], 20)  # leaves stale drafts and features past the anchor
@@ -592,7 +588,8 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     from dflash.config import load_config
     from dflash.data.corpus import normalize_row, prepare_data, read_rows
     from dflash.training.factory import build_drafter
-    from dflash.inference.speculative import main, stop_token_ids
+    from dflash.inference.prompts import stop_token_ids
+    from dflash.inference.speculative import main
     from dflash.data.tokenizer import load_tokenizer
 
     cfg = load_config("configs/smollm2-135m-cpu.yaml")

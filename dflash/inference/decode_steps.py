@@ -1,0 +1,353 @@
+"""The target over the static KV cache and the step functions of decoding (the device side).
+
+:class:`DecodeSteps` owns the decoding state (:class:`dflash.inference.decode_state.DecodeState`)
+and every forward that writes it; :class:`dflash.inference.generation.Generator` adds the host
+loops on top. In the manner of pytorch-labs/gpt-fast ``generate.py``, each step function is traced
+once over fixed shapes and, on CUDA, replayed as a CUDA graph
+(``torch.compile(mode="reduce-overhead")``); on CPU the same functions run eagerly.
+
+**Steps.**
+
+* :meth:`DecodeSteps.prefill` (eager, all prompts right-padded in one forward): the prompts'
+  keys/values, features and the first generated token.
+* target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``;
+  the row turns inactive after a stop token or its last position.
+* draft (compiled): the drafter's own :meth:`dflash.models.drafter.DFlashDraftModel.forward` on the whole
+  static feature buffer (``S = T_max`` when compiled, ``S = max(anchor) + 1`` when eager) with
+  ``anchors = anchor``: exactly the training forward (its attention-mask builder decides what the
+  block sees), so what is trained is what drafts. Recomputing the context's projections every step
+  costs ``O(T_max)`` small matmuls, which on a GPU is microseconds for the context lengths here;
+  engines cache the projected context keys/values per drafter layer instead.
+* verify (compiled): the target over ``[anchor token, d_1 … d_{B−1}]`` at ``anchor … anchor+B−1``;
+  the number of accepted drafts ``m`` = leading ``k`` with ``d_{k+1} = g_k``; the block's features
+  are written at ``anchor … anchor+B−1`` (the next draft reads only positions ``≤ anchor + m``,
+  i.e. the anchor and the accepted drafts, all computed on correct tokens); the bonus ``g_m`` is
+  written at ``anchor + m + 1`` and becomes the next anchor; the row turns inactive when one of
+  ``g_0 … g_m`` is a stop token or reaches its last position.
+
+The step functions take no arguments and return nothing: every decision (acceptance, the bonus
+token, the new anchor, stopping a row) is made on the device and written into the state, so the
+steps run back to back without a device→host sync.
+
+The target is any transformers decoder with the ``embed_tokens / layers / norm / rotary_emb``
+layout (Llama, Qwen2/3, Mistral; the layout :class:`dflash.models.target.TargetModel` runs), called layer
+by layer with :class:`dflash.inference.decode_state.StaticKVCache` (duck-typed: transformers' attention calls
+``cache.update(k, v, layer_idx, …)`` in every 5.x release). Linear-attention layers (Qwen3.5) are
+not supported.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dflash.inference.decode_layers import ATTENTION, fuse_layers
+from dflash.inference.decode_state import DecodeState, StaticKVCache
+from dflash.inference.proposer import DFlashProposer
+from dflash.models.target import _decoder
+
+__all__ = ["DecodeSteps"]
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+def _layer_cache_kwarg(layer: nn.Module) -> str:
+    """``cache`` (transformers ≥ 5.2x) or ``past_key_values`` (earlier 5.x): the decoder layer's cache argument."""
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class DecodeSteps:
+    """The decoding state of a batch and the target / drafter forwards that write it.
+
+    Args:
+        model: the target's transformers ``*ForCausalLM`` (eval; its weights' dtype is the
+            decoding dtype).
+        layer_ids: target layers whose outputs form the context features (the drafter's
+            ``target_layer_ids``); may be empty for target-only decoding.
+        max_len: ``T_max``: positions per row (prompt + generated + ``B`` + 1 must fit).
+        batch_size: rows decoded together (prompts of different lengths; each row accepts its
+            own drafts).
+        drafter: a :class:`dflash.models.drafter.DFlashDraftModel` or any
+            :class:`dflash.inference.proposer.Proposer`; ``None`` = target-only.
+        compile: compile the step functions with ``torch.compile(mode="reduce-overhead")``
+            (CUDA graphs); ``None`` = on CUDA only.
+        fuse: run the target's layers as :class:`dflash.inference.decode_layers.FusedDecoderLayer` (fused
+            projections, grouped-query attention on the cache in place) when every layer is
+            supported; ``False`` = through the transformers layers. Same math either way.
+        attention: the fused layers' attention, ``"matmul"`` or ``"sdpa"``
+            (:data:`dflash.inference.decode_layers.ATTENTION`).
+
+    Raises:
+        ValueError: a layer id outside the target, a layer type other than full / sliding attention
+            (linear attention), an attention implementation other than sdpa / eager, ``max_len < 2``
+            or ``batch_size < 1``.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
+                 drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
+                 attention: str = ATTENTION) -> None:
+        self.model = model.eval()
+        self.decoder = _decoder(model)
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.device = _device_of(model)
+        self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.num_layers = len(self.decoder.layers)
+        self.layer_ids = [int(i) for i in layer_ids]
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"layer_ids {bad}: the target has layers 0..{self.num_layers - 1}")
+        if max_len < 2:
+            raise ValueError(f"max_len: must be >= 2, got {max_len}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        types = list(getattr(self.config, "layer_types", None) or [FULL] * self.num_layers)[: self.num_layers]
+        unknown = sorted(set(types) - {FULL, SLIDING})
+        if unknown:
+            raise ValueError(f"{type(model).__name__}: layer types {unknown} are not supported by static-cache decoding")
+        self.layer_types = types
+        self.sliding_window = getattr(self.config, "sliding_window", None)
+        impl = getattr(self.config, "_attn_implementation", None) or "eager"
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {impl!r}: static-cache decoding needs sdpa or eager")
+        self.additive_mask = impl == "eager"
+        self.cache_arg = _layer_cache_kwarg(self.decoder.layers[0])
+        self.fused = fuse_layers(self.decoder.layers, self.config, attention) if fuse else None
+        self.max_len = int(max_len)
+        self.batch_size = int(batch_size)
+        if drafter is None:
+            self.proposer = None
+        elif hasattr(drafter, "fc") and hasattr(drafter, "layers"):
+            self.proposer = DFlashProposer(drafter)
+        else:
+            self.proposer = drafter
+        self.block_size = int(self.proposer.block_size) if self.proposer is not None else 1
+        self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
+        width = int(self.config.hidden_size)
+        kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        self.group = int(self.config.num_attention_heads) // kv_heads
+        head_dim = int(getattr(self.config, "head_dim", None) or width // self.config.num_attention_heads)
+        kv = StaticKVCache(self.num_layers, self.batch_size, kv_heads, self.max_len, head_dim, self.dtype, self.device)
+        self.state = DecodeState.allocate(kv, self.batch_size, self.max_len, max(1, len(self.layer_ids)) * width,
+                                          self.block_size, self.dtype, self.device)
+        self._slots: dict[int, list[int]] = {}
+        for slot, layer in enumerate(self.layer_ids):
+            self._slots.setdefault(layer, []).append(slot)
+        self._greedy_step = self._wrap(self._greedy_step_impl)
+        self._draft_step = self._wrap(self._draft_step_impl) if self.proposer is not None else None
+        self._verify_step = self._wrap(self._verify_step_impl)
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not self.compiled:
+            return fn
+        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=False, dynamic=False)
+
+        def call(*args: Any) -> Any:
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*args)
+
+        return call
+
+    # ----------------------------------------------------------------------- the target's forward
+
+    def _masks(self, positions: Tensor) -> dict[str, Tensor]:
+        """``[b', 1, T, T_max]`` per layer type: slot ``j`` visible to the query at ``p`` iff ``j ≤ p``
+        (and ``p − j < W`` in a sliding layer, as transformers' sliding layers do). Additive under
+        eager attention; for the fused layers bool and ``[b', 1, g·T, T_max]`` (each query row
+        repeated for the ``g`` query heads of a key/value group, head-major)."""
+        slots = torch.arange(self.max_len, device=positions.device)
+        p = positions.unsqueeze(-1)  # [b', T, 1]
+        out: dict[str, Tensor] = {}
+        for kind in set(self.layer_types):
+            allowed = slots <= p
+            if kind == SLIDING and self.sliding_window is not None:
+                allowed = allowed & (p - slots < int(self.sliding_window))
+            mask = allowed.unsqueeze(1)
+            if self.fused is not None:
+                b, _, t, n = mask.shape
+                mask = mask.unsqueeze(2).expand(b, 1, self.group, t, n).reshape(b, 1, self.group * t, n)
+            elif self.additive_mask:
+                zero = torch.zeros((), dtype=self.dtype, device=mask.device)
+                mask = torch.where(mask, zero, torch.finfo(self.dtype).min)
+            out[kind] = mask
+        return out
+
+    def forward(self, input_ids: Tensor, positions: Tensor, rows: Optional[Tensor] = None,
+                features: bool = True, logits_at: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """The target over ``input_ids`` at ``positions``, on top of the cache; writes their keys/values.
+
+        Args:
+            input_ids / positions: ``[b', T]`` int64.
+            rows: ``[b']`` row ids of the cache (``None`` = all rows, ``b' = b``).
+            features: also return the fused features.
+            logits_at: ``[b']`` int64: logits of that token of each row only (prefill: a row's last
+                prompt token when prompts are right-padded to one length).
+
+        Returns:
+            ``(top2 values [b', T', 2] fp32, top2 ids [b', T', 2] int64, features [b', T, L·D] or None)``
+            with ``T' = 1`` when ``logits_at`` is given; ids ``[..., 0]`` is the argmax (ties to the lowest id).
+        """
+        dec = self.decoder
+        kv = self.state.kv
+        kv.positions, kv.rows = positions, rows
+        hidden = dec.embed_tokens(input_ids)
+        rope_pos = positions
+        if getattr(dec.rotary_emb, "mrope_section", None) is not None:
+            rope_pos = positions.unsqueeze(0).expand(3, -1, -1)
+        rotary = dec.rotary_emb(hidden, rope_pos)
+        masks = self._masks(positions)
+        width = hidden.shape[-1]
+        feats = hidden.new_empty(*hidden.shape[:2], len(self.layer_ids) * width) if features else None
+        last = self.num_layers - 1
+        for i, layer in enumerate(dec.layers):
+            if self.fused is not None:
+                hidden = self.fused[i](hidden, rotary[0], rotary[1], kv.keys[i], kv.values[i], rows, positions,
+                                       masks[self.layer_types[i]])
+            else:
+                out = layer(hidden, attention_mask=masks[self.layer_types[i]], position_ids=positions,
+                            position_embeddings=rotary, **{self.cache_arg: kv})
+                hidden = out[0] if isinstance(out, tuple) else out
+            if feats is not None and i != last:
+                for slot in self._slots.get(i, ()):
+                    feats[..., slot * width:(slot + 1) * width] = hidden
+        hidden = dec.norm(hidden)
+        if feats is not None:
+            for slot in self._slots.get(last, ()):
+                feats[..., slot * width:(slot + 1) * width] = hidden
+        # No tensor stays on the cache object after the call (under CUDA graphs it would pin a graph output).
+        kv.positions = kv.rows = None
+        if logits_at is not None:
+            hidden = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
+        logits = self.model.get_output_embeddings()(hidden).float()
+        top = logits.topk(2, dim=-1)
+        return top.values, top.indices, feats
+
+    # ----------------------------------------------------------------------- step functions
+
+    def _ends(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """``[b, k]`` bool: emitting ``tokens [b, k]`` at ``positions [b, k]`` ends the row (a stop
+        token, or the row's last position :attr:`DecodeState.limit`)."""
+        st = self.state
+        return (tokens.unsqueeze(-1) == st.stop_ids).any(dim=-1) | (positions >= st.limit.unsqueeze(-1))
+
+    def _greedy_step_impl(self) -> None:
+        """One target-only token per active row, entirely on the device (no output, no host sync).
+
+        The argmax at ``anchor`` is written at ``anchor + 1`` with its top-2 logits, the anchor
+        moves there, and the row turns inactive when that token is a stop token or sits at the
+        row's last position. Inactive rows run the forward too (fixed shapes) but change nothing.
+        """
+        st = self.state
+        a, active = st.anchor, st.active
+        vals, ids, _ = self.forward(st.tokens.gather(1, a[:, None]), a[:, None], features=False)
+        tok = ids[:, :, 0]  # [b, 1]
+        nxt = torch.clamp(a + 1, max=self.max_len - 1)[:, None]  # [b, 1]
+        act = active[:, None]
+        st.tokens.scatter_(1, nxt, torch.where(act, tok, st.tokens.gather(1, nxt)))
+        at = nxt.unsqueeze(-1).expand(-1, -1, 2)
+        st.top2.scatter_(1, at, torch.where(act.unsqueeze(-1), vals, st.top2.gather(1, at)))
+        ends = self._ends(tok, nxt)[:, 0]
+        st.anchor.copy_(torch.where(active, nxt[:, 0], a))
+        st.active.copy_(active & ~ends)
+
+    def _draft_step_impl(self, length: Optional[int] = None) -> None:
+        st = self.state
+        if length is None:
+            drafts = self.proposer(st.tokens, st.features, st.anchor)
+        else:
+            drafts = self.proposer(st.tokens[:, :length], st.features[:, :length], st.anchor)
+        st.drafts.copy_(drafts.to(torch.long).view_as(st.drafts))
+
+    def _verify_step_impl(self) -> None:
+        """Verify the drafts of every active row and accept, entirely on the device (no output).
+
+        The target runs ``[anchor token, d_1 … d_{B−1}]`` at ``anchor … anchor+B−1``; ``m`` = the
+        leading drafts equal to the target's tokens ``g_0 … g_{B−2}``; the block's tokens and
+        features are written at its positions, the bonus ``g_m`` at ``anchor + m + 1`` (the new
+        anchor), the top-2 logits of ``g_k`` at ``anchor + 1 + k``, and ``m + 1`` in
+        :attr:`DecodeState.accepted` at the pass's anchor. The row turns inactive when one of
+        ``g_0 … g_m`` is a stop token or reaches its last position (the host trims the tokens
+        after it). Inactive rows run the forward too but change nothing.
+        """
+        st = self.state
+        b_sz = self.block_size
+        a, active = st.anchor, st.active
+        last = self.max_len - 1
+        offsets = torch.arange(b_sz, device=a.device)
+        # A finished row's anchor can lie up to B − 1 past its last position; clamping keeps its
+        # (masked-out) reads and writes inside the buffers. An active row never reaches the clamp:
+        # its anchor is below its last position, and _check keeps B + 1 slots after that.
+        pos = torch.clamp(a[:, None] + offsets, max=last)  # [b, B]
+        block = torch.cat([st.tokens.gather(1, a[:, None]), st.drafts], dim=1)
+        vals, ids, feats = self.forward(block, pos, features=True)
+        greedy = ids[..., 0]  # [b, B]: g_k, the target's token for position anchor + 1 + k
+        right = (st.drafts == greedy[:, :-1]).long()
+        m = torch.cumprod(right, dim=1).sum(dim=1)  # [b]
+        act = active[:, None]
+        rows = torch.arange(a.shape[0], device=a.device)[:, None]
+        st.features[rows, pos] = torch.where(act.unsqueeze(-1), feats, st.features[rows, pos])
+        st.tokens.scatter_(1, pos, torch.where(act, block, st.tokens.gather(1, pos)))
+        nxt = torch.clamp(a + m + 1, max=last)[:, None]  # [b, 1]
+        bonus = greedy.gather(1, m[:, None])
+        st.tokens.scatter_(1, nxt, torch.where(act, bonus, st.tokens.gather(1, nxt)))
+        emitted = torch.clamp(pos + 1, max=last)  # [b, B]: where g_k goes if accepted
+        at = emitted.unsqueeze(-1).expand(-1, -1, 2)
+        st.top2.scatter_(1, at, torch.where(act.unsqueeze(-1), vals, st.top2.gather(1, at)))
+        here = a[:, None]
+        st.accepted.scatter_(1, here, torch.where(act, m[:, None] + 1, st.accepted.gather(1, here)))
+        ends = (self._ends(greedy, emitted) & (offsets <= m[:, None])).any(dim=1)
+        st.anchor.copy_(torch.where(active, nxt[:, 0], a))
+        st.active.copy_(active & ~ends)
+
+    # ----------------------------------------------------------------------- prefill
+
+    #: Elements of one prefill chunk's attention scores (rows × g·P × T_max); longer prompt sets are
+    #: prefilled in several forwards so the transient fp32 scores stay near 1 GiB.
+    PREFILL_CHUNK_ELEMENTS = 1 << 28
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Tensor]) -> list[tuple[int, tuple[float, float]]]:
+        """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
+        ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its top-2 logits
+        too) and becomes its anchor. Eager; the prompts go right-padded to the longest in as few
+        forwards as :attr:`PREFILL_CHUNK_ELEMENTS` allows. A padded row writes keys/values past its
+        prompt too, at slots its own later forwards overwrite before any query can read them (a
+        query at ``p`` reads slots ``≤ p``, and the forward at ``p`` writes slot ``p`` first).
+
+        Returns:
+            per row, ``(first token, (z1, z2))``.
+        """
+        st = self.state
+        lens = [p.numel() for p in prompts]
+        width = max(lens)
+        per_row = max(1, self.group * width * self.max_len)
+        chunk = max(1, self.PREFILL_CHUNK_ELEMENTS // per_row)
+        out: list[tuple[int, tuple[float, float]]] = []
+        for start in range(0, len(prompts), chunk):
+            part = list(range(start, min(len(prompts), start + chunk)))
+            ids = torch.zeros(len(part), width, dtype=torch.long)
+            for i, r in enumerate(part):
+                ids[i, :lens[r]] = prompts[r]
+            ids = ids.to(self.device)
+            pos = torch.arange(width, device=self.device).expand(len(part), width)
+            rows = torch.tensor(part, device=self.device)
+            last = torch.tensor([lens[r] - 1 for r in part], device=self.device)
+            vals, top, feats = self.forward(ids, pos, rows=rows, features=bool(self.layer_ids), logits_at=last)
+            st.tokens[rows, :width] = ids
+            st.tokens[rows, last + 1] = top[:, 0, 0]
+            st.top2[rows, last + 1] = vals[:, 0]
+            if feats is not None:
+                st.features[rows, :width] = feats
+            st.anchor[rows] = last + 1
+            st.active[rows] = True
+            firsts, z = top[:, 0, 0].tolist(), vals[:, 0].tolist()
+            out += [(int(t), (a, b)) for t, (a, b) in zip(firsts, z)]
+        return out

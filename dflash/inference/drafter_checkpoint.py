@@ -1,0 +1,77 @@
+"""Finding a trained drafter: the drafter and run directories a checkpoint path names, the
+checkpoint's optimizer step, and the run's last held-out τ from training's evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Union
+
+from dflash.training.resume import read_jsonl_rows
+
+__all__ = ["resolve_checkpoint", "last_eval_tau", "checkpoint_step"]
+
+
+def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
+    """``(drafter directory, run directory or None)`` for a checkpoint path.
+
+    Accepts a run directory ``runs/<name>`` (its newest checkpoint), a training checkpoint
+    ``runs/<name>/checkpoints/step-XXXXXXXX`` (the drafter is its
+    ``drafter/`` sub-directory; the run directory is two levels up) or a drafter directory itself.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` found, or a run without a complete checkpoint.
+    """
+    p = Path(path)
+    if not (p / "drafter" / "config.json").is_file() and not (p / "config.json").is_file() \
+            and (p / "checkpoints").is_dir():  # a run directory: its newest checkpoint
+        from dflash.training.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(p)
+        if newest is None:
+            raise FileNotFoundError(f"{p}: the run has no complete checkpoint under {p / 'checkpoints'}")
+        p = newest
+    if (p / "drafter" / "config.json").is_file():
+        run = p.parent.parent if p.parent.name == "checkpoints" else None
+        return p / "drafter", run
+    if (p / "config.json").is_file():
+        run = p.parent.parent.parent if p.parent.parent.name == "checkpoints" else None
+        return p, run
+    raise FileNotFoundError(f"{p}: neither a checkpoint (drafter/config.json) nor a drafter directory (config.json)")
+
+
+def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Optional[tuple[int, float]]:
+    """``(step, eval/tau)`` of the last held-out evaluation in ``run_dir/metrics.jsonl``.
+
+    Args:
+        run_dir: the run directory (``None`` = no run).
+        max_step: ignore evaluations after this optimizer step (the checkpoint's step), so an
+            older checkpoint is compared with the evaluation of its own weights or an earlier one.
+
+    Returns:
+        ``(step, tau)``, or ``None`` when there is no such evaluation (unreadable lines are skipped).
+    """
+    if run_dir is None:
+        return None
+    found = None
+    for rec in read_jsonl_rows(Path(run_dir) / "metrics.jsonl"):
+        if "eval/tau" not in rec:
+            continue
+        step = int(rec.get("step", -1))
+        if max_step is None or step <= max_step:
+            found = (step, float(rec["eval/tau"]))
+    return found
+
+
+def checkpoint_step(drafter_dir: Path) -> Optional[int]:
+    """The optimizer step of the training checkpoint holding ``drafter_dir`` (its ``state.json``), or ``None``."""
+    from dflash.training.checkpoint import read_state
+
+    ckpt = Path(drafter_dir).parent
+    if Path(drafter_dir).name != "drafter" or not (ckpt / "state.json").is_file():
+        return None
+    try:
+        return int(read_state(ckpt)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None

@@ -1,0 +1,122 @@
+"""Held-out prompts for decoding and the stop tokens that end a response.
+
+:func:`prompts_from_corpus` takes each held-out conversation's first user turn(s), chat-templated
+and tokenised the way training tokenised them, up to the assistant header;
+:func:`stop_token_ids` gives the ids after which a decoded response ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["PromptCase", "prompts_from_corpus", "user_turn_header", "stop_token_ids"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptCase:
+    """A held-out conversation and its prompt.
+
+    Attributes:
+        index: item of the held-out corpus; source_row: its row in the data file.
+        prompt_ids: ``[P]`` int64: every token before the first assistant token, i.e. the
+            chat-templated first user turn(s) ending with the assistant header (what
+            ``apply_chat_template(..., add_generation_prompt=True)`` renders, tokenised the way
+            training tokenised it).
+        input_ids / loss_mask: ``[S]`` the whole tokenised conversation (for offline τ).
+    """
+
+    index: int
+    source_row: int
+    prompt_ids: Tensor
+    input_ids: Tensor
+    loss_mask: Tensor
+
+
+def prompts_from_corpus(corpus: Any, count: int, max_prompt_tokens: Optional[int] = None,
+                        tokenizer: Any = None) -> list[PromptCase]:
+    """The first ``count`` conversations of ``corpus`` whose prompt has at most ``max_prompt_tokens`` tokens.
+
+    Args:
+        corpus: a :class:`dflash.data.corpus.TokenizedCorpus` (e.g. ``prepare_data(cfg, tok).heldout``).
+        count: prompts wanted.
+        max_prompt_tokens: skip longer prompts (``None`` = no limit).
+        tokenizer: when given, skip prompts that do not end a user turn: a conversation that
+            starts with the assistant has as its prompt only the template's system prompt and
+            assistant header (:func:`user_turn_header` finds no user turn in it).
+
+    Returns:
+        up to ``count`` :class:`PromptCase` in corpus order (fewer when the corpus runs out).
+    """
+    header = user_turn_header(tokenizer) if tokenizer is not None else None
+    skipped = 0
+    out: list[PromptCase] = []
+    for i in range(len(corpus)):
+        if len(out) >= count:
+            break
+        ids, mask = corpus.get(i)
+        first = torch.nonzero(mask).flatten()
+        if first.numel() == 0 or int(first[0]) == 0:
+            continue
+        p = int(first[0])
+        if max_prompt_tokens is not None and p > max_prompt_tokens:
+            continue
+        if header is not None and header not in tokenizer.decode(ids[:p].tolist(), skip_special_tokens=False):
+            skipped += 1
+            continue
+        out.append(PromptCase(index=i, source_row=corpus.source_row(i), prompt_ids=ids[:p].clone(),
+                              input_ids=ids, loss_mask=mask))
+    if skipped:
+        log.info("skipped %d held-out conversations whose prompt holds no user turn (assistant-first)", skipped)
+    return out
+
+
+#: Content that no template rewrites, used to find where a turn's content goes.
+_MARKER = "DFLASHMARKERq7Z"
+
+
+def user_turn_header(tokenizer: Any) -> Optional[str]:
+    """The text the chat template puts before a user turn's content (ChatML: ``<|im_start|>user\\n``).
+
+    Found by rendering ``[system, user]`` and ``[system]`` and taking what the user turn adds
+    before its content. ``None`` when the tokenizer has no chat template or the rendering does not
+    have that shape (then no prompt is skipped).
+    """
+    try:
+        system = [{"role": "system", "content": _MARKER + "S"}]
+        both = tokenizer.apply_chat_template(system + [{"role": "user", "content": _MARKER}], tokenize=False)
+        alone = tokenizer.apply_chat_template(system, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - any template failure means "cannot tell"
+        log.warning("no user-turn filter for prompts: the chat template failed (%s)", exc)
+        return None
+    head = both.rsplit(_MARKER, 1)[0]
+    if not head.startswith(alone) or len(head) == len(alone):
+        log.warning("no user-turn filter for prompts: unexpected chat template rendering")
+        return None
+    return head[len(alone):]
+
+
+def stop_token_ids(tokenizer: Any, model: Optional[nn.Module] = None) -> list[int]:
+    """Ids that end a response: the tokenizer's EOS, its end-of-turn tokens
+    (:func:`dflash.data.corpus.end_of_turn_tokens`: ``<|im_end|>`` for ChatML) and the model's
+    ``generation_config.eos_token_id``."""
+    from dflash.data.corpus import end_of_turn_tokens
+
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for text in end_of_turn_tokens(tokenizer):
+        tid = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return sorted(ids)

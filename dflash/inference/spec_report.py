@@ -1,0 +1,230 @@
+"""The report of the speculative-decoding check: decode held-out prompts target-only and
+speculatively, compare the outputs, take the measured τ apart, and format it all as text.
+
+:func:`decode_report` is the check's core (the CLI :mod:`dflash.inference.speculative` and
+``scripts/decode_bench.py`` run it): the outputs are compared by the margin rule of
+:mod:`dflash.inference.lossless`, τ is measured per pass and compared with the offline τ of
+:mod:`dflash.inference.acceptance`; :func:`format_report` renders the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dflash.inference.acceptance import measured_per_position, offline_tau
+from dflash.inference.generation import Generation, Generator
+from dflash.inference.lossless import first_difference
+from dflash.inference.prompts import PromptCase
+from dflash.progress import Progress
+
+__all__ = ["decode_report", "format_report", "WARMUP_TOKENS"]
+
+log = logging.getLogger(__name__)
+
+#: Tokens generated (and thrown away) by each decoder once before timing: first-call
+#: allocations and, on CUDA, compilation and graph capture do not count.
+WARMUP_TOKENS = 16
+#: Progress: a log line this often (s) when stderr is not a terminal.
+PROGRESS_LOG_S = 10.0
+
+
+def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _pooled(gens: Sequence[Generation], batch: int) -> dict[str, float]:
+    """Tokens/s and time split over prompts decoded ``batch`` at a time (a batch's time counted once)."""
+    tokens = sum(len(g.tokens) for g in gens)
+    groups = _batches(list(gens), batch)
+    seconds = sum(grp[0].seconds for grp in groups)
+    draft = sum(grp[0].draft_seconds for grp in groups)
+    verify = sum(grp[0].verify_seconds for grp in groups)
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds if seconds else float("nan"),
+            "draft_s": draft, "verify_s": verify, "host_s": max(0.0, seconds - draft - verify)}
+
+
+def _continuation(case: PromptCase, gen: Generation) -> tuple[Tensor, Tensor]:
+    """``(input_ids [P + N], loss_mask [P + N])``: the prompt followed by a decode's ``N`` tokens,
+    the loss mask on the decoded tokens only."""
+    ids = torch.cat([case.prompt_ids, torch.tensor(gen.tokens, dtype=torch.long)])
+    mask = torch.zeros(ids.numel(), dtype=torch.bool)
+    mask[case.prompt_ids.numel():] = True
+    return ids, mask
+
+
+def _warm_generator(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
+                    stop_ids: Sequence[int], batch: int, compile: Optional[bool]) -> tuple[Generator, float]:
+    """A :class:`Generator` sized for ``cases``, run once both ways for :data:`WARMUP_TOKENS`
+    tokens (compilation and graph capture on CUDA). Returns it and the warm-up's seconds."""
+    b_sz = int(drafter.block_size)
+    longest = max(c.prompt_ids.numel() for c in cases)
+    max_len = longest + max(max_new_tokens, WARMUP_TOKENS) + b_sz + 1
+    max_len = -(-max_len // 64) * 64
+    gen = Generator(target.model, target.layer_ids, max_len, batch_size=batch, drafter=drafter, compile=compile)
+    warm = [c.prompt_ids for c in cases[:batch]]
+    t0 = time.perf_counter()
+    gen.greedy(warm, WARMUP_TOKENS, stop_ids)
+    gen.speculative(warm, WARMUP_TOKENS, stop_ids)
+    warmup_s = time.perf_counter() - t0
+    log.info("warm-up (%s) %.1f s", "compile + graph capture" if gen.compiled else "eager", warmup_s)
+    return gen, warmup_s
+
+
+def _decode_both(gen: Generator, cases: Sequence[PromptCase], max_new_tokens: int, stop_ids: Sequence[int],
+                 batch: int) -> tuple[list[Generation], list[Generation]]:
+    """``(target-only, speculative)`` generations of ``cases``, ``batch`` prompts at a time."""
+    prompts = [c.prompt_ids for c in cases]
+    base: list[Generation] = []
+    spec: list[Generation] = []
+    bar = Progress(2 * len(cases) * max_new_tokens, desc="decoding", unit="tok", interval_s=PROGRESS_LOG_S,
+                   logger=log)
+    for group in _batches(prompts, batch):
+        base += gen.greedy(group, max_new_tokens, stop_ids, progress=bar.advance)
+    for group in _batches(prompts, batch):
+        spec += gen.speculative(group, max_new_tokens, stop_ids, progress=bar.advance)
+    bar.close()
+    return base, spec
+
+
+def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int, dtype: torch.dtype
+                ) -> dict[str, Any]:
+    """One prompt's row of the report: the comparison of ``s`` (speculative) with ``t``
+    (target-only), τ, passes and timings; a difference is logged."""
+    diff = first_difference(s, t, num_layers, dtype)
+    row = {"index": case.index, "source_row": case.source_row, "prompt_tokens": case.prompt_ids.numel(),
+           "new_tokens": len(s.tokens), "result": "identical" if diff is None else
+           ("tie" if diff.tie else "FAIL"), "difference": None if diff is None else vars(diff),
+           "tau": s.tau, "steps": s.steps, "accepted": s.accepted, "anchors": s.anchors,
+           "spec_tok_s": s.tokens_per_s, "target_tok_s": t.tokens_per_s,
+           "spec_s": s.seconds, "target_s": t.seconds, "draft_s": s.draft_seconds,
+           "verify_s": s.verify_seconds, "target_tokens": t.tokens}
+    if diff is not None:
+        (log.warning if diff.tie else log.error)(
+            "prompt %d: speculative output differs from target-only greedy at token %d (%d vs %d): margins "
+            "z1-z2 %.4f (speculative) / %.4f (target-only), tie bound %.4f: %s", case.index, diff.position,
+            diff.spec_token, diff.target_token, diff.spec_margin, diff.target_margin, diff.bound,
+            "a numerical tie" if diff.tie else "NOT a tie")
+    return row
+
+
+def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: Any, drafter: nn.Module,
+                 cases: Sequence[PromptCase], base: Sequence[Generation], spec: Sequence[Generation],
+                 labels: str) -> None:
+    """Add the offline τ values (dataset, own continuation, replay) to ``summary`` and ``rows``."""
+    tau = summary["tau"]
+    data = offline_tau(target, drafter, [(c.input_ids, c.loss_mask) for c in cases], labels=labels)
+    own = offline_tau(target, drafter, [_continuation(c, t) for c, t in zip(cases, base)], labels="target")
+    replay = offline_tau(target, drafter, [_continuation(c, s) for c, s in zip(cases, spec)], labels="target",
+                         anchors=[s.anchors for s in spec])
+    for row, d, o, r in zip(rows, data.per_conversation, own.per_conversation, replay.per_conversation):
+        row.update(offline_tau_dataset=d, offline_tau_own=o, offline_tau_replay=r)
+    summary.update(offline_tau_dataset=data.tau, offline_tau_dataset_first_turn=data.first_turn_tau,
+                   offline_tau_own=own.tau, offline_tau_replay=replay.tau, offline_blocks_own=own.blocks,
+                   offline_blocks_replay=replay.blocks, per_position_offline_own=own.per_position,
+                   per_position_offline_replay=replay.per_position,
+                   per_position_offline_dataset=data.per_position,
+                   measured_over_offline_own=tau / own.tau if own.tau else float("nan"))
+
+
+@torch.no_grad()
+def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], *, max_new_tokens: int,
+                  stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
+                  labels: str = "target") -> dict[str, Any]:
+    """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
+
+    Args:
+        target: :class:`dflash.models.target.TargetModel` (its ``layer_ids`` are the drafter's).
+        drafter: :class:`dflash.models.drafter.DFlashDraftModel`.
+        cases: held-out prompts (:func:`dflash.inference.prompts.prompts_from_corpus`).
+        max_new_tokens / stop_ids: per prompt.
+        batch: prompts decoded together.
+        compile: CUDA graphs (``None`` = on CUDA).
+        offline: also compute the offline τ values (dataset, own continuation, replay).
+        labels: offline τ labels on the dataset conversations (training's ``drafter.labels``).
+
+    Returns:
+        ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
+        speedup, time split, the first difference and its margins, per-position acceptance.
+    """
+    gen, warmup_s = _warm_generator(target, drafter, cases, max_new_tokens, stop_ids, batch, compile)
+    base, spec = _decode_both(gen, cases, max_new_tokens, stop_ids, batch)
+    b_sz = int(drafter.block_size)
+    dtype = target.dtype
+    rows = [_prompt_row(case, t, s, gen.num_layers, dtype) for case, t, s in zip(cases, base, spec)]
+    all_accepted = [a for s in spec for a in s.accepted]
+    steps = len(all_accepted)
+    tau = sum(all_accepted) / steps if steps else float("nan")
+    ps, pt = _pooled(spec, batch), _pooled(base, batch)
+    summary: dict[str, Any] = {
+        "prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": b_sz, "batch": batch,
+        "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "device": str(gen.device),
+        "identical": sum(r["result"] == "identical" for r in rows), "ties": sum(r["result"] == "tie" for r in rows),
+        "failures": sum(r["result"] == "FAIL" for r in rows),
+        "tau": tau, "verification_steps": steps, "new_tokens": ps["tokens"],
+        "spec_tok_s": ps["tok_s"], "target_tok_s": pt["tok_s"],
+        "speedup": pt["seconds"] / ps["seconds"] if ps["seconds"] else float("nan"),
+        "spec_s": ps["seconds"], "target_s": pt["seconds"], "draft_s": ps["draft_s"], "verify_s": ps["verify_s"],
+        "host_s": ps["host_s"], "warmup_s": warmup_s,
+        "per_position_measured": measured_per_position(all_accepted, b_sz)}
+    if offline:
+        _add_offline(summary, rows, target, drafter, cases, base, spec, labels)
+    return {"summary": summary, "prompts": rows}
+
+
+def _fmt(x: Optional[float], digits: int = 2) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def format_report(report: dict[str, Any], show_text: bool = False) -> str:
+    """The report of :func:`decode_report` as text: a row per prompt, pooled lines, per-position acceptance."""
+    s, rows = report["summary"], report["prompts"]
+    lines = [f"{s['prompts']} held-out prompts, max {s['max_new_tokens']} new tokens, B={s['block_size']}, "
+             f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}",
+             "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
+    lines.append(f"{'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'result':>9} {'tau':>5} {'steps':>5} "
+                 f"{'spec tok/s':>10} {'target tok/s':>12} {'off own':>7} {'replay':>7} {'off data':>8}")
+    for r in rows:
+        lines.append(f"{r['index']:>6} {r['source_row']:>6} {r['prompt_tokens']:>4} {r['new_tokens']:>4} "
+                     f"{r['result']:>9} {_fmt(r['tau']):>5} {r['steps']:>5} {_fmt(r['spec_tok_s'], 1):>10} "
+                     f"{_fmt(r['target_tok_s'], 1):>12} {_fmt(r.get('offline_tau_own')):>7} "
+                     f"{_fmt(r.get('offline_tau_replay')):>7} {_fmt(r.get('offline_tau_dataset')):>8}")
+        d = r["difference"]
+        if d is not None:
+            lines.append(f"       differs at token {d['position']}: {d['spec_token']} vs {d['target_token']}, "
+                         f"margin {_fmt(d['spec_margin'], 4)} / {_fmt(d['target_margin'], 4)} "
+                         f"(tie bound {_fmt(d['bound'], 4)})")
+        if show_text and "text" in r:
+            lines.append(f"       {r['text']!r}")
+    lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
+                  f"{s['failures']} FAIL (of {s['prompts']})",
+              f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes, "
+              f"{s['new_tokens']} tokens",
+              f"tokens/s: speculative {_fmt(s['spec_tok_s'], 1)}, target-only {_fmt(s['target_tok_s'], 1)} "
+              f"(speedup {_fmt(s['speedup'], 2)}x)",
+              f"speculative time: {_fmt(s['spec_s'], 3)} s = draft {_fmt(s['draft_s'], 3)} + verify "
+              f"{_fmt(s['verify_s'], 3)} + host {_fmt(s['host_s'], 3)}"]
+    if "offline_tau_own" in s:
+        lines += [f"offline tau: target's own continuation {_fmt(s['offline_tau_own'], 3)} "
+                  f"({s['offline_blocks_own']} blocks, every anchor); at decoding's anchors (replay) "
+                  f"{_fmt(s['offline_tau_replay'], 3)} ({s['offline_blocks_replay']} blocks); dataset conversations "
+                  f"{_fmt(s['offline_tau_dataset'], 3)} (first turn {_fmt(s['offline_tau_dataset_first_turn'], 3)}); "
+                  f"measured / own = {_fmt(s['measured_over_offline_own'], 3)}"]
+    if "offline_tau_training_eval" in s and s["offline_tau_training_eval"] is not None:
+        lines.append(f"offline tau, training eval (step {s['training_eval_step']}): "
+                     f"{_fmt(s['offline_tau_training_eval'], 3)}")
+    lines += ["", "acceptance per block position k (fraction of passes / blocks with m >= k):",
+              f"{'k':>3} {'decoding':>9} {'replay':>7} {'own':>7} {'dataset':>7}"]
+    for k, meas in enumerate(s["per_position_measured"], start=1):
+        extra = ""
+        if "per_position_offline_own" in s:
+            extra = (f" {_fmt(s['per_position_offline_replay'][k - 1], 3):>7} "
+                     f"{_fmt(s['per_position_offline_own'][k - 1], 3):>7} "
+                     f"{_fmt(s['per_position_offline_dataset'][k - 1], 3):>7}")
+        lines.append(f"{k:>3} {_fmt(meas, 3):>9}{extra}")
+    return "\n".join(lines)
