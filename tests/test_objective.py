@@ -10,27 +10,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.config import default_gamma
-from dflash.training.objective import (
+from dflash.models.masks import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
-    LossOutput,
-    acceptance_lengths,
+    build_attention_masks,
+    dense_attention_mask,
+    flex_block_mask,
+    mask_tiles,
+    restage_attention_mask,
+)
+from dflash.training.anchors import (
     anchor_generator,
     anchor_seed,
-    build_attention_masks,
-    build_block_labels,
-    dense_attention_mask,
-    dflash_loss,
-    flex_block_mask,
-    restage_attention_mask,
-    mask_tiles,
     conversation_anchor_quotas,
-    dpace_weights,
     draw_anchors,
     sample_anchors,
     sample_anchors_per_conversation,
-    slot_weights,
     valid_anchor_mask,
+)
+from dflash.training.objective import (
+    LossOutput,
+    acceptance_lengths,
+    block_position_weights,
+    build_block_labels,
+    dflash_loss,
+    dpace_weights,
 )
 
 
@@ -575,12 +579,12 @@ def test_mask_tiles_cover_the_dense_mask(window: int | None, bs: int) -> None:
 # --------------------------------------------------------------------------- loss, accuracy, τ
 
 
-def test_slot_weights() -> None:
-    w = slot_weights(16, default_gamma(16))
+def test_block_position_weights() -> None:
+    w = block_position_weights(16, default_gamma(16))
     assert w[0] == 0 and w[1] == 1
     assert torch.allclose(w[1:], torch.exp(-torch.arange(15, dtype=torch.float32) / 7.0))
     with pytest.raises(ValueError):
-        slot_weights(4, 0.0)
+        block_position_weights(4, 0.0)
 
 
 def naive_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, valid: torch.Tensor,
@@ -618,7 +622,7 @@ def test_loss_equals_per_block_loop(chunk: int) -> None:
     assert torch.allclose(out.weight_sum, den, atol=1e-6)
     assert torch.allclose(out.loss, num / den, atol=1e-5, rtol=1e-5)
     assert torch.allclose(grad, grad_ref, atol=1e-6, rtol=1e-5)
-    assert out.per_slot_count.tolist() == valid.float().sum((0, 1)).tolist()
+    assert out.block_pos_count.tolist() == valid.float().sum((0, 1)).tolist()
 
 
 def naive_dpace_weights(conf: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -698,7 +702,7 @@ def test_dpace_loss_equals_per_block_loop(chunk: int) -> None:
     assert torch.allclose(out.weight_sum, den)
     assert torch.allclose(grad, grad_ref, atol=1e-6, rtol=1e-4)
     decay = dflash_loss(hidden.detach(), head, labels, valid, 2.0, chunk=chunk)
-    assert torch.equal(out.tau_sum, decay.tau_sum) and torch.equal(out.per_slot_correct, decay.per_slot_correct)
+    assert torch.equal(out.tau_sum, decay.tau_sum) and torch.equal(out.block_pos_correct, decay.block_pos_correct)
     assert not torch.allclose(out.loss, decay.loss)
     with pytest.raises(ValueError, match="weighting"):
         dflash_loss(hidden, head, labels, valid, 2.0, weighting="focal")
@@ -711,7 +715,7 @@ def test_compiled_loss_chunks_equal_the_loop_and_compile_once_per_shape() -> Non
     the hidden states) and one of 2 rows: two compilations, none for the second call.
     """
     from dflash.compile_watch import compile_counts
-    from dflash.training.objective import compiled_linear_ce_chunk
+    from dflash.training.chunked_ce import compiled_linear_ce_chunk
 
     torch.manual_seed(1)
     r, a, bs, d, v = 2, 5, 6, 16, 40
@@ -731,7 +735,7 @@ def test_compiled_loss_chunks_equal_the_loop_and_compile_once_per_shape() -> Non
         assert torch.allclose(out.loss_sum, num, atol=1e-5, rtol=1e-5)
         assert torch.allclose(grad, grad_ref, atol=1e-6, rtol=1e-4)
         eager = dflash_loss(hidden.detach(), head, labels, valid, gamma, chunk=8)
-        assert torch.equal(out.per_slot_correct, eager.per_slot_correct)
+        assert torch.equal(out.block_pos_correct, eager.block_pos_correct)
         assert torch.equal(out.tau_sum, eager.tau_sum)
         if call == 0:
             after_first = compile_counts().compiles
@@ -751,7 +755,7 @@ def test_loss_gives_the_frozen_head_no_gradient() -> None:
     assert not out2.loss_sum.requires_grad
 
 
-def test_tau_and_per_slot_accuracy_by_hand() -> None:
+def test_tau_and_block_pos_accuracy_by_hand() -> None:
     """Two blocks of B = 5 with a hand-picked head, so the argmax of slot k is known."""
     v, d = 6, 6
     head = nn.Linear(d, v, bias=False)
@@ -769,9 +773,9 @@ def test_tau_and_per_slot_accuracy_by_hand() -> None:
     # τ: block 0 = 1 + 2 (stops at the wrong slot 3); block 1 = 1 + 1.
     assert out.tau_sum.item() == 5.0 and out.num_blocks.item() == 2.0
     assert out.tau.item() == 2.5
-    assert out.per_slot_correct.tolist() == [0.0, 2.0, 1.0, 1.0, 1.0]
-    assert out.per_slot_count.tolist() == [0.0, 2.0, 2.0, 2.0, 1.0]
-    assert out.per_slot_accuracy.tolist() == [0.0, 1.0, 0.5, 0.5, 1.0]
+    assert out.block_pos_correct.tolist() == [0.0, 2.0, 1.0, 1.0, 1.0]
+    assert out.block_pos_count.tolist() == [0.0, 2.0, 2.0, 2.0, 1.0]
+    assert out.block_pos_accuracy.tolist() == [0.0, 1.0, 0.5, 0.5, 1.0]
     # A block stops at its first invalid slot even if later ones are right.
     correct = torch.ones(1, 1, 5, dtype=torch.bool)
     stop = torch.tensor([[[False, True, False, True, True]]])
@@ -779,12 +783,12 @@ def test_tau_and_per_slot_accuracy_by_hand() -> None:
 
 
 def test_loss_output_stats_vector_round_trip() -> None:
-    out = LossOutput(loss_sum=torch.tensor(3.5), weight_sum=torch.tensor(2.0), per_slot_correct=torch.tensor([0., 1., 2.]),
-                     per_slot_count=torch.tensor([0., 2., 4.]), tau_sum=torch.tensor(6.0), num_blocks=torch.tensor(4.0))
+    out = LossOutput(loss_sum=torch.tensor(3.5), weight_sum=torch.tensor(2.0), block_pos_correct=torch.tensor([0., 1., 2.]),
+                     block_pos_count=torch.tensor([0., 2., 4.]), tau_sum=torch.tensor(6.0), num_blocks=torch.tensor(4.0))
     vec = out.stats_vector() + out.stats_vector()   # two ranks, all-reduce SUM
     both = LossOutput.from_stats_vector(vec)
     assert both.loss.item() == 1.75 and both.tau.item() == 1.5
-    assert both.per_slot_accuracy.tolist() == [0.0, 0.5, 0.5]
+    assert both.block_pos_accuracy.tolist() == [0.0, 0.5, 0.5]
 
 
 @pytest.mark.gpu
