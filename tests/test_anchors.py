@@ -56,7 +56,7 @@ def test_anchors_keep_mask_when_few_valid_positions() -> None:
     assert keep.tolist() == [[True, True, False, False, False], [True, False, False, False, False], [False] * 5]
 
 
-def test_anchors_more_slots_than_positions() -> None:
+def test_anchors_more_entries_than_positions() -> None:
     loss_mask = torch.ones(2, 6, dtype=torch.bool)
     doc_ids = torch.ones(2, 6, dtype=torch.int32)
     anchors, keep = sample_anchors(loss_mask, doc_ids, 10, anchor_generator(0, 0, 0))
@@ -129,7 +129,7 @@ def random_packed_rows(r: int, s: int, seed: int) -> tuple[torch.Tensor, torch.T
 def naive_conversation_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, a: int, cap: int | None,
                                keys: torch.Tensor, priority: torch.Tensor) -> tuple[list, list]:
     """Per-conversation anchors by Python loops: equal shares (water-filling), capped, left-over
-    slots by priority; inside a conversation the valid positions of largest key (ties: lower first)."""
+    anchor entries by priority; inside a conversation the valid positions of largest key (ties: lower first)."""
     r, s = loss_mask.shape
     all_anchors, all_keep = [], []
     for row in range(r):
@@ -178,7 +178,7 @@ def test_conversation_anchors_equal_the_naive_loops(seed: int) -> None:
             assert anchors.shape == keep.shape == (r, a) and anchors.dtype == torch.int64
             assert keep.tolist() == want_keep, (a, cap)
             assert anchors.tolist() == want_anchors, (a, cap)
-            # the row's slots are used up unless every conversation is exhausted (or capped)
+            # the row's anchor entries are used up unless every conversation is exhausted (or capped)
             valid = valid_anchor_mask(loss_mask, doc_ids)
             if cap is None:
                 assert keep.sum(1).tolist() == valid.sum(1).clamp(max=a).tolist()
@@ -203,7 +203,7 @@ def test_conversation_anchors_on_gpu_equal_the_naive_loops() -> None:
 def test_conversation_quotas_by_hand() -> None:
     counts = torch.tensor([[10, 2, 0, 5]])
     prio = torch.tensor([[0.1, 0.9, 0.8, 0.7]])
-    # level 3 fits (3 + 2 + 0 + 3 = 8 <= 9), level 4 does not (10): one slot left for the
+    # level 3 fits (3 + 2 + 0 + 3 = 8 <= 9), level 4 does not (10): one entry left for the
     # conversations above the level (0 and 3), the higher priority (3) takes it.
     assert conversation_anchor_quotas(counts, 9, None, prio).tolist() == [[3, 2, 0, 4]]
     assert conversation_anchor_quotas(counts, 9, 2, prio).tolist() == [[2, 2, 0, 2]]      # capped

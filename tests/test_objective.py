@@ -53,7 +53,7 @@ def test_labels_same_position(mode: str) -> None:
     b = packed_batch()
     bs = 5
     anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 8, anchor_generator(0, 0, 1))
-    keep[0, 1] = False  # a dropped block has no valid slot
+    keep[0, 1] = False  # a dropped block has no valid block position
     labels, valid = build_block_labels(b["input_ids"], b["target_tokens"], b["loss_mask"], b["doc_ids"],
                                        anchors, keep, bs, mode)
     s = b["input_ids"].shape[1]
@@ -70,7 +70,7 @@ def test_labels_same_position(mode: str) -> None:
                     assert int(labels[r, i, k]) == int(want)
                 else:
                     assert int(labels[r, i, k]) == 0
-    assert valid[keep].any(-1).all()       # a kept anchor always has slot 1 valid
+    assert valid[keep].any(-1).all()       # a kept anchor always has block position 1 valid
     assert not valid[..., 0].any()
 
 
@@ -164,7 +164,7 @@ def test_dpace_weights_equal_the_naive_loop(alpha: float) -> None:
     assert got.dtype == torch.float32
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
     assert (got[~valid] == 0).all() and (got[valid] > 0).all()
-    if alpha == 1.0:  # q̃ = 1: w_k = the number of valid slots at or after k
+    if alpha == 1.0:  # q̃ = 1: w_k = the number of valid block positions at or after k
         counts = valid.flip(-1).cumsum(-1).flip(-1).float() * valid
         assert torch.equal(got, counts)
     with pytest.raises(ValueError, match="alpha"):
@@ -202,7 +202,7 @@ def test_dpace_loss_equals_per_block_loop(chunk: int) -> None:
     labels = torch.randint(0, v, (r, a, bs))
     valid = torch.rand(r, a, bs) < 0.7
     valid[..., 0] = False
-    valid[0, 2] = False  # a block without a valid slot does not count
+    valid[0, 2] = False  # a block without a valid block position does not count
     out = dflash_loss(hidden, head, labels, valid, 99.0, chunk=chunk, weighting="dpace", dpace_alpha=0.4)
     (grad,) = torch.autograd.grad(out.loss, hidden)
     hidden2 = hidden.detach().clone().requires_grad_(True)
@@ -267,27 +267,27 @@ def test_loss_gives_the_frozen_head_no_gradient() -> None:
 
 
 def test_tau_and_block_pos_accuracy_by_hand() -> None:
-    """Two blocks of B = 5 with a hand-picked head, so the argmax of slot k is known."""
+    """Two blocks of B = 5 with a hand-picked head, so the argmax at block position k is known."""
     v, d = 6, 6
     head = nn.Linear(d, v, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.eye(v))
-    # Slot predictions (argmax = one-hot position of the hidden state):
+    # Predictions per block position (argmax = one-hot position of the hidden state):
     preds = torch.tensor([[[0, 1, 2, 3, 4],     # block 0
                            [0, 5, 5, 1, 1]]])   # block 1
-    labels = torch.tensor([[[0, 1, 2, 0, 4],    # block 0: slots 1, 2 right, 3 wrong, 4 right
-                            [0, 5, 4, 1, 0]]])  # block 1: slot 1 right, 2 wrong, 3 right, 4 invalid
+    labels = torch.tensor([[[0, 1, 2, 0, 4],    # block 0: positions 1, 2 right, 3 wrong, 4 right
+                            [0, 5, 4, 1, 0]]])  # block 1: position 1 right, 2 wrong, 3 right, 4 invalid
     valid = torch.tensor([[[False, True, True, True, True],
                            [False, True, True, True, False]]])
     hidden = F.one_hot(preds, v).float() * 5.0
     out = dflash_loss(hidden, head, labels, valid, 3.0)
-    # τ: block 0 = 1 + 2 (stops at the wrong slot 3); block 1 = 1 + 1.
+    # τ: block 0 = 1 + 2 (stops at the wrong position 3); block 1 = 1 + 1.
     assert out.tau_sum.item() == 5.0 and out.num_blocks.item() == 2.0
     assert out.tau.item() == 2.5
     assert out.block_pos_correct.tolist() == [0.0, 2.0, 1.0, 1.0, 1.0]
     assert out.block_pos_count.tolist() == [0.0, 2.0, 2.0, 2.0, 1.0]
     assert out.block_pos_accuracy.tolist() == [0.0, 1.0, 0.5, 0.5, 1.0]
-    # A block stops at its first invalid slot even if later ones are right.
+    # A block stops at its first invalid block position even if later ones are right.
     correct = torch.ones(1, 1, 5, dtype=torch.bool)
     stop = torch.tensor([[[False, True, False, True, True]]])
     assert acceptance_lengths(correct, stop).tolist() == [[2.0]]

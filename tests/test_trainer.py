@@ -221,7 +221,7 @@ def test_step_metrics_and_determinism() -> None:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_loss_falls_on_a_learnable_pattern(variant: str) -> None:
     torch.manual_seed(0)
-    # one conversation per row here: no cap, so the conversation's share is the row's 6 slots
+    # one conversation per row here: no cap, so the conversation's share is the row's 6 anchor entries
     opts = {k: v for k, v in VARIANTS[variant].items() if k != "anchors_per_conversation"}
     tr = DrafterTrainer(tiny_model(), TrainConfig(lr=2e-2, warmup_ratio=0.1), drafter_cfg(anchors_per_row=6, **opts),
                         30, "cpu")

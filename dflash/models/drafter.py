@@ -670,7 +670,7 @@ class DFlashDraftModel(nn.Module):
             position_ids: ``[R, S]`` int64, per conversation; block positions are
                 ``position_ids[a] + k``.
             doc_ids: ``[R, S]`` int (0 = padding).
-            anchors: ``[R, A]`` int64 anchor positions (padded slots point at any valid index).
+            anchors: ``[R, A]`` int64 anchor positions (padded entries point at any valid index).
             anchor_keep: ``[R, A]`` bool; a dropped block sees only itself (its outputs are
                 finite but meaningless and get zero loss weight).
             attn_masks: prebuilt masks per layer type (see
