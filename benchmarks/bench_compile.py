@@ -68,7 +68,7 @@ def timed(fn, iters: int) -> float:
 def phase_times(trainer, tensors: dict, batch_id: int) -> dict[str, float]:
     """GPU ms of one drafter step's phases, by CUDA events: where the step's time goes.
 
-    Phases: ``prepare`` (anchors, labels), ``forward`` (masks + drafter layers, compiled or
+    Phases: ``prepare`` (anchors, labels, masks), ``forward`` (drafter layers, compiled or
     not), ``loss`` (the eager chunked LM-head cross-entropy, which also forms the hidden-state
     gradient), ``backward`` (through the drafter layers) and ``optimizer`` (clip, fused AdamW).
     Runs :meth:`DrafterTrainer.step`'s pieces in its order (one extra optimizer step).
@@ -90,7 +90,7 @@ def phase_times(trainer, tensors: dict, batch_id: int) -> dict[str, float]:
         ev[0].record()
         prepared = trainer.prepare(tensors, 0, batch_id)
         ev[1].record()
-        out = trainer.forward_loss(tensors, prepared)
+        out = trainer.forward_loss(prepared)
         ev[3].record()
         (out.loss_sum * (trainer.grads_averaged_over / prepared.weight_sum)).backward()
         ev[4].record()

@@ -89,7 +89,7 @@ class DrafterConfig:
     #: How a row's anchor slots are filled: ``row`` = uniformly over the row's valid positions;
     #: ``conversation`` = per conversation, as the paper draws per sequence: equal shares of the
     #: row's slots, a short conversation taking all its positions and leaving the rest to the
-    #: others (water-filling; ``dflash.training.objective.conversation_anchor_quotas``).
+    #: others (water-filling; ``dflash.training.anchors.conversation_anchor_quotas``).
     anchor_sampling: Literal["row", "conversation"] = "row"
     #: ``anchor_sampling: conversation`` only: at most this many anchors per conversation
     #: (the paper: 512 per sequence); ``null`` = no cap besides ``anchors_per_row``.

@@ -38,7 +38,8 @@ from torch import nn  # noqa: E402
 from bench_compile import synthetic_batch  # noqa: E402
 from dflash.config import config_from_dict  # noqa: E402
 from dflash.training.factory import build_drafter, target_hf_config  # noqa: E402
-from dflash.training.objective import anchor_generator, flex_block_mask, sample_anchors  # noqa: E402
+from dflash.models.masks import flex_block_mask  # noqa: E402
+from dflash.training.anchors import anchor_generator, sample_anchors  # noqa: E402
 from dflash.training.trainer import DrafterTrainer  # noqa: E402
 
 

@@ -233,10 +233,10 @@ def main(argv=None) -> int:
             log.info("%s: %s", key, json.dumps(entry))
     log.info("target passes (cache misses): %d; total %.1f min", target.misses, (time.perf_counter() - started) / 60)
 
-    print(f"\n{'drafter':<22} {'steps':>5} {'tau regen held-out':>18} {'acc slot1':>9} {'tau raw held-out':>16} "
+    print(f"\n{'drafter':<22} {'steps':>5} {'tau regen held-out':>18} {'acc pos1':>9} {'tau raw held-out':>16} "
           f"{'spec tau':>8}")
     for key, e in results.items():
-        print(f"{key:<22} {e['steps']:>5} {e['regen_heldout']['tau']:>18.4f} {e['regen_heldout']['acc_slot_1']:>9.4f} "
+        print(f"{key:<22} {e['steps']:>5} {e['regen_heldout']['tau']:>18.4f} {e['regen_heldout']['acc_block_pos_1']:>9.4f} "
               f"{e['raw_heldout']['tau']:>16.4f} {e.get('speculative', {}).get('tau', float('nan')):>8.4f}")
     return 0
 

@@ -17,7 +17,7 @@ from dflash.models.drafter import (
     mask_fallback_token_ids,
     resolve_mask_token_id,
 )
-from dflash.training.objective import SLIDING_ATTENTION, build_attention_masks
+from dflash.models.masks import SLIDING_ATTENTION, build_attention_masks
 
 V, D, L = 48, 32, 2
 

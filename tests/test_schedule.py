@@ -86,8 +86,8 @@ def test_aggregate_eval_sums_ranks():
     assert ev["eval/loss"] == pytest.approx(0.5)
     assert ev["eval/tau"] == pytest.approx(1.5)
     assert ev["eval/blocks"] == 6
-    assert ev["eval/acc_slot_1"] == pytest.approx(4 / 6)
-    assert ev["eval/acc_slot_2"] == pytest.approx(2 / 6)
+    assert ev["eval/acc_block_pos_1"] == pytest.approx(4 / 6)
+    assert ev["eval/acc_block_pos_2"] == pytest.approx(2 / 6)
 
 
 # ---------------------------------------------------------------- evaluation rounds: a function of the step

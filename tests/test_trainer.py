@@ -11,7 +11,7 @@ from torch import nn
 
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.models.drafter import DFlashConfig, DFlashDraftModel
-from dflash.training.objective import anchor_generator, draw_anchors, sample_anchors
+from dflash.training.anchors import anchor_generator, draw_anchors, sample_anchors
 from dflash.training.optim import build_optimizer, build_scheduler, lr_factor, warmup_steps
 from dflash.training.trainer import DrafterTrainer, metrics_to_host
 
@@ -211,8 +211,8 @@ def test_step_metrics_and_determinism() -> None:
     ma, mb = a.step(batch, 1, 7), b.step(batch, 1, 7)
     assert torch.equal(ma["loss"], mb["loss"]) and torch.equal(ma["grad_norm"], mb["grad_norm"])
     host = metrics_to_host(ma)
-    assert set(host) >= {"loss", "tau", "per_slot_acc", "lr", "grad_norm", "num_blocks", "step"}
-    assert len(host["per_slot_acc"]) == B and host["per_slot_acc"][0] == 0.0
+    assert set(host) >= {"loss", "tau", "block_pos_acc", "lr", "grad_norm", "num_blocks", "step"}
+    assert len(host["block_pos_acc"]) == B and host["block_pos_acc"][0] == 0.0
     assert host["num_blocks"] > 0 and 1.0 <= host["tau"] <= B
     assert math.isfinite(host["loss"]) and host["loss"] > 0 and host["grad_norm"] > 0
     assert host["step"] == 1 and host["lr"] == pytest.approx(6e-4)
@@ -221,7 +221,7 @@ def test_step_metrics_and_determinism() -> None:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_loss_falls_on_a_learnable_pattern(variant: str) -> None:
     torch.manual_seed(0)
-    # one conversation per row here: no cap, so the conversation's share is the row's 6 slots
+    # one conversation per row here: no cap, so the conversation's share is the row's 6 anchor entries
     opts = {k: v for k, v in VARIANTS[variant].items() if k != "anchors_per_conversation"}
     tr = DrafterTrainer(tiny_model(), TrainConfig(lr=2e-2, warmup_ratio=0.1), drafter_cfg(anchors_per_row=6, **opts),
                         30, "cpu")

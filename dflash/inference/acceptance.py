@@ -33,7 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from dflash.inference.proposer import drafter_hidden
-from dflash.training.objective import acceptance_lengths, build_block_labels, valid_anchor_mask
+from dflash.training.anchors import valid_anchor_mask
+from dflash.training.objective import acceptance_lengths, build_block_labels
 
 __all__ = ["OfflineTau", "offline_tau", "measured_per_position", "OFFLINE_ANCHORS_PER_CHUNK"]
 
@@ -80,8 +81,8 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
     For each sequence: the target's ``features [1, S, L·D]`` and greedy ``target_tokens``
     (:meth:`dflash.models.target.TargetModel.forward_features`, as the target workers compute them);
     anchors = every position ``p`` with ``loss_mask[p] & loss_mask[p+1]``
-    (:func:`dflash.training.objective.valid_anchor_mask`), or those of ``anchors`` that are valid; labels
-    and slot validity from :func:`dflash.training.objective.build_block_labels`; τ per block from
+    (:func:`dflash.training.anchors.valid_anchor_mask`), or those of ``anchors`` that are valid; labels
+    and block-position validity from :func:`dflash.training.objective.build_block_labels`; τ per block from
     :func:`dflash.training.objective.acceptance_lengths` on the argmax of ``lm_head(hidden)``.
 
     Args:

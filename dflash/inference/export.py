@@ -37,7 +37,7 @@ from dflash.models.drafter import (
     write_drafter_directory,
 )
 from dflash.training.checkpoint import IDENTITY_NAMES, trained_with
-from dflash.training.objective import SLIDING_ATTENTION
+from dflash.models.masks import SLIDING_ATTENTION
 
 __all__ = ["ExportReport", "resolve_drafter_dir", "export_drafter", "engine_rules", "main"]
 

@@ -13,7 +13,7 @@ What is trained (docs/DFLASH.md; DFlash paper, arXiv 2602.06036, §3):
   the context positions ``j < a`` of its own conversation and nothing of other blocks. A
   ``full_attention`` layer is bidirectional inside the block; a ``sliding_attention`` layer is
   causal inside the block with a window of ``W`` key positions that counts the query itself, as
-  the serving engines run it. The mask lives in :mod:`dflash.training.objective`.
+  the serving engines run it. The mask lives in :mod:`dflash.models.masks`.
 * **Shared, frozen.** ``embed_tokens`` and ``lm_head`` are the target's. They are held as plain
   attributes, *not* registered sub-modules: they never appear in ``parameters()``,
   ``state_dict()``, the optimizer, DDP's buckets or the checkpoint.
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from dflash.training.objective import FULL_ATTENTION, SLIDING_ATTENTION, AttentionMask, build_attention_masks
+from dflash.models.masks import FULL_ATTENTION, SLIDING_ATTENTION, AttentionMask, drafter_attention_masks
 from dflash.utils import atomic_directory
 
 __all__ = [
@@ -546,7 +546,7 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: flo
     On CPU the eager (unfused) implementation runs: tests only.
 
     ``FORCE_USE_FLEX_ATTENTION``: under 128 queries inductor would pick its flex-decoding kernel,
-    which accepts no block mask tiled like ours (``dflash.training.objective.FLEX_TILE`` for queries and
+    which accepts no block mask tiled like ours (``dflash.models.masks.FLEX_TILE`` for queries and
     keys) and fails to lower ("No choices to select"); the main kernel handles any query length.
     """
     from torch.nn.attention.flex_attention import flex_attention
@@ -670,11 +670,11 @@ class DFlashDraftModel(nn.Module):
             position_ids: ``[R, S]`` int64, per conversation; block positions are
                 ``position_ids[a] + k``.
             doc_ids: ``[R, S]`` int (0 = padding).
-            anchors: ``[R, A]`` int64 anchor positions (padded slots point at any valid index).
+            anchors: ``[R, A]`` int64 anchor positions (padded entries point at any valid index).
             anchor_keep: ``[R, A]`` bool; a dropped block sees only itself (its outputs are
                 finite but meaningless and get zero loss weight).
             attn_masks: prebuilt masks per layer type (see
-                :func:`dflash.training.objective.build_attention_masks`); ``None`` = build them here.
+                :func:`dflash.models.masks.drafter_attention_masks`); ``None`` = build them here.
 
         Returns:
             ``[R, A, B, D]`` hidden states; ``logits = lm_head(hidden)`` (the loss does it in chunks).
@@ -704,9 +704,7 @@ class DFlashDraftModel(nn.Module):
         rope_q = (cos_kv[:, :, s:], sin_kv[:, :, s:])
 
         if attn_masks is None:
-            attn_masks = build_attention_masks(
-                anchors, anchor_keep, doc_ids, b, self.config.layer_types, self.config.sliding_window,
-                backend=self.attention_backend(input_ids.device))
+            attn_masks = drafter_attention_masks(self, anchors, anchor_keep, doc_ids)
         checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
             mask = attn_masks[layer.layer_type]

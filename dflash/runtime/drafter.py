@@ -251,8 +251,8 @@ class DrafterWorker:
             started = time.perf_counter()
             metrics = self.trainer.step(got.tensors, epoch, batch_id)
             local = LossOutput(loss_sum=metrics["loss_sum"], weight_sum=metrics["weight_sum"],
-                               per_slot_correct=metrics["per_slot_correct"],
-                               per_slot_count=metrics["per_slot_count"], tau_sum=metrics["tau_sum"],
+                               block_pos_correct=metrics["block_pos_correct"],
+                               block_pos_count=metrics["block_pos_count"], tau_sum=metrics["tau_sum"],
                                num_blocks=metrics["num_blocks"]).stats_vector()
             tokens = int((got.tensors["doc_ids"] > 0).sum())
         total = LossOutput.from_stats_vector(self._all_reduce(local.clone()))
@@ -271,13 +271,13 @@ class DrafterWorker:
                                           "mem_gib": self.stats["mem_gib"], "rerecords": delta.cudagraph_records,
                                           "recompiles": delta.compiles}}
         if self.rank == 0:
-            acc = (total.per_slot_correct / total.per_slot_count.clamp_min(1)).tolist()
+            acc = total.block_pos_accuracy.tolist()
             self._last_loss = float(total.loss)
             out.update({"train/loss": self._last_loss, "train/tau": float(total.tau),
                         "train/lr": float(metrics["lr"]), "train/grad_norm": float(metrics["grad_norm"]),
                         "train/blocks": float(total.num_blocks), "time/step_s": step_s,
                         "time/drafter_wait_s": self.stats["wait_s"] - wait_before})
-            out.update({f"train/acc_slot_{k}": a for k, a in enumerate(acc) if k > 0})
+            out.update({f"train/acc_block_pos_{k}": a for k, a in enumerate(acc) if k > 0})
         self.ctx.link.send(Trained(attempt=cmd.attempt, step=step, data_epoch=epoch, batch_id=batch_id, metrics=out))
         if cmd.checkpoint:
             self.save()

@@ -21,7 +21,7 @@ def aggregate_eval(sums: list[dict]) -> dict:
             lists ``correct`` / ``count`` indexed by block position.
     Returns:
         ``eval/loss`` = Σ loss_sum / Σ weight_sum, ``eval/tau`` = Σ tau_sum / Σ blocks,
-        ``eval/blocks`` and ``eval/acc_slot_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1;
+        ``eval/blocks`` and ``eval/acc_block_pos_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1;
         ``{}`` without sums.
     """
     if not sums:
@@ -41,7 +41,7 @@ def aggregate_eval(sums: list[dict]) -> dict:
     }
     for k, (c, n) in enumerate(zip(total.get("correct", []), total.get("count", []))):
         if k > 0:
-            out[f"eval/acc_slot_{k}"] = c / n if n else float("nan")
+            out[f"eval/acc_block_pos_{k}"] = c / n if n else float("nan")
     return out
 
 

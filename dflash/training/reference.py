@@ -53,13 +53,13 @@ def target_tensors(target: Any, batch: Any, device: torch.device) -> dict[str, t
 def eval_sums(out: LossOutput) -> dict:
     """Host-side sums of one or more batches' :class:`LossOutput` (to add over batches and ranks)."""
     return {"loss_sum": float(out.loss_sum), "weight_sum": float(out.weight_sum), "tau_sum": float(out.tau_sum),
-            "blocks": float(out.num_blocks), "correct": out.per_slot_correct.tolist(),
-            "count": out.per_slot_count.tolist()}
+            "blocks": float(out.num_blocks), "correct": out.block_pos_correct.tolist(),
+            "count": out.block_pos_count.tolist()}
 
 
 def evaluate_heldout(trainer: DrafterTrainer, target: Any, plans: DataPlans, num_batches: Optional[int],
                      device: torch.device) -> dict:
-    """Held-out loss, τ and per-slot accuracy over the first ``num_batches`` held-out batches."""
+    """Held-out loss, τ and accuracy per block position over the first ``num_batches`` held-out batches."""
     from dflash.runtime.coordinator import aggregate_eval
 
     if plans.heldout is None:

@@ -352,7 +352,7 @@ def expected_drafter_fields(cfg: Any, tokenizer_size: int) -> dict:
         ConfigError: a bad ``target.layer_ids`` / ``target.arch`` for this target.
         OSError: a missing model file or directory.
     """
-    from dflash.training.objective import SLIDING_ATTENTION
+    from dflash.models.masks import SLIDING_ATTENTION
 
     quiet = logging.getLogger("dflash.models.drafter")
     level = quiet.level
@@ -381,7 +381,7 @@ def _fields_from_target_config(cfg: Any, tc: Any, tokenizer_size: int) -> dict:
 
 def _fields_from_target_metadata(cfg: Any, tokenizer_size: int) -> dict:
     from dflash.models.drafter import resolve_mask_token_id
-    from dflash.training.objective import FULL_ATTENTION
+    from dflash.models.masks import FULL_ATTENTION
     from dflash.models.target import describe_target
 
     d = cfg.drafter
@@ -417,7 +417,7 @@ def resume_mismatches(cfg: Any, ckpt: Path, tokenizer_size: int) -> list[str]:
         ConfigError / OSError: from :func:`expected_drafter_fields`.
     """
     from dflash.models.drafter import DFlashDraftModel
-    from dflash.training.objective import FULL_ATTENTION, SLIDING_ATTENTION
+    from dflash.models.masks import FULL_ATTENTION, SLIDING_ATTENTION
 
     directory = Path(ckpt) / "drafter"
     try:

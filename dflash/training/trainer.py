@@ -4,9 +4,18 @@ Shared by the single-process reference trainer (``dflash/training/reference.py``
 workers (``dflash/runtime/drafter.py``): both hand :meth:`DrafterTrainer.step` the batch contract's
 tensors plus the target's outputs (docs/ARCHITECTURE.md) and the batch's ``(epoch, batch_id)``.
 
-A step: anchors (seeded by ``anchor_seed(seed, epoch, batch_id)``, so every process draws the
-same ones for the same batch; per row or per conversation, ``drafter.anchor_sampling``) → labels → forward → decayed CE → backward → gradient sync →
-clip → AdamW → schedule → zero grad.
+A step, each stage in one module, in this order (:meth:`DrafterTrainer.prepare`, then
+:meth:`DrafterTrainer.forward_loss`):
+
+1. anchors (:mod:`dflash.training.anchors`; seeded by ``anchor_seed(seed, epoch, batch_id)``, so
+   every process draws the same ones for the same batch; per row or per conversation,
+   ``drafter.anchor_sampling``);
+2. block labels and the loss denominator (:mod:`dflash.training.objective`);
+3. the attention masks, built eagerly (:mod:`dflash.models.masks`);
+4. the drafter forward (:mod:`dflash.models.drafter`);
+5. the decayed cross-entropy, accuracy per block position and τ (:mod:`dflash.training.objective`);
+
+then backward → gradient sync → clip → AdamW → schedule → zero grad.
 
 **Data parallelism.** With ``N`` ranks, each on its own batch, the update must equal one process
 on the concatenated batch, whose loss is ``Σ_ranks Σ CE·w / Σ_ranks Σ w``. Each rank therefore
@@ -32,27 +41,17 @@ from torch import Tensor, nn
 
 from dflash.config import default_gamma
 from dflash.models.drafter import DFlashDraftModel
-from dflash.training.objective import (
-    LOSS_CHUNK_ROWS,
-    AttentionMask,
-    LossOutput,
-    anchor_generator,
-    build_attention_masks,
-    build_block_labels,
-    DPACE_ALPHA,
-    compiled_linear_ce_chunk,
-    dflash_loss,
-    draw_anchors,
-    loss_denominator,
-    restage_attention_mask,
-)
+from dflash.models.masks import AttentionMask, drafter_attention_masks, restage_attention_mask
+from dflash.training.anchors import anchor_generator, draw_anchors
+from dflash.training.chunked_ce import LOSS_CHUNK_ROWS, compiled_linear_ce_chunk
+from dflash.training.objective import DPACE_ALPHA, LossOutput, build_block_labels, dflash_loss, loss_denominator
 from dflash.training.optim import LRSchedule, build_optimizer, build_scheduler
 
 __all__ = ["EVAL_EPOCH", "REQUIRED_KEYS", "PreparedBatch", "DrafterTrainer", "metrics_to_host"]
 
 logger = logging.getLogger(__name__)
 
-#: ``epoch`` fed to :func:`dflash.training.objective.anchor_seed` for evaluation anchors (fixed per batch id).
+#: ``epoch`` fed to :func:`dflash.training.anchors.anchor_seed` for evaluation anchors (fixed per batch id).
 EVAL_EPOCH = -1
 #: Batch tensors a step needs (``target_tokens`` only with ``drafter.labels: target``).
 REQUIRED_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask", "features")
@@ -63,8 +62,10 @@ GradSync = Callable[[list[nn.Parameter]], None]
 
 @dataclass
 class PreparedBatch:
-    """Anchors and labels of one batch (all on the batch's device)."""
+    """Everything a batch's forward pass and loss read, on the trainer's device."""
 
+    #: The batch contract's tensors plus ``features`` (and ``target_tokens``).
+    tensors: dict[str, Tensor]
     #: ``[R, A]`` int64 / bool.
     anchors: Tensor
     anchor_keep: Tensor
@@ -73,6 +74,8 @@ class PreparedBatch:
     valid: Tensor
     #: The loss denominator of this batch (fp32 scalar): ``Σ w``, or the block count with D-PACE.
     weight_sum: Tensor
+    #: ``{layer type: mask}`` (:func:`dflash.models.masks.drafter_attention_masks`).
+    attn_masks: dict[str, AttentionMask]
 
 
 def metrics_to_host(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +188,7 @@ class DrafterTrainer:
         """The anchors of one batch: ``(anchors [R, A] int64, keep [R, A] bool)`` on ``loss_mask``'s device.
 
         Seeded by ``anchor_seed(seed, epoch, batch_id)`` on this trainer's device and drawn by
-        ``drafter.anchor_sampling`` (:func:`dflash.training.objective.draw_anchors`), so the reference
+        ``drafter.anchor_sampling`` (:func:`dflash.training.anchors.draw_anchors`), so the reference
         trainer and every drafter worker draw the same anchors for the same batch.
         """
         gen = anchor_generator(self.seed, epoch, batch_id, self.device)
@@ -194,11 +197,26 @@ class DrafterTrainer:
 
     def prepare(self, tensors: dict[str, Tensor], epoch: int, batch_id: int,
                 anchors: Optional[tuple[Tensor, Tensor]] = None) -> PreparedBatch:
-        """Anchors (seeded by ``(seed, epoch, batch_id)``, or given) and labels of a batch.
+        """A batch on this trainer's device with its anchors, labels, loss denominator and masks.
+
+        In order: anchors (seeded by ``(seed, epoch, batch_id)``, or given;
+        :mod:`dflash.training.anchors`), block labels and the loss denominator
+        (:mod:`dflash.training.objective`), then the drafter's attention masks
+        (:mod:`dflash.models.masks`).
+
+        The masks are built here, eagerly, never inside the compiled forward: on CUDA (torch
+        2.11), a flex_attention ``BlockMask`` built *inside* the compiled drafter forward (its
+        ``argsort``-based block indices) gave a slightly different forward and gradients ~500×
+        off the eager ones, so the compiled step did not learn (``scripts/gpu_compile_diag.py``;
+        docs/benchmarks.md, Correctness of the compiled step). Built here, the compiled gradients
+        match eager to ~1 % (bf16).
 
         Args:
             tensors: the batch contract's tensors plus ``features`` / ``target_tokens``.
             anchors: ``(anchors [R, A], keep [R, A])`` to use instead of drawing them.
+
+        Raises:
+            KeyError: a required tensor is missing.
         """
         t = self._batch(tensors)
         if anchors is None:
@@ -207,8 +225,9 @@ class DrafterTrainer:
             anc, keep = (x.to(self.device) for x in anchors)
         labels, valid = build_block_labels(t["input_ids"], t.get("target_tokens"), t["loss_mask"], t["doc_ids"],
                                            anc, keep, self.block_size, self.labels)
-        return PreparedBatch(anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
-                             weight_sum=loss_denominator(valid, self.gamma, self.loss_weighting))
+        return PreparedBatch(tensors=t, anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
+                             weight_sum=loss_denominator(valid, self.gamma, self.loss_weighting),
+                             attn_masks=drafter_attention_masks(self.module, anc, keep, t["doc_ids"]))
 
     def _stage(self, name: Any, x: Tensor) -> Tensor:
         """Copy a compiled-forward input into this trainer's persistent buffer ``name``.
@@ -227,22 +246,6 @@ class DrafterTrainer:
             buf = self._staging[name] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return buf.copy_(x, non_blocking=True)
 
-    def attention_masks(self, doc_ids: Tensor, anchors: Tensor, anchor_keep: Tensor) -> dict[str, AttentionMask]:
-        """The drafter's attention masks of a batch, built eagerly (never inside the compiled region).
-
-        Built outside ``torch.compile`` on purpose: on CUDA (torch 2.11), a flex_attention
-        ``BlockMask`` built *inside* the compiled drafter forward (its ``argsort``-based block
-        indices) gave a slightly different forward and gradients ~500× off the eager ones, so the
-        compiled step did not learn (``scripts/gpu_compile_diag.py``; docs/benchmarks.md, Correctness of the compiled step).
-        Built here, the compiled gradients match eager to ~1 % (bf16).
-
-        Returns:
-            ``{layer type: mask}`` (:func:`dflash.training.objective.build_attention_masks`).
-        """
-        m = self.module
-        return build_attention_masks(anchors, anchor_keep, doc_ids, m.block_size, m.config.layer_types,
-                                     m.config.sliding_window, backend=m.attention_backend(anchors.device))
-
     def _hidden(self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
                 anchors: Tensor, anchor_keep: Tensor, attn_masks: dict[str, AttentionMask]) -> Tensor:
         """Drafter forward under the trainer's autocast: ``[R, A, B, D]`` (what gets compiled)."""
@@ -251,26 +254,25 @@ class DrafterTrainer:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
             return self.model(features, input_ids, position_ids, doc_ids, anchors, anchor_keep, attn_masks)
 
-    def forward_loss(self, tensors: dict[str, Tensor], prepared: PreparedBatch, compiled: bool = True) -> LossOutput:
-        """Forward pass and loss of a prepared batch (grad mode as the caller set it).
+    def forward_loss(self, prepared: PreparedBatch, compiled: bool = True) -> LossOutput:
+        """Drafter forward and loss of a prepared batch (grad mode as the caller set it).
 
         The drafter forward runs compiled when the trainer compiles; the chunked LM-head loss
         stays eager (a Python loop over row chunks that compilation would only unroll).
         """
-        t = self._batch(tensors)
+        t = prepared.tensors
         args = (t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors, prepared.anchor_keep)
         if compiled and self.compiled:
             # Every tensor the compiled forward reads lives in a persistent buffer (CUDA graphs
             # re-record when an input they treat as static moves), masks included.
             staged = [self._stage(("input", i), x) for i, x in enumerate(args)]
-            masks = {lt: restage_attention_mask(m, self._stage, ("mask", lt))
-                     for lt, m in self.attention_masks(staged[3], staged[4], staged[5]).items()}
+            masks = {lt: restage_attention_mask(m, self._stage, ("mask", lt)) for lt, m in prepared.attn_masks.items()}
             # Each call is a new step for CUDAGraph Trees: the previous step's graph outputs (its
             # hidden states, and gradients, dropped by ``zero_grad(set_to_none=True)``) are dead.
             torch.compiler.cudagraph_mark_step_begin()
             hidden = self._forward(*staged, masks)
         else:
-            hidden = self._hidden(*args, self.attention_masks(t["doc_ids"], prepared.anchors, prepared.anchor_keep))
+            hidden = self._hidden(*args, prepared.attn_masks)
         # Compiled runs also compile the LM-head loss chunks (fused fp32 softmax passes); the
         # eval path (compiled=False) stays eager, so it never triggers a compile after warm-up.
         chunk_fn = compiled_linear_ce_chunk() if compiled and self.compiled else None
@@ -292,7 +294,7 @@ class DrafterTrainer:
         prepared = self.prepare(tensors, epoch, batch_id, anchors)
         reduce = weight_sum_reduce or self.weight_sum_reduce
         w_global = reduce(prepared.weight_sum.clone()) if reduce is not None else prepared.weight_sum
-        out = self.forward_loss(tensors, prepared)
+        out = self.forward_loss(prepared)
         objective = out.loss_sum * (self.grads_averaged_over / w_global.clamp_min(torch.finfo(torch.float32).tiny))
         objective.backward()
         return out, w_global
@@ -332,7 +334,7 @@ class DrafterTrainer:
         Returns:
             metrics (tensors unless noted): ``loss`` (this batch's mean), ``loss_sum``,
             ``weight_sum``, ``global_weight_sum``, ``tau``, ``tau_sum``, ``num_blocks``,
-            ``per_slot_acc [B]``, ``per_slot_correct [B]``, ``per_slot_count [B]``,
+            ``block_pos_acc [B]``, ``block_pos_correct [B]``, ``block_pos_count [B]`` (indexed by block position),
             ``grad_norm``, ``lr`` (float, the rate this step used), ``step`` (int, after it).
 
         Raises:
@@ -352,9 +354,9 @@ class DrafterTrainer:
             "tau": stats.tau,
             "tau_sum": stats.tau_sum,
             "num_blocks": stats.num_blocks,
-            "per_slot_acc": stats.per_slot_accuracy,
-            "per_slot_correct": stats.per_slot_correct,
-            "per_slot_count": stats.per_slot_count,
+            "block_pos_acc": stats.block_pos_accuracy,
+            "block_pos_correct": stats.block_pos_correct,
+            "block_pos_count": stats.block_pos_count,
             "grad_norm": grad_norm,
             "lr": lr,
             "step": self.step_count,
@@ -362,17 +364,17 @@ class DrafterTrainer:
 
     @torch.no_grad()
     def evaluate(self, tensors: dict[str, Tensor], batch_id: int, epoch: int = EVAL_EPOCH) -> LossOutput:
-        """Loss / τ / per-slot accuracy *sums* of one held-out batch, without gradients.
+        """Loss / τ / per-block-position accuracy *sums* of one held-out batch, without gradients.
 
         Anchors are deterministic: ``anchor_seed(seed, EVAL_EPOCH, batch_id)``, the same at every
         evaluation. Add the returned :class:`LossOutput` stats over batches (and ranks) with
-        :meth:`LossOutput.stats_vector`, then read ``loss``, ``tau``, ``per_slot_accuracy``.
+        :meth:`LossOutput.stats_vector`, then read ``loss``, ``tau``, ``block_pos_accuracy``.
         """
         was_training = self.model.training
         self.model.eval()
         try:
             prepared = self.prepare(tensors, epoch, batch_id)
-            out = self.forward_loss(tensors, prepared, compiled=False)
+            out = self.forward_loss(prepared, compiled=False)
         finally:
             self.model.train(was_training)
         return LossOutput.from_stats_vector(out.stats_vector())

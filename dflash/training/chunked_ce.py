@@ -1,0 +1,146 @@
+"""The frozen LM head's weighted cross-entropy over row chunks, its hidden-state gradient computed
+in the forward pass.
+
+The drafter's loss needs ``CE(h Wᵀ + b, y)`` for up to ``R·A·(B − 1)`` rows against a vocabulary of
+``V`` (151,936 for Qwen3): the ``[rows, V]`` fp32 logits would take tens of GiB. Rows are taken
+``chunk`` at a time (:data:`LOSS_CHUNK_ROWS`); each chunk yields its weighted CE sum, its argmax
+and ``d/dh``, so the logits never exist at once and none are kept for backward
+(:func:`chunked_linear_ce`). The per-chunk computation (:func:`linear_ce_chunk`) is pure tensor
+code with static shapes, compiled once per process by :func:`compiled_linear_ce_chunk`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["LOSS_CHUNK_ROWS", "linear_ce_chunk", "compiled_linear_ce_chunk", "chunked_linear_ce"]
+
+#: Rows of ``hidden @ lm_head.T`` computed at once (2,048 × 151,936 fp32 logits ≈ 1.2 GiB).
+LOSS_CHUNK_ROWS = 2048
+
+
+def linear_ce_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, w: Tensor,
+                    need_grad: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Weighted cross entropy of one chunk of rows through the LM head, with its hidden gradient.
+
+    ``z = h Wᵀ + b`` (in ``weight``'s dtype, then fp32); ``Σ_n w_n (logsumexp(z_n) − z_n[y_n])``;
+    ``argmax z_n``; and, when ``need_grad``, ``d/dh = (w_n (softmax(z_n) − onehot(y_n))) W``.
+    Pure tensor code with static shapes, so ``torch.compile`` can fuse the fp32 softmax passes
+    over the ``[c, V]`` logits (cast, log-sum-exp, exp, one-hot subtraction, scaling, cast back)
+    into a few kernels.
+
+    Args:
+        h: ``[c, D]`` hidden states; weight: ``[V, D]``; bias: ``[V]`` or ``None``.
+        y: ``[c]`` int64 labels; w: ``[c]`` fp32 row weights.
+        need_grad: also return the ``[c, D]`` gradient (in ``h``'s dtype).
+
+    Returns:
+        ``(Σ w·CE fp32 scalar, argmax [c] int64, gradient [c, D] or None, CE [c] fp32 unweighted)``.
+    """
+    logits = F.linear(h.to(weight.dtype), weight, bias).float()  # [c, V]
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    total = (ce * w).sum()
+    pred = logits.argmax(dim=-1)
+    if not need_grad:
+        return total, pred, None, ce
+    probs = torch.exp(logits - lse.unsqueeze(1))
+    probs.scatter_add_(1, y.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))  # in place: no [c, V] copy
+    grad = ((probs * w.unsqueeze(1)).to(weight.dtype) @ weight).to(h.dtype)
+    return total, pred, grad, ce
+
+
+_compiled_ce_chunk: Optional[Callable[..., Any]] = None
+
+
+def compiled_linear_ce_chunk() -> Callable[..., Any]:
+    """:func:`linear_ce_chunk` under ``torch.compile(dynamic=False)`` (inductor, no CUDA graphs).
+
+    One compiled function per process, shared by every caller; it compiles once per chunk shape
+    and ``need_grad`` value (the trainer's step uses one or two: full chunks and the last one).
+    Measured on the H200 against the eager chunk loop (docs/benchmarks.md, Drafter train step).
+    """
+    global _compiled_ce_chunk
+    if _compiled_ce_chunk is None:
+        _compiled_ce_chunk = torch.compile(linear_ce_chunk, dynamic=False)
+    return _compiled_ce_chunk
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """``Σ_n w_n · CE(h_n W^T + b, y_n)`` and ``argmax`` over row chunks, gradient computed in forward.
+
+    For one row, ``d CE / d h = (softmax(z) − onehot(y)) W`` (z = logits). The forward pass keeps
+    only that ``[N, D]`` gradient (scaled by ``w``); backward multiplies it by the incoming scalar
+    gradient. The frozen head (``W``, ``b``) gets no gradient. Each chunk runs
+    ``chunk_fn`` (:func:`linear_ce_chunk` or its compiled form).
+
+    With ``reweight`` (weights that depend on the CE itself, e.g. D-PACE), the chunks run with
+    ``row_weights`` as a 0/1 mask; then ``w = reweight(CE [N])`` (detached) scales the per-row CE
+    and the kept per-row gradients, so the logits are still computed once.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                row_weights: Tensor, chunk: int, need_grad: bool, chunk_fn: Callable[..., Any],
+                reweight: Optional[Callable[[Tensor], Tensor]] = None) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        preds = []
+        grads = []
+        ces = []
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                part, pred, grad, ce = chunk_fn(hidden[start:end], weight, bias, labels[start:end],
+                                                row_weights[start:end], need_grad)
+                total = total + part
+                preds.append(pred)
+                ces.append(ce)
+                if need_grad:
+                    grads.append(grad)
+        pred = torch.cat(preds) if preds else labels.new_zeros(0)
+        ctx.mark_non_differentiable(pred)
+        grad_rows = (torch.cat(grads) if grads else torch.zeros_like(hidden)) if need_grad else None
+        if reweight is not None:
+            ce = torch.cat(ces) if ces else row_weights.new_zeros(0)
+            w = reweight(ce).float()
+            total = (ce * w).sum()
+            if grad_rows is not None:
+                grad_rows.mul_(w.unsqueeze(1).to(grad_rows.dtype))
+        if need_grad:
+            ctx.save_for_backward(grad_rows)
+        ctx.need_grad = need_grad
+        return total, pred
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, grad_pred: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        grad_hidden = None
+        if ctx.need_grad:
+            (g,) = ctx.saved_tensors
+            grad_hidden = g * grad_total.to(g.dtype)
+        return grad_hidden, None, None, None, None, None, None, None, None
+
+
+def chunked_linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, row_weights: Tensor,
+                      chunk: int, need_grad: bool, chunk_fn: Callable[..., Any] = linear_ce_chunk,
+                      reweight: Optional[Callable[[Tensor], Tensor]] = None) -> tuple[Tensor, Tensor]:
+    """``Σ_n w_n · CE(h_n Wᵀ + b, y_n)`` and ``argmax`` of every row, over chunks of ``chunk`` rows.
+
+    Args:
+        hidden: ``[N, D]`` hidden states (any float dtype); the only input that gets a gradient.
+        weight: ``[V, D]`` the frozen head; bias: ``[V]`` or ``None``.
+        labels: ``[N]`` int64; row_weights: ``[N]`` fp32 (a 0/1 mask when ``reweight`` is given).
+        chunk: rows per chunk (:data:`LOSS_CHUNK_ROWS`).
+        need_grad: compute and keep ``d/dhidden`` (``[N, D]``, ``hidden``'s dtype) for backward.
+        chunk_fn: :func:`linear_ce_chunk` or :func:`compiled_linear_ce_chunk`'s result.
+        reweight: ``CE [N] fp32 -> w [N]``: weights that depend on the CE itself (D-PACE), applied
+            after every chunk has run, detached.
+
+    Returns:
+        ``(Σ w·CE fp32 scalar with a gradient to hidden, argmax [N] int64)``.
+    """
+    return _ChunkedLinearCE.apply(hidden, weight, bias, labels, row_weights, chunk, need_grad, chunk_fn, reweight)
