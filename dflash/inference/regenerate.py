@@ -46,7 +46,7 @@ workers, with each worker's rate.
 new tokens, overall new tokens/s and ``per_worker`` rows, new tokens, seconds and new tokens/s),
 ``<output>.lock``. Every line is one JSON object with a stable ``id``:
 
-* a regenerated row (ShareGPT form, read by :func:`dflash.data.corpus.normalize_row`):
+* a regenerated row (ShareGPT form, read by :func:`dflash.data.conversations.normalize_row`):
   ``{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}], "regen": {"source_index",
   "turns", "new_tokens": [..], "finish": ["stop"|"length", ..], "retokenize_mismatch"}}``;
 * a skipped row (shards and ``<output>.skipped``; never in ``<output>``): ``{"id", "skipped": reason,
@@ -55,7 +55,7 @@ new tokens, overall new tokens/s and ``per_worker`` rows, new tokens, seconds an
 
 **Ids.** The row's ``id`` field when it is a non-empty string or a number, else the first 16 hex digits of
 the sha256 of its canonical JSON; the k-th repeat (k >= 1) of an id in file order becomes ``id#k``.
-Rows that :func:`dflash.data.corpus.normalize_row` rejects are counted by reason and never sent to a worker.
+Rows that :func:`dflash.data.conversations.normalize_row` rejects are counted by reason and never sent to a worker.
 
 **Sharding and resume.** Worker k of N (one per ``--gpus`` entry, default ``cluster.targets``; the
 training stage uses ``cluster.targets`` + ``cluster.drafters``) owns the rows whose
@@ -229,14 +229,15 @@ def iter_source(dataset: str, limit: Optional[int], dropped: Optional[dict[str, 
     """Usable rows of ``dataset`` (``sharegpt`` or a JSONL path) in file order, at most ``limit`` rows read.
 
     Ids come from :func:`row_id`; the k-th repeat of an id (counting every row read, usable or not)
-    becomes ``id#k``. Rows :func:`dflash.data.corpus.normalize_row` rejects, and rows with tool calls or tool
+    becomes ``id#k``. Rows :func:`dflash.data.conversations.normalize_row` rejects, and rows with tool calls or tool
     turns (``tool_calls``: a regenerated tool call would need the tool run again), are not yielded;
     their reasons are counted into ``dropped``. Never raises on a bad row.
 
     Raises:
         ConfigError: ``dataset`` is neither ``sharegpt`` nor an existing file.
     """
-    from dflash.data.corpus import normalize_row, read_rows
+    from dflash.data.conversations import normalize_row
+    from dflash.data.sources import read_rows
 
     seen: dict[str, int] = {}
     for index, row in enumerate(read_rows(dataset, limit)):
@@ -461,7 +462,7 @@ def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
     """Ids that end a turn: the tokenizer's end-of-turn tokens and EOS, plus the model's
     ``generation_config.eos_token_id`` when ``model`` is given (pass None for a random target, whose
     generation config is a default that knows nothing of the tokenizer)."""
-    from dflash.data.corpus import end_of_turn_tokens
+    from dflash.data.render import end_of_turn_tokens
 
     ids = {int(tokenizer.convert_tokens_to_ids(t)) for t in end_of_turn_tokens(tokenizer)}
     if tokenizer.eos_token_id is not None:
