@@ -687,3 +687,28 @@ def test_real_sharegpt_prepare(smollm2, tmp_path):
         assert mask.any() and int(ids.max()) < len(smollm2)
         assert smollm2.decode(ids[:3].tolist()).startswith("<|im_start|>")
     assert isinstance(DataReport.from_dict(report.to_dict()), DataReport)
+
+
+def test_data_command_prints_the_report(smollm2, tmp_path, capsys):
+    """``python -m launch.cluster data``: the printed counts, ``--ids`` and ``--json`` agree with
+    :func:`prepare_data`'s report of the same config."""
+    from launch import cluster
+
+    out = tmp_path / "report.json"
+    overrides = [f"data.dataset={FIXTURES / 'bad_rows.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.max_length=128", "data.heldout_conversations=1"]
+    assert cluster.main(["data", *overrides, "--ids", "leading_turns_dropped", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    report = prepare_data(make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path / "cache", max_length=128,
+                                   heldout_conversations=1), smollm2).report
+    assert report.from_cache  # the command wrote the cache this config reads
+    assert printed[0] == f"rows read: {report.rows_read}"
+    assert printed[1].startswith(f"kept: {report.conversations} conversations, {report.sequences} sequences")
+    assert f"dropped: {report.num_dropped}" in printed
+    for reason, count in report.dropped.items():
+        assert f"  {reason}: {count}" in printed
+    assert printed[-2:] == ["held out: 1 conversations; with a twin in training: 0", *report.ids("leading_turns_dropped")]
+    written = json.loads(out.read_text())
+    assert written["dropped"] == report.dropped and written["heldout_twins"] == 0
+    assert written["rows_read"] == report.rows_read == report.conversations + report.num_dropped
+    assert cluster.main(["data", *overrides, "--config", str(tmp_path / "missing.yaml")]) == 2

@@ -114,6 +114,26 @@ class ChatRenderer:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                   **kwargs)
 
+    def render_turn(self, messages: list[dict[str, Any]], k: int, tools: Optional[list[Any]]) -> tuple[str, str]:
+        """``(prompt, full)``: the generation prompt for ``messages[:k]`` and the rendering of
+        ``messages[:k + 1]``. When ``full`` does not start with ``prompt`` but does once the reasoning
+        of turn ``k`` is removed (thinking off: the prompt closes an empty think block),
+        ``messages[k]`` is replaced by its reasoning-free copy and that rendering is returned.
+
+        Raises:
+            TemplateError, TypeError, ValueError, KeyError, AttributeError: the template failed.
+        """
+        prompt = self.render(messages[:k], tools, True)
+        full = self.render(messages[:k + 1], tools, False)
+        if not full.startswith(prompt):
+            stripped = _without_reasoning(messages[k])
+            if stripped is not None:
+                full_stripped = self.render(messages[:k] + [stripped], tools, False)
+                if full_stripped.startswith(prompt):
+                    messages[k] = stripped
+                    return prompt, full_stripped
+        return prompt, full
+
     def _probe_tools(self) -> bool:
         """Whether the template writes both a tool call and a tool result (marker strings found)."""
         nonce = hashlib.sha256(os.urandom(8)).hexdigest()[:12]
@@ -172,15 +192,9 @@ def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: PreTrainedT
         if message["role"] != "assistant":
             continue
         try:
-            prompt = renderer.render(messages[:k], tools, True)
-            full = renderer.render(messages[:k + 1], tools, False)
-            if not full.startswith(prompt):
-                stripped = _without_reasoning(message)
-                if stripped is not None:
-                    full_stripped = renderer.render(messages[:k] + [stripped], tools, False)
-                    if full_stripped.startswith(prompt):
-                        messages[k], full = stripped, full_stripped
-                        info["reasoning_dropped"] += 1
+            prompt, full = renderer.render_turn(messages, k, tools)
+            if messages[k] is not message:  # trained without its reasoning
+                info["reasoning_dropped"] += 1
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             log.debug("chat template failed: %s", exc)
             return [], TEMPLATE_ERROR, info
