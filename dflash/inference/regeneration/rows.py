@@ -2,7 +2,7 @@
 
 **Ids.** The row's ``id`` field when it is a non-empty string or a number, else the first
 :data:`HASH_ID_CHARS` hex digits of the sha256 of its canonical JSON; the k-th repeat (k >= 1) of an
-id in file order becomes ``id#k``. Rows that :func:`dflash.data.corpus.normalize_row` rejects are
+id in file order becomes ``id#k``. Rows that :func:`dflash.data.conversations.normalize_row` rejects are
 counted by reason and never sent to a worker. Worker k of N owns the rows whose
 ``sha256(id) mod N == k``.
 """
@@ -51,14 +51,15 @@ def iter_source(dataset: str, limit: Optional[int], dropped: Optional[dict[str, 
     """Usable rows of ``dataset`` (``sharegpt`` or a JSONL path) in file order, at most ``limit`` rows read.
 
     Ids come from :func:`row_id`; the k-th repeat of an id (counting every row read, usable or not)
-    becomes ``id#k``. Rows :func:`dflash.data.corpus.normalize_row` rejects, and rows with tool calls or tool
+    becomes ``id#k``. Rows :func:`dflash.data.conversations.normalize_row` rejects, and rows with tool calls or tool
     turns (``tool_calls``: a regenerated tool call would need the tool run again), are not yielded;
     their reasons are counted into ``dropped``. Never raises on a bad row.
 
     Raises:
         ConfigError: ``dataset`` is neither ``sharegpt`` nor an existing file.
     """
-    from dflash.data.corpus import normalize_row, read_rows
+    from dflash.data.conversations import normalize_row
+    from dflash.data.sources import read_rows
 
     seen: dict[str, int] = {}
     for index, row in enumerate(read_rows(dataset, limit)):

@@ -1,0 +1,57 @@
+"""The held-out split, by conversation, and the check that it is sound.
+
+:func:`dflash.data.corpus.prepare_data` splits the conversations left after deduplication: the last
+``data.heldout_conversations`` of a shuffle seeded by ``data.seed`` are held out, the rest trains, and
+every sequence of a conversation goes to its conversation's side. Deduplication comes first, so no
+held-out conversation equals a training one; :func:`heldout_twins` counts any that do (0 when the
+split is sound).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from dflash.config import ConfigError
+from dflash.data.conversations import conversation_hash, normalize_conversation
+from dflash.data.sources import read_rows
+
+if TYPE_CHECKING:
+    from dflash.data.corpus import PreparedData
+
+__all__ = ["split_heldout", "heldout_twins"]
+
+
+def split_heldout(num_conversations: int, heldout: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (int64, sorted) of the train and held-out conversations (:func:`dflash.data.corpus.prepare_data`
+    splits the deduplicated conversations, then takes every sequence of each).
+
+    Held-out = the last ``heldout`` of a permutation drawn from ``numpy.random.default_rng(seed)``;
+    deterministic and disjoint from train.
+
+    Raises:
+        ConfigError: ``data.heldout_conversations`` leaves no conversation to train on.
+    """
+    if heldout >= num_conversations:
+        raise ConfigError(f"data.heldout_conversations: {heldout} held out of {num_conversations} conversations "
+                          f"leaves none to train on")
+    order = np.random.default_rng(seed).permutation(num_conversations)
+    cut = num_conversations - heldout
+    return np.sort(order[:cut]).astype(np.int64), np.sort(order[cut:]).astype(np.int64)
+
+
+def heldout_twins(prepared: PreparedData, dataset: str, limit: Optional[int]) -> int:
+    """Held-out conversations whose normalised content equals a training conversation's (re-read from
+    ``dataset``; 0 when the split is sound)."""
+    rows_of = {int(prepared.train.source_row(i)) for i in range(len(prepared.train))}
+    held = {int(prepared.heldout.source_row(i)) for i in range(len(prepared.heldout))}
+    train_hashes: set[str] = set()
+    held_hashes: list[str] = []
+    for number, row in enumerate(read_rows(dataset, limit)):
+        if number in rows_of or number in held:
+            normalized = normalize_conversation(row)
+            digest = conversation_hash(normalized.messages or [], normalized.tools)
+            (held_hashes.append(digest) if number in held else train_hashes.add(digest))
+    return sum(h in train_hashes for h in held_hashes)
+
