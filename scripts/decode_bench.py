@@ -93,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.models.drafter import DFlashDraftModel
     from dflash.inference.speculative import decode_report, format_report, prompts_from_corpus, resolve_checkpoint, \
         stop_token_ids
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
     args = parse_args(argv)

@@ -18,7 +18,8 @@ import torch
 
 from dflash.config import DrafterConfig, TargetConfig, TrainConfig
 from dflash.inference.generation import Generation, Generator, naive_greedy_decode
-from dflash.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DFlashConfig
 from dflash.inference.speculative import (
     checkpoint_step,
     first_difference,
@@ -29,7 +30,8 @@ from dflash.inference.speculative import (
     resolve_checkpoint,
     tie_bound,
 )
-from dflash.models.target import TargetModel, load_target
+from dflash.models.target import TargetModel
+from dflash.models.target_loader import load_target
 from dflash.training.trainer import DrafterTrainer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -925,7 +925,7 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
         TimeoutError: the shard stays locked by another process.
     """
     from dflash.training.factory import pad_token_id
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
     if resolve_device(cfg) == "cuda":
