@@ -202,7 +202,8 @@ class DFlashDraftModel(nn.Module):
     def save_pretrained(self, directory: Union[str, os.PathLike],
                         state_dict: Optional[dict[str, Tensor]] = None, dtype: Optional[str] = None,
                         modeling_file: bool = False) -> Path:
-        """Write the drafter as a Hugging Face directory (:func:`write_drafter_directory`), atomically.
+        """Write the drafter as a Hugging Face directory, atomically
+        (:func:`dflash.models.drafter_io.write_drafter_directory`).
 
         Args:
             directory: the HF directory to write.
@@ -210,7 +211,8 @@ class DFlashDraftModel(nn.Module):
                 earlier, :class:`dflash.training.checkpoint.CheckpointWriter`); same keys as
                 :meth:`state_dict`.
             dtype: ``float32`` / ``bfloat16`` weights (default: the config's ``dtype``).
-            modeling_file: also ship :data:`MODELING_FILE` and ``auto_map`` (serving export).
+            modeling_file: also ship :data:`dflash.models.drafter_io.MODELING_FILE` and ``auto_map``
+                (serving export).
 
         Returns:
             the directory.
