@@ -40,7 +40,7 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
 
-# --------------------------------------------------------------------------- describe (no weights)
+# --------------------------------------------------------------------------- shape (no weights)
 
 @dataclass(frozen=True)
 class TargetInfo:
@@ -59,6 +59,7 @@ class TargetInfo:
     @property
     def feature_size(self) -> int:
         return len(self.layer_ids) * self.hidden_size
+
 
 def text_config(config):
     """The text part of a (possibly multimodal) transformers config; the config itself otherwise."""
