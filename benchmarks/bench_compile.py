@@ -143,7 +143,7 @@ def main() -> int:
         torch.cuda.get_device_name = lambda *a, **k: "cpu"
         torch.compiler.cudagraph_mark_step_begin = lambda: None
     from dflash.training.factory import build_drafter
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
     from dflash.training.trainer import DrafterTrainer, metrics_to_host
 
     dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")

@@ -6,7 +6,7 @@ hardware can do? For ``--config`` plus ``section.key=value`` overrides (:func:`d
 and ``--steps`` batches:
 
 * ``--mode threaded``: one process, two threads. The *target thread* runs the target forward
-  (:func:`dflash.models.target.load_target`, ``forward_features``) on the target device and puts the
+  (:func:`dflash.models.target_loader.load_target`, ``forward_features``) on the target device and puts the
   features, greedy tokens and batch (copied to the drafter device on a side stream) into a bounded
   queue (``--queue-size``, like ``transport.slots``); the *drafter thread* trains
   (:class:`dflash.training.trainer.DrafterTrainer` around :func:`dflash.training.factory.build_drafter`) on the
@@ -394,7 +394,7 @@ class Setup:
 
     def __init__(self, cfg: Any, t_dev: torch.device, d_dev: torch.device, steps: int, compiled: bool):
         from dflash.training.factory import build_batch_plans, build_drafter
-        from dflash.models.target import load_embedding_and_head, load_target
+        from dflash.models.target_loader import load_embedding_and_head, load_target
         from dflash.training.trainer import DrafterTrainer
 
         self.cfg, self.t_dev, self.d_dev, self.steps = cfg, t_dev, d_dev, steps

@@ -94,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.inference.drafter_checkpoint import resolve_checkpoint
     from dflash.inference.prompts import prompts_from_corpus, stop_token_ids
     from dflash.inference.spec_report import decode_report, format_report
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
     args = parse_args(argv)

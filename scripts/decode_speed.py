@@ -39,8 +39,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.config import DrafterConfig, TargetConfig
     from dflash.inference.generation import Generator
     from dflash.logs import setup_logging
-    from dflash.models.drafter import DFlashConfig, DFlashDraftModel, mask_fallback_token_ids, resolve_mask_token_id
-    from dflash.models.target import load_target
+    from dflash.models.drafter import DFlashDraftModel
+    from dflash.models.drafter_config import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
+    from dflash.models.target_loader import load_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from dflash.inference.export import export_drafter
-from dflash.models.drafter import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DFlashConfig
+from dflash.models.layer_ids import default_layer_ids
 
 
 def _sizes(directory: Path) -> str:
@@ -35,7 +37,7 @@ def main() -> None:
     out = Path(args.out)
     cfg = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936, num_hidden_layers=5, num_target_layers=36,
-                       target_layer_ids=default_target_layer_ids(36, 5), mask_token_id=151669)
+                       target_layer_ids=default_layer_ids(36, 5), mask_token_id=151669)
     with torch.device(args.device):
         embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16)
         head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ from dflash.training.checkpoint import latest_checkpoint, save_checkpoint
 from dflash.config import config_from_dict, validate_config
 from dflash.training.factory import build_drafter
 from dflash.models.drafter import DFlashDraftModel
-from dflash.models.target import load_embedding_and_head, load_target
+from dflash.models.target_loader import load_embedding_and_head, load_target
 from dflash.training.trainer import DrafterTrainer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -169,7 +169,7 @@ def serving_drafter(tmp: Path, free_row: bool, layer_types: list[str], window: i
     """
     from transformers import LlamaConfig
 
-    from dflash.models.drafter import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
+    from dflash.models.drafter_config import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
 
     target = LlamaConfig(vocab_size=SERVE_V, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     target.unk_token_id = 0
@@ -382,7 +382,7 @@ def test_export_refuses_a_learned_mask_vector(tmp_path, capsys):
 
 def test_engine_rules_refuse_a_global_causality_override():
     from dflash.inference.export import engine_rules
-    from dflash.models.drafter import DFlashConfig
+    from dflash.models.drafter_config import DFlashConfig
 
     cfg = DFlashConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                        vocab_size=16, num_hidden_layers=2, num_target_layers=4, target_layer_ids=[1, 2],
@@ -399,11 +399,12 @@ def test_qwen3_8b_shaped_export_is_half_the_fp32_size():
     """5-layer Qwen3-8B-shaped drafter (hidden 4096, FFN 12288, 32/8 heads of 128): sizes from the
     parameter count (built on the meta device, no memory)."""
     from dflash.inference.export import _expected_shapes
-    from dflash.models.drafter import DFlashConfig, default_target_layer_ids
+    from dflash.models.drafter_config import DFlashConfig
+    from dflash.models.layer_ids import default_layer_ids
 
     cfg = DFlashConfig(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936, num_hidden_layers=5, num_target_layers=36,
-                       target_layer_ids=default_target_layer_ids(36, 5), mask_token_id=151669)
+                       target_layer_ids=default_layer_ids(36, 5), mask_token_id=151669)
     params = sum(math.prod(shape) for shape in _expected_shapes(cfg).values())
     assert params == 5 * 4096 * 4096 + 4096 + 5 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 12288
                                                      + 2 * 128 + 2 * 4096) + 4096

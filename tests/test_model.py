@@ -1,4 +1,4 @@
-"""The DFlash drafter (dflash/models/drafter.py): shapes, no-leak attention, mask token, checkpoint format."""
+"""The DFlash drafter (dflash/models/drafter.py, drafter_config.py, drafter_layers.py, drafter_io.py): shapes, no-leak attention, mask token, checkpoint format."""
 
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ import torch
 from torch import nn
 
 from dflash.config import DrafterConfig
-from dflash.models.drafter import (
-    DFlashConfig,
-    DFlashDraftModel,
-    default_target_layer_ids,
-    mask_fallback_token_ids,
-    resolve_mask_token_id,
-)
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
+from dflash.models.layer_ids import default_layer_ids
 from dflash.models.masks import SLIDING_ATTENTION, build_attention_masks
 
 V, D, L = 48, 32, 2
@@ -67,10 +63,15 @@ def run(model: DFlashDraftModel, inputs: dict[str, torch.Tensor]) -> torch.Tenso
 # --------------------------------------------------------------------------- config
 
 
-def test_default_target_layer_ids() -> None:
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
-    assert default_target_layer_ids(30, 1) == [15]
-    assert default_target_layer_ids(30, 2) == [1, 27]
+def test_config_json_without_layer_ids_takes_the_dflash_rule() -> None:
+    """A ``config.json`` without ``dflash_config.target_layer_ids`` gets the target layers of the one
+    DFlash rule for its ``num_target_layers`` and drafter depth."""
+    data = tiny_config().to_hf_dict()
+    del data["dflash_config"]["target_layer_ids"]
+    for n, k, expected in ((36, 5, [1, 9, 17, 25, 33]), (30, 1, [15]), (30, 2, [1, 27])):
+        layers = {"num_target_layers": n, "num_hidden_layers": k, "layer_types": ["full_attention"] * k,
+                  "max_window_layers": k}
+        assert DFlashConfig.from_hf_dict({**data, **layers}).target_layer_ids == expected == default_layer_ids(n, k)
 
 
 def test_resolve_mask_token_id() -> None:
@@ -99,7 +100,7 @@ def test_config_from_target_and_round_trip() -> None:
     dcfg = DrafterConfig(num_layers=3, block_size=8, layer_types=["sliding_attention"] * 2 + ["full_attention"],
                          sliding_window=16)
     cfg = DFlashConfig.from_target(target, dcfg, mask_token_id=0)
-    assert cfg.target_layer_ids == default_target_layer_ids(12, 3) == [1, 5, 9]
+    assert cfg.target_layer_ids == default_layer_ids(12, 3) == [1, 5, 9]
     assert (cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.intermediate_size) == (64, 16, 2, 96)
     assert cfg.rope_theta == 50000.0 and cfg.block_size == 8 and cfg.num_target_layers == 12
     again = DFlashConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict())))

@@ -47,7 +47,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def target():
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
 
     torch.set_num_threads(1)
     return load_target(TargetConfig(kind="random", arch="tiny-llama", arch_overrides={"vocab_size": QWEN3_VOCAB},

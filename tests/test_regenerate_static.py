@@ -29,7 +29,7 @@ PAD = 0
 
 
 def _target(seed: int = 0):
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
 
     torch.set_num_threads(1)
     return load_target(TargetConfig(kind="random", arch="tiny-llama", seed=seed), "cpu", torch.float32)
@@ -141,9 +141,9 @@ def _write(tmp_path: Path, extra: dict) -> Path:
     ({"enabled": "yes", "output": "x.jsonl"}, "regenerate.enabled"),
 ])
 def test_regenerate_section_is_checked(tmp_path, monkeypatch, section, key):
-    import dflash.models.target
+    import dflash.models.target_loader
 
-    monkeypatch.setattr(dflash.models.target, "load_target", _no_model)
+    monkeypatch.setattr(dflash.models.target_loader, "load_target", _no_model)
     with pytest.raises(ConfigError) as exc:
         load_config(_write(tmp_path, {"regenerate": section}), gpu_count=0)
     assert str(exc.value).startswith(key + ":"), exc.value

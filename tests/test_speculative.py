@@ -20,12 +20,14 @@ import torch
 from dflash.config import DrafterConfig, TargetConfig, TrainConfig
 from dflash.inference.generation import Generation, Generator
 from dflash.inference.oracle import naive_greedy_decode
-from dflash.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DFlashConfig
 from dflash.inference.acceptance import measured_per_position, offline_tau
 from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
 from dflash.inference.lossless import first_difference, tie_bound
 from dflash.inference.prompts import prompts_from_corpus
-from dflash.models.target import TargetModel, load_target
+from dflash.models.target import TargetModel
+from dflash.models.target_loader import load_target
 from dflash.training.trainer import DrafterTrainer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,5 @@
-"""Tests of dflash/models/target.py: layer ids, features vs transformers' hidden states, packed rows,
+"""Tests of the target (dflash/models/target.py, target_loader.py, layer_ids.py, random_target.py,
+gguf_cache.py): layer ids, features vs transformers' hidden states, packed rows,
 greedy tokens, random architectures, the GGUF cache (real SmolLM2), GPU-only shapes."""
 
 from __future__ import annotations
@@ -11,18 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.models import target as tg
+from dflash.models import gguf_cache, random_target
 from dflash.config import ConfigError, TargetConfig
-from dflash.models.target import (
-    TargetModel,
-    build_random_config,
-    default_layer_ids,
-    describe_target,
-    load_target,
-    packed_attention_mask,
-    resolve_dtype,
-    resolve_layer_ids,
-)
+from dflash.models.layer_ids import default_layer_ids, resolve_layer_ids
+from dflash.models.random_target import build_random_config
+from dflash.models.target import TargetModel, packed_attention_mask
+from dflash.models.target_loader import describe_target, load_target, resolve_dtype
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CUDA = torch.cuda.is_available()
@@ -73,30 +68,35 @@ def test_default_layer_ids_dflash_rule():
 
 
 def test_one_layer_id_rule_for_target_and_drafter_config():
-    """dflash.models.drafter's default ids are dflash.models.target's, and both sides refuse an id past N - 2 (a
-    naive check of every id of the rule against the engines' range)."""
-    from dflash.models.drafter import default_target_layer_ids
+    """The drafter's config takes its default ids from the one rule the target uses, and both sides refuse
+    an id past N - 2 (a naive check of every id of the rule against the engines' range)."""
+    from transformers import LlamaConfig
 
+    from dflash.config import DrafterConfig
+    from dflash.models.drafter_config import DFlashConfig
+
+    target = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=12, vocab_size=100)
     for n in range(1, 70):
+        target.num_hidden_layers = n
         for k in range(1, 8):
             try:
                 ids = default_layer_ids(n, k)
             except ValueError:
                 with pytest.raises(ValueError):
-                    default_target_layer_ids(n, k)
+                    DFlashConfig.from_target(target, DrafterConfig(num_layers=k), mask_token_id=None)
                 continue
-            assert default_target_layer_ids(n, k) == ids
+            if len(set(ids)) < len(ids):  # the rule repeats a layer (small N, deep drafter): refused downstream
+                with pytest.raises(ValueError, match="duplicates"):
+                    DFlashConfig.from_target(target, DrafterConfig(num_layers=k), mask_token_id=None)
+                continue
+            assert DFlashConfig.from_target(target, DrafterConfig(num_layers=k), mask_token_id=None
+                                            ).target_layer_ids == ids
             assert all(0 <= i <= n - 2 for i in ids), (n, k, ids)
+    target.num_hidden_layers = 12
     with pytest.raises(ValueError, match="target.layer_ids"):
         default_layer_ids(2, 1)  # the middle layer of 2 is the last one
     # The drafter's config (what the export writes) takes the same rule.
-    from transformers import LlamaConfig
-
-    from dflash.config import DrafterConfig
-    from dflash.models.drafter import DFlashConfig
-
-    target = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=12, vocab_size=100)
     assert DFlashConfig.from_target(target, DrafterConfig(num_layers=1), target_layer_ids=[10],
                                     mask_token_id=None).target_layer_ids == [10]
     with pytest.raises(ValueError, match=r"^DFlashConfig\.target_layer_ids: target\.layer_ids: layer 11 is out"):
@@ -294,8 +294,8 @@ def test_real_shapes_described_without_weights():
 
 
 def test_qwen36_falls_back_to_dense_qwen3_without_qwen3_5(monkeypatch, caplog):
-    monkeypatch.setattr(tg, "_has_qwen3_5", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="dflash.models.target"):
+    monkeypatch.setattr(random_target, "_has_qwen3_5", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="dflash.models.random_target"):
         c = build_random_config("qwen3.6-27b")
     assert type(c).__name__ == "Qwen3Config" and "dense Qwen3" in caplog.text
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.head_dim) == (64, 5120, 17408, 256)
@@ -325,22 +325,22 @@ def test_gguf_conversion_crash_leaves_no_cache(tmp_path, monkeypatch):
         (out / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("killed mid-conversion")
 
-    monkeypatch.setattr(tg, "_convert_gguf", crash)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", crash)
     with pytest.raises(RuntimeError, match="mid-conversion"):
-        tg.gguf_hf_dir(fake)
+        gguf_cache.gguf_hf_dir(fake)
     models = tmp_path / "cache" / "models"
     assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
 
     def ok(path: Path, out: Path) -> None:
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_bytes(b"x")
-        (out / tg._CACHE_MARKER).write_text("{}")
+        (out / gguf_cache._CACHE_MARKER).write_text("{}")
 
-    monkeypatch.setattr(tg, "_convert_gguf", ok)
-    done = tg.gguf_hf_dir(fake)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", ok)
+    done = gguf_cache.gguf_hf_dir(fake)
     assert done.parent == models and done.name.startswith("model-") and (done / "config.json").is_file()
-    monkeypatch.setattr(tg, "_convert_gguf", crash)
-    assert tg.gguf_hf_dir(fake) == done  # cached: not converted again
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", crash)
+    assert gguf_cache.gguf_hf_dir(fake) == done  # cached: not converted again
 
 
 @pytest.mark.slow
@@ -357,7 +357,7 @@ def test_smollm2_gguf_loads_caches_and_answers(tmp_path, monkeypatch):
     cache_dirs = [p for p in (tmp_path / "models").iterdir() if p.is_dir()]
     assert len(cache_dirs) == 1 and not cache_dirs[0].name.startswith(".tmp")
     cache = cache_dirs[0]
-    for name in ("config.json", "model.safetensors", "tokenizer.json", tg._CACHE_MARKER):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", gguf_cache._CACHE_MARKER):
         assert (cache / name).is_file(), name
     assert describe_target(cfg) == described  # now from the cache's config.json
 
@@ -435,7 +435,7 @@ def test_gpu_matches_cpu_and_compiles():
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3"])
 def test_embedding_and_head_alone_equal_the_targets(arch):
     """A drafter process rebuilds the random target's embedding and LM head without the target."""
-    from dflash.models.target import load_embedding_and_head
+    from dflash.models.target_loader import load_embedding_and_head
 
     cfg = TargetConfig(kind="random", arch=arch, seed=5)
     target = load_target(cfg, "cpu", num_drafter_layers=2)

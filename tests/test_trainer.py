@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from dflash.config import DrafterConfig, TrainConfig
-from dflash.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DFlashConfig
 from dflash.training.anchors import anchor_generator, draw_anchors, sample_anchors
 from dflash.training.optim import build_optimizer, build_scheduler, lr_factor, warmup_steps
 from dflash.training.trainer import DrafterTrainer, metrics_to_host

@@ -27,15 +27,9 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from dflash.models.drafter import (
-    CONFIG_FILE,
-    MODELING_FILE,
-    SAVE_DTYPES,
-    WEIGHTS_FILE,
-    DFlashConfig,
-    DFlashDraftModel,
-    write_drafter_directory,
-)
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DFlashConfig
+from dflash.models.drafter_io import CONFIG_FILE, MODELING_FILE, SAVE_DTYPES, WEIGHTS_FILE, write_drafter_directory
 from dflash.training.checkpoint import IDENTITY_NAMES, trained_with
 from dflash.models.masks import SLIDING_ATTENTION
 

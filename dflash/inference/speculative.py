@@ -89,7 +89,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.data.corpus import prepare_data
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
     args = _parse_args(argv)

@@ -55,7 +55,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 class DrafterWorker:
     def __init__(self, ctx: WorkerContext):
-        from dflash.models.target import load_embedding_and_head, resolve_dtype, resolve_layer_ids
+        from dflash.models.layer_ids import resolve_layer_ids
+        from dflash.models.target_loader import load_embedding_and_head, resolve_dtype
         from dflash.training.trainer import DrafterTrainer
 
         self.ctx = ctx

@@ -35,7 +35,7 @@ IDLE_POLL_MS = 200
 
 class TargetWorker:
     def __init__(self, ctx: WorkerContext):
-        from dflash.models.target import load_target
+        from dflash.models.target_loader import load_target
         from dflash.transport import Producer
 
         self.ctx = ctx

@@ -76,7 +76,8 @@ def target_hf_config(cfg: RunConfig) -> Any:
     """The target's Hugging Face config without loading its weights."""
     from transformers import AutoConfig
 
-    from dflash.models.target import build_random_config, gguf_hf_dir
+    from dflash.models.gguf_cache import gguf_hf_dir
+    from dflash.models.random_target import build_random_config
 
     t = cfg.target
     if t.kind == "random":
@@ -86,14 +87,14 @@ def target_hf_config(cfg: RunConfig) -> Any:
 
 
 def drafter_config(cfg: RunConfig, target_config: Any, tokenizer_size: int, embedding_rows: int):
-    """The :class:`dflash.models.drafter.DFlashConfig` this run's drafter gets (no weights touched).
+    """The :class:`dflash.models.drafter_config.DFlashConfig` this run's drafter gets (no weights touched).
 
     Raises:
         ConfigError: a bad ``target.layer_ids`` for this target.
         ValueError: a drafter setting the target's shape cannot take.
     """
-    from dflash.models.drafter import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
-    from dflash.models.target import resolve_layer_ids
+    from dflash.models.drafter_config import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
+    from dflash.models.layer_ids import resolve_layer_ids
 
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), cfg.drafter.num_layers)

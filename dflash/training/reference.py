@@ -87,7 +87,7 @@ def run_reference(cfg: RunConfig, device: str | torch.device = "cpu", num_replic
     Returns:
         per-step losses and metrics, evaluations, wall time, the trained model and trainer.
     """
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
 
     device = torch.device(device)
     d = num_replicas or len(cfg.cluster.drafters)

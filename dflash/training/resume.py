@@ -332,7 +332,7 @@ def _cheap_target_config(cfg: Any):
 
     if cfg.target.kind == "gguf":
         from dflash.data import assets
-        from dflash.models.target import gguf_converted
+        from dflash.models.gguf_cache import gguf_converted
 
         path = Path(cfg.target.path) if cfg.target.path is not None else assets.smollm2_gguf_path()
         if not path.is_file() or not gguf_converted(path):
@@ -345,7 +345,7 @@ def expected_drafter_fields(cfg: Any, tokenizer_size: int) -> dict:
     does), without loading any weights.
 
     The target's HF config is read as the factory reads it; a GGUF target that is not converted
-    yet is described from its metadata instead (:func:`dflash.models.target.describe_target`), which
+    yet is described from its metadata instead (:func:`dflash.models.target_loader.describe_target`), which
     leaves out the fields it cannot tell (heads, head_dim, RoPE, the default intermediate size).
 
     Raises:
@@ -354,7 +354,7 @@ def expected_drafter_fields(cfg: Any, tokenizer_size: int) -> dict:
     """
     from dflash.models.masks import SLIDING_ATTENTION
 
-    quiet = logging.getLogger("dflash.models.drafter")
+    quiet = logging.getLogger("dflash.models.drafter_config")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its RoPE / mask warnings are the workers' to give
     try:
@@ -380,9 +380,9 @@ def _fields_from_target_config(cfg: Any, tc: Any, tokenizer_size: int) -> dict:
 
 
 def _fields_from_target_metadata(cfg: Any, tokenizer_size: int) -> dict:
-    from dflash.models.drafter import resolve_mask_token_id
+    from dflash.models.drafter_config import resolve_mask_token_id
     from dflash.models.masks import FULL_ATTENTION
-    from dflash.models.target import describe_target
+    from dflash.models.target_loader import describe_target
 
     d = cfg.drafter
     info = describe_target(cfg.target, d.num_layers)

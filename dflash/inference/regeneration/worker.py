@@ -80,7 +80,7 @@ def _generator(cfg: RunConfig, options: GenerationOptions, rows: list[SourceRow]
     """Load the target on ``device`` and wrap it: :class:`StaticGreedyGenerator` when greedy (``rows``
     are sorted by first-prompt length, so that similar lengths share a batch and a cache), else
     :class:`BatchGenerator`."""
-    from dflash.models.target import load_target
+    from dflash.models.target_loader import load_target
     from dflash.training.factory import pad_token_id
 
     model = load_target(cfg.target, device).model
