@@ -92,7 +92,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
     from dflash.inference.drafter_checkpoint import resolve_checkpoint
-    from dflash.inference.prompts import prompts_from_corpus, stop_token_ids
+    from dflash.data.render import stop_token_ids
+    from dflash.inference.prompts import prompts_from_corpus
     from dflash.inference.spec_report import decode_report, format_report
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer

@@ -49,7 +49,8 @@ from dflash.logs import setup_logging
 from dflash.training.reference import evaluate_heldout, run_reference
 from dflash.inference.regeneration.rows import iter_source
 from dflash.inference.generation import Generator
-from dflash.inference.prompts import prompts_from_corpus, stop_token_ids
+from dflash.data.render import stop_token_ids
+from dflash.inference.prompts import prompts_from_corpus
 from dflash.models.target_loader import load_target
 from dflash.data.tokenizer import load_tokenizer
 

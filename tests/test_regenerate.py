@@ -24,7 +24,8 @@ import torch
 import yaml
 
 from dflash.config import TargetConfig
-from dflash.inference.regeneration.generators import BatchGenerator, Generated, stop_token_ids
+from dflash.data.render import stop_token_ids
+from dflash.inference.regeneration.generators import BatchGenerator, Generated
 from dflash.inference.regeneration.jobs import ConversationJob, GenerationOptions
 from dflash.inference.regeneration.rows import SourceRow, iter_source, row_id, shard_of
 from dflash.inference.regeneration.shards import ShardWriter, merge_outputs, read_lines, shard_lock_path, shard_path

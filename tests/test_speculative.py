@@ -592,7 +592,7 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     from dflash.data.corpus import prepare_data
     from dflash.data.sources import read_rows
     from dflash.training.factory import build_drafter
-    from dflash.inference.prompts import stop_token_ids
+    from dflash.data.render import stop_token_ids
     from dflash.inference.speculative import main
     from dflash.data.tokenizer import load_tokenizer
 

@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash.data.report import NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, TEMPLATE_MISMATCH
 
-__all__ = ["ChatRenderer", "end_of_turn_tokens", "encode_prefix", "tokenize_conversation"]
+__all__ = ["ChatRenderer", "end_of_turn_tokens", "encode_prefix", "stop_token_ids", "tokenize_conversation"]
 
 log = logging.getLogger(__name__)
 
@@ -231,3 +231,24 @@ def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: PreTrainedT
         return [], NO_ASSISTANT_TOKENS, info
     return [(np.asarray(i, dtype=np.int32), np.asarray(m, dtype=np.uint8)) for i, m in sequences], None, info
 
+
+def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS, its end-of-turn tokens
+    (:func:`end_of_turn_tokens`: ``<|im_end|>`` for ChatML; one the vocabulary maps to unk does not
+    count) and the model's ``generation_config.eos_token_id`` when ``model`` is given (pass None for
+    a random target, whose generation config knows nothing of the tokenizer).
+
+    Returns:
+        sorted distinct ids, all ``>= 0``.
+    """
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for text in end_of_turn_tokens(tokenizer):
+        tid = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int))
+    return sorted(i for i in ids if i >= 0)

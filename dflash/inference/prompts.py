@@ -1,8 +1,8 @@
-"""Held-out prompts for decoding and the stop tokens that end a response.
+"""Held-out prompts for decoding.
 
 :func:`prompts_from_corpus` takes each held-out conversation's first user turn(s), chat-templated
-and tokenised the way training tokenised them, up to the assistant header;
-:func:`stop_token_ids` gives the ids after which a decoded response ends.
+and tokenised the way training tokenised them, up to the assistant header (the ids that end a
+response: :func:`dflash.data.render.stop_token_ids`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-__all__ = ["PromptCase", "prompts_from_corpus", "user_turn_header", "stop_token_ids"]
+__all__ = ["PromptCase", "prompts_from_corpus", "user_turn_header"]
 
 log = logging.getLogger(__name__)
 
@@ -100,23 +100,3 @@ def user_turn_header(tokenizer: Any) -> Optional[str]:
         log.warning("no user-turn filter for prompts: unexpected chat template rendering")
         return None
     return head[len(alone):]
-
-
-def stop_token_ids(tokenizer: Any, model: Optional[nn.Module] = None) -> list[int]:
-    """Ids that end a response: the tokenizer's EOS, its end-of-turn tokens
-    (:func:`dflash.data.render.end_of_turn_tokens`: ``<|im_end|>`` for ChatML) and the model's
-    ``generation_config.eos_token_id``."""
-    from dflash.data.render import end_of_turn_tokens
-
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    for text in end_of_turn_tokens(tokenizer):
-        tid = tokenizer.convert_tokens_to_ids(text)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    gen = getattr(model, "generation_config", None) if model is not None else None
-    eos = getattr(gen, "eos_token_id", None)
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return sorted(ids)

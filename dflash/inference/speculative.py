@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
-from dflash.inference.prompts import prompts_from_corpus, stop_token_ids
+from dflash.data.render import stop_token_ids
+from dflash.inference.prompts import prompts_from_corpus
 from dflash.inference.spec_report import decode_report, format_report
 
 __all__ = ["compile_flag", "main"]

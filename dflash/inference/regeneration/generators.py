@@ -6,7 +6,7 @@ CUDA graph on GPU (``target.compile``); prompts of :data:`SHORT_PROMPT_TOKENS` t
 a second, eager cache sized for ``--max-prompt-tokens``. Sampling keeps :class:`BatchGenerator`: one
 left-padded batch with the Hugging Face causal LM called step by step; left padding is exact for
 attention layers (padded keys are masked, positions restart at 0 at each row's first token). A turn
-ends at a stop token (:func:`stop_token_ids`; not returned) or after ``max_new_tokens``; ids the
+ends at a stop token (:func:`dflash.data.render.stop_token_ids`; not returned) or after ``max_new_tokens``; ids the
 tokenizer does not have (padding rows of the embedding) are never generated.
 """
 
@@ -19,27 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["STATIC_SLACK", "SHORT_PROMPT_TOKENS", "stop_token_ids", "Generated", "BatchGenerator", "limit_vocab",
+__all__ = ["STATIC_SLACK", "SHORT_PROMPT_TOKENS", "Generated", "BatchGenerator", "limit_vocab",
            "StaticGreedyGenerator"]
 
 log = logging.getLogger(__name__)
-
-
-def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
-    """Ids that end a turn: the tokenizer's end-of-turn tokens and EOS, plus the model's
-    ``generation_config.eos_token_id`` when ``model`` is given (pass None for a random target, whose
-    generation config is a default that knows nothing of the tokenizer)."""
-    from dflash.data.render import end_of_turn_tokens
-
-    ids = {int(tokenizer.convert_tokens_to_ids(t)) for t in end_of_turn_tokens(tokenizer)}
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = getattr(model, "generation_config", None) if model is not None else None
-    eos = getattr(gen, "eos_token_id", None)
-    for value in (eos if isinstance(eos, (list, tuple)) else [eos]):
-        if isinstance(value, int):
-            ids.add(value)
-    return sorted(i for i in ids if i >= 0)
 
 
 @dataclass

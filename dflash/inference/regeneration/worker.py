@@ -19,7 +19,8 @@ from typing import Any, Optional
 import torch
 
 from dflash.config import RunConfig, resolve_device
-from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator, stop_token_ids
+from dflash.data.render import stop_token_ids
+from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator
 from dflash.inference.regeneration.jobs import GenerationOptions, prompt_chars, regenerate_rows
 from dflash.inference.regeneration.rows import SourceRow, iter_source, shard_of
 from dflash.inference.regeneration.shards import ShardWriter, done_ids, shard_path
