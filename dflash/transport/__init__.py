@@ -65,7 +65,8 @@ credits of the slots in flight to it and reports their batch ids (:class:`LostBa
 restart (newer producer incarnation) makes every consumer drop the old ring and import the new one.
 """
 
-from .carriers import CARRIERS, TransportError
+from .carriers import CARRIERS
+from .carriers.base import TransportError
 from .consumer import Consumer, Received
 from .layout import SlotLayout, SlotSpec
 from .messages import PROTOCOL_VERSION, MessageError, StopReason
