@@ -67,10 +67,12 @@ restart (newer producer incarnation) makes every consumer drop the old ring and 
 
 from .carriers import CARRIERS
 from .carriers.base import TransportError
-from .consumer import Consumer, Received
+from .consumer import Consumer
+from .consumer_state import Received
 from .layout import SlotLayout, SlotSpec
 from .messages import PROTOCOL_VERSION, MessageError, StopReason
-from .producer import LostBatch, PeerUnavailable, Producer
+from .producer import PeerUnavailable, Producer
+from .producer_state import LostBatch
 
 __all__ = [
     "CARRIERS",
