@@ -38,7 +38,7 @@ import zmq
 from .carriers import import_ring, resolve_carrier
 from .carriers.base import TransportError, host_id
 from .carriers.shm import FdMailbox
-from .consumer_state import CopyQueue, PendingReady, ProducerLink, Received
+from .consumer_state import CopyQueue, PendingQueue, PendingReady, ProducerLink, Received
 from .layout import SlotLayout, SlotSpec
 from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
                        new_incarnation)
@@ -120,7 +120,7 @@ class Consumer:
         self.buffers = torch.zeros(num_buffers, self.layout.nbytes, dtype=torch.uint8, device=self.device)
         self._views = [self.layout.views(self.buffers[i]) for i in range(num_buffers)]
         self._next_buffer = 0
-        self._pending: collections.deque[PendingReady] = collections.deque()
+        self._pending = PendingQueue()
         #: CUDA copies enqueued and not yet known complete (their FREEs wait)
         self._copies = CopyQueue()
         unknown = sorted(set(remote) - set(producers))
@@ -199,7 +199,7 @@ class Consumer:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.poll(0)  # drain first: a STOP/EVICTED or a new incarnation invalidates pending READYs
-            item, blocked = self._pop_pending(match)
+            item, blocked = self._pending.pop(match, self._fill_done if self.host_gate else None)
             if item is not None:
                 got = self._take(item)
                 if got is not None:
@@ -220,24 +220,6 @@ class Consumer:
                 wait_s = min(wait_s, remaining)
             # a READY whose fill is still running on the producer's GPU: look again in a ms
             self._wait(EVENT_POLL_MS if blocked else max(1, int(wait_s * 1000)))
-
-    def _pop_pending(self, match: Optional[Callable[[Union[int, str], dict], bool]]
-                     ) -> tuple[Optional[PendingReady], bool]:
-        """The oldest pending READY accepted by ``match`` whose fill is complete (host gate), and
-        whether an accepted one is still waiting for its fill."""
-        blocked = False
-        for item in list(self._pending):
-            if item not in self._pending:  # its ring was dropped while we looked at another one
-                continue
-            if match is not None and not match(item.msg.job_key, item.msg.meta):
-                continue
-            ring = item.link.ring
-            if self.host_gate and ring is not None and not self._fill_done(item):
-                blocked = True
-                continue
-            self._pending.remove(item)
-            return item, blocked
-        return None, blocked
 
     def _fill_done(self, item: PendingReady) -> bool:
         try:
@@ -435,12 +417,11 @@ class Consumer:
         self._drop_ring(link, f"producer sent STOP ({msg.reason})")
 
     def _forget_in_flight(self, link: ProducerLink, why: str) -> None:
-        dropped = [p.msg.job_key for p in self._pending if p.link is link]
+        dropped = self._pending.drop(link)
         if dropped:
             log.warning("%s: dropping %d pending batch(es) from %s (%s): %s", self.name, len(dropped),
                         link.producer, why, dropped)
             self.stats["dropped"] += len(dropped)
-        self._pending = collections.deque(p for p in self._pending if p.link is not link)
         self._copies.forget(link)
         link.held.clear()
 
@@ -452,15 +433,9 @@ class Consumer:
         is gone).
         """
         self._forget_in_flight(link, why)
-        link.generations.clear()
-        link.attached = False
-        if link.ring is not None:
-            ring, link.ring = link.ring, None
-            ring.close()
-            if dead:
-                ring.cleanup_dead_producer()
-            log.info("%s: released the ring of %s incarnation %d (%s)", self.name, link.producer, link.incarnation, why)
-        link.incarnation = 0
+        released = link.release_ring(dead)
+        if released is not None:
+            log.info("%s: released the ring of %s incarnation %d (%s)", self.name, link.producer, released, why)
 
     def _take(self, item: PendingReady) -> Optional[Received]:
         link, msg = item.link, item.msg
@@ -507,7 +482,7 @@ class Consumer:
 
     def _timers(self) -> None:
         now = time.monotonic()
-        for item in list(self._pending):
+        for item in self._pending:
             ring = item.link.ring
             if ring is not None and now - item.arrived > BLOCKED_CHECK_S and ring.producer_gone():
                 log.warning("%s: producer %s (pid %d) is gone: dropping its ring", self.name, item.link.producer,

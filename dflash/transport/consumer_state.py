@@ -7,7 +7,7 @@ message loop.
   seen (older ones are stale), the imported ring of the attached incarnation, the last fill
   generation seen per ring slot (a READY that does not advance it is stale or duplicated) and the
   ring slots held (received, not yet freed).
-* :class:`PendingReady`: a READY received and not yet taken by ``receive``.
+* :class:`PendingReady`, :class:`PendingQueue`: READYs received and not yet taken by ``receive``.
 * :class:`CopyQueue`: CUDA copies out of producers' rings that are enqueued and not yet known
   complete; each slot's FREE waits for its copy's "done" event.
 * :class:`Received`: what ``receive`` hands to the caller.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import zmq
@@ -27,7 +27,7 @@ from .carriers.base import ImportedRing
 from .layout import SlotLayout
 from .messages import Ready, Slots
 
-__all__ = ["Received", "PendingReady", "ProducerLink", "CopyQueue"]
+__all__ = ["Received", "PendingReady", "PendingQueue", "ProducerLink", "CopyQueue"]
 
 
 @dataclass
@@ -114,6 +114,25 @@ class ProducerLink:
         self.held[msg.ring_slot] = msg.generation
         return ""
 
+    def release_ring(self, dead: bool) -> Optional[int]:
+        """Close the imported ring (``dead``: also remove what its dead producer left behind) and
+        detach; the caller has already forgotten the held slots.
+
+        Returns:
+            The producer incarnation whose ring was released, ``None`` when none was imported.
+        """
+        released = None
+        self.generations.clear()
+        self.attached = False
+        if self.ring is not None:
+            ring, self.ring = self.ring, None
+            ring.close()
+            if dead:
+                ring.cleanup_dead_producer()
+            released = self.incarnation
+        self.incarnation = 0
+        return released
+
     def release(self, slot: int, generation: int) -> bool:
         """Stop holding ``slot``'s fill ``generation``; False when it is not held (already freed,
         or dropped with its producer incarnation): then no FREE must be sent."""
@@ -121,6 +140,47 @@ class ProducerLink:
             return False
         del self.held[slot]
         return True
+
+
+class PendingQueue:
+    """READYs received and not yet taken, in arrival order."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[PendingReady] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[PendingReady]:
+        """A snapshot: the queue may change while the caller walks it."""
+        return iter(list(self._items))
+
+    def append(self, item: PendingReady) -> None:
+        self._items.append(item)
+
+    def pop(self, match: Optional[Callable[[Union[int, str], dict], bool]],
+            gate: Optional[Callable[[PendingReady], bool]]) -> tuple[Optional[PendingReady], bool]:
+        """The oldest READY accepted by ``match(job_key, meta)`` (``None``: any) whose fill is
+        complete by ``gate(item)`` (``None``: no gate; not asked while its ring is not imported),
+        and whether an accepted one is still waiting for its fill. ``gate`` may drop READYs."""
+        blocked = False
+        for item in list(self._items):
+            if item not in self._items:  # its ring was dropped while we looked at another one
+                continue
+            if match is not None and not match(item.msg.job_key, item.msg.meta):
+                continue
+            if gate is not None and item.link.ring is not None and not gate(item):
+                blocked = True
+                continue
+            self._items.remove(item)
+            return item, blocked
+        return None, blocked
+
+    def drop(self, link: "ProducerLink") -> list[Union[int, str]]:
+        """Forget ``link``'s READYs; returns their job keys."""
+        dropped = [p.msg.job_key for p in self._items if p.link is link]
+        self._items = collections.deque(p for p in self._items if p.link is not link)
+        return dropped
 
 
 class CopyQueue:
