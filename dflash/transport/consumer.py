@@ -80,7 +80,7 @@ class Consumer:
             has completed (no host sync; the producer's slot stays busy a little longer).
         import_device: cuda_ipc: ``own`` (open producers' memory on this consumer's device) or
             ``exporter`` (on the exporting GPU when it is visible here); see
-            :class:`~dflash.transport.carriers.CudaIpcImport`.
+            :class:`~dflash.transport.carriers.cuda_ipc.CudaIpcImport`.
         host_gate: cuda_ipc: take a READY only once its fill event has completed (checked with a
             non-blocking ``query``), then wait on it on the stream as well. A producer that dies
             between its event record and the fill's completion then cannot stall this
