@@ -7,7 +7,9 @@ addresses, so a captured CUDA graph can read them), after which the slot is free
 
 This module is the consumer's message loop and receive path; what it knows about each producer
 (incarnations, held ring slots, pending READYs, copies in progress) is kept by
-:mod:`dflash.transport.consumer_state`. Everything runs in the caller's thread. To wait on the transport together with other sockets
+:mod:`dflash.transport.consumer_state`.
+
+Everything runs in the caller's thread. To wait on the transport together with other sockets
 (e.g. the coordinator's), register :attr:`Consumer.sockets` in the caller's ``zmq.Poller`` and
 call :meth:`Consumer.poll` (then :meth:`Consumer.receive` with ``timeout=0``) when one is
 readable, and at least every :meth:`Consumer.next_timer_s` seconds for heartbeats::
