@@ -10,9 +10,13 @@ module                 job
 ``layout``             :data:`SlotSpec` → :class:`SlotLayout` (named views into one byte buffer)
 ``codec``              one msgpack codec of typed dataclass messages (shared with the control plane)
 ``messages``           typed, versioned msgpack messages (HELLO, SLOTS, READY, FREE, HEARTBEAT, STOP)
-``carriers``           ``cuda_ipc`` (CUDA IPC handles + interprocess events), ``shm`` (memfd
-                       passed over a unix socket), ``tcp`` (slot bytes in zmq frames)
+``carriers``           carrier selection; ``carriers.base`` the carrier protocol, one module per
+                       carrier: ``carriers.cuda_ipc`` (CUDA IPC handles + interprocess events),
+                       ``carriers.shm`` (memfd passed over a unix socket), ``carriers.tcp`` (slot
+                       bytes in zmq frames)
+``producer_state``     the producer's ring slot credits and :class:`LostBatch` records
 ``producer``           :class:`Producer`: acquire → fill → publish(slot, consumer, job_key, meta)
+``consumer_state``     the consumer's view of each producer, pending READYs, copies in progress
 ``consumer``           :class:`Consumer`: receive() → :class:`Received` (tensors in its own buffer)
 =====================  ======================================================================
 
@@ -65,11 +69,14 @@ credits of the slots in flight to it and reports their batch ids (:class:`LostBa
 restart (newer producer incarnation) makes every consumer drop the old ring and import the new one.
 """
 
-from .carriers import CARRIERS, TransportError
-from .consumer import Consumer, Received
+from .carriers import CARRIERS
+from .carriers.base import TransportError
+from .consumer import Consumer
+from .consumer_state import Received
 from .layout import SlotLayout, SlotSpec
 from .messages import PROTOCOL_VERSION, MessageError, StopReason
-from .producer import LostBatch, PeerUnavailable, Producer
+from .producer import PeerUnavailable, Producer
+from .producer_state import LostBatch
 
 __all__ = [
     "CARRIERS",

@@ -5,6 +5,10 @@ imports each producer's ring once per producer incarnation, and turns each READY
 :class:`Received`: the slot's tensors copied into the consumer's **own static buffer** (fixed
 addresses, so a captured CUDA graph can read them), after which the slot is freed (FREE) at once.
 
+This module is the consumer's message loop and receive path; what it knows about each producer
+(incarnations, held ring slots, pending READYs, copies in progress) is kept by
+:mod:`dflash.transport.consumer_state`.
+
 Everything runs in the caller's thread. To wait on the transport together with other sockets
 (e.g. the coordinator's), register :attr:`Consumer.sockets` in the caller's ``zmq.Poller`` and
 call :meth:`Consumer.poll` (then :meth:`Consumer.receive` with ``timeout=0``) when one is
@@ -30,20 +34,21 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Any, Collection, Optional, Union
 
 import torch
 import zmq
 
-from .carriers import (CudaIpcImport, FdMailbox, ImportedRing, ShmImport, TcpImport, TransportError, host_id,
-                       resolve_carrier)
+from .carriers import import_ring, resolve_carrier
+from .carriers.base import TransportError, host_id
+from .carriers.shm import FdMailbox
+from .consumer_state import CopyQueue, PendingQueue, PendingReady, ProducerLink, Received
 from .layout import SlotLayout, SlotSpec
 from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
                        new_incarnation)
 from .producer import DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, SOCKET_HWM
 
-__all__ = ["Consumer", "Received"]
+__all__ = ["Consumer"]
 
 log = logging.getLogger("dflash.transport")
 
@@ -56,58 +61,6 @@ EVENT_POLL_MS = 1
 #: A READY blocked on its fill event this long (s) makes the consumer check that the producer's
 #: process still exists (same host): a dead producer's event may never complete.
 BLOCKED_CHECK_S = 0.5
-
-
-@dataclass
-class Received:
-    """One batch handed over by a producer.
-
-    ``tensors`` are views of the consumer's own buffer number ``buffer`` (spec shapes/dtypes,
-    on the consumer's device); they stay valid until that buffer is reused, i.e. for the next
-    ``num_buffers - 1`` calls of :meth:`Consumer.receive`. On CUDA the copy is ordered on the
-    consumer's current stream (work enqueued after ``receive`` sees the data).
-    """
-
-    producer: str
-    producer_incarnation: int
-    job_key: Union[int, str]
-    meta: dict
-    ring_slot: int
-    generation: int
-    buffer: int
-    tensors: dict[str, torch.Tensor]
-
-
-@dataclass(eq=False)  # identity: two READYs are never "equal"
-class _Pending:
-    link: "_Link"
-    msg: Ready
-    frames: list
-    arrived: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Link:
-    """This consumer's view of one producer."""
-
-    producer: str
-    endpoint: str
-    socket: zmq.Socket
-    #: producer incarnation of the imported ring (0 = none)
-    incarnation: int = 0
-    #: newest producer incarnation seen; messages of older incarnations are stale
-    newest: int = 0
-    attached: bool = False
-    ring: Optional[ImportedRing] = None
-    last_seen: float = field(default_factory=time.monotonic)
-    next_timer: float = 0.0
-    #: last generation seen per slot (this incarnation)
-    generations: dict[int, int] = field(default_factory=dict)
-    #: slots received (READY) and not yet freed: slot → generation
-    held: dict[int, int] = field(default_factory=dict)
-    stopped: str = ""
-    #: the carrier of this producer's slots: the consumer's own, or ``tcp`` for a remote producer
-    carrier: str = "tcp"
 
 
 class Consumer:
@@ -131,7 +84,7 @@ class Consumer:
             has completed (no host sync; the producer's slot stays busy a little longer).
         import_device: cuda_ipc: ``own`` (open producers' memory on this consumer's device) or
             ``exporter`` (on the exporting GPU when it is visible here); see
-            :class:`~dflash.transport.carriers.CudaIpcImport`.
+            :class:`~dflash.transport.carriers.cuda_ipc.CudaIpcImport`.
         host_gate: cuda_ipc: take a READY only once its fill event has completed (checked with a
             non-blocking ``query``), then wait on it on the stream as well. A producer that dies
             between its event record and the fill's completion then cannot stall this
@@ -171,11 +124,9 @@ class Consumer:
         self.buffers = torch.zeros(num_buffers, self.layout.nbytes, dtype=torch.uint8, device=self.device)
         self._views = [self.layout.views(self.buffers[i]) for i in range(num_buffers)]
         self._next_buffer = 0
-        #: reusable "copy done" events (CUDA): no allocation per receive once warm
-        self._event_pool: list[Any] = []
-        self._pending: collections.deque[_Pending] = collections.deque()
-        #: copies enqueued and not yet known complete: (done event, link, slot, generation)
-        self._copies: collections.deque[tuple[Any, _Link, int, int]] = collections.deque()
+        self._pending = PendingQueue()
+        #: CUDA copies enqueued and not yet known complete (their FREEs wait)
+        self._copies = CopyQueue()
         unknown = sorted(set(remote) - set(producers))
         if unknown:
             raise TransportError(f"{name}: remote producer(s) {unknown} are not among the producers {sorted(producers)}")
@@ -183,8 +134,8 @@ class Consumer:
         self._mailbox = FdMailbox(name, self.incarnation) if self.carrier == "shm" and local else None
         self._closed = False
         ctx = context or zmq.Context.instance()
-        self._links: dict[str, _Link] = {}
-        self._by_socket: dict[zmq.Socket, _Link] = {}
+        self._links: dict[str, ProducerLink] = {}
+        self._by_socket: dict[zmq.Socket, ProducerLink] = {}
         self._poller = zmq.Poller()
         for producer, endpoint in producers.items():
             sock = ctx.socket(zmq.DEALER)
@@ -194,7 +145,7 @@ class Consumer:
             sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
             sock.setsockopt(zmq.RCVHWM, SOCKET_HWM)
             sock.connect(endpoint)
-            link = _Link(producer, endpoint, sock, carrier="tcp" if producer in remote else self.carrier)
+            link = ProducerLink(producer, endpoint, sock, carrier="tcp" if producer in remote else self.carrier)
             self._links[producer] = link
             self._by_socket[sock] = link
             self._poller.register(sock, zmq.POLLIN)
@@ -252,7 +203,7 @@ class Consumer:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.poll(0)  # drain first: a STOP/EVICTED or a new incarnation invalidates pending READYs
-            item, blocked = self._pop_pending(match)
+            item, blocked = self._pending.pop(match, self._fill_done if self.host_gate else None)
             if item is not None:
                 got = self._take(item)
                 if got is not None:
@@ -274,25 +225,7 @@ class Consumer:
             # a READY whose fill is still running on the producer's GPU: look again in a ms
             self._wait(EVENT_POLL_MS if blocked else max(1, int(wait_s * 1000)))
 
-    def _pop_pending(self, match: Optional[Callable[[Union[int, str], dict], bool]]
-                     ) -> tuple[Optional[_Pending], bool]:
-        """The oldest pending READY accepted by ``match`` whose fill is complete (host gate), and
-        whether an accepted one is still waiting for its fill."""
-        blocked = False
-        for item in list(self._pending):
-            if item not in self._pending:  # its ring was dropped while we looked at another one
-                continue
-            if match is not None and not match(item.msg.job_key, item.msg.meta):
-                continue
-            ring = item.link.ring
-            if self.host_gate and ring is not None and not self._fill_done(item):
-                blocked = True
-                continue
-            self._pending.remove(item)
-            return item, blocked
-        return None, blocked
-
-    def _fill_done(self, item: _Pending) -> bool:
+    def _fill_done(self, item: PendingReady) -> bool:
         try:
             return item.link.ring.ready(item.msg.ring_slot)
         except TransportError as exc:
@@ -360,7 +293,7 @@ class Consumer:
                 handled += 1
         return handled
 
-    def _send(self, link: _Link, msg: Any) -> bool:
+    def _send(self, link: ProducerLink, msg: Any) -> bool:
         try:
             link.socket.send(encode(msg), flags=zmq.NOBLOCK)
             return True
@@ -368,18 +301,18 @@ class Consumer:
             log.debug("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, link.producer, exc)
             return False
 
-    def _reject(self, link: _Link, what: str, stale: bool = False) -> None:
+    def _reject(self, link: ProducerLink, what: str, stale: bool = False) -> None:
         """Count and log a message that is not acted on: an error, or (``stale``) a warning for
         a message of an earlier incarnation of this consumer or its producer (normal after restarts)."""
         self.stats["rejected"] += 1
         log.log(logging.WARNING if stale else logging.ERROR, "%s: %s message from %s: %s", self.name,
                 "ignored stale" if stale else "rejected", link.producer, what)
 
-    def _hello(self, link: _Link) -> bool:
+    def _hello(self, link: ProducerLink) -> bool:
         return self._send(link, Hello(self.name, self.incarnation, os.getpid(), self.host, link.carrier, self.layout.digest,
                                self._mailbox.address if self._mailbox is not None else ""))
 
-    def _handle(self, link: _Link, frames: list) -> None:
+    def _handle(self, link: ProducerLink, frames: list) -> None:
         try:
             msg = decode(frames[0].bytes)
         except MessageError as exc:
@@ -403,7 +336,7 @@ class Consumer:
         else:
             self._reject(link, f"unexpected {type(msg).__name__} (a consumer receives SLOTS, READY, HEARTBEAT, STOP)")
 
-    def _check_incarnation(self, link: _Link, msg: Any) -> bool:
+    def _check_incarnation(self, link: ProducerLink, msg: Any) -> bool:
         """True for a message of the attached producer incarnation. An older incarnation is rejected as stale;
         a newer one means the producer restarted: drop the old ring (its handles are never
         touched again) and say HELLO to the new incarnation."""
@@ -421,7 +354,7 @@ class Consumer:
         self._hello(link)
         return False
 
-    def _on_slots(self, link: _Link, msg: Slots) -> None:
+    def _on_slots(self, link: ProducerLink, msg: Slots) -> None:
         if msg.consumer_incarnation != self.incarnation:
             self._reject(link, f"SLOTS for stale consumer incarnation {msg.consumer_incarnation} (this is {self.incarnation})", stale=True)
             return
@@ -432,17 +365,15 @@ class Consumer:
         link.last_seen = time.monotonic()
         if link.attached and msg.incarnation == link.incarnation:
             return  # a duplicate answer to a repeated HELLO
-        if msg.layout != self.layout.describe() or msg.slot_nbytes != self.layout.nbytes:
-            self._reject(link, f"SLOTS layout {msg.layout} differs from this consumer's {self.layout.describe()}")
-            return
-        if msg.carrier != link.carrier or msg.num_slots < 1:
-            self._reject(link, f"SLOTS carrier {msg.carrier} / {msg.num_slots} slots (expected: {link.carrier})")
+        problem = link.slots_problem(msg, self.layout)
+        if problem:
+            self._reject(link, problem)
             return
         if link.ring is not None and msg.incarnation != link.incarnation:
             self._drop_ring(link, "producer restarted", dead=True)
         if link.ring is None:  # import once per (producer, incarnation)
             try:
-                link.ring = self._import(msg, link.carrier)
+                link.ring = import_ring(msg, link.carrier, self.device, self.import_device, self._mailbox)
             except (TransportError, RuntimeError, OSError) as exc:
                 log.error("%s: cannot import the ring of %s (incarnation %d): %s", self.name, link.producer, msg.incarnation, exc)
                 return
@@ -453,48 +384,27 @@ class Consumer:
         log.info("%s: attached to %s incarnation %d (%d slots of %.1f MiB, %s)", self.name, link.producer, msg.incarnation,
                  msg.num_slots, msg.slot_nbytes / 2**20, msg.carrier)
 
-    def _import(self, msg: Slots, carrier: str) -> ImportedRing:
-        if carrier == "cuda_ipc":
-            return CudaIpcImport(msg, self.device, self.import_device)
-        if carrier == "shm":
-            assert self._mailbox is not None
-            ring = ShmImport(msg, self._mailbox)
-            self._mailbox.discard_older(msg.sender, msg.incarnation)
-            return ring
-        return TcpImport(msg)
-
-    def _on_ready(self, link: _Link, msg: Ready, payload: list) -> None:
+    def _on_ready(self, link: ProducerLink, msg: Ready, payload: list) -> None:
         if not self._check_incarnation(link, msg):
             return
         link.last_seen = time.monotonic()
         if msg.consumer_incarnation != self.incarnation:
             self._reject(link, f"READY for stale consumer incarnation {msg.consumer_incarnation} (this is {self.incarnation})", stale=True)
             return
-        assert link.ring is not None
-        if not 0 <= msg.ring_slot < link.ring.num_slots:
-            self._reject(link, f"READY for slot {msg.ring_slot} (ring of {link.ring.num_slots})")
+        problem = link.hold(msg, payload)
+        if problem:
+            self._reject(link, problem)
             return
-        last = link.generations.get(msg.ring_slot, 0)
-        if msg.generation <= last or msg.ring_slot in link.held:
-            self._reject(link, f"stale READY for slot {msg.ring_slot}: generation {msg.generation} (last seen {last}"
-                         f"{', slot not freed yet' if msg.ring_slot in link.held else ''}), batch {msg.job_key!r}")
-            return
-        expected_frames = 1 if link.carrier == "tcp" else 0
-        if len(payload) != expected_frames:
-            self._reject(link, f"READY with {len(payload)} payload frame(s), expected {expected_frames}")
-            return
-        link.generations[msg.ring_slot] = msg.generation
-        link.held[msg.ring_slot] = msg.generation
-        self._pending.append(_Pending(link, msg, payload))
+        self._pending.append(PendingReady(link, msg, payload))
 
-    def _on_heartbeat(self, link: _Link, msg: Heartbeat) -> None:
+    def _on_heartbeat(self, link: ProducerLink, msg: Heartbeat) -> None:
         if not self._check_incarnation(link, msg):
             return
         link.last_seen = time.monotonic()
         if msg.peer_incarnation != self.incarnation:  # the producer lost track of us: attach again
             self._hello(link)
 
-    def _on_stop(self, link: _Link, msg: Stop) -> None:
+    def _on_stop(self, link: ProducerLink, msg: Stop) -> None:
         if msg.incarnation < link.newest:
             self._reject(link, f"STOP from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
             return
@@ -510,20 +420,16 @@ class Consumer:
         link.stopped = msg.reason
         self._drop_ring(link, f"producer sent STOP ({msg.reason})")
 
-    def _forget_in_flight(self, link: _Link, why: str) -> None:
-        dropped = [p.msg.job_key for p in self._pending if p.link is link]
+    def _forget_in_flight(self, link: ProducerLink, why: str) -> None:
+        dropped = self._pending.drop(link)
         if dropped:
             log.warning("%s: dropping %d pending batch(es) from %s (%s): %s", self.name, len(dropped),
                         link.producer, why, dropped)
             self.stats["dropped"] += len(dropped)
-        self._pending = collections.deque(p for p in self._pending if p.link is not link)
-        for c in [c for c in self._copies if c[1] is link]:
-            c[0].synchronize()  # the copy reads the ring that is about to go
-            self._event_pool.append(c[0])
-        self._copies = collections.deque(c for c in self._copies if c[1] is not link)
+        self._copies.forget(link)
         link.held.clear()
 
-    def _drop_ring(self, link: _Link, why: str, dead: bool = False) -> None:
+    def _drop_ring(self, link: ProducerLink, why: str, dead: bool = False) -> None:
         """Forget a producer incarnation: pending READYs, held slots and the imported ring.
 
         ``dead``: the incarnation ended without a clean STOP (restart or silence): also remove
@@ -531,17 +437,11 @@ class Consumer:
         is gone).
         """
         self._forget_in_flight(link, why)
-        link.generations.clear()
-        link.attached = False
-        if link.ring is not None:
-            ring, link.ring = link.ring, None
-            ring.close()
-            if dead:
-                ring.cleanup_dead_producer()
-            log.info("%s: released the ring of %s incarnation %d (%s)", self.name, link.producer, link.incarnation, why)
-        link.incarnation = 0
+        released = link.release_ring(dead)
+        if released is not None:
+            log.info("%s: released the ring of %s incarnation %d (%s)", self.name, link.producer, released, why)
 
-    def _take(self, item: _Pending) -> Optional[Received]:
+    def _take(self, item: PendingReady) -> Optional[Received]:
         link, msg = item.link, item.msg
         if link.ring is None or not link.attached or link.incarnation != msg.incarnation:
             return None  # its producer incarnation was dropped meanwhile
@@ -560,9 +460,7 @@ class Consumer:
             link.held.pop(msg.ring_slot, None)
             return None
         if self.device.type == "cuda":
-            done = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self._copies.append((done, link, msg.ring_slot, msg.generation))
+            self._copies.record(torch.cuda.current_stream(self.device), link, msg.ring_slot, msg.generation)
             self._flush_copies(block=self.sync)
             if ipc and self.sync and link.ring is not None and link.ring.producer_gone():
                 # it died while we copied: the bytes may be garbage, do not hand them out
@@ -576,30 +474,19 @@ class Consumer:
         return Received(link.producer, msg.incarnation, msg.job_key, msg.meta, msg.ring_slot, msg.generation, index,
                         self._views[index])
 
-    def _free(self, link: _Link, slot: int, generation: int) -> None:
-        if link.held.get(slot) != generation:
-            return
-        del link.held[slot]
-        self._send(link, Free(self.name, self.incarnation, link.incarnation, slot, generation))
+    def _free(self, link: ProducerLink, slot: int, generation: int) -> None:
+        if link.release(slot, generation):
+            self._send(link, Free(self.name, self.incarnation, link.incarnation, slot, generation))
 
     def _flush_copies(self, block: bool, wait_oldest: bool = False) -> None:
         """Send FREE for every finished copy, in order (``block``: wait for all of them;
         ``wait_oldest``: wait for the first one only)."""
-        wait = block or wait_oldest
-        while self._copies:
-            done, link, slot, generation = self._copies[0]
-            if wait:
-                done.synchronize()
-                wait = block
-            elif not done.query():
-                break
-            self._copies.popleft()
-            self._event_pool.append(done)
+        for link, slot, generation in self._copies.finished(block, wait_oldest):
             self._free(link, slot, generation)
 
     def _timers(self) -> None:
         now = time.monotonic()
-        for item in list(self._pending):
+        for item in self._pending:
             ring = item.link.ring
             if ring is not None and now - item.arrived > BLOCKED_CHECK_S and ring.producer_gone():
                 log.warning("%s: producer %s (pid %d) is gone: dropping its ring", self.name, item.link.producer,

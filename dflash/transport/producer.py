@@ -15,11 +15,12 @@ consumer's name. Everything runs in the caller's thread: :meth:`Producer.poll` (
             reassign(lost.job_key)
     producer.close()
 
-Credits: a slot is FREE, ACQUIRED (by the caller) or IN_FLIGHT (published to one consumer, until
-that consumer's FREE for that exact fill generation). A slot is never handed out again while in
-flight. A consumer restart (a HELLO with a newer consumer incarnation), its STOP or its silence past
+Credits (kept by :class:`~dflash.transport.producer_state.SlotCredits`; this module is the message
+loop that drives them): a slot is FREE, ACQUIRED (by the caller) or IN_FLIGHT (published to one
+consumer, until that consumer's FREE for that exact fill generation). A slot is never handed out
+again while in flight. A consumer restart (a HELLO with a newer consumer incarnation), its STOP or its silence past
 ``peer_timeout_s`` returns its in-flight slots to the pool and reports their batch ids as
-:class:`LostBatch` (``on_lost`` callback and :meth:`Producer.lost_batches`).
+:class:`~dflash.transport.producer_state.LostBatch` (``on_lost`` callback and :meth:`Producer.lost_batches`).
 """
 
 from __future__ import annotations
@@ -28,18 +29,19 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
 import zmq
 
-from .carriers import ProducerRing, TransportError, host_id, make_ring, pid_namespace, resolve_carrier
+from .carriers import make_ring, resolve_carrier
+from .carriers.base import ProducerRing, TransportError, host_id, pid_namespace
 from .layout import SlotLayout, SlotSpec
 from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
                        new_incarnation)
+from .producer_state import ConsumerState, LostBatch, SlotCredits
 
-__all__ = ["Producer", "LostBatch", "PeerUnavailable", "DEFAULT_HEARTBEAT_S", "DEFAULT_PEER_TIMEOUT_S"]
+__all__ = ["Producer", "PeerUnavailable", "DEFAULT_HEARTBEAT_S", "DEFAULT_PEER_TIMEOUT_S"]
 
 log = logging.getLogger("dflash.transport")
 
@@ -51,48 +53,8 @@ SOCKET_HWM = 10_000
 #: Frames of an incoming message on the ROUTER: identity + header.
 _ROUTER_FRAMES = 2
 
-_FREE, _ACQUIRED, _IN_FLIGHT = "free", "acquired", "in_flight"
-
-
 class PeerUnavailable(TransportError):
     """``publish`` to a consumer that is not attached (never said HELLO, restarted, evicted, gone)."""
-
-
-@dataclass(frozen=True)
-class LostBatch:
-    """A batch that was in flight to a consumer that restarted, stopped or went silent.
-
-    The slot has been returned to the pool; the batch must be recomputed / re-assigned (batches
-    are deterministic functions of (data epoch, batch id): docs/ARCHITECTURE.md, The batch contract).
-    """
-
-    consumer: str
-    job_key: Union[int, str]
-    ring_slot: int
-    generation: int
-    meta: dict
-    #: ``restarted`` | ``stopped`` | ``timeout`` | ``closed``
-    reason: str
-
-
-@dataclass
-class _ConsumerState:
-    name: str
-    identity: bytes
-    incarnation: int
-    last_seen: float
-    attached_at: float = field(default_factory=time.monotonic)
-    #: the ring's carrier, or ``tcp`` for a consumer served over the network (another host)
-    carrier: str = "tcp"
-
-
-@dataclass
-class _SlotState:
-    state: str = _FREE
-    consumer: str = ""
-    job_key: Union[int, str] = -1
-    meta: dict = field(default_factory=dict)
-    generation: int = 0
 
 
 class Producer:
@@ -146,9 +108,8 @@ class Producer:
         self.stats: collections.Counter = collections.Counter()
         self._ring: ProducerRing = make_ring(self.carrier, self.layout, num_slots, self.device, name)
         self._export = self._ring.export()
-        self._slots = [_SlotState() for _ in range(num_slots)]
-        self._free: collections.deque[int] = collections.deque(range(num_slots))
-        self._consumers: dict[str, _ConsumerState] = {}
+        self._credits = SlotCredits(name, num_slots)
+        self._consumers: dict[str, ConsumerState] = {}
         self._lost: list[LostBatch] = []
         self._next_heartbeat = time.monotonic() + heartbeat_s
         self._closed = False
@@ -188,11 +149,11 @@ class Producer:
 
     def free_slots(self) -> int:
         """Slots neither acquired nor in flight."""
-        return len(self._free)
+        return self._credits.free_slots()
 
     def in_flight(self) -> dict[int, tuple[str, Union[int, str]]]:
         """``{slot: (consumer, job_key)}`` of the slots published and not yet freed."""
-        return {i: (s.consumer, s.job_key) for i, s in enumerate(self._slots) if s.state == _IN_FLIGHT}
+        return self._credits.in_flight()
 
     def acquire(self, timeout: Optional[float] = None) -> Optional[int]:
         """A free slot for the caller to fill, or ``None`` when none frees within ``timeout`` s.
@@ -203,9 +164,8 @@ class Producer:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.poll(0)
-            if self._free:
-                slot = self._free.popleft()
-                self._slots[slot].state = _ACQUIRED
+            slot = self._credits.acquire()
+            if slot is not None:
                 return slot
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -219,9 +179,7 @@ class Producer:
         Raises:
             TransportError: the slot is not acquired by the caller.
         """
-        self._check_acquired(slot, "release")
-        self._slots[slot].state = _FREE
-        self._free.append(slot)
+        self._credits.release(slot)
 
     def publish(self, slot: int, consumer: str, job_key: Union[int, str], meta: Optional[dict] = None,
                 stream: Optional[Any] = None) -> int:
@@ -241,12 +199,11 @@ class Producer:
             PeerUnavailable: ``consumer`` is not attached or not reachable; the slot stays
                 acquired (publish it to another consumer or :meth:`release` it).
         """
-        self._check_acquired(slot, "publish")
+        self._credits.check_acquired(slot, "publish")
         peer = self._consumers.get(consumer)
         if peer is None:
             raise PeerUnavailable(f"{self.name}: consumer {consumer!r} is not attached (attached: {self.consumers})")
-        state = self._slots[slot]
-        generation = state.generation + 1
+        generation = self._credits.next_generation(slot)
         meta = dict(meta or {})
         over_tcp = peer.carrier == "tcp"
         try:
@@ -261,8 +218,7 @@ class Producer:
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == _ROUTER_FRAMES)
         except zmq.ZMQError as exc:
             raise PeerUnavailable(f"{self.name}: cannot send READY to {consumer}: {exc}") from None
-        state.state, state.consumer, state.job_key, state.meta = _IN_FLIGHT, consumer, job_key, meta
-        state.generation = generation
+        self._credits.send(slot, consumer, job_key, meta, generation)
         self.stats["published"] += 1
         return generation
 
@@ -321,12 +277,6 @@ class Producer:
         self.close(StopReason.FAILED if exc[0] is not None else StopReason.DONE)
 
     # ------------------------------------------------------------------ internals
-
-    def _check_acquired(self, slot: int, what: str) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise TransportError(f"{self.name}: {what}: no slot {slot!r} (ring of {self.num_slots})")
-        if self._slots[slot].state != _ACQUIRED:
-            raise TransportError(f"{self.name}: {what}: slot {slot} is {self._slots[slot].state}, not acquired")
 
     def _send(self, identity: bytes, msg: Any) -> bool:
         try:
@@ -399,7 +349,7 @@ class Producer:
                 return
         now = time.monotonic()
         if known is None:
-            self._consumers[msg.sender] = _ConsumerState(msg.sender, identity, msg.incarnation, now, carrier=msg.carrier)
+            self._consumers[msg.sender] = ConsumerState(msg.sender, identity, msg.incarnation, now, carrier=msg.carrier)
             log.info("%s: consumer %s attached (incarnation %d, pid %d, carrier %s)", self.name, msg.sender,
                      msg.incarnation, msg.pid, msg.carrier)
         else:
@@ -419,16 +369,10 @@ class Producer:
             self._reject(msg.sender, f"FREE from stale consumer incarnation {msg.incarnation} (attached: {have})", stale=True)
             return
         peer.last_seen = time.monotonic()
-        if not 0 <= msg.ring_slot < self.num_slots:
-            self._reject(msg.sender, f"FREE of slot {msg.ring_slot} (ring of {self.num_slots})")
+        problem = self._credits.free(msg.ring_slot, msg.sender, msg.generation)
+        if problem:
+            self._reject(msg.sender, problem)
             return
-        state = self._slots[msg.ring_slot]
-        if state.state != _IN_FLIGHT or state.consumer != msg.sender or state.generation != msg.generation:
-            self._reject(msg.sender, f"stale FREE of slot {msg.ring_slot} generation {msg.generation} (slot is "
-                         f"{state.state}, generation {state.generation}, consumer {state.consumer or '-'})")
-            return
-        state.state, state.consumer, state.meta = _FREE, "", {}
-        self._free.append(msg.ring_slot)
         self.stats["freed"] += 1
 
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
@@ -454,12 +398,7 @@ class Producer:
 
     def _drop_consumer(self, name: str, reason: str) -> list[LostBatch]:
         self._consumers.pop(name, None)
-        lost = []
-        for i, s in enumerate(self._slots):
-            if s.state == _IN_FLIGHT and s.consumer == name:
-                lost.append(LostBatch(name, s.job_key, i, s.generation, s.meta, reason))
-                s.state, s.consumer, s.meta = _FREE, "", {}
-                self._free.append(i)
+        lost = self._credits.reclaim(name, reason)
         if lost:
             self.stats["lost"] += len(lost)
             log.warning("%s: %d batch(es) in flight to %s lost (%s): %s", self.name, len(lost), name, reason,
