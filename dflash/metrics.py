@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dflash.progress import DEFAULT_INTERVAL_S, Progress, format_duration
-from dflash.training.resume import read_jsonl_rows
+from dflash.training.ledger_file import read_jsonl_rows
 
 __all__ = ["WandbRun", "ProgressLine", "format_duration", "rollback_record", "last_logged_step", "metrics_view"]
 

@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from dflash.training.checkpoint import latest_checkpoint
+from dflash.training.checkpoint_load import latest_checkpoint
 from dflash.config import RunConfig
 from dflash.utils import atomic_write_text
 from dflash.runtime.supervisor import Supervisor, WorkerSpec

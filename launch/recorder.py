@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from dflash.config import RunConfig
 from dflash.metrics import WandbRun, last_logged_step, metrics_view, rollback_record
-from dflash.training.resume import LEDGER_FILE, LedgerFile, append_line, ledger_view
+from dflash.training.ledger_file import LEDGER_FILE, LedgerFile, append_line, ledger_view
 
 __all__ = ["METRICS_FILE", "RunRecorder", "start_wandb", "undo_later_steps"]
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import yaml
 
-from dflash.training.checkpoint import checkpoint_problem, latest_checkpoint, read_state
+from dflash.training.checkpoint_load import checkpoint_problem, latest_checkpoint, read_state
 from dflash.utils import process_alive
 from launch import EXIT_BROKEN_PIPE
 from launch.local_cluster import CLUSTER_FILE

@@ -7,7 +7,7 @@ metrics (console line with ETA, wandb) and exits non-zero when the run fails.
 
 Order of events (:func:`run`): validate the config (before any model loads) → lock the run
 directory → pick the checkpoint to continue (``--resume``) → check that it fits this config
-(:func:`dflash.training.resume.check_resume`) → prepare and cache the data → start workers → every
+(:func:`dflash.training.resume_check.check_resume`) → prepare and cache the data → start workers → every
 target READY (model loaded, forward compiled and warmed up, ring slots exported) → drafters
 connect → every drafter READY (graphs captured) → batches flow → final checkpoint → workers
 stopped.
@@ -29,12 +29,14 @@ import filelock
 import yaml
 import zmq
 
-from dflash.training.checkpoint import CheckpointError, CheckpointMismatch, latest_checkpoint, read_state
+from dflash.training.checkpoint_identity import CheckpointMismatch
+from dflash.training.checkpoint_load import CheckpointError, latest_checkpoint, read_state
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.training.factory import build_batch_plans
 from dflash.logs import setup_logging
 from dflash.metrics import ProgressLine, format_duration
-from dflash.training.resume import LaunchPlan, check_resume, plan_launch
+from dflash.training.resume import LaunchPlan, plan_launch
+from dflash.training.resume_check import check_resume
 from dflash.data.schedule import StepPlan
 from dflash.utils import LockTimeout, atomic_write_text, file_lock
 from dflash.runtime.control import CoordinatorSocket
@@ -201,7 +203,7 @@ def select_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Optional[
 
 
 def prepare_launch(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], force: bool) -> Prepared:
-    """Check ``ckpt`` against ``cfg`` (:func:`dflash.training.resume.check_resume`), prepare the data
+    """Check ``ckpt`` against ``cfg`` (:func:`dflash.training.resume_check.check_resume`), prepare the data
     (tokenised and cached) and plan the launch's steps and learning-rate schedule; loads no model.
 
     Raises:

@@ -1,4 +1,5 @@
-"""Checkpoints written in the background (dflash/training/checkpoint.py: CheckpointWriter, host_copy)."""
+"""Checkpoints written in the background (dflash/training/checkpoint.py: CheckpointWriter, host_copy) and
+damaged ones found and moved aside (dflash/training/checkpoint_load.py)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.training.checkpoint import (
+from dflash.training.checkpoint import CheckpointWriter, host_copy, save_checkpoint
+from dflash.training.checkpoint_load import (
     CheckpointError,
-    CheckpointWriter,
     checkpoint_problem,
-    host_copy,
     is_damage_error,
     latest_checkpoint,
     load_trainer_state,
     quarantine,
     read_state,
-    save_checkpoint,
 )
 from dflash.config import TrainConfig
 from dflash.training.trainer import DrafterTrainer

@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash.training.checkpoint import latest_checkpoint, save_checkpoint
+from dflash.training.checkpoint import save_checkpoint
+from dflash.training.checkpoint_load import latest_checkpoint
 from dflash.config import config_from_dict, validate_config
 from dflash.training.factory import build_drafter
 from dflash.models.drafter import DFlashDraftModel

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.training.checkpoint import checkpoint_problem, read_state
+from dflash.training.checkpoint_load import checkpoint_problem, read_state
 from test_pipeline import CONFIG, ROOT, SMALL, _env, reference_losses, train_losses
 
 pytestmark = pytest.mark.slow
@@ -152,7 +152,7 @@ def test_random_sigkills_run_finishes_with_exact_ledger(tmp_path):
     from dflash.config import load_config
     from dflash.training.factory import build_batch_plans
     from dflash.metrics import metrics_view
-    from dflash.training.resume import ledger_problems, ledger_view
+    from dflash.training.ledger_file import ledger_problems, ledger_view
 
     rows = [r for r in metrics_view(run_dir / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in rows] == list(range(1, len(ref) + 1))

@@ -196,7 +196,7 @@ def test_resume_with_other_drafter_counts_trains_every_batch_once(tmp_path):
     from dflash.training.factory import build_batch_plans
     from dflash.metrics import metrics_view
     from dflash.training.optim import LRSchedule
-    from dflash.training.resume import ledger_problems, ledger_view
+    from dflash.training.ledger_file import ledger_problems, ledger_view
     from dflash.data.schedule import StepPlan
 
     base = ["data.max_conversations=20", "train.epochs=2", "train.max_steps=null", "train.eval_batches=0",

@@ -10,11 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash.training.checkpoint import CheckpointMismatch, check_fits, run_identity
+from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
 from dflash.config import load_config
 from dflash.metrics import metrics_view, rollback_record
 from dflash.training.optim import LRSchedule
-from dflash.training.resume import LaunchPlan, LedgerFile, checkpoint_position, ledger_problems, ledger_view, plan_launch
+from dflash.training.ledger_file import LedgerFile, ledger_problems, ledger_view
+from dflash.training.resume import LaunchPlan, checkpoint_position, plan_launch
 from dflash.data.schedule import DataPosition, StepPlan
 
 TINY = ["target.kind=random", "target.arch=tiny-qwen3", "target.tokenizer=qwen3", "cluster.device=cpu",

@@ -345,7 +345,8 @@ def test_rng_state_round_trip_through_a_checkpoint_file(tmp_path):
     covered by scripts/gpu_pipeline_check.py's drafter-group restart)."""
     import random
 
-    from dflash.training.checkpoint import load_trainer_state, rng_state, set_rng_state
+    from dflash.training.checkpoint import rng_state, set_rng_state
+    from dflash.training.checkpoint_load import load_trainer_state
 
     torch.manual_seed(123)
     random.seed(7)

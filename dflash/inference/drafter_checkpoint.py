@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Optional, Union
 
-from dflash.training.resume import read_jsonl_rows
+from dflash.training.ledger_file import read_jsonl_rows
 
 __all__ = ["resolve_checkpoint", "last_eval_tau", "checkpoint_step"]
 
@@ -26,7 +26,7 @@ def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
     p = Path(path)
     if not (p / "drafter" / "config.json").is_file() and not (p / "config.json").is_file() \
             and (p / "checkpoints").is_dir():  # a run directory: its newest checkpoint
-        from dflash.training.checkpoint import latest_checkpoint
+        from dflash.training.checkpoint_load import latest_checkpoint
 
         newest = latest_checkpoint(p)
         if newest is None:
@@ -66,7 +66,7 @@ def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Op
 
 def checkpoint_step(drafter_dir: Path) -> Optional[int]:
     """The optimizer step of the training checkpoint holding ``drafter_dir`` (its ``state.json``), or ``None``."""
-    from dflash.training.checkpoint import read_state
+    from dflash.training.checkpoint_load import read_state
 
     ckpt = Path(drafter_dir).parent
     if Path(drafter_dir).name != "drafter" or not (ckpt / "state.json").is_file():

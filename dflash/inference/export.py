@@ -30,7 +30,7 @@ from torch import nn
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DFlashConfig
 from dflash.models.drafter_io import CONFIG_FILE, MODELING_FILE, SAVE_DTYPES, WEIGHTS_FILE, write_drafter_directory
-from dflash.training.checkpoint import IDENTITY_NAMES, trained_with
+from dflash.training.checkpoint_identity import IDENTITY_NAMES, trained_with
 from dflash.models.masks import SLIDING_ATTENTION
 
 __all__ = ["ExportReport", "resolve_drafter_dir", "export_drafter", "engine_rules", "main"]
@@ -59,7 +59,7 @@ def resolve_drafter_dir(path: Path) -> Path:
     Raises:
         FileNotFoundError: none of those, or a run without checkpoints.
     """
-    from dflash.training.checkpoint import latest_checkpoint
+    from dflash.training.checkpoint_load import latest_checkpoint
 
     p = Path(path)
     if (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file():

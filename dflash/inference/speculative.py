@@ -83,9 +83,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     Returns:
         0 when every speculative output is identical to target-only greedy or differs only at a
         numerical tie (:func:`tie_bound`), 1 otherwise, 2 when there is no usable prompt or the checkpoint
-        does not fit the tokenizer, template, thinking mode or target (:func:`dflash.training.checkpoint.check_fits`).
+        does not fit the tokenizer, template, thinking mode or target (:func:`dflash.training.checkpoint_identity.check_fits`).
     """
-    from dflash.training.checkpoint import CheckpointMismatch, check_fits, run_identity
+    from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
     from dflash.config import ConfigError, load_config
     from dflash.data.corpus import prepare_data
     from dflash.logs import setup_logging

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dflash.training.checkpoint import (CheckpointWriter, is_damage_error, load_trainer_state, quarantine, run_identity,
-                               set_rng_state)
+from dflash.training.checkpoint import CheckpointWriter, set_rng_state
+from dflash.training.checkpoint_identity import run_identity
+from dflash.training.checkpoint_load import is_damage_error, load_trainer_state, quarantine
 from dflash.compile_watch import CompileWatch
 from dflash.training.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
 from dflash.training.objective import LossOutput
@@ -135,7 +136,7 @@ class DrafterWorker:
     def _restore(self, ckpt: Path) -> None:
         from safetensors.torch import load_file
 
-        from dflash.training.checkpoint import read_state
+        from dflash.training.checkpoint_load import read_state
 
         try:
             state = load_file(str(ckpt / "drafter" / "model.safetensors"), device=str(self.device))

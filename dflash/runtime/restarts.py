@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol
 
-from dflash.training.checkpoint import CheckpointError, read_state
+from dflash.training.checkpoint_load import CheckpointError, read_state
 from dflash.runtime.messages import Flush
 from dflash.runtime.work import WorkQueue, build_work_items
 

@@ -1,4 +1,4 @@
-"""Atomic training checkpoints: drafter (HF directory), optimizer, scheduler, data position, RNG.
+"""Writing training checkpoints atomically: drafter (HF directory), optimizer, scheduler, data position, RNG.
 
 Layout of ``<run_dir>/checkpoints/step-00000100/``::
 
@@ -8,20 +8,10 @@ Layout of ``<run_dir>/checkpoints/step-00000100/``::
 
 A checkpoint is written under ``step-XXXXXXXX.tmp-<pid>``, flushed to disk (``fsync``) and renamed
 into place, so a crash or a power loss mid-write never leaves a checkpoint that looks complete.
-``latest_checkpoint`` ignores temporary directories; the next checkpoint written removes those of
-processes that are gone.
-
-A checkpoint damaged afterwards (a truncated copy, a full disk, a bad file) is found by
-:func:`checkpoint_problem` before it is used (``latest_checkpoint(..., verify=True)``, at
-``--resume`` and at every drafter-group restart) or fails to load in a drafter; either way it is
-moved aside to ``step-XXXXXXXX.damaged`` (never deleted: the files stay for inspection) with the
-reason in ``DAMAGED.txt``, and the run goes on from the previous checkpoint.
-
-``state.json`` records what the drafter was trained with (:func:`run_identity`: tokenizer
-fingerprint, chat template hash, thinking mode, target architecture / layer count / hidden size /
-vocabulary size / layer ids) under ``trained_with``; :func:`check_fits` compares it with what a
-resume, a decoding run or an export would use and raises :class:`CheckpointMismatch` with one
-line naming the difference.
+:func:`dflash.training.checkpoint_load.latest_checkpoint` ignores temporary directories; the next
+checkpoint written removes those of processes that are gone. Finding, checking and loading a
+checkpoint: :mod:`dflash.training.checkpoint_load`; what it was trained with:
+:mod:`dflash.training.checkpoint_identity`.
 
 :class:`CheckpointWriter` writes from a host copy of the state in a background thread, so
 training goes on while the files are written (a checkpoint of the 1.05 B-parameter Qwen3-8B
@@ -31,12 +21,8 @@ the step).
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import logging
-import pickle
-import zipfile
 import os
 import random
 import re
@@ -48,21 +34,14 @@ from typing import Any, Optional
 
 import torch
 
+from dflash.training.checkpoint_load import CheckpointError, checkpoint_steps
 from dflash.utils import atomic_directory, process_alive
 
-__all__ = ["CheckpointError", "CheckpointWriter", "host_copy", "save_checkpoint", "latest_checkpoint",
-           "checkpoint_problem", "is_damage_error", "quarantine", "load_trainer_state", "read_state",
-           "rng_state", "set_rng_state", "CheckpointMismatch", "run_identity", "tokenizer_fingerprint",
-           "check_fits", "trained_with"]
+__all__ = ["CheckpointWriter", "host_copy", "save_checkpoint", "rng_state", "set_rng_state"]
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
 _TMP_DIR = re.compile(r"^step-\d{8}\.tmp-(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A background checkpoint write failed, or a damaged checkpoint cannot be moved aside (the cause is chained)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -115,7 +94,7 @@ def save_checkpoint(run_dir: Path, step: int, epoch: int, model: Any, trainer_st
         state = {"step": step, "epoch": epoch, "time": time.time(), **(extra or {})}
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
     log.info("checkpoint step %d written to %s in %.1f s", step, final, time.perf_counter() - started)
-    steps = sorted(_list_steps(root))
+    steps = sorted(checkpoint_steps(root))
     for old in steps[:-keep_last]:
         shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
     _sweep_orphans(root)
@@ -263,287 +242,3 @@ class CheckpointWriter:
             raise CheckpointError(f"writing checkpoint step {step} failed: {error}") from error
         assert step is not None and result is not None
         return step, result
-
-
-def _list_steps(root: Path) -> list[int]:
-    if not root.is_dir():
-        return []
-    out = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / "state.json").is_file():
-            out.append(int(m.group(1)))
-    return out
-
-
-def latest_checkpoint(run_dir: Path, verify: bool = False) -> Optional[Path]:
-    """The newest complete checkpoint directory of a run, or None.
-
-    Args:
-        verify: check each candidate, newest first, with :func:`checkpoint_problem`; a damaged
-            one is moved aside (:func:`quarantine`) and the next older one is tried.
-    """
-    root = Path(run_dir) / "checkpoints"
-    for step in sorted(_list_steps(root), reverse=True):
-        ckpt = root / f"step-{step:08d}"
-        problem = checkpoint_problem(ckpt) if verify else None
-        if problem is None:
-            return ckpt
-        quarantine(ckpt, problem)
-    return None
-
-
-def checkpoint_problem(ckpt: Path) -> Optional[str]:
-    """What makes a checkpoint directory unusable, found without loading its tensors; ``None`` if nothing.
-
-    Reads ``state.json`` (a JSON object with an integer ``step``) and ``drafter/config.json``,
-    opens ``drafter/model.safetensors`` (its header must cover the whole file: a truncated file
-    fails) and ``trainer.pt`` (a zip archive: its directory must be readable and the pickle entry
-    pass its CRC). Costs milliseconds. Not seen here: bytes changed inside the tensor data (the
-    formats carry no checksum of it); a drafter refuses to checkpoint a non-finite loss, so such
-    weights never replace good checkpoints.
-
-    Raises:
-        PermissionError: a file cannot be read (not damage: nothing is moved).
-    """
-    ckpt = Path(ckpt)
-    part = ""  # the file being checked, named in the problem (state.json / config.json: by the error)
-    try:
-        state = json.loads((ckpt / "state.json").read_text())
-        step = state.get("step") if isinstance(state, dict) else None
-        if type(step) is not int or step < 0:
-            return f"state.json: 'step' must be an integer >= 0, got {step!r}"
-        named = _STEP_DIR.match(ckpt.name)
-        if named and int(named.group(1)) != step:
-            return f"state.json says step {step} in a directory named {ckpt.name}"
-        if not isinstance(json.loads((ckpt / "drafter" / "config.json").read_text()), dict):
-            return "drafter/config.json is not a JSON object"
-        from safetensors import safe_open
-
-        part = "drafter/model.safetensors: "
-        with safe_open(str(ckpt / "drafter" / "model.safetensors"), framework="pt") as f:
-            f.keys()
-        part = "trainer.pt: "
-        with zipfile.ZipFile(ckpt / "trainer.pt") as z:
-            pickles = [n for n in z.namelist() if n.endswith("data.pkl")]
-            if not pickles:
-                return "trainer.pt: no data.pkl entry"
-            z.read(pickles[0])
-    except PermissionError:
-        raise  # not damage: the files may be fine (the caller reports it)
-    except Exception as exc:  # noqa: BLE001 - bad JSON, SafetensorError, BadZipFile, OSError: unusable either way
-        return f"{part}{type(exc).__name__}: {exc}"
-    return None
-
-
-def is_damage_error(exc: BaseException) -> bool:
-    """Whether an exception raised while loading a checkpoint means its files are damaged.
-
-    True for unreadable / truncated / corrupt files (missing file, bad JSON, safetensors header
-    errors, bad zip or pickle, torch's zip reader errors); False for everything else, e.g. out of
-    memory, or a model or optimizer state that does not fit (``RuntimeError`` / ``ValueError`` of
-    ``load_state_dict``: a config mismatch, not damage).
-    """
-    if isinstance(exc, pickle.UnpicklingError):  # torch's refusal of an unsupported type is not damage
-        return "Weights only load failed" not in str(exc)
-    if isinstance(exc, (FileNotFoundError, json.JSONDecodeError, EOFError, zipfile.BadZipFile)):
-        return True
-    if type(exc).__name__ == "SafetensorError":
-        return True
-    return isinstance(exc, RuntimeError) and "PytorchStreamReader" in str(exc)
-
-
-def quarantine(ckpt: Path, reason: str) -> Optional[Path]:
-    """Move a damaged checkpoint aside: ``step-X`` → ``step-X.damaged`` (``.damaged-2``, … if taken).
-
-    Writes ``DAMAGED.txt`` with ``reason`` inside and logs a warning. Several processes may find
-    the same damage at once: the first moves it, the others find it gone and return ``None``.
-
-    Returns:
-        the new path, or ``None`` when ``ckpt`` was already gone.
-
-    Raises:
-        CheckpointError: it cannot be renamed (read-only file system, permissions).
-    """
-    ckpt = Path(ckpt)
-    for n in range(1, 100):
-        dest = ckpt.with_name(ckpt.name + (".damaged" if n == 1 else f".damaged-{n}"))
-        if dest.exists():
-            continue
-        try:
-            os.rename(ckpt, dest)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # dest appeared meanwhile: the next name
-                continue
-            raise CheckpointError(f"checkpoint {ckpt} is damaged ({reason}) and cannot be moved aside: "
-                                  f"{type(exc).__name__}: {exc}; move it out of {ckpt.parent} by hand") from exc
-        try:
-            (dest / "DAMAGED.txt").write_text(f"{reason}\n")
-        except OSError:
-            pass
-        log.warning("checkpoint %s is damaged (%s): moved aside to %s", ckpt, reason, dest.name)
-        return dest
-    raise CheckpointError(f"checkpoint {ckpt} is damaged ({reason}) and cannot be moved aside: "
-                          f"{ckpt.name}.damaged … .damaged-99 all exist")
-
-
-def read_state(ckpt: Path) -> dict:
-    """``state.json`` of a checkpoint (``step``, ``epoch``, …)."""
-    return json.loads((Path(ckpt) / "state.json").read_text())
-
-
-def load_trainer_state(ckpt: Path, map_location: str | torch.device = "cpu") -> dict:
-    """``{"trainer": ..., "rng": ...}`` from ``trainer.pt`` (loaded without unpickling code)."""
-    return torch.load(Path(ckpt) / "trainer.pt", map_location=map_location, weights_only=True)
-
-
-# --------------------------------------------------------------------------- what a checkpoint was trained with
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint does not fit the tokenizer, chat template, thinking mode or target it is used with."""
-
-
-#: Identity fields a user may knowingly change (``--force``): the drafter still loads and runs, but
-#: what it learnt may not transfer (another chat template or thinking mode collapses acceptance).
-FORCIBLE = ("tokenizer.sha256", "chat_template.sha256", "enable_thinking", "target.architecture")
-#: What each identity field is, in a mismatch message.
-IDENTITY_NAMES = {
-    "tokenizer.size": "tokenizer size (tokens)",
-    "tokenizer.sha256": "tokenizer fingerprint (sha256 of its vocabulary and special tokens)",
-    "chat_template.sha256": "chat template (sha256)",
-    "enable_thinking": "thinking mode (data.enable_thinking)",
-    "target.architecture": "target architecture",
-    "target.num_layers": "target layer count",
-    "target.hidden_size": "target hidden size",
-    "target.vocab_size": "target vocabulary size (embedding rows)",
-    "target.layer_ids": "target layer ids (the drafter's context features)",
-}
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 (hex) of a tokenizer's vocabulary (token → id, sorted) and its special token ids.
-
-    Two tokenizers with the same fingerprint map every text to the same ids. Costs ~0.1 s for a
-    150k-token vocabulary.
-    """
-    vocab = sorted(tokenizer.get_vocab().items())
-    special = {name: getattr(tokenizer, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-
-def run_identity(tokenizer: Any = None, target_config: Any = None, layer_ids: Optional[list[int]] = None,
-                 enable_thinking: Optional[bool] = None) -> dict[str, Any]:
-    """What a drafter is trained with or used with, as flat ``{field: value}`` (see :data:`IDENTITY_NAMES`).
-
-    Args:
-        tokenizer: a Hugging Face tokenizer (``get_vocab``, ``chat_template``, ``len``); ``None``
-            leaves out the tokenizer and template fields.
-        target_config: the target's Hugging Face config (no weights needed); ``None`` leaves out
-            the target fields.
-        layer_ids: the target layers feeding the drafter; ``None`` leaves the field out.
-        enable_thinking: ``data.enable_thinking`` (``None`` = the template's default).
-
-    Returns:
-        JSON-serialisable values; fields left out are not compared by :func:`check_fits`.
-    """
-    out: dict[str, Any] = {"enable_thinking": enable_thinking}
-    if tokenizer is not None:
-        template = getattr(tokenizer, "chat_template", None)
-        if isinstance(template, dict):  # several named templates
-            template = json.dumps(template, sort_keys=True)
-        out["tokenizer.size"] = len(tokenizer)
-        out["tokenizer.sha256"] = tokenizer_fingerprint(tokenizer)
-        out["chat_template.sha256"] = (hashlib.sha256(template.encode("utf-8")).hexdigest()
-                                       if isinstance(template, str) else None)
-    if target_config is not None:
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        archs = getattr(target_config, "architectures", None) or [type(target_config).__name__]
-        out["target.architecture"] = str(archs[0])
-        out["target.num_layers"] = int(text.num_hidden_layers)
-        out["target.hidden_size"] = int(text.hidden_size)
-        out["target.vocab_size"] = int(text.vocab_size)
-    if layer_ids is not None:
-        out["target.layer_ids"] = [int(i) for i in layer_ids]
-    return out
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, str) and len(value) == 64:  # a sha256
-        return value[:12]
-    return json.dumps(value)
-
-
-def _checkpoint_root(path: Path) -> Path:
-    """The training checkpoint directory of ``path`` (itself, or the parent of its ``drafter/``)."""
-    path = Path(path)
-    if not (path / "state.json").is_file() and (path.parent / "state.json").is_file():
-        return path.parent
-    return path
-
-
-def trained_with(checkpoint_dir: Path) -> dict[str, Any]:
-    """The ``trained_with`` record of a checkpoint (:func:`run_identity` at training time).
-
-    Args:
-        checkpoint_dir: ``runs/<name>/checkpoints/step-XXXXXXXX`` or its ``drafter/`` directory.
-
-    Returns:
-        ``{field: value}``; empty when the checkpoint records none or its ``state.json`` is
-        missing or unreadable (a bare drafter directory).
-    """
-    try:
-        return dict(read_state(_checkpoint_root(checkpoint_dir)).get("trained_with") or {})
-    except (OSError, ValueError):
-        return {}
-
-
-def check_fits(checkpoint_dir: Path, identity: dict[str, Any], force: bool = False) -> list[str]:
-    """Check that a checkpoint fits what it is about to be used with; stop with one line if not.
-
-    Compares the checkpoint's ``state.json`` ``trained_with`` record with ``identity``
-    (:func:`run_identity` of the tokenizer, target and thinking mode in use). Fields left out on
-    either side are not compared (a checkpoint that records nothing is only checked for the
-    vocabulary below). Independently, a tokenizer with more tokens than the drafter's target
-    embedding has rows (``drafter/config.json`` ``vocab_size``) is refused: its ids would index
-    past the embedding.
-
-    Args:
-        checkpoint_dir: ``runs/<name>/checkpoints/step-XXXXXXXX`` or its ``drafter/`` directory.
-        identity: what is used now (:func:`run_identity`).
-        force: accept differences in :data:`FORCIBLE` fields (tokenizer fingerprint, chat template,
-            thinking mode, architecture name); they are returned so the caller can log them.
-
-    Returns:
-        The differences accepted because of ``force`` (empty when everything fits).
-
-    Raises:
-        CheckpointMismatch: one line naming the checkpoint and each difference, and ``--force``
-            where every difference is one a user may knowingly accept.
-    """
-    root = _checkpoint_root(checkpoint_dir)
-    saved = trained_with(root)
-    try:
-        drafter_cfg = json.loads(((root / "drafter") if (root / "drafter").is_dir() else root).joinpath(
-            "config.json").read_text())
-        if isinstance(drafter_cfg.get("vocab_size"), int):
-            saved.setdefault("target.vocab_size", drafter_cfg["vocab_size"])
-    except (OSError, ValueError):
-        pass
-    hard, soft = [], []
-    size, rows = identity.get("tokenizer.size"), saved.get("target.vocab_size")
-    if isinstance(size, int) and isinstance(rows, int) and size > rows:
-        hard.append(f"the tokenizer has {size} tokens but the drafter's target embedding has {rows} rows "
-                    f"(another tokenizer than the one it was trained with?)")
-    for key, name in IDENTITY_NAMES.items():
-        if key in saved and key in identity and saved[key] != identity[key]:
-            text = f"{name}: checkpoint {_short(saved[key])}, now {_short(identity[key])}"
-            (soft if key in FORCIBLE else hard).append(text)
-    if hard or (soft and not force):
-        hint = " (pass --force to use it anyway)" if soft and not hard else ""
-        raise CheckpointMismatch(f"{root} does not fit what it is used with: {'; '.join(hard + soft)}{hint}")
-    for text in soft:
-        log.warning("%s was trained with another %s (--force)", root, text)
-    return soft

@@ -50,7 +50,7 @@ STOP_GRACE_S = 20.0
 RESUME_KEYS = ("dataset", "target", "tokenizer", "enable_thinking", "max_new_tokens", "temperature", "top_p",
                "seed", "max_turns", "max_prompt_tokens")
 #: Compared on a restart only when the previous run recorded them: what the tokenizer and its chat
-#: template are (``dflash.training.checkpoint.run_identity``), not only how they were named.
+#: template are (``dflash.training.checkpoint_identity.run_identity``), not only how they were named.
 IDENTITY_KEYS = ("tokenizer.sha256", "chat_template.sha256")
 #: Option flags of the command line taken from same-named attributes (always given / only when set).
 VALUE_FLAGS = ("max_new_tokens", "temperature", "top_p", "seed", "batch_size")
@@ -131,7 +131,7 @@ def _wanted_options(args: argparse.Namespace, cfg: RunConfig, options: Generatio
     """The options record of this run (with the tokenizer's identity), after ``--overwrite`` has
     deleted an existing output; None (logged) when the existing output was made with other options."""
     from dflash.data.tokenizer import load_tokenizer
-    from dflash.training.checkpoint import run_identity
+    from dflash.training.checkpoint_identity import run_identity
 
     sidecar = output.with_name(output.name + ".regen.json")
     wanted = _options_record(cfg, options)
