@@ -33,11 +33,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from dflash.config import ConfigError, RunConfig
 from dflash.data.conversations import conversation_hash, normalize_conversation
@@ -49,8 +48,10 @@ from dflash.data.report import (
     drop_example, row_id,
 )
 from dflash.data.sources import SHAREGPT, dataset_path, read_rows
-from dflash.data.tokenizer import tokenizer_fingerprint
 from dflash.utils import atomic_write_text, file_lock
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["TokenizedCorpus", "PreparedData", "prepare_cache", "load_prepared", "prepare_data", "read_meta",
            "tokenize_rows", "TOKENIZER_FACTS"]
@@ -314,6 +315,8 @@ def prepare_cache(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase,
 def _prepare_cache(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, tokenizer_facts: Optional[dict[str, Any]],
                    ) -> tuple[Path, Optional[tuple[dict[str, np.ndarray], DataReport]]]:
     """:func:`prepare_cache`, and the arrays and report when this call tokenised them (else None)."""
+    from dflash.data.tokenizer import tokenizer_fingerprint  # transformers' tokenizers: only where one is used
+
     path = dataset_path(cfg.data.dataset)
     fingerprint = tokenizer_fingerprint(tokenizer)
     key = cache_key(cfg, path, fingerprint)

@@ -6,6 +6,7 @@ Shared by the reference trainer and the workers, so both build exactly the same 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -75,8 +76,13 @@ def build_batch_plans(cfg: RunConfig, tokenizer: Any = None, log_report: bool = 
             no complete cache, …).
     """
     from dflash.data.corpus import load_prepared, prepare_data
-    from dflash.data.tokenizer import load_tokenizer
 
+    def load_tokenizer(target_cfg):  # transformers' tokenizers are imported only when one is loaded
+        from dflash.data.tokenizer import load_tokenizer as load
+
+        return load(target_cfg)
+
+    started = time.perf_counter()
     if cache_dir is not None:
         data = load_prepared(cache_dir, cfg, log_report)
         facts = data.tokenizer_facts
@@ -89,6 +95,8 @@ def build_batch_plans(cfg: RunConfig, tokenizer: Any = None, log_report: bool = 
         facts = tokenizer_facts(tokenizer)
         data = prepare_data(cfg, tokenizer, log_report, facts)
     pad_id = int(facts["pad_id"])
+    log.log(logging.INFO if cache_dir is not None else logging.DEBUG, "data from %s in %.2f s (%s)", data.cache_path,
+            time.perf_counter() - started, "tokenizer loaded" if tokenizer is not None else "no tokenizer loaded")
     rows, seq = cfg.rows_per_batch, cfg.data.max_length
     train = BatchPlan(data.train, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)
     heldout = (BatchPlan(data.heldout, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)
