@@ -44,10 +44,13 @@ class LocalCluster:
         run_dir: the run directory (logs, checkpoints, ``cluster.json``).
         control_endpoint: the coordinator's ROUTER endpoint the workers connect to.
         supervisor: starts the processes and forwards their output.
+        data_cache: the tokenised-data cache directory the launcher prepared, handed to every worker
+            (``--data-cache``; on a filesystem every node sees, as the run directory is); None: each
+            worker prepares the data itself.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, control_endpoint: str, supervisor: Supervisor,
-                 node_addr: Optional[str] = None):
+                 node_addr: Optional[str] = None, data_cache: Optional[Path] = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.supervisor = supervisor
@@ -62,6 +65,8 @@ class LocalCluster:
                           if t in self.local}
         self.control_endpoint = control_endpoint
         self.common = ["--run-dir", str(run_dir), "--control", control_endpoint]
+        if data_cache is not None:
+            self.common += ["--data-cache", str(Path(data_cache).resolve())]
         #: the drafter group's torch.distributed rendezvous (hosted by drafter.0's node)
         self.master_addr = self.node_addr
         self.master_port = free_port(self.node_addr)

@@ -140,14 +140,15 @@ class NodeCluster(LocalCluster):
     """The coordinator's cluster control over every node (see the module docstring).
 
     Args:
-        cfg, run_dir, supervisor: as :class:`LocalCluster` (node 0's workers).
+        cfg, run_dir, supervisor, data_cache: as :class:`LocalCluster` (node 0's workers).
         sock: the coordinator's bound control socket (the node launchers connect to it too).
         rdzv: this launch's rendezvous (node 0).
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, sock: CoordinatorSocket, supervisor: Supervisor,
-                 rdzv: Rendezvous):
-        super().__init__(cfg, run_dir, rdzv.control_endpoint, supervisor, node_addr=rdzv.node_addr)
+                 rdzv: Rendezvous, data_cache: Optional[Path] = None):
+        super().__init__(cfg, run_dir, rdzv.control_endpoint, supervisor, node_addr=rdzv.node_addr,
+                         data_cache=data_cache)
         self.sock = sock
         self.timeout_s = cfg.transport.peer_timeout_s
         self.beat_s = cfg.transport.heartbeat_s

@@ -78,6 +78,8 @@ class Prepared:
     launch: LaunchPlan
     batches_per_epoch: list[int]
     heldout_batches: int
+    #: the tokenised-data cache directory, handed to every worker
+    data_cache: Optional[Path] = None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,7 +236,7 @@ def prepare_launch(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], force: b
         raise LaunchRefused(f"--resume: {ckpt}: {exc} (train.epochs / data.* differ from the run's?)") from None
     for note in notes:
         log.warning("%s", note)
-    return Prepared(plan, launch, batches_per_epoch, heldout_batches)
+    return Prepared(plan, launch, batches_per_epoch, heldout_batches, plans.data.cache_path)
 
 
 def derived_values(cfg: RunConfig, prepared: Prepared) -> dict:
@@ -268,7 +270,8 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
         except zmq.ZMQError as exc:
             log.error("cannot bind the coordinator at port %d (--master-port): %s", rdzv.master_port, exc)
             return 1
-        control = NodeCluster(cfg, run_dir, sock, Supervisor(run_dir / "logs", progress.write), rdzv)
+        control = NodeCluster(cfg, run_dir, sock, Supervisor(run_dir / "logs", progress.write), rdzv,
+                              data_cache=prepared.data_cache)
         try:
             control.wait_for_nodes(cfg.cluster.node_join_timeout_s)
         except NodeLost as exc:
@@ -278,7 +281,8 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
             return 1
     else:
         sock = CoordinatorSocket(cfg.transport.host)
-        control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir / "logs", progress.write))
+        control = LocalCluster(cfg, run_dir, sock.endpoint, Supervisor(run_dir / "logs", progress.write),
+                               data_cache=prepared.data_cache)
     control.start_all(ckpt)
     control.write_info()
     recorder = RunRecorder(run_dir, start_wandb(cfg, run_dir, derived_values(cfg, prepared), ckpt is not None),

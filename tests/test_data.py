@@ -712,3 +712,68 @@ def test_data_command_prints_the_report(smollm2, tmp_path, capsys):
     assert written["dropped"] == report.dropped and written["heldout_twins"] == 0
     assert written["rows_read"] == report.rows_read == report.conversations + report.num_dropped
     assert cluster.main(["data", *overrides, "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+# --------------------------------------------------------------------------- the launcher prepares, workers load
+
+
+def test_workers_load_the_launchers_cache_without_a_tokenizer(smollm2, tmp_path, monkeypatch):
+    """``build_batch_plans(cache_dir=...)`` (a worker) reads the cache the launcher's
+    ``build_batch_plans`` made: the same split, batches, pad id and run identity, with no tokenizer
+    loaded and nothing tokenised."""
+    from dflash.training import factory
+    from dflash.training.checkpoint_identity import run_identity
+
+    cfg = make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path, max_length=64, heldout_conversations=1)
+    cfg.data.token_budget = 128
+    launcher = factory.build_batch_plans(cfg, smollm2)
+    meta = json.loads((launcher.data.cache_path / "meta.json").read_text())
+    identity = {k: v for k, v in run_identity(smollm2).items() if k != "enable_thinking"}
+    assert meta[data_mod.TOKENIZER_FACTS] == {"pad_id": factory.pad_token_id(smollm2), "size": len(smollm2),
+                                              "identity": identity}
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a worker tokenised or loaded the tokenizer")
+
+    monkeypatch.setattr(data_mod, "tokenize_rows", must_not_run)
+    monkeypatch.setattr("dflash.data.tokenizer.load_tokenizer", must_not_run)
+    worker = factory.build_batch_plans(cfg, log_report=False, cache_dir=launcher.data.cache_path)
+    assert worker.tokenizer is None and worker.data.report.from_cache
+    assert (worker.pad_id, worker.tokenizer_size, worker.tokenizer_identity) == (
+        factory.pad_token_id(smollm2), len(smollm2), identity)
+    for split in ("train", "heldout"):
+        a, b = getattr(launcher.data, split), getattr(worker.data, split)
+        assert len(a) == len(b) > 0
+        assert [a.source_row(i) for i in range(len(a))] == [b.source_row(i) for i in range(len(b))]
+        for i in range(len(a)):
+            for x, y in zip(a.get(i), b.get(i)):
+                assert torch.equal(x, y)
+    assert launcher.train.num_batches(0) == worker.train.num_batches(0) > 0
+    for batch_id in range(launcher.train.num_batches(0)):
+        for key, value in launcher.train.batch(0, batch_id).to_dict().items():
+            assert torch.equal(value, worker.train.batch(0, batch_id).to_dict()[key]), (batch_id, key)
+    # The drafter's run identity without a tokenizer is the launcher's with it.
+    assert (run_identity(None, None, [1], False, tokenizer_identity=worker.tokenizer_identity)
+            == run_identity(smollm2, None, [1], False))
+
+
+def test_cache_without_tokenizer_facts_loads_the_tokenizer(smollm2, tmp_path, monkeypatch):
+    """A cache made without facts (reference trainer, ``data`` command, a read-only cache) still
+    serves a worker: it loads the tokenizer for the pad id and the identity."""
+    from dflash.training import factory
+
+    cfg = make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path, max_length=64, heldout_conversations=1)
+    directory = data_mod.prepare_cache(cfg, smollm2)
+    assert data_mod.TOKENIZER_FACTS not in data_mod.read_meta(directory)
+    loads = []
+    monkeypatch.setattr("dflash.data.tokenizer.load_tokenizer", lambda target_cfg: loads.append(1) or smollm2)
+    worker = factory.build_batch_plans(cfg, log_report=False, cache_dir=directory)
+    assert loads == [1] and worker.pad_id == factory.pad_token_id(smollm2) and worker.tokenizer_size == len(smollm2)
+
+
+def test_load_prepared_refuses_a_directory_without_a_cache(tmp_path):
+    cfg = make_cfg(str(FIXTURES / "bad_rows.jsonl"), tmp_path)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "tokens.npy").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"data cache: .*half holds no complete tokenised corpus"):
+        data_mod.load_prepared(tmp_path / "half", cfg)

@@ -488,3 +488,21 @@ def test_status_of_an_ended_run_names_a_damaged_checkpoint(tmp_path):
     assert text.endswith("--resume moves it aside and continues from the previous one; continue it with --resume "
                          "(python -m launch.cluster --config <its config> --resume)")
     assert ckpt.is_dir()  # status only looks
+
+
+def test_every_worker_gets_the_launchers_data_cache(tmp_path):
+    """The launcher's cache directory is on every worker's command line (and in ``cluster.json``,
+    which ``restart`` reuses); without one the workers prepare the data themselves."""
+    from launch.local_cluster import CLUSTER_FILE, LocalCluster
+
+    cfg = load_config(None, [*TINY, "cluster.drafters=[0, 1]"], gpu_count=0)
+    cache = tmp_path / "data" / "0123456789abcdef"
+    cluster_ = LocalCluster(cfg, tmp_path, "tcp://127.0.0.1:1", supervisor=None, data_cache=cache)
+    cluster_.write_info()
+    saved = json.loads((tmp_path / CLUSTER_FILE).read_text())["workers"]
+    assert sorted(saved) == ["drafter.0", "drafter.1", "target.0"]
+    for name, worker in saved.items():
+        args = cluster_.spec(name).args
+        assert args[args.index("--data-cache") + 1] == str(cache.resolve()) and worker["args"] == args
+    plain = LocalCluster(cfg, tmp_path, "tcp://127.0.0.1:1", supervisor=None)
+    assert all("--data-cache" not in plain.spec(name).args for name in saved)

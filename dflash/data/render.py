@@ -26,13 +26,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from jinja2.exceptions import TemplateError
-from transformers import PreTrainedTokenizerBase
 
 from dflash.data.report import NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, TEMPLATE_MISMATCH
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["ChatRenderer", "end_of_turn_tokens", "encode_prefix", "stop_token_ids", "tokenize_conversation"]
 

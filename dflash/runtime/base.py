@@ -60,6 +60,9 @@ class WorkerContext:
     resume_from: Optional[Path]
     stats: dict
     endpoint: Optional[str] = None
+    #: the tokenised-data cache directory the launcher prepared (``--data-cache``); None: the
+    #: worker prepares the data itself
+    data_cache: Optional[Path] = None
 
     def stop_heartbeat(self) -> None:
         """Stop the heartbeat; from here on the worker is exiting and ignores SIGTERM."""
@@ -103,7 +106,8 @@ def _on_sigterm(signum: int, _frame) -> None:
 
 
 def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
-    """Parse ``--run-dir --rank --control [--resume-from]``, set everything up, say hello.
+    """Parse ``--run-dir --rank --control [--resume-from] [--endpoint] [--data-cache]``, set everything
+    up, say hello.
 
     The config is ``<run_dir>/config.yaml`` (written by the launcher, already validated).
     """
@@ -113,6 +117,8 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
     parser.add_argument("--control", required=True, help="coordinator endpoint, tcp://host:port")
     parser.add_argument("--resume-from", type=Path, default=None)
     parser.add_argument("--endpoint", default=None, help="target: slot-ring endpoint to bind (stable across restarts)")
+    parser.add_argument("--data-cache", type=Path, default=None,
+                        help="the tokenised-data cache directory the launcher prepared (read, never written)")
     args = parser.parse_args(argv)
     name = f"{role}.{args.rank}"
     set_parent_death_signal(signal.SIGKILL)
@@ -140,7 +146,7 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
     log.info("%s starting on %s (pid %d, %d torch threads)", name, device, os.getpid(), torch.get_num_threads())
     ctx = WorkerContext(cfg=cfg, name=name, role=role, rank=args.rank, run_dir=args.run_dir, device=device,
                         link=link, incarnation=inc, resume_from=args.resume_from, stats=stats,
-                        endpoint=args.endpoint)
+                        endpoint=args.endpoint, data_cache=args.data_cache)
     ctx._hb_stop = stop  # type: ignore[attr-defined]
     return ctx
 

@@ -72,7 +72,7 @@ class DrafterWorker:
                                 timeout=COLLECTIVE_TIMEOUT, **kwargs)
         log.info("joined the drafter group: rank %d of %d (%s)", self.rank, self.world, backend)
 
-        plans = build_batch_plans(cfg, log_report=False)
+        plans = build_batch_plans(cfg, log_report=False, cache_dir=ctx.data_cache)
         self.batches_per_epoch = [plans.train.num_batches(e) for e in range(cfg.train.epochs)]
         launch = LaunchPlan.read(ctx.run_dir)  # the launcher's plan: steps and LR schedule of this launch
         if launch is None:
@@ -87,11 +87,12 @@ class DrafterWorker:
         text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
         layer_ids = resolve_layer_ids(cfg.target.layer_ids, int(text.num_hidden_layers), cfg.drafter.num_layers)
         #: what this drafter is trained with (state.json ``trained_with``)
-        self.identity = run_identity(plans.tokenizer, tc, layer_ids, cfg.data.enable_thinking)
+        self.identity = run_identity(plans.tokenizer, tc, layer_ids, cfg.data.enable_thinking,
+                                     tokenizer_identity=plans.tokenizer_identity)
         feature_dtype = resolve_dtype(cfg.target.dtype, self.device)
         self.spec = slot_spec(cfg, len(layer_ids) * int(text.hidden_size), feature_dtype)
         embed, head = load_embedding_and_head(cfg.target, self.device)
-        self.model = build_drafter(cfg, embed, head, len(plans.tokenizer), self.device, tc)
+        self.model = build_drafter(cfg, embed, head, plans.tokenizer_size, self.device, tc)
         self.trainer = DrafterTrainer(self.model, cfg.train, cfg.drafter, max(1, self.total_steps), self.device,
                                       weight_sum_reduce=self._all_reduce, grad_sync=self._grad_sync,
                                       schedule=self.schedule)

@@ -1,6 +1,6 @@
 """Target worker: one process per target GPU (or CPU process). One loop.
 
-Start-up: load the target, build the batch plans (from the tokenised-data cache), compile and
+Start-up: build the batch plans (from the launcher's tokenised-data cache), load the target, compile and
 warm up the forward in this main thread (``torch.compile(mode="reduce-overhead")`` on GPU when
 ``target.compile``), export the slot ring, say READY with the ring's endpoint.
 
@@ -41,7 +41,7 @@ class TargetWorker:
         self.ctx = ctx
         cfg = ctx.cfg
         self.device = ctx.device
-        self.plans = build_batch_plans(cfg, log_report=False)
+        self.plans = build_batch_plans(cfg, log_report=False, cache_dir=ctx.data_cache)
         self.target = load_target(cfg.target, self.device, num_drafter_layers=cfg.drafter.num_layers)
         self.spec = slot_spec(cfg, self.target.feature_size, self.target.dtype)
         # Static inputs: the compiled forward always reads the same addresses.

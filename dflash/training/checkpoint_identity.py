@@ -57,7 +57,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def run_identity(tokenizer: Any = None, target_config: Any = None, layer_ids: Optional[list[int]] = None,
-                 enable_thinking: Optional[bool] = None) -> dict[str, Any]:
+                 enable_thinking: Optional[bool] = None,
+                 tokenizer_identity: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """What a drafter is trained with or used with, as flat ``{field: value}`` (see :data:`IDENTITY_NAMES`).
 
     Args:
@@ -67,6 +68,8 @@ def run_identity(tokenizer: Any = None, target_config: Any = None, layer_ids: Op
             the target fields.
         layer_ids: the target layers feeding the drafter; ``None`` leaves the field out.
         enable_thinking: ``data.enable_thinking`` (``None`` = the template's default).
+        tokenizer_identity: the tokenizer and template fields of an earlier ``run_identity(tokenizer)``,
+            used when ``tokenizer`` is ``None`` (a worker that has not loaded the tokenizer).
 
     Returns:
         JSON-serialisable values; fields left out are not compared by :func:`check_fits`.
@@ -80,6 +83,8 @@ def run_identity(tokenizer: Any = None, target_config: Any = None, layer_ids: Op
         out["tokenizer.sha256"] = tokenizer_fingerprint(tokenizer)
         out["chat_template.sha256"] = (hashlib.sha256(template.encode("utf-8")).hexdigest()
                                        if isinstance(template, str) else None)
+    elif tokenizer_identity is not None:
+        out.update({k: tokenizer_identity[k] for k in ("tokenizer.size", "tokenizer.sha256", "chat_template.sha256")})
     if target_config is not None:
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         archs = getattr(target_config, "architectures", None) or [type(target_config).__name__]

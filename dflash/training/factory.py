@@ -6,7 +6,9 @@ Shared by the reference trainer and the workers, so both build exactly the same 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -14,7 +16,8 @@ import torch
 from dflash.data.batching import BatchPlan, batch_tensor_specs
 from dflash.config import RunConfig
 
-__all__ = ["DataPlans", "build_batch_plans", "slot_spec", "target_hf_config", "build_drafter", "pad_token_id"]
+__all__ = ["DataPlans", "build_batch_plans", "slot_spec", "target_hf_config", "build_drafter", "pad_token_id",
+           "tokenizer_facts"]
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +29,14 @@ class DataPlans:
     data: Any  # dflash.data.corpus.PreparedData
     train: BatchPlan
     heldout: Optional[BatchPlan]
+    #: the target's tokenizer; None when the plans come from the launcher's cache (:func:`build_batch_plans`
+    #: ``cache_dir``) with its tokenizer facts
     tokenizer: Any
     pad_id: int
+    #: ``len(tokenizer)``: the tokens the tokenizer can produce
+    tokenizer_size: int = 0
+    #: the tokenizer fields of :func:`dflash.training.checkpoint.run_identity`
+    tokenizer_identity: dict = field(default_factory=dict)
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -38,25 +47,62 @@ def pad_token_id(tokenizer: Any) -> int:
     return 0
 
 
-def build_batch_plans(cfg: RunConfig, tokenizer: Any = None, log_report: bool = True) -> DataPlans:
+def tokenizer_facts(tokenizer: Any) -> dict[str, Any]:
+    """What the workers need of the tokenizer, as JSON values: ``pad_id`` (:func:`pad_token_id`),
+    ``size`` (``len(tokenizer)``) and ``identity`` (the tokenizer fields of
+    :func:`dflash.training.checkpoint.run_identity`). Stored in the data cache's ``meta.json`` by the
+    launcher (:func:`dflash.data.corpus.prepare_cache`) so that workers need not load the tokenizer."""
+    from dflash.training.checkpoint_identity import run_identity
+
+    identity = run_identity(tokenizer)
+    identity.pop("enable_thinking")
+    return {"pad_id": pad_token_id(tokenizer), "size": len(tokenizer), "identity": identity}
+
+
+def build_batch_plans(cfg: RunConfig, tokenizer: Any = None, log_report: bool = True,
+                      cache_dir: Optional[Path] = None) -> DataPlans:
     """Tokenise ``cfg.data`` (or load the cache) and plan its batches.
+
+    With ``cache_dir`` (a directory :func:`dflash.data.corpus.prepare_cache` made: workers, given it
+    by the launcher) only the cached arrays are read (:func:`dflash.data.corpus.load_prepared`); the
+    tokenizer is loaded only when the cache's ``meta.json`` lacks the launcher's
+    :func:`tokenizer_facts`. Without it the tokenizer (``tokenizer``, else loaded from
+    ``cfg.target``) finds or makes the cache and its facts are stored there.
 
     ``log_report=False`` logs the data report at DEBUG (workers: the launcher already logged it).
 
     Raises:
-        ConfigError: from data preparation (missing dataset, nothing usable, …).
+        ConfigError: from data preparation (missing dataset, nothing usable, ``cache_dir`` holding
+            no complete cache, …).
     """
-    from dflash.data.corpus import prepare_data
-    from dflash.data.tokenizer import load_tokenizer
+    from dflash.data.corpus import load_prepared, prepare_data
 
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
-    data = prepare_data(cfg, tokenizer, log_report)
-    pad_id = pad_token_id(tokenizer)
+    def load_tokenizer(target_cfg):  # transformers' tokenizers are imported only when one is loaded
+        from dflash.data.tokenizer import load_tokenizer as load
+
+        return load(target_cfg)
+
+    started = time.perf_counter()
+    if cache_dir is not None:
+        data = load_prepared(cache_dir, cfg, log_report)
+        facts = data.tokenizer_facts
+        if not facts:
+            log.info("%s has no tokenizer facts: loading the tokenizer", Path(cache_dir) / "meta.json")
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
+            facts = tokenizer_facts(tokenizer)
+    else:
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
+        facts = tokenizer_facts(tokenizer)
+        data = prepare_data(cfg, tokenizer, log_report, facts)
+    pad_id = int(facts["pad_id"])
+    log.log(logging.INFO if cache_dir is not None else logging.DEBUG, "data from %s in %.2f s (%s)", data.cache_path,
+            time.perf_counter() - started, "tokenizer loaded" if tokenizer is not None else "no tokenizer loaded")
     rows, seq = cfg.rows_per_batch, cfg.data.max_length
     train = BatchPlan(data.train, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)
     heldout = (BatchPlan(data.heldout, rows=rows, seq_len=seq, seed=cfg.data.seed, pad_id=pad_id)
                if len(data.heldout) else None)
-    return DataPlans(data=data, train=train, heldout=heldout, tokenizer=tokenizer, pad_id=pad_id)
+    return DataPlans(data=data, train=train, heldout=heldout, tokenizer=tokenizer, pad_id=pad_id,
+                     tokenizer_size=int(facts["size"]), tokenizer_identity=dict(facts["identity"]))
 
 
 def slot_spec(cfg: RunConfig, feature_size: int, feature_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

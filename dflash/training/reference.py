@@ -97,7 +97,7 @@ def run_reference(cfg: RunConfig, device: str | torch.device = "cpu", num_replic
     if assignments is None:
         assignments = [(a.epoch, a.batch_ids) for a in map(plan.assignment, range(plan.total_steps))]
     total = len(assignments) if steps is None else min(steps, len(assignments))
-    model = build_drafter(cfg, target.embed_tokens, target.lm_head, len(plans.tokenizer), device, target.config)
+    model = build_drafter(cfg, target.embed_tokens, target.lm_head, plans.tokenizer_size, device, target.config)
     trainer = DrafterTrainer(model, cfg.train, cfg.drafter, max(1, len(assignments)), device, schedule=schedule)
     result = ReferenceResult(model=model, trainer=trainer)
     if evaluate:
