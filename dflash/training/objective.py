@@ -153,7 +153,7 @@ def loss_denominator(valid: Tensor, gamma: float, weighting: str = "decay") -> T
     CE (DFlash paper §4). ``"dpace"``: the number of blocks with a valid block position, so the loss is the
     mean over blocks of ``Σ_k w_k CE_k`` (its weights depend on the forward pass, so ``Σ w``
     cannot be the denominator of an all-reduced loss; the D-PACE author's proposal in
-    SpecForge issue 828, "normalize by the number of valid sampled anchors").
+    sgl-project/SpecForge issue #828, "normalize by the number of valid sampled anchors").
 
     Raises:
         ValueError: unknown ``weighting``.
