@@ -81,6 +81,9 @@ def test_fused_weights_are_views_and_model_forward_is_unchanged():
     attn = model.model.layers[1].self_attn
     assert attn.k_proj.weight.data_ptr() == layers[1].wqkv[attn.q_proj.out_features:].data_ptr()
     torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+    again = fuse_layers(model.model.layers, model.config, attention="matmul")  # a second decoder
+    assert again[1].wqkv is layers[1].wqkv and again[1].w_gate_up is layers[1].w_gate_up
+    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
 
 
 def test_unsupported_layers_fall_back():

@@ -42,6 +42,8 @@ ATTENTION = "sdpa"
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+#: Attribute of a decoder layer holding its fused tensors ``(wqkv, bqkv, w_gate_up, b_gate_up)``.
+FUSED_ATTR = "_dflash_fused"
 #: Config attributes that change a layer's math in ways this module does not implement.
 _UNSUPPORTED_CONFIG = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
 
@@ -125,8 +127,13 @@ class FusedDecoderLayer(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.heads, self.kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
         self.scaling = float(getattr(attn, "scaling", head_dim ** -0.5))
-        self.wqkv, self.bqkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.w_gate_up, self.b_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        # Fused once per layer: a second decoder over the same model (target-only, then speculative)
+        # reuses the tensors the linears already point into instead of copying the weights again.
+        fused = getattr(layer, FUSED_ATTR, None)
+        if fused is None:
+            fused = (*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), *_fuse([mlp.gate_proj, mlp.up_proj]))
+            object.__setattr__(layer, FUSED_ATTR, fused)
+        self.wqkv, self.bqkv, self.w_gate_up, self.b_gate_up = fused
         self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
