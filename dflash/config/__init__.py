@@ -98,7 +98,8 @@ def parse_overrides(overrides: list[str]) -> dict:
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML: {problem}") from None
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:

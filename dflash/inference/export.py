@@ -141,7 +141,7 @@ def check_out_dir(out: Path, src: Path) -> None:
         d = d.parent  # the whole training checkpoint is protected, not only its drafter/
     if o == d or d.is_relative_to(o) or o.is_relative_to(d):
         raise ValueError(f"--out {out}: would replace or nest in the drafter it exports ({src}); "
-                         f"choose a directory outside the run")
+                         f"choose a directory outside that checkpoint")
     if o.exists() and not o.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")
     if o.is_dir():

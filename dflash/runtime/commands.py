@@ -1,4 +1,5 @@
-"""Control commands of a running cluster (``python -m launch.cluster status | stop | restart | detach``).
+"""Control commands of a running cluster (``python -m launch.cluster status | stop | restart | attach``;
+``attach`` sends ``detach``, then runs the worker in the foreground).
 
 Each command is one handler in a table (command name → method); an unknown command, or one the
 run's state refuses, gets a reply with ``ok: false`` and a line saying why. Every reply carries
