@@ -210,7 +210,8 @@ def control(args: argparse.Namespace) -> int:
 
     Returns:
         0 done (``attach`` does not return: this process becomes the worker), 1 no running cluster
-        or the coordinator refused, :data:`EXIT_BROKEN_PIPE` when stdout was closed early.
+        or the coordinator refused, :data:`EXIT_CONFIG` (2) a bad config or a run directory that
+        does not exist, :data:`EXIT_BROKEN_PIPE` when stdout was closed early.
     """
     from dflash.config import ConfigError, load_config
     from dflash.logs import setup_logging
@@ -220,9 +221,16 @@ def control(args: argparse.Namespace) -> int:
     worker = getattr(args, "worker", None)
     try:
         run_dir = Path(args.run_dir or load_config(args.config, args.overrides, gpu_count=0).resolved_run_dir())
+    except ConfigError as exc:
+        log.error("config error: %s", exc)
+        return EXIT_CONFIG
+    if not run_dir.is_dir():
+        log.error("no running cluster: %s does not exist", run_dir.resolve())
+        return EXIT_CONFIG
+    try:
         cmd = "detach" if args.command == "attach" else args.command
         reply = control_request(run_dir.resolve(), cmd, {"worker": worker} if worker else {})
-    except (RuntimeError, ConfigError) as exc:
+    except RuntimeError as exc:
         log.error("%s", exc)
         return 1
     if not reply["ok"]:

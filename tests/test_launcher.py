@@ -392,10 +392,10 @@ def _ended_run(run_dir: Path, max_steps: int, step: int = 300) -> Path:
     return ckpt
 
 
-def _status_error(run_dir: Path, monkeypatch, caplog) -> str:
+def _status_error(run_dir: Path, monkeypatch, caplog, code: int = 1) -> str:
     monkeypatch.setenv("DFLASH_WORKER", "test")
     with caplog.at_level("ERROR"):
-        assert cluster.main(["status", "--run-dir", str(run_dir)]) == 1
+        assert cluster.main(["status", "--run-dir", str(run_dir)]) == code
     (message,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     return message
 
@@ -421,7 +421,7 @@ def test_status_without_a_run(tmp_path, monkeypatch, caplog):
     assert _status_error(tmp_path, monkeypatch, caplog) == (
         f"no running cluster in {tmp_path.resolve()} (cluster.json is missing)")
     caplog.clear()
-    assert _status_error(tmp_path / "nope", monkeypatch, caplog) == (
+    assert _status_error(tmp_path / "nope", monkeypatch, caplog, code=2) == (
         f"no running cluster: {(tmp_path / 'nope').resolve()} does not exist")
 
 

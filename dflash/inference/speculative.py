@@ -108,6 +108,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("%s", exc)
         return 2
     dcfg = DFlashDraftModel.load_config(drafter_dir)
+    ignored = [o for o in args.overrides if o.split("=", 1)[0].startswith("drafter.")]
+    if ignored:  # the drafter's shape and block size are the checkpoint's
+        log.warning("ignored %s: the drafter is %s's (block size %d, %d layers)", ", ".join(ignored), drafter_dir,
+                    dcfg.block_size, dcfg.num_hidden_layers)
     device = torch.device(args.device or ("cuda" if cfg.cluster.device != "cpu" and torch.cuda.is_available()
                                           else "cpu"))
     tokenizer = load_tokenizer(cfg.target)
