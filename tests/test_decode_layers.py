@@ -39,12 +39,7 @@ def _model(kind: str) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("attention", ["matmul", "sdpa"])

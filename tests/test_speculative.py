@@ -39,14 +39,7 @@ MAX_LEN = 256
 TRAIN_ROWS, TRAIN_PROMPT, TRAIN_LEN = 8, 8, 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: the tiny forwards gain nothing from more, and on a shared machine an
-    oversubscribed OpenMP pool made them ~100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

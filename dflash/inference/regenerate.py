@@ -77,22 +77,18 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.inference.regeneration.jobs import GenerationOptions
 from dflash.inference.regeneration.launcher import EXIT_CONFIG, EXIT_OK, option_flags, run_launcher
 from dflash.inference.regeneration.worker import run_worker
 from dflash.logs import setup_logging
+from dflash.runtime.base import exit_on_sigterm
 
 __all__ = ["parse_args", "run_stage", "stage_workers", "main"]
 
 log = logging.getLogger("dflash.inference.regenerate")
-
-
-def _on_sigterm(signum: int, _frame: Any) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -218,9 +214,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         set_parent_death_signal(signal.SIGKILL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's: it stops the workers
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    else:
-        signal.signal(signal.SIGTERM, _on_sigterm)  # leave through the finally blocks: workers are stopped
+    # leave through the finally blocks (a launcher's stops its workers)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     setup_logging(name)
     try:
         cfg = load_config(args.config, args.overrides)

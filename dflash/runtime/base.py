@@ -99,8 +99,9 @@ def _heartbeat(endpoint: str, name: str, period_s: float, stop: threading.Event,
     sock.close(linger=0)
 
 
-def _on_sigterm(signum: int, _frame) -> None:
-    """First SIGTERM: leave through the normal exit path (finally blocks run); later ones are ignored."""
+def exit_on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM handler of worker processes: the first SIGTERM leaves through the normal exit path
+    (``finally`` blocks run); later ones are ignored."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
@@ -126,7 +127,7 @@ def start_worker(role: str, argv: Optional[list[str]] = None) -> WorkerContext:
     setup_logging(name, cfg.log.level)
     # Ctrl-C in the terminal reaches the whole process group: only the launcher decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
 
     device_kind = resolve_device(cfg)
     if device_kind == "cuda":
