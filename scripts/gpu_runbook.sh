@@ -5,7 +5,8 @@
 #
 # STEP is one of: gpu_tests (every test marked gpu), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu,
 # decode_speed (random SmolLM2-shaped decoding speed), decode (scripts/decode_bench.py: DECODE_TARGET = SmolLM2 HF dir,
-# DECODE_CHECKPOINT = drafter checkpoint or unset for a random drafter, DECODE_DATA = the ShareGPT file).
+# DECODE_CHECKPOINT = drafter checkpoint or unset for a random drafter, DECODE_DATA = the ShareGPT file),
+# and the real-target steps of scripts/gpu_real_steps.sh: regen, train_pair, decode_pair, multinode.
 # Each step runs under `timeout` (its own limit, cut to what is left of BUDGET_S), writes into
 # /tmp/gpu-res/STEP/, and after every step everything so far is packed into $OUT/results.tgz
 # (one file: the device returns at most 8) with a one-line status per step in $OUT/steps.txt.
@@ -58,7 +59,12 @@ for step in "$@"; do
     deep_target) run_step deep_target 190 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r2 --warm-steps 5 \
                 --budget-s 175 train.max_steps=30 checkpoint.every=0 "target.arch_overrides={num_hidden_layers: 12}" $G ;;
     threaded) run_step threaded 200 $PY benchmarks/bench_pipeline.py --mode threaded --steps 12 --timeout-s 185 $G ;;
-    decode_speed) run_step decode_speed 300 $PY scripts/decode_speed.py --out "$res/decode_speed" ;;
+    decode_speed) run_step decode_speed 300 $PY scripts/decode_speed.py --out "$res/decode_speed" \
+                --modes compiled,compiled-matmul,compiled-plain --profile --prompts 4 ;;
+    regen) run_step regen 420 bash scripts/gpu_real_steps.sh regen ;;
+    train_pair) run_step train_pair 540 bash scripts/gpu_real_steps.sh train_pair ;;
+    decode_pair) run_step decode_pair 300 bash scripts/gpu_real_steps.sh decode_pair ;;
+    multinode) run_step multinode 240 bash scripts/gpu_real_steps.sh multinode ;;
     decode) run_step decode 540 $PY scripts/decode_bench.py --target "${DECODE_TARGET:?set DECODE_TARGET to the SmolLM2 HF dir}" \
                 ${DECODE_CHECKPOINT:+--checkpoint "$DECODE_CHECKPOINT"} --out "$res/decode" \
                 ${DECODE_DATA:+data.dataset="$DECODE_DATA"} ;;

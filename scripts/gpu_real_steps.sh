@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Real-target steps of the GPU runbook (docs/gpu-runbook.md), run by scripts/gpu_runbook.sh:
+#
+#   bash scripts/gpu_real_steps.sh STEP
+#
+# regen       the target's own first responses to every ShareGPT prompt, on both GPUs
+#             -> /tmp/regen/turn1.jsonl (and $KEEP/regen-turn1.jsonl.xz)
+# train_pair  two drafters at once, each on one GPU with its own target (same recipe and steps):
+#             A on the regenerated data (/tmp/runA), B on raw ShareGPT (/tmp/runB)
+# decode_pair decode_bench.py for A on GPU 0 and B on GPU 1 over the same held-out prompts
+#             (A's held-out split), bf16 and fp32; the newest A export -> $KEEP (15 MiB parts)
+# multinode   two launchers as two nodes (node 0: the target on GPU 0, node 1: the drafter on
+#             GPU 1), tcp between them
+#
+# Needs /tmp/smollm2.gguf and /tmp/sharegpt.jsonl (scripts/gpu_runbook.sh's set-up does not make
+# them: see docs/gpu-runbook.md). Step output goes to $OUT (the runbook gives each step its own).
+# Env: STEPS (train_pair's train.max_steps, default 3500), KEEP (folder for files to bring back,
+# default $OUT).
+set -u
+step=$1
+PY=${PY:-python3}
+KEEP=${KEEP:-$OUT}
+REAL=(target.path=/tmp/smollm2.gguf)
+children=()
+trap 'for p in "${children[@]}"; do kill "$p" 2>/dev/null; done' EXIT TERM INT
+
+case $step in
+regen)
+    DFLASH_CACHE=/tmp/cacheA $PY -m dflash.inference.regenerate --config configs/smollm2-135m-h200-regen.yaml \
+        --output /tmp/regen/turn1.jsonl --gpus 0,1 --batch-size "${REGEN_BATCH:-512}" "${REAL[@]}" \
+        data.dataset=/tmp/sharegpt.jsonl || exit
+    xz -T16 -6 -c /tmp/regen/turn1.jsonl >"$KEEP/regen-turn1.jsonl.xz"
+    ls -l /tmp/regen "$KEEP"
+    ;;
+train_pair)
+    data_a=/tmp/regen/turn1.jsonl
+    [ -s "$data_a" ] || { echo "no regenerated data: A trains on raw ShareGPT too"; data_a=/tmp/sharegpt.jsonl; }
+    common=(--config configs/smollm2-135m-h200.yaml --overwrite "${REAL[@]}" log.wandb=disabled
+            "cluster.targets=[0]" "cluster.drafters=[0]" cluster.allow_shared_gpu=true
+            train.max_steps="${STEPS:-3500}" train.epochs=20 checkpoint.every=1000)
+    CUDA_VISIBLE_DEVICES=0 DFLASH_CACHE=/tmp/cacheA $PY -m launch.cluster train "${common[@]}" \
+        data.dataset="$data_a" run_dir=/tmp/runA >"$OUT/A.log" 2>&1 &
+    children+=($!)
+    CUDA_VISIBLE_DEVICES=1 DFLASH_CACHE=/tmp/cacheB $PY -m launch.cluster train "${common[@]}" \
+        data.dataset=/tmp/sharegpt.jsonl run_dir=/tmp/runB >"$OUT/B.log" 2>&1 &
+    children+=($!)
+    wait "${children[0]}"; rc_a=$?
+    wait "${children[1]}"; rc_b=$?
+    for r in A B; do
+        cp "/tmp/run$r/metrics.jsonl" "$OUT/metrics-$r.jsonl" 2>/dev/null
+        cp "/tmp/run$r/config.yaml" "$OUT/config-$r.yaml" 2>/dev/null
+        grep -h '"eval/' "/tmp/run$r/metrics.jsonl" 2>/dev/null | tail -n 3
+    done
+    echo "rc A $rc_a, B $rc_b"
+    (( rc_a == 0 && rc_b == 0 ))
+    ;;
+decode_pair)
+    for r in A B; do
+        gpu=0; [ $r = B ] && gpu=1
+        CUDA_VISIBLE_DEVICES=$gpu DFLASH_CACHE=/tmp/cacheA $PY scripts/decode_bench.py --config /tmp/runA/config.yaml \
+            --checkpoint /tmp/run$r --prompts 16 --max-new-tokens 96 --modes compiled \
+            --dtypes bfloat16,float32 --out "$OUT/decode-$r" >"$OUT/decode-$r.log" 2>&1 &
+        children+=($!)
+    done
+    wait "${children[0]}"; rc_a=$?
+    wait "${children[1]}"; rc_b=$?
+    cat "$OUT"/decode-*/decode_bench.md
+    $PY -m launch.cluster export --checkpoint /tmp/runA --out /tmp/exportA \
+        && tar cf - -C /tmp exportA | split -b 15M - "$KEEP/exportA.tar.part-"
+    echo "rc A $rc_a, B $rc_b"
+    (( rc_a == 0 && rc_b == 0 ))
+    ;;
+multinode)
+    port=29517
+    conf=(--config configs/smollm2-135m-h200.yaml --nnodes 2 --master-addr 127.0.0.1 --master-port $port)
+    over=("cluster.nodes=[{targets: [0]}, {drafters: [0]}]" log.wandb=disabled run_dir=/tmp/mn2
+          train.max_steps="${MN_STEPS:-400}" checkpoint.every=0 train.eval_every=1000 "${REAL[@]}"
+          data.dataset=/tmp/sharegpt.jsonl)
+    CUDA_VISIBLE_DEVICES=1 DFLASH_CACHE=/tmp/cacheB $PY -m launch.cluster train "${conf[@]}" --node-rank 1 \
+        "${over[@]}" >"$OUT/node1.log" 2>&1 &
+    children+=($!)
+    CUDA_VISIBLE_DEVICES=0 DFLASH_CACHE=/tmp/cacheB $PY -m launch.cluster train "${conf[@]}" --node-rank 0 \
+        "${over[@]}" >"$OUT/node0.log" 2>&1
+    rc0=$?
+    wait "${children[0]}"; rc1=$?
+    cp /tmp/mn2/metrics.jsonl "$OUT/metrics-mn2.jsonl" 2>/dev/null
+    tail -n 5 "$OUT/node0.log" "$OUT/node1.log"
+    echo "rc node 0 $rc0, node 1 $rc1"
+    (( rc0 == 0 && rc1 == 0 ))
+    ;;
+*) echo "unknown step $step (regen, train_pair, decode_pair, multinode)"; exit 2 ;;
+esac
