@@ -239,7 +239,7 @@ def test_shipped_regeneration_config():
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m-h200-regen.yaml",
                       gpu_count=2)
     r = cfg.regenerate
-    assert r.enabled and r.max_turns == 1 and r.max_new_tokens == 512 and r.batch_size == 256
+    assert r.enabled and r.max_turns == 1 and r.max_new_tokens == 512 and r.batch_size == 512
     assert r.max_prompt_tokens == 1024
     from dflash.inference.regenerate import stage_workers
 
