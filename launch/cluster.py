@@ -248,7 +248,7 @@ def forward(args: argparse.Namespace) -> int:
     import importlib
 
     module = importlib.import_module(FORWARDED[args.command][0])
-    return module.main(args.args)
+    return module.main(args.args, prog=f"{PROG} {args.command}")
 
 
 #: Command name -> entry (takes the parsed namespace, returns the exit code).

@@ -127,12 +127,20 @@ def test_forwarded_commands_reach_their_module(monkeypatch):
 
     seen = []
     for module in (dflash.inference.regenerate, dflash.inference.speculative, dflash.inference.export):
-        monkeypatch.setattr(module, "main", lambda argv, name=module.__name__: seen.append((name, argv)) or 7)
+        monkeypatch.setattr(module, "main", lambda argv, prog, name=module.__name__: seen.append((name, argv)) or 7)
     assert cluster.main(["--mode=regenerate", "--limit", "3"]) == 7
     assert cluster.main(["speculate", "--help"]) == 7
     assert cluster.main(["export", "--out", "x"]) == 7
     assert seen == [("dflash.inference.regenerate", ["--limit", "3"]), ("dflash.inference.speculative", ["--help"]),
                     ("dflash.inference.export", ["--out", "x"])]
+
+
+@pytest.mark.parametrize("command", ["regenerate", "speculate", "export", "data"])
+def test_forwarded_help_names_the_subcommand(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cluster.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m launch.cluster {command} ")
 
 
 def test_first_word_skips_options_and_their_values():

@@ -40,7 +40,7 @@ def report_lines(prepared: PreparedData, twins: int, max_length: int) -> list[st
     return lines
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     """``python -m launch.cluster data --config configs/X.yaml [key=value ...] [--ids REASON] [--json PATH]``:
     prepare the data of a config (or load it from the cache) and print its report: rows read, kept,
     every reason's count, the split and the held-out conversations with a twin in training.
@@ -52,7 +52,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.data.tokenizer import load_tokenizer
     from dflash.logs import setup_logging
 
-    parser = argparse.ArgumentParser(prog=PROG, description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=prog or PROG, description=main.__doc__)
     parser.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
     parser.add_argument("--ids", default=None, metavar="REASON", help="also print the rows under REASON")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")

@@ -193,9 +193,10 @@ def export_drafter(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Expo
                         files=files, rules=engine_rules(hf_config))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The CLI: export, then print what was written. Returns the exit status (0 ok, 2 bad input)."""
-    parser = argparse.ArgumentParser(prog="python -m dflash.inference.export",
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+    """The CLI: export, then print what was written (``prog``: the command name ``--help`` shows).
+    Returns the exit status (0 ok, 2 bad input)."""
+    parser = argparse.ArgumentParser(prog=prog or "python -m dflash.inference.export",
                                      description="Export a trained DFlash drafter for vLLM / SGLang / transformers.")
     parser.add_argument("--checkpoint", required=True, type=Path,
                         help="run directory (newest checkpoint), checkpoint step-XXXXXXXX, or drafter directory")

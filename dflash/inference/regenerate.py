@@ -102,9 +102,10 @@ def _gpu_list(text: str) -> list[int]:
     return gpus
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    """The command line of the launcher and of each worker (``--worker-rank``, ``--world``: internal)."""
-    p = argparse.ArgumentParser(prog="python -m dflash.inference.regenerate",
+def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
+    """The command line of the launcher and of each worker (``--worker-rank``, ``--world``: internal);
+    ``prog``: the name ``--help`` shows (default ``python -m dflash.inference.regenerate``)."""
+    p = argparse.ArgumentParser(prog=prog or "python -m dflash.inference.regenerate",
                                 description="The target rewrites the assistant turns of data.dataset.")
     p.add_argument("--config", required=True, help="YAML config (target, data, cluster sections are used)")
     p.add_argument("--output", type=Path, default=None, help="output JSONL (ShareGPT form; default regenerate.output)")
@@ -204,9 +205,10 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
                                         regenerate=dataclasses.replace(r, enabled=False))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of the launcher (no ``--worker-rank``) and of each worker (internal flags)."""
-    args = parse_args(argv)
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
+    """Entry point of the launcher (no ``--worker-rank``) and of each worker (internal flags);
+    ``prog``: the command name ``--help`` shows."""
+    args = parse_args(argv, prog)
     worker = args.worker_rank is not None
     name = f"regen.{args.worker_rank}" if worker else "regen"
     if worker:

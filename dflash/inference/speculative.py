@@ -41,8 +41,8 @@ DEFAULT_MAX_NEW_TOKENS = 96
 DEFAULT_CONFIG = "configs/smollm2-135m-cpu.yaml"
 
 
-def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dflash.inference.speculative",
+def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog or "python -m dflash.inference.speculative",
                                 description="Lossless speculative decoding with a trained DFlash drafter on "
                                             "held-out prompts: output check, measured and offline tau, tokens/s.")
     p.add_argument("--checkpoint", required=True,
@@ -77,8 +77,9 @@ def compile_flag(value: str) -> Optional[bool]:
     return {"auto": None, "on": True, "off": False}[value]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """The CLI: decode held-out prompts both ways and print the report.
+def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
+    """The CLI: decode held-out prompts both ways and print the report (``prog``: the command name
+    ``--help`` shows).
 
     Returns:
         0 when every speculative output is identical to target-only greedy or differs only at a
@@ -93,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
-    args = _parse_args(argv)
+    args = _parse_args(argv, prog)
     setup_logging("speculative")
     if args.threads:
         torch.set_num_threads(args.threads)
