@@ -600,6 +600,30 @@ def test_offline_walk_on_own_text_is_decodings_walk(target, prompts, references,
     assert nontrivial >= 5  # the drafter is right now and then: not a walk of τ = 1 steps
 
 
+def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, references, trained_drafter, greedy_rows):
+    """The decoding report's walk over each prompt's target-only text (its last block re-scored
+    past the text's end) predicts decoding's anchors and τ exactly in fp32, stop token or not."""
+    from dflash.inference.prompts import PromptCase
+    from dflash.inference.spec_report import decode_report, format_report
+
+    cases = [PromptCase(i, i, prompt, greedy_rows["input_ids"][i], greedy_rows["loss_mask"][i])
+             for i, prompt in enumerate(prompts[:3])]
+    for block_size, stops in ((4, ()), (8, (_first_from(references[1], 15),))):
+        drafter = copy.deepcopy(trained_drafter)
+        drafter.block_size = block_size
+        report = decode_report(target, drafter, cases, max_new_tokens=MAX_NEW, stop_ids=stops, compile=False)
+        s, rows = report["summary"], report["prompts"]
+        assert s["identical"] == len(cases)
+        for row in rows:
+            assert row["offline_walk_anchors"] == row["anchors"] and row["offline_walk_steps"] == row["steps"]
+            assert row["offline_tau_own_walk"] == pytest.approx(row["tau"], abs=1e-12)
+        assert s["offline_walk_steps"] == s["verification_steps"]
+        assert s["offline_tau_own_walk"] == pytest.approx(s["tau"], abs=1e-12)
+        assert s["measured_over_offline_walk"] == pytest.approx(1.0, abs=1e-12)
+        text = format_report(report)
+        assert "walked" in text and f"{s['offline_tau_own_walk']:.3f}" in text
+
+
 # --------------------------------------------------------------------------- prompts, checkpoints
 
 

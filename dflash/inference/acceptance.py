@@ -24,7 +24,8 @@ The *walk* (:func:`walk_tau`) predicts the measured τ without decoding: it visi
 target's own continuation, the anchors decoding would visit given the offline τ of each (the first
 at the prompt length, the next at ``a + τ(a)``) and averages τ over them. With the text scored at
 least ``B − 1`` tokens past its last token it equals the measured τ pass for pass in fp32; on the
-continuation alone only the last pass of a prompt can come out lower (see :func:`walk_tau`).
+continuation alone only the last pass of a prompt can come out lower (see :func:`walk_tau`; the
+decoding report re-scores that block on the continued text, :mod:`dflash.inference.spec_report`).
 
 Per block position ``k = 1 … B−1`` the report gives the fraction of passes (decoding) and of blocks
 (offline) in which position ``k`` was accepted (``m ≥ k``).

@@ -17,9 +17,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.acceptance import measured_per_position, offline_tau, walk_tau
+from dflash.inference.acceptance import Walk, measured_per_position, offline_tau, walk_tau
 from dflash.inference.generation import Generation, Generator
 from dflash.inference.lossless import first_difference
+from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
 from dflash.progress import Progress
 
@@ -113,20 +114,46 @@ def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int,
     return row
 
 
+def _walk_own(target: Any, drafter: nn.Module, case: PromptCase, base: Generation, anchors: Tensor, taus: Tensor
+              ) -> Walk:
+    """The walk of decoding's anchors over ``base``'s text (:func:`dflash.inference.acceptance.walk_tau`,
+    from the prompt length to the last generated token), each block accepting its offline τ.
+
+    Decoding verifies its last block whole, past the text's end too. When the walk's last block
+    is right up to the end of the text (``τ = 1 + end − a < B``), that block is scored again on
+    the text continued by the target's greedy tokens up to ``a + B − 1``
+    (:func:`dflash.inference.oracle.naive_greedy_decode`, stop tokens not stopping it), as the
+    verification pass sees it; so in fp32 the walk counts what decoding counts, pass for pass.
+    """
+    p = case.prompt_ids.numel()
+    end = p + len(base.tokens) - 1
+    walk = walk_tau(anchors, taus, p, end)
+    b = int(drafter.block_size)
+    if not walk.passes or walk.accepted[-1] != 1 + end - walk.anchors[-1] or walk.accepted[-1] >= b:
+        return walk
+    a = walk.anchors[-1]
+    ids, _ = _continuation(case, base)
+    more = naive_greedy_decode(target.model, ids, a + b - 1 - end)
+    longer = torch.cat([ids, torch.tensor(more, dtype=torch.long)])
+    mask = torch.zeros(longer.numel(), dtype=torch.bool)
+    mask[p:] = True
+    last = offline_tau(target, drafter, [(longer, mask)], labels="target", anchors=[[a]])
+    walk.accepted[-1] = int(last.per_anchor[0][1][0])
+    return walk
+
+
 def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: Any, drafter: nn.Module,
                  cases: Sequence[PromptCase], base: Sequence[Generation], spec: Sequence[Generation],
                  labels: str) -> None:
     """Add the offline τ values (dataset, own continuation at every anchor and walked, replay) to
-    ``summary`` and ``rows``. The walk (:func:`dflash.inference.acceptance.walk_tau`) runs over each
-    prompt's target-only continuation from the prompt length to its last token and is pooled like
-    the measured τ: Σ τ / Σ passes."""
+    ``summary`` and ``rows``. The walk (:func:`_walk_own`) runs over each prompt's target-only
+    continuation and is pooled like the measured τ: Σ τ / Σ passes."""
     tau = summary["tau"]
     data = offline_tau(target, drafter, [(c.input_ids, c.loss_mask) for c in cases], labels=labels)
     own = offline_tau(target, drafter, [_continuation(c, t) for c, t in zip(cases, base)], labels="target")
     replay = offline_tau(target, drafter, [_continuation(c, s) for c, s in zip(cases, spec)], labels="target",
                          anchors=[s.anchors for s in spec])
-    walks = [walk_tau(anc, taus, c.prompt_ids.numel(), c.prompt_ids.numel() + len(t.tokens) - 1)
-             for c, t, (anc, taus) in zip(cases, base, own.per_anchor)]
+    walks = [_walk_own(target, drafter, c, t, anc, taus) for c, t, (anc, taus) in zip(cases, base, own.per_anchor)]
     for row, d, o, r, w in zip(rows, data.per_conversation, own.per_conversation, replay.per_conversation, walks):
         row.update(offline_tau_dataset=d, offline_tau_own=o, offline_tau_replay=r, offline_tau_own_walk=w.tau,
                    offline_walk_steps=w.passes, offline_walk_anchors=w.anchors,
