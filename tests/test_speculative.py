@@ -737,6 +737,7 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     assert summary["identical"] == 2 and summary["tau"] >= 1.0
     assert summary["offline_tau_dataset"] >= 1.0 and summary["offline_tau_own"] >= 1.0
     assert summary["offline_tau_replay"] >= 1.0 and len(summary["per_position_measured"]) == cfg.drafter.block_size - 1
+    assert summary["offline_tau_own_walk"] >= 1.0 and summary["offline_walk_steps"] >= 1
 
     # A checkpoint trained with another chat template is refused before decoding (exit 2).
     state_file = ckpt / "state.json"
