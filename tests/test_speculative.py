@@ -9,6 +9,7 @@ a scripted proposer that knows the oracle's output and is right for a chosen num
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
@@ -22,7 +23,7 @@ from dflash.inference.generation import Generation, Generator
 from dflash.inference.oracle import naive_greedy_decode
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DFlashConfig
-from dflash.inference.acceptance import measured_per_position, offline_tau
+from dflash.inference.acceptance import measured_per_position, offline_tau, walk_tau
 from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
 from dflash.inference.lossless import first_difference, tie_bound
 from dflash.inference.prompts import prompts_from_corpus
@@ -517,6 +518,112 @@ def test_offline_replay_at_decodings_anchors_equals_measured_tau(target, prompts
         assert got.per_position == pytest.approx(measured_per_position(want, trained_drafter.block_size))
 
 
+def _naive_walk(tau: dict[int, int], start: int, end: int) -> tuple[list[int], list[int]]:
+    """Decoding token by token: scan every position of the text; a pass runs where the next anchor
+    is and the text is not finished (the pass that emits ``end`` is the last)."""
+    anchors, accepted = [], []
+    nxt = start
+    for p in range(start, end):
+        if p == nxt:
+            anchors.append(p)
+            accepted.append(tau[p])
+            nxt = p + tau[p]
+    return anchors, accepted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_walk_tau_equals_a_naive_scan(seed):
+    g = random.Random(seed)
+    for _ in range(50):
+        b = g.randint(2, 16)
+        start = g.randint(0, 40)
+        end = start + g.randint(-2, 120)  # end < start: no new token; end == start: one, no pass
+        lo, hi = max(0, start - 5), max(start, end) + b + 5  # anchors outside the walk too
+        positions = list(range(lo, hi))
+        g.shuffle(positions)
+        tau = {p: g.randint(1, b) for p in positions}
+        walk = walk_tau(torch.tensor(positions), torch.tensor([tau[p] for p in positions]), start, end)
+        want_anchors, want_accepted = _naive_walk(tau, start, end)
+        assert walk.anchors == want_anchors and walk.accepted == want_accepted
+        assert walk.passes == len(want_anchors) and walk.total == sum(want_accepted)
+        if want_anchors:
+            assert walk.tau == pytest.approx(sum(want_accepted) / len(want_accepted))
+            assert want_anchors[-1] < end <= want_anchors[-1] + want_accepted[-1]  # the last pass emits `end`
+        else:
+            assert math.isnan(walk.tau) and end <= start
+    # Float τ (as acceptance_lengths gives it) and a hand-checked walk: 5 → 7 → 8 → 11, end at 12.
+    walk = walk_tau(torch.arange(5, 13), torch.tensor([2., 4, 1, 3, 1, 1, 1, 2]), 5, 12)
+    assert walk.anchors == [5, 7, 8, 11] and walk.accepted == [2, 1, 3, 1] and walk.tau == 1.75
+
+
+def test_walk_tau_bad_inputs():
+    with pytest.raises(ValueError, match="lands on position 7"):
+        walk_tau(torch.tensor([5, 6]), torch.tensor([2, 1]), 5, 9)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        walk_tau(torch.tensor([5, 6]), torch.tensor([0, 1]), 5, 9)
+    with pytest.raises(ValueError, match="1-D tensors"):
+        walk_tau(torch.tensor([5, 6]), torch.tensor([1]), 5, 9)
+
+
+def _own_text(prompt: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.cat([prompt, torch.tensor(tokens, dtype=torch.long)])
+    mask = torch.zeros(ids.numel(), dtype=torch.bool)
+    mask[prompt.numel():] = True
+    return ids, mask
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_offline_walk_on_own_text_is_decodings_walk(target, prompts, references, trained_drafter, block_size):
+    """fp32: the walk over the target's own greedy text, each block accepting its offline τ, visits
+    decoding's anchors and accepts decoding's counts pass for pass, with and without a stop token.
+    Scored on the text ``B − 1`` tokens past its end it is exact; on the text alone only the last
+    pass differs, by the drafts decoding accepted past the end (``min(m + 1, 1 + end − a)``)."""
+    drafter = copy.deepcopy(trained_drafter)
+    drafter.block_size = block_size  # trained at B = 4: right often enough at B = 2 and 8 too
+    nontrivial = 0
+    for prompt, ref in zip(prompts[:3], references[:3]):
+        p = prompt.numel()
+        for stops in ((), (_first_from(ref, 15),)):
+            res = speculative(target, drafter, prompt, MAX_NEW, stops)
+            assert res.tokens == _cut(ref, set(stops), MAX_NEW)
+            end = p + len(res.tokens) - 1
+            past = offline_tau(target, drafter, [_own_text(prompt, ref)])  # the greedy text, no stop
+            walk = walk_tau(*past.per_anchor[0], p, end)
+            assert walk.anchors == res.anchors and walk.accepted == res.accepted
+            assert walk.tau == res.tau
+            own = offline_tau(target, drafter, [_own_text(prompt, res.tokens)])
+            cut = walk_tau(*own.per_anchor[0], p, end)
+            assert cut.anchors == res.anchors
+            assert cut.accepted == [min(m, 1 + end - a) for a, m in zip(res.anchors, res.accepted)]
+            assert cut.accepted[:-1] == res.accepted[:-1]
+            nontrivial += sum(m > 1 for m in res.accepted)
+    assert nontrivial >= 5  # the drafter is right now and then: not a walk of τ = 1 steps
+
+
+def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, references, trained_drafter, greedy_rows):
+    """The decoding report's walk over each prompt's target-only text (its last block re-scored
+    past the text's end) predicts decoding's anchors and τ exactly in fp32, stop token or not."""
+    from dflash.inference.prompts import PromptCase
+    from dflash.inference.spec_report import decode_report, format_report
+
+    cases = [PromptCase(i, i, prompt, greedy_rows["input_ids"][i], greedy_rows["loss_mask"][i])
+             for i, prompt in enumerate(prompts[:3])]
+    for block_size, stops in ((4, ()), (8, (_first_from(references[1], 15),))):
+        drafter = copy.deepcopy(trained_drafter)
+        drafter.block_size = block_size
+        report = decode_report(target, drafter, cases, max_new_tokens=MAX_NEW, stop_ids=stops, compile=False)
+        s, rows = report["summary"], report["prompts"]
+        assert s["identical"] == len(cases)
+        for row in rows:
+            assert row["offline_walk_anchors"] == row["anchors"] and row["offline_walk_steps"] == row["steps"]
+            assert row["offline_tau_own_walk"] == pytest.approx(row["tau"], abs=1e-12)
+        assert s["offline_walk_steps"] == s["verification_steps"]
+        assert s["offline_tau_own_walk"] == pytest.approx(s["tau"], abs=1e-12)
+        assert s["measured_over_offline_walk"] == pytest.approx(1.0, abs=1e-12)
+        text = format_report(report)
+        assert "walked" in text and f"{s['offline_tau_own_walk']:.3f}" in text
+
+
 # --------------------------------------------------------------------------- prompts, checkpoints
 
 
@@ -630,6 +737,7 @@ def test_smollm2_heldout_prompts_lossless_and_cli(tmp_path, capsys):
     assert summary["identical"] == 2 and summary["tau"] >= 1.0
     assert summary["offline_tau_dataset"] >= 1.0 and summary["offline_tau_own"] >= 1.0
     assert summary["offline_tau_replay"] >= 1.0 and len(summary["per_position_measured"]) == cfg.drafter.block_size - 1
+    assert summary["offline_tau_own_walk"] >= 1.0 and summary["offline_walk_steps"] >= 1
 
     # A checkpoint trained with another chat template is refused before decoding (exit 2).
     state_file = ckpt / "state.json"

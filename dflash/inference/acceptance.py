@@ -20,13 +20,20 @@ blocks. Computed three ways, to take the measured τ apart:
   acceptance the next anchor is the token the drafter just got wrong, which is harder than the
   average position.
 
+The *walk* (:func:`walk_tau`) predicts the measured τ without decoding: it visits, on the
+target's own continuation, the anchors decoding would visit given the offline τ of each (the first
+at the prompt length, the next at ``a + τ(a)``) and averages τ over them. With the text scored at
+least ``B − 1`` tokens past its last token it equals the measured τ pass for pass in fp32; on the
+continuation alone only the last pass of a prompt can come out lower (see :func:`walk_tau`; the
+decoding report re-scores that block on the continued text, :mod:`dflash.inference.spec_report`).
+
 Per block position ``k = 1 … B−1`` the report gives the fraction of passes (decoding) and of blocks
 (offline) in which position ``k`` was accepted (``m ≥ k``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -36,7 +43,7 @@ from dflash.inference.proposer import drafter_hidden
 from dflash.training.anchors import valid_anchor_mask
 from dflash.training.objective import acceptance_lengths, build_block_labels
 
-__all__ = ["OfflineTau", "offline_tau", "measured_per_position", "OFFLINE_ANCHORS_PER_CHUNK"]
+__all__ = ["OfflineTau", "offline_tau", "Walk", "walk_tau", "measured_per_position", "OFFLINE_ANCHORS_PER_CHUNK"]
 
 #: Anchors per drafter forward in :func:`offline_tau` (bounds the ``[A·(B−1), V]`` logits).
 OFFLINE_ANCHORS_PER_CHUNK = 64
@@ -52,6 +59,8 @@ class OfflineTau:
         per_conversation: τ of each sequence (``nan`` without a block).
         per_position: ``[B − 1]``: the fraction of blocks whose block position ``k`` was accepted
             (``τ − 1 ≥ k``), ``k = 1 … B−1``.
+        per_anchor: per sequence, ``(anchor positions [N] int64, τ [N] int64)`` on the CPU, the
+            anchors ascending (the input of :func:`walk_tau`).
     """
 
     tau: float
@@ -60,6 +69,7 @@ class OfflineTau:
     first_turn_blocks: int
     per_conversation: list[float]
     per_position: list[float]
+    per_anchor: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
 def _first_turn_end(loss_mask: Tensor) -> int:
@@ -108,6 +118,7 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
     all_tau: list[Tensor] = []
     first_tau: list[Tensor] = []
     per_conv: list[float] = []
+    per_anchor: list[tuple[Tensor, Tensor]] = []
     for c, (ids, mask) in enumerate(conversations):
         s = ids.numel()
         ids_r = ids.to(device).view(1, s)
@@ -133,6 +144,7 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
             taus.append(acceptance_lengths(correct, ok)[0].cpu())
         tau = torch.cat(taus) if taus else torch.zeros(0)
         all_tau.append(tau)
+        per_anchor.append((anchor_pos.cpu().long(), tau.round().long()))
         first_tau.append(tau[anchor_pos.cpu() < _first_turn_end(mask_r[0].cpu())])
         per_conv.append(float(tau.mean()) if tau.numel() else float("nan"))
     joined = torch.cat(all_tau) if all_tau else torch.zeros(0)
@@ -141,7 +153,90 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
                     for k in range(1, b)]
     return OfflineTau(tau=float(joined.mean()) if joined.numel() else float("nan"), blocks=int(joined.numel()),
                       first_turn_tau=float(first.mean()) if first.numel() else float("nan"),
-                      first_turn_blocks=int(first.numel()), per_conversation=per_conv, per_position=per_position)
+                      first_turn_blocks=int(first.numel()), per_conversation=per_conv, per_position=per_position,
+                      per_anchor=per_anchor)
+
+
+@dataclass
+class Walk:
+    """The anchors speculative decoding visits on a fixed text, and the τ of each.
+
+    Attributes:
+        anchors: visited anchor positions, ascending (as
+            :attr:`dflash.inference.generation.Generation.anchors`).
+        accepted: τ at each, ``m + 1`` (as :attr:`dflash.inference.generation.Generation.accepted`).
+    """
+
+    anchors: list[int]
+    accepted: list[int]
+
+    @property
+    def passes(self) -> int:
+        """Verification passes."""
+        return len(self.anchors)
+
+    @property
+    def total(self) -> int:
+        """Σ τ over the passes (tokens the passes add, the last pass counted in full)."""
+        return sum(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean τ over the passes (``nan`` without one)."""
+        return self.total / self.passes if self.passes else float("nan")
+
+
+def walk_tau(anchors: Tensor, taus: Tensor, start: int, end: int) -> Walk:
+    """Walk speculative decoding's anchors over a fixed text, each block accepting its offline τ.
+
+    The rule is greedy DFlash decoding's (:meth:`dflash.inference.decode_steps.DecodeSteps._verify_step_impl`):
+    the prefill emits the token at ``start`` (the prompt length), which is the first anchor; the
+    pass at anchor ``a`` accepts ``m = τ(a) − 1`` drafts and emits them and the bonus token, i.e.
+    positions ``a + 1 … a + τ(a)``, and the bonus at ``a + τ(a)`` is the next anchor; the row ends
+    with the pass that emits position ``end``, the text's last token (its stop token or its
+    ``max_new_tokens``-th): a pass runs at ``a`` iff ``a < end``. So ``start == end`` (one new token)
+    gives no pass, as decoding does.
+
+    The last pass: decoding verifies its whole block, also past ``end`` (drafts after a stop
+    token, or past ``max_new_tokens``), and counts ``m + 1`` in full. The walk reproduces that
+    exactly when ``taus`` were scored on text that goes on at least ``B − 1`` tokens past ``end``
+    (the target's greedy continuation without stopping). On text that ends at ``end`` the block
+    positions past it are not scored, so the last pass gets ``min(m + 1, 1 + end − a)``: the walk
+    visits the same anchors as decoding and the same τ at every pass but the last, where it is
+    lower by the drafts decoding accepted past the text's end (at most ``B − 2`` tokens a prompt).
+
+    Args:
+        anchors: ``[N]`` int64 anchor positions (any order; every position ``start … end − 1`` the
+            walk lands on must be among them), e.g. :attr:`OfflineTau.per_anchor`.
+        taus: ``[N]`` τ at each anchor (integers ``≥ 1``, any numeric dtype).
+        start: position of the first generated token (the prompt length ``P``).
+        end: position of the last generated token (``P + new tokens − 1``); ``end < start`` (no
+            new token) gives no pass.
+
+    Returns:
+        :class:`Walk`.
+
+    Raises:
+        ValueError: ``anchors`` and ``taus`` differ in shape or are not 1-D, a τ below 1, or the
+            walk lands on a position that has no τ.
+    """
+    if anchors.dim() != 1 or anchors.shape != taus.shape:
+        raise ValueError(f"anchors {tuple(anchors.shape)} / taus {tuple(taus.shape)}: need two 1-D tensors "
+                         "of one length")
+    tau_at = dict(zip(anchors.tolist(), (int(round(float(t))) for t in taus.tolist())))
+    visited: list[int] = []
+    accepted: list[int] = []
+    a = int(start)
+    while a < end:
+        if a not in tau_at:
+            raise ValueError(f"anchors: the walk from {start} to {end} lands on position {a}, which has no τ")
+        t = tau_at[a]
+        if t < 1:
+            raise ValueError(f"taus: τ at anchor {a} is {t}, must be >= 1")
+        visited.append(a)
+        accepted.append(t)
+        a += t
+    return Walk(anchors=visited, accepted=accepted)
 
 
 def measured_per_position(accepted: Sequence[int], block_size: int) -> list[float]:

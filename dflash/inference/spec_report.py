@@ -17,9 +17,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.acceptance import measured_per_position, offline_tau
+from dflash.inference.acceptance import Walk, measured_per_position, offline_tau, walk_tau
 from dflash.inference.generation import Generation, Generator
 from dflash.inference.lossless import first_difference
+from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
 from dflash.progress import Progress
 
@@ -113,23 +114,60 @@ def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int,
     return row
 
 
+def _walk_own(target: Any, drafter: nn.Module, case: PromptCase, base: Generation, anchors: Tensor, taus: Tensor
+              ) -> Walk:
+    """The walk of decoding's anchors over ``base``'s text (:func:`dflash.inference.acceptance.walk_tau`,
+    from the prompt length to the last generated token), each block accepting its offline τ.
+
+    Decoding verifies its last block whole, past the text's end too. When the walk's last block
+    is right up to the end of the text (``τ = 1 + end − a < B``), that block is scored again on
+    the text continued by the target's greedy tokens up to ``a + B − 1``
+    (:func:`dflash.inference.oracle.naive_greedy_decode`, stop tokens not stopping it), as the
+    verification pass sees it; so in fp32 the walk counts what decoding counts, pass for pass.
+    """
+    p = case.prompt_ids.numel()
+    end = p + len(base.tokens) - 1
+    walk = walk_tau(anchors, taus, p, end)
+    b = int(drafter.block_size)
+    if not walk.passes or walk.accepted[-1] != 1 + end - walk.anchors[-1] or walk.accepted[-1] >= b:
+        return walk
+    a = walk.anchors[-1]
+    ids, _ = _continuation(case, base)
+    more = naive_greedy_decode(target.model, ids, a + b - 1 - end)
+    longer = torch.cat([ids, torch.tensor(more, dtype=torch.long)])
+    mask = torch.zeros(longer.numel(), dtype=torch.bool)
+    mask[p:] = True
+    last = offline_tau(target, drafter, [(longer, mask)], labels="target", anchors=[[a]])
+    walk.accepted[-1] = int(last.per_anchor[0][1][0])
+    return walk
+
+
 def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: Any, drafter: nn.Module,
                  cases: Sequence[PromptCase], base: Sequence[Generation], spec: Sequence[Generation],
                  labels: str) -> None:
-    """Add the offline τ values (dataset, own continuation, replay) to ``summary`` and ``rows``."""
+    """Add the offline τ values (dataset, own continuation at every anchor and walked, replay) to
+    ``summary`` and ``rows``. The walk (:func:`_walk_own`) runs over each prompt's target-only
+    continuation and is pooled like the measured τ: Σ τ / Σ passes."""
     tau = summary["tau"]
     data = offline_tau(target, drafter, [(c.input_ids, c.loss_mask) for c in cases], labels=labels)
     own = offline_tau(target, drafter, [_continuation(c, t) for c, t in zip(cases, base)], labels="target")
     replay = offline_tau(target, drafter, [_continuation(c, s) for c, s in zip(cases, spec)], labels="target",
                          anchors=[s.anchors for s in spec])
-    for row, d, o, r in zip(rows, data.per_conversation, own.per_conversation, replay.per_conversation):
-        row.update(offline_tau_dataset=d, offline_tau_own=o, offline_tau_replay=r)
+    walks = [_walk_own(target, drafter, c, t, anc, taus) for c, t, (anc, taus) in zip(cases, base, own.per_anchor)]
+    for row, d, o, r, w in zip(rows, data.per_conversation, own.per_conversation, replay.per_conversation, walks):
+        row.update(offline_tau_dataset=d, offline_tau_own=o, offline_tau_replay=r, offline_tau_own_walk=w.tau,
+                   offline_walk_steps=w.passes, offline_walk_anchors=w.anchors,
+                   measured_over_offline_walk=row["tau"] / w.tau if w.passes else float("nan"))
+    walk_passes = sum(w.passes for w in walks)
+    walk = sum(w.total for w in walks) / walk_passes if walk_passes else float("nan")
     summary.update(offline_tau_dataset=data.tau, offline_tau_dataset_first_turn=data.first_turn_tau,
                    offline_tau_own=own.tau, offline_tau_replay=replay.tau, offline_blocks_own=own.blocks,
                    offline_blocks_replay=replay.blocks, per_position_offline_own=own.per_position,
                    per_position_offline_replay=replay.per_position,
                    per_position_offline_dataset=data.per_position,
-                   measured_over_offline_own=tau / own.tau if own.tau else float("nan"))
+                   measured_over_offline_own=tau / own.tau if own.tau else float("nan"),
+                   offline_tau_own_walk=walk, offline_walk_steps=walk_passes,
+                   measured_over_offline_walk=tau / walk if walk_passes else float("nan"))
 
 
 @torch.no_grad()
@@ -145,7 +183,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         max_new_tokens / stop_ids: per prompt.
         batch: prompts decoded together.
         compile: CUDA graphs (``None`` = on CUDA).
-        offline: also compute the offline τ values (dataset, own continuation, replay).
+        offline: also compute the offline τ values (dataset, own continuation at every anchor and
+            walked, replay).
         labels: offline τ labels on the dataset conversations (training's ``drafter.labels``).
 
     Returns:
@@ -188,11 +227,12 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}",
              "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
     lines.append(f"{'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'result':>9} {'tau':>5} {'steps':>5} "
-                 f"{'spec tok/s':>10} {'target tok/s':>12} {'off own':>7} {'replay':>7} {'off data':>8}")
+                 f"{'spec tok/s':>10} {'target tok/s':>12} {'off own':>7} {'walk':>5} {'replay':>7} {'off data':>8}")
     for r in rows:
         lines.append(f"{r['index']:>6} {r['source_row']:>6} {r['prompt_tokens']:>4} {r['new_tokens']:>4} "
                      f"{r['result']:>9} {_fmt(r['tau']):>5} {r['steps']:>5} {_fmt(r['spec_tok_s'], 1):>10} "
                      f"{_fmt(r['target_tok_s'], 1):>12} {_fmt(r.get('offline_tau_own')):>7} "
+                     f"{_fmt(r.get('offline_tau_own_walk')):>5} "
                      f"{_fmt(r.get('offline_tau_replay')):>7} {_fmt(r.get('offline_tau_dataset')):>8}")
         d = r["difference"]
         if d is not None:
@@ -210,8 +250,12 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
               f"speculative time: {_fmt(s['spec_s'], 3)} s = draft {_fmt(s['draft_s'], 3)} + verify "
               f"{_fmt(s['verify_s'], 3)} + host {_fmt(s['host_s'], 3)}"]
     if "offline_tau_own" in s:
-        lines += [f"offline tau: target's own continuation {_fmt(s['offline_tau_own'], 3)} "
-                  f"({s['offline_blocks_own']} blocks, every anchor); at decoding's anchors (replay) "
+        lines += [f"offline tau on the target's own continuation: every anchor {_fmt(s['offline_tau_own'], 3)} "
+                  f"({s['offline_blocks_own']} blocks; the drafter's average position); walked "
+                  f"{_fmt(s['offline_tau_own_walk'], 3)} ({s['offline_walk_steps']} passes; the anchors decoding "
+                  f"would visit, its prediction of the measured tau); measured / walked = "
+                  f"{_fmt(s['measured_over_offline_walk'], 3)}",
+                  f"offline tau: at decoding's anchors (replay) "
                   f"{_fmt(s['offline_tau_replay'], 3)} ({s['offline_blocks_replay']} blocks); dataset conversations "
                   f"{_fmt(s['offline_tau_dataset'], 3)} (first turn {_fmt(s['offline_tau_dataset_first_turn'], 3)}); "
                   f"measured / own = {_fmt(s['measured_over_offline_own'], 3)}"]
