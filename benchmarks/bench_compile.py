@@ -10,14 +10,22 @@ this process's main thread (as each worker does):
   initial weights, peak memory;
 - graph compilations and CUDA-graph recordings after warm-up (must be 0).
 
+``--gradient-checkpointing`` sets ``drafter.gradient_checkpointing`` for both drafter runs (each
+drafter layer recomputed in the backward: the anchor count that fits against the step time). A
+drafter run that runs out of GPU memory is recorded (``drafter_<mode>_oom``) and the next one
+still runs.
+
 Prints a table; writes ``$OUT/bench_compile.json`` when ``$OUT`` is set. GPU only.
 
     python benchmarks/bench_compile.py --arch qwen3-8b --steps 20
+    python benchmarks/bench_compile.py --arch qwen3-8b --steps 20 --anchors 512 --skip-target-compile \
+        --gradient-checkpointing
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -130,6 +138,8 @@ def main() -> int:
     p.add_argument("--skip-target-compile", action="store_true")
     p.add_argument("--mask-token-id", type=int, default=151669)
     p.add_argument("--profile", action="store_true", help="also list each mode's top CUDA kernels")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="drafter.gradient_checkpointing=true for both drafter runs")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no CUDA graphs)")
     args = p.parse_args()
     on_gpu = args.device == "cuda"
@@ -151,7 +161,7 @@ def main() -> int:
     cfg: RunConfig = config_from_dict({
         "target": {"kind": "random", "arch": args.arch, "arch_overrides": overrides, "tokenizer": "qwen3"},
         "drafter": {"num_layers": args.drafter_layers, "block_size": args.block, "anchors_per_row": args.anchors,
-                    "mask_token_id": args.mask_token_id},
+                    "mask_token_id": args.mask_token_id, "gradient_checkpointing": args.gradient_checkpointing},
         "data": {"max_length": args.seq, "token_budget": args.rows * args.seq},
         "train": {"max_steps": args.steps},
     })
@@ -200,8 +210,6 @@ def main() -> int:
     features, target_tokens = feats_eager, toks_eager
     embed, head, target_config = target.embed_tokens, target.lm_head, target.config
     del target, fwd_eager  # free the target's layers (and graph pools): the drafter runs alone
-    import gc
-
     gc.collect()
     torch.cuda.empty_cache()
     tensors = dict(batch, features=features, target_tokens=target_tokens)
@@ -213,10 +221,10 @@ def main() -> int:
         model = build_drafter(cfg, embed, head, args.mask_token_id, dev, target_config)
         return model, DrafterTrainer(model, cfg.train, cfg.drafter, args.steps, dev)
 
-    runs = {}
-    for mode in ("eager", "compiled"):
+    def drafter_run(mode: str) -> list[float]:
+        """``--steps`` drafter steps in ``mode``; its figures go into ``res``; returns the losses."""
         model, trainer = make_trainer(mode == "compiled")
-        res[f"drafter_params_M"] = model.num_trainable_params() / 1e6
+        res["drafter_params_M"] = model.num_trainable_params() / 1e6
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         losses, times = [], []
@@ -245,27 +253,45 @@ def main() -> int:
             d = watch.check()
             res[f"drafter_{mode}_recompiles_after_warmup"] = d.compiles
             res[f"drafter_{mode}_rerecords_after_warmup"] = d.cudagraph_records
-        runs[mode] = losses
-        del model, trainer
-        torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in res.items() if k.startswith(f"drafter_{mode}")}), flush=True)
-    res["drafter_speedup"] = res["drafter_eager_ms"] / res["drafter_compiled_ms"]
-    rel = [abs(a - b) / max(abs(a), 1e-9) for a, b in zip(runs["eager"], runs["compiled"])]
-    res["drafter_loss_max_rel_diff"] = max(rel)
+        return losses
+
+    runs = {}
+    for mode in ("eager", "compiled"):
+        try:
+            runs[mode] = drafter_run(mode)
+        except torch.cuda.OutOfMemoryError as exc:  # recorded; the other mode still runs
+            res[f"drafter_{mode}_oom"] = str(exc).splitlines()[0]
+            res[f"drafter_{mode}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            print(json.dumps({f"drafter_{mode}_oom": res[f"drafter_{mode}_oom"]}), flush=True)
+        gc.collect()  # the run's model, trainer and graphs
+        torch.cuda.empty_cache()
+    both = len(runs) == 2
+    if both:
+        res["drafter_speedup"] = res["drafter_eager_ms"] / res["drafter_compiled_ms"]
+        rel = [abs(a - b) / max(abs(a), 1e-9) for a, b in zip(runs["eager"], runs["compiled"])]
+        res["drafter_loss_max_rel_diff"] = max(rel)
     res["compile_counts_total"] = vars(compile_counts())
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_compile.json").write_text(json.dumps(res, indent=1))
-    print("\n| stage | eager ms | compiled ms | speed-up | warm-up s | re-records after warm-up |")
+    print(f"\ndrafter: {args.anchors} anchors per row, gradient checkpointing "
+          f"{'on' if args.gradient_checkpointing else 'off'}")
+    print("| stage | eager ms | compiled ms | speed-up | warm-up s | re-records after warm-up |")
     print("|---|---|---|---|---|---|")
     if "target_compiled_ms" in res:
         print(f"| target forward {args.rows}x{args.seq} | {res['target_eager_ms']:.0f} | {res['target_compiled_ms']:.0f} | "
               f"{res['target_speedup']:.2f}x | {res['target_compile_warmup_s']:.0f} | {res['target_rerecords_after_warmup']} |")
-    print(f"| drafter step | {res['drafter_eager_ms']:.0f} | {res['drafter_compiled_ms']:.0f} | "
-          f"{res['drafter_speedup']:.2f}x | {res['drafter_compiled_warmup_s']:.0f} | "
-          f"{res.get('drafter_compiled_rerecords_after_warmup')} |")
-    print(f"loss agreement over {args.steps} steps: max rel diff {res['drafter_loss_max_rel_diff']:.2e}; "
-          f"peak GiB eager {res['drafter_eager_peak_gib']:.1f} / compiled {res['drafter_compiled_peak_gib']:.1f}")
+
+    def cell(mode: str, key: str, fmt: str) -> str:
+        return "OOM" if f"drafter_{mode}_oom" in res else format(res[f"drafter_{mode}_{key}"], fmt)
+
+    speedup = f"{res['drafter_speedup']:.2f}x" if both else "-"
+    print(f"| drafter step | {cell('eager', 'ms', '.0f')} | {cell('compiled', 'ms', '.0f')} | {speedup} | "
+          f"{cell('compiled', 'warmup_s', '.0f')} | {res.get('drafter_compiled_rerecords_after_warmup')} |")
+    if both:
+        print(f"loss agreement over {args.steps} steps: max rel diff {res['drafter_loss_max_rel_diff']:.2e}")
+    print(f"peak GiB eager {cell('eager', 'peak_gib', '.1f')} / compiled {cell('compiled', 'peak_gib', '.1f')}")
     for mode in ("eager", "compiled"):
         if f"drafter_{mode}_phases_ms" in res:
             print(f"{mode} phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in res[f"drafter_{mode}_phases_ms"].items()))

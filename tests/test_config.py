@@ -85,6 +85,9 @@ BAD_CASES = [
      r"^drafter\.loss_gamma: applies only to drafter\.loss_weighting: decay \(got loss_weighting: dpace\)"),
     (["drafter.dpace_alpha=0.5"], 0, r"^drafter\.dpace_alpha: applies only to drafter\.loss_weighting: dpace"),
     (["drafter.loss_weighting=dpace", "drafter.dpace_alpha=1.5"], 0, r"^drafter\.dpace_alpha: must be in \[0, 1\], got 1\.5$"),
+    (["drafter.gradient_checkpointing=yes please"], 0,
+     r"^drafter\.gradient_checkpointing: expected true/false, got str 'yes please'$"),
+    (["drafter.gradient_checkpointing=1"], 0, r"^drafter\.gradient_checkpointing: expected true/false, got int 1$"),
 ]
 
 
@@ -148,3 +151,10 @@ def test_anchor_sampling_and_loss_weighting_keys():
                        "drafter.loss_weighting=dpace", "drafter.dpace_alpha=0.3"], gpu_count=0)
     assert (cfg.drafter.anchor_sampling, cfg.drafter.anchors_per_conversation) == ("conversation", 512)
     assert cfg.drafter.loss_weighting == "dpace" and cfg.drafter.dpace_alpha == pytest.approx(0.3)
+
+
+def test_gradient_checkpointing_key():
+    assert load_config(CONFIGS / "smollm2-135m-cpu.yaml", gpu_count=0).drafter.gradient_checkpointing is False
+    for name, gpus in (("smollm2-135m-cpu", 0), ("h200-2gpu", 2)):
+        cfg = load_config(CONFIGS / f"{name}.yaml", ["drafter.gradient_checkpointing=true"], gpu_count=gpus)
+        assert cfg.drafter.gradient_checkpointing is True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DFlashConfig
+from dflash.models.masks import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash.training.anchors import anchor_generator, draw_anchors, sample_anchors
 from dflash.training.optim import build_optimizer, build_scheduler, lr_factor, warmup_steps
 from dflash.training.trainer import DrafterTrainer, metrics_to_host
@@ -19,12 +21,14 @@ from dflash.training.trainer import DrafterTrainer, metrics_to_host
 V, D, L, B = 32, 32, 2, 4
 
 
-def tiny_model(seed: int = 0, head_dim: int = 8, attention: str = "sdpa") -> DFlashDraftModel:
+def tiny_model(seed: int = 0, head_dim: int = 8, attention: str = "sdpa", **overrides: object) -> DFlashDraftModel:
+    """A 2-layer drafter; ``overrides`` go to :class:`DFlashConfig` (``layer_types``, ``sliding_window``)."""
     torch.manual_seed(seed)
-    cfg = DFlashConfig(hidden_size=D, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=head_dim, vocab_size=V, num_hidden_layers=2, num_target_layers=6, target_layer_ids=[1, 4],
-                       block_size=B, mask_token_id=5, rope_theta=10000.0)
-    return DFlashDraftModel(cfg, nn.Embedding(V, D), nn.Linear(D, V, bias=False), attention=attention)
+    kw: dict = dict(hidden_size=D, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=head_dim, vocab_size=V, num_hidden_layers=2, num_target_layers=6, target_layer_ids=[1, 4],
+                    block_size=B, mask_token_id=5, rope_theta=10000.0)
+    kw.update(overrides)
+    return DFlashDraftModel(DFlashConfig(**kw), nn.Embedding(V, D), nn.Linear(D, V, bias=False), attention=attention)
 
 
 def random_batch(r: int = 4, s: int = 20, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -285,6 +289,111 @@ def test_compile_on_cpu_is_ignored_and_says_so(caplog) -> None:
     assert "drafter.compile: ignored on cpu (CUDA graphs need a GPU); the drafter runs eager" in caplog.text
 
 
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+#: A sliding layer (window 5 < a conversation's 6 tokens) then a full one: both mask kinds.
+MIXED_LAYERS = dict(layer_types=[SLIDING_ATTENTION, FULL_ATTENTION], sliding_window=5)
+
+
+def checkpointing_step(checkpointing: bool, batch: dict[str, torch.Tensor], opts: dict,
+                       compile_backend: str | None = None, device: str = "cpu") -> dict:
+    """One forward/backward of a fresh mixed-layer drafter (7 anchors per row, seed 5): the loss,
+    every parameter's gradient, how often the decoder layers ran and (CPU) the bytes autograd saved
+    for the backward. ``compile_backend``: the trainer's drafter forward under ``torch.compile`` with
+    that backend; ``"trainer"``: the trainer's own compiled step (``drafter.compile``, CUDA only)."""
+    on_cpu = device == "cpu"
+    model = tiny_model(head_dim=8 if on_cpu else 16, attention="sdpa" if on_cpu else "auto", **MIXED_LAYERS)
+    model.gradient_checkpointing = checkpointing
+    model.to(device)
+    model.embed_tokens.to(device)
+    model.lm_head.to(device)
+    tr = DrafterTrainer(model, TrainConfig(), drafter_cfg(anchors_per_row=7, compile=compile_backend == "trainer",
+                                                          **opts), 10, device, seed=5, autocast_dtype=None)
+    if compile_backend not in (None, "trainer"):
+        tr._forward, tr.compiled = torch.compile(tr._hidden, backend=compile_backend, dynamic=False), True
+    layer_calls = [0]
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    tensors = {k: v.to(device) for k, v in batch.items()}
+    if on_cpu:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _ = tr.forward_backward(tensors, 0, 0)
+    else:
+        out, _ = tr.forward_backward(tensors, 0, 0)
+    return {"loss": out.loss_sum.detach().cpu(), "grads": [p.grad.cpu() for p in tr.params],
+            "layer_calls": layer_calls[0], "saved_bytes": saved[0]}
+
+
+def assert_same_step(got: dict, ref: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert torch.allclose(got["loss"], ref["loss"], rtol=rtol, atol=atol), (got["loss"], ref["loss"])
+    assert len(got["grads"]) == len(ref["grads"]) > 0
+    for g, r in zip(got["grads"], ref["grads"]):
+        assert torch.allclose(g, r, rtol=rtol, atol=atol), (g - r).abs().max()
+    assert sum(r.abs().sum().item() for r in ref["grads"]) > 0
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gradient_checkpointing_same_loss_and_gradients(variant: str) -> None:
+    """Checkpointed drafter layers (recomputed in the backward) give the loss and every parameter's
+    gradient of the plain forward, with a sliding and a full layer and 7 anchors per row; each
+    layer runs twice and autograd keeps far fewer bytes for the backward."""
+    batch = many_conversations_batch()
+    plain = checkpointing_step(False, batch, VARIANTS[variant])
+    ckpt = checkpointing_step(True, batch, VARIANTS[variant])
+    assert_same_step(ckpt, plain, rtol=1e-6, atol=1e-7)
+    assert (plain["layer_calls"], ckpt["layer_calls"]) == (2, 4)
+    assert ckpt["saved_bytes"] < plain["saved_bytes"] / 2, (ckpt["saved_bytes"], plain["saved_bytes"])
+
+
+def test_gradient_checkpointing_under_torch_compile(monkeypatch) -> None:
+    """The trainer's compiled drafter forward with checkpointed layers (non-reentrant checkpoint as
+    a higher-order op) gives the eager loss and gradients and still saves fewer bytes than the
+    compiled forward without checkpointing. ``aot_eager_decomp_partition``: Dynamo, AOTAutograd and
+    inductor's min-cut partitioner (which honours the recompute tags) without code generation,
+    to keep this CPU test short; the GPU test below runs inductor with CUDA graphs."""
+    import dflash.training.trainer as trainer_module
+    from dflash.training.chunked_ce import linear_ce_chunk
+
+    monkeypatch.setattr(trainer_module, "compiled_linear_ce_chunk", lambda: linear_ce_chunk)
+    torch._dynamo.reset()
+    batch = many_conversations_batch()
+    eager = checkpointing_step(False, batch, {})
+    compiled_plain = checkpointing_step(False, batch, {}, compile_backend="aot_eager_decomp_partition")
+    compiled_ckpt = checkpointing_step(True, batch, {}, compile_backend="aot_eager_decomp_partition")
+    torch._dynamo.reset()
+    assert_same_step(compiled_ckpt, eager)
+    assert_same_step(compiled_plain, eager)
+    assert compiled_ckpt["saved_bytes"] < compiled_plain["saved_bytes"] / 2, \
+        (compiled_ckpt["saved_bytes"], compiled_plain["saved_bytes"])
+
+
+def test_build_drafter_takes_gradient_checkpointing_from_the_config(caplog) -> None:
+    from dflash.config import load_config
+    from dflash.training.factory import build_drafter, target_hf_config
+
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    for value in (False, True):
+        cfg = load_config(configs / "smollm2-135m-cpu.yaml",
+                          ["target.kind=random", "target.arch=tiny-llama", "drafter.num_layers=2",
+                           f"drafter.gradient_checkpointing={str(value).lower()}"], gpu_count=0)
+        tc = target_hf_config(cfg)
+        text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
+        embed = nn.Embedding(int(text.vocab_size), int(text.hidden_size))
+        head = nn.Linear(int(text.hidden_size), int(text.vocab_size), bias=False)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="dflash.training.factory"):
+            model = build_drafter(cfg, embed, head, int(text.vocab_size) - 8, torch.device("cpu"), tc)
+        assert model.gradient_checkpointing is value
+        assert f"gradient checkpointing {'on' if value else 'off'}" in caplog.text
+
+
 # --------------------------------------------------------------------------- GPU only
 
 
@@ -336,6 +445,20 @@ def test_gpu_step_matches_cpu(compile_step: bool, variant: str) -> None:
         mc = cpu.step(batch, 0, i, anchors=anchors)
         mg = gpu.step(cuda_batch, 0, i, anchors=tuple(a.cuda() for a in anchors))
         assert torch.allclose(mg["loss"].cpu(), mc["loss"], rtol=1e-3, atol=1e-3)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compiled_checkpointed_step_matches_eager() -> None:
+    """On CUDA (flex_attention, fp32): the trainer's compiled step (``drafter.compile``: inductor,
+    CUDA graphs) with checkpointed layers gives the eager step's loss and gradients, checkpointed
+    eager too."""
+    batch = many_conversations_batch()
+    eager = checkpointing_step(False, batch, {}, device="cuda")
+    assert_same_step(checkpointing_step(True, batch, {}, device="cuda"), eager, rtol=1e-4, atol=1e-5)
+    assert_same_step(checkpointing_step(True, batch, {}, compile_backend="trainer", device="cuda"), eager,
+                     rtol=1e-3, atol=1e-4)
     torch.cuda.synchronize()
 
 

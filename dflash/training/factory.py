@@ -153,6 +153,8 @@ def build_drafter(cfg: RunConfig, embed_tokens: torch.nn.Module, lm_head: torch.
                   device: torch.device, target_config: Any = None):
     """A fresh DFlash drafter (seeded by ``train.seed``) around the target's frozen embedding and head.
 
+    ``drafter.gradient_checkpointing`` becomes the model's ``gradient_checkpointing``.
+
     Returns:
         :class:`dflash.models.drafter.DFlashDraftModel` on ``device`` in fp32 (bf16 autocast on GPU).
     """
@@ -162,7 +164,9 @@ def build_drafter(cfg: RunConfig, embed_tokens: torch.nn.Module, lm_head: torch.
     dcfg = drafter_config(cfg, tc, tokenizer_size, embed_tokens.weight.shape[0])
     layer_ids, mask_id = dcfg.target_layer_ids, dcfg.mask_token_id
     torch.manual_seed(cfg.train.seed)
-    model = DFlashDraftModel(dcfg, embed_tokens, lm_head, attention=cfg.drafter.attention).to(device)
-    log.info("drafter: %d layer(s), B=%d, mask token %d, target layers %s, %.2fM trainable params",
-             dcfg.num_hidden_layers, dcfg.block_size, mask_id, layer_ids, model.num_trainable_params() / 1e6)
+    model = DFlashDraftModel(dcfg, embed_tokens, lm_head, attention=cfg.drafter.attention,
+                             gradient_checkpointing=cfg.drafter.gradient_checkpointing).to(device)
+    log.info("drafter: %d layer(s), B=%d, mask token %d, target layers %s, %.2fM trainable params, "
+             "gradient checkpointing %s", dcfg.num_hidden_layers, dcfg.block_size, mask_id, layer_ids,
+             model.num_trainable_params() / 1e6, "on" if model.gradient_checkpointing else "off")
     return model
