@@ -124,6 +124,26 @@ def decode_score_mod(positions: Tensor, window: Optional[int] = None) -> Callabl
     return score_mod
 
 
+def _flex(q: Tensor, keys: Tensor, values: Tensor, score_mod: Callable[..., Tensor], scale: float) -> Tensor:
+    """flex_attention of ``q [b', H_kv, Q, hd]`` over ``keys/values [b', H_kv, T_max, hd]`` under
+    ``score_mod`` (no ``enable_gqa``: the query heads are folded into ``Q``).
+
+    Inside ``torch.compile`` (the step functions) flex_attention is traced into the graph and
+    lowered to a fused kernel. Outside it (prefill, CPU decoding) ``score_mod`` is applied to the
+    dense fp32 score matrix over broadcast index tensors: what flex_attention's own unfused
+    fallback computes, without the dynamo trace that fallback runs for every new prompt width.
+    """
+    if torch.compiler.is_compiling():
+        return flex_attention(q, keys, values, score_mod=score_mod, scale=scale)
+    b, h, rows, _ = q.shape
+    dev = q.device
+    idx = [torch.arange(n, device=dev).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate((b, h, rows, keys.shape[2]))]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [b', H_kv, Q, T_max]
+    probs = score_mod(scores, *idx).softmax(dim=-1)
+    return torch.matmul(probs.to(values.dtype), values)
+
+
 def _fuse(linears: list[nn.Linear]) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
     """Concatenate the linears' weights (and biases) along the output dimension and make each
     linear's weight a view into the result."""
@@ -225,9 +245,7 @@ class FusedDecoderLayer(nn.Module):
         q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
         q = q.to(keys.dtype)
         if self.attention == "flex":
-            # H = H_kv after folding: no enable_gqa. Outside torch.compile this is flex's unfused
-            # reference (scores materialised, as "matmul"): prefill and CPU.
-            out = flex_attention(q, keys, values, score_mod=decode_score_mod(positions, window), scale=self.scaling)
+            out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling)
         elif self.attention == "sdpa":
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         else:
