@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from dflash.inference.decode_layers import ATTENTION, ATTENTIONS, fuse_layers
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import DFlashProposer
+from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder
 
 __all__ = ["DecodeSteps"]
@@ -90,7 +91,8 @@ class DecodeSteps:
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
             (linear attention), an attention implementation other than sdpa / eager, an
-            ``attention`` not in :data:`dflash.inference.decode_layers.ATTENTIONS`, ``max_len < 2``
+            ``attention`` not in :data:`dflash.inference.decode_layers.ATTENTIONS` (or ``"flex"``
+            compiled on CUDA with a head dim below 16), ``max_len < 2``
             or ``batch_size < 1``.
     """
 
@@ -139,6 +141,10 @@ class DecodeSteps:
         kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.group = int(self.config.num_attention_heads) // kv_heads
         head_dim = int(getattr(self.config, "head_dim", None) or width // self.config.num_attention_heads)
+        if self.fused is not None and attention == "flex" and self.compiled and self.device.type == "cuda" \
+                and head_dim < FLEX_MIN_HEAD_DIM:
+            raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= {FLEX_MIN_HEAD_DIM}, "
+                             f"the target has {head_dim}")
         kv = StaticKVCache(self.num_layers, self.batch_size, kv_heads, self.max_len, head_dim, self.dtype, self.device)
         self.state = DecodeState.allocate(kv, self.batch_size, self.max_len, max(1, len(self.layer_ids)) * width,
                                           self.block_size, self.dtype, self.device)
