@@ -7,12 +7,12 @@ graphs). Random weights decode at the same speed as trained ones, and a random d
 and eager decoding produce the same tokens in fp32 (exit 1 otherwise).
 
 Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.inference.decode_layers`, SDPA
-attention), ``compiled-matmul`` (the same with matmul attention) and ``compiled-plain`` (the
-transformers layers). ``--profile`` also counts the GPU kernels of one compiled target-only token
-and lists the costliest (torch.profiler).
+attention), ``compiled-matmul`` and ``compiled-flex`` (the same with matmul or flex_attention
+attention) and ``compiled-plain`` (the transformers layers). ``--profile`` also counts the GPU
+kernels of one compiled target-only token and lists the costliest (torch.profiler).
 
     python scripts/decode_speed.py --out /tmp/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
-        [--modes eager,compiled,compiled-matmul,compiled-plain] [--profile]
+        [--modes eager,compiled,compiled-matmul,compiled-flex,compiled-plain] [--profile]
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from typing import Optional
 import torch
 
 log = logging.getLogger("decode_speed")
+
+#: The fused layers' attention of each mode (every other mode: SDPA).
+MODE_ATTENTION = {"compiled-matmul": "matmul", "compiled-flex": "flex"}
+KNOWN_MODES = ("eager", "compiled", "compiled-matmul", "compiled-flex", "compiled-plain")
 
 #: SmolLM2-135M-Instruct's shape (its config.json), on the tiny-llama family.
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -56,6 +60,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", default=None, help="write speed.json here")
     p.add_argument("--profile", action="store_true", help="kernels of one compiled target-only token")
     args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in KNOWN_MODES]
+    if unknown:
+        p.error(f"--modes: unknown {unknown}, choose from {','.join(KNOWN_MODES)}")
     setup_logging("decode_speed")
     device = torch.device(args.device)
     target = load_target(TargetConfig(kind="random", arch="tiny-llama", arch_overrides=SMOLLM2_SHAPE, dtype=args.dtype),
@@ -73,10 +81,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict = {"dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens,
                      "block_size": args.block_size, "device": str(device), "torch": torch.__version__}
     tokens_by_mode: dict = {}
-    for mode in [m for m in args.modes.split(",") if m]:
+    for mode in modes:
         gen = Generator(target.model, target.layer_ids, max_len, batch_size=args.batch, drafter=drafter,
                         compile=mode.startswith("compiled"), fuse=mode != "compiled-plain",
-                        attention="matmul" if mode == "compiled-matmul" else "sdpa")
+                        attention=MODE_ATTENTION.get(mode, "sdpa"))
         for warm in range(2):  # compile + capture, then once more
             gen.greedy(prompts[:args.batch], 16)
             gen.speculative(prompts[:args.batch], 16)

@@ -16,7 +16,12 @@ layer with
 * attention by :func:`torch.nn.functional.scaled_dot_product_attention` (:data:`ATTENTION` =
   ``"sdpa"``, measured), or written out as two batched matmuls around an fp32 masked softmax
   (``"matmul"``): a fused SDPA kernel spends a 64- or 128-row tile on the 3–48 query rows of a
-  decoding step, where inductor can fuse mask, scale and softmax into one small kernel.
+  decoding step, where inductor can fuse mask, scale and softmax into one small kernel; or by
+  :func:`torch.nn.attention.flex_attention.flex_attention` (``"flex"``) with the causal and
+  sliding-window rule as a ``score_mod`` that reads the step's positions, so no mask tensor is
+  built or copied: under ``torch.compile`` inductor lowers a step of fewer than 128 query rows to
+  its split-KV flex-decoding kernel (``torch/_inductor/kernel/flex/flex_decoding.py``; the folded
+  query heads keep ``H = H_kv``, so its power-of-two GQA condition holds for any group size).
 
 The original ``nn.Linear`` weights become views into the fused tensors, so the model's own forward
 (prefill in other code, training) keeps working and no weight is stored twice.
@@ -29,16 +34,21 @@ by :func:`fusable` and decoded through the transformers layers instead.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import flex_attention
 
-__all__ = ["ATTENTION", "FusedDecoderLayer", "fusable", "fuse_layers", "rotate_half"]
+__all__ = ["ATTENTION", "ATTENTIONS", "FusedDecoderLayer", "decode_score_mod", "fusable", "fuse_layers",
+           "rotate_half"]
 
-#: How a fused layer attends: ``"sdpa"`` or ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax).
+#: How a fused layer attends: ``"sdpa"``, ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax)
+#: or ``"flex"`` (flex_attention with the mask as a ``score_mod``, :func:`decode_score_mod`).
 ATTENTION = "sdpa"
+#: Every attention a fused layer implements.
+ATTENTIONS = ("sdpa", "matmul", "flex")
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -81,6 +91,59 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def decode_score_mod(positions: Tensor, window: Optional[int] = None) -> Callable[..., Tensor]:
+    """The decoding attention rule as a flex_attention ``score_mod`` over the folded query layout.
+
+    Query row ``q`` of batch row ``b`` is token ``t = q mod T`` of that row (query head
+    ``j = q div T`` of a key/value group, the layout of :meth:`FusedDecoderLayer.forward`), at
+    absolute position ``p = positions[b, t]``. Cache slot ``k`` keeps its score iff ``k ≤ p`` and,
+    in a sliding-window layer, ``p − k < window`` (transformers' sliding layers); every other score
+    becomes ``−inf``. Slots past the cache's written length are excluded by ``k ≤ p`` (the step
+    writes slot ``p`` before attending), so stale rejected drafts are never read. Slot ``p`` itself
+    always survives, so no row is fully masked.
+
+    The function reads ``positions`` in place and closes over nothing else that changes per step,
+    so a compiled step replays without a new block mask or a host sync.
+
+    Args:
+        positions: ``[b', T]`` int64 absolute positions of the step's tokens.
+        window: sliding window ``W`` in tokens, ``None`` = full causal attention.
+
+    Returns:
+        ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (scalar tensors, flex_attention's signature).
+    """
+    tokens = positions.shape[-1]
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        p = positions[b, q_idx % tokens]
+        keep = kv_idx <= p
+        if window is not None:
+            keep = keep & (p - kv_idx < window)
+        return torch.where(keep, score, -float("inf"))
+
+    return score_mod
+
+
+def _flex(q: Tensor, keys: Tensor, values: Tensor, score_mod: Callable[..., Tensor], scale: float) -> Tensor:
+    """flex_attention of ``q [b', H_kv, Q, hd]`` over ``keys/values [b', H_kv, T_max, hd]`` under
+    ``score_mod`` (no ``enable_gqa``: the query heads are folded into ``Q``).
+
+    Inside ``torch.compile`` (the step functions) flex_attention is traced into the graph and
+    lowered to a fused kernel. Outside it (prefill, CPU decoding) ``score_mod`` is applied to the
+    dense fp32 score matrix over broadcast index tensors: what flex_attention's own unfused
+    fallback computes, without the dynamo trace that fallback runs for every new prompt width.
+    """
+    if torch.compiler.is_compiling():
+        return flex_attention(q, keys, values, score_mod=score_mod, scale=scale)
+    b, h, rows, _ = q.shape
+    dev = q.device
+    idx = [torch.arange(n, device=dev).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate((b, h, rows, keys.shape[2]))]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [b', H_kv, Q, T_max]
+    probs = score_mod(scores, *idx).softmax(dim=-1)
+    return torch.matmul(probs.to(values.dtype), values)
+
+
 def _fuse(linears: list[nn.Linear]) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
     """Concatenate the linears' weights (and biases) along the output dimension and make each
     linear's weight a view into the result."""
@@ -106,7 +169,7 @@ class FusedDecoderLayer(nn.Module):
     Args:
         layer: the transformers decoder layer (its weights are re-pointed into the fused tensors).
         num_heads, num_kv_heads, head_dim: ``H``, ``H_kv``, ``hd`` of the attention.
-        attention: ``"matmul"`` or ``"sdpa"`` (:data:`ATTENTION`).
+        attention: one of :data:`ATTENTIONS` (default :data:`ATTENTION`).
 
     Raises:
         ValueError: :func:`fusable` says no, ``H`` is not a multiple of ``H_kv``, or an unknown
@@ -121,8 +184,8 @@ class FusedDecoderLayer(nn.Module):
             raise ValueError(f"{type(layer).__name__}: {why}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        if attention not in ("matmul", "sdpa"):
-            raise ValueError(f"attention: 'matmul' or 'sdpa', got {attention!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: one of {ATTENTIONS}, got {attention!r}")
         self.attention = attention
         attn, mlp = layer.self_attn, layer.mlp
         self.heads, self.kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
@@ -139,7 +202,8 @@ class FusedDecoderLayer(nn.Module):
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, k_buf: Tensor, v_buf: Tensor,
-                rows: Optional[Tensor], positions: Tensor, mask: Tensor) -> Tensor:
+                rows: Optional[Tensor], positions: Tensor, mask: Optional[Tensor],
+                window: Optional[int] = None) -> Tensor:
         """One layer for ``T`` new tokens per row.
 
         Args:
@@ -150,7 +214,10 @@ class FusedDecoderLayer(nn.Module):
             rows: ``[b']`` int64 cache rows of the ``b'`` sequences, ``None`` = all rows.
             positions: ``[b', T]`` int64 positions of the new tokens.
             mask: ``[b', 1, g·T, T_max]`` bool, True = the query may read that cache slot; query
-                row ``j·T + t`` is query head ``j`` of a key/value group at token ``t``.
+                row ``j·T + t`` is query head ``j`` of a key/value group at token ``t``. Unused
+                (may be ``None``) by ``"flex"``, which applies the same rule from ``positions``.
+            window: the layer's sliding window in tokens (``None`` = full attention); read by
+                ``"flex"`` only (the other attentions take it from ``mask``).
 
         Returns:
             ``[b', T, D]`` the layer's output (same dtype as ``hidden``).
@@ -177,7 +244,9 @@ class FusedDecoderLayer(nn.Module):
         g = hq // hkv
         q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
         q = q.to(keys.dtype)
-        if self.attention == "sdpa":
+        if self.attention == "flex":
+            out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling)
+        elif self.attention == "sdpa":
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         else:
             scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling  # [b', H_kv, g·T, T_max]
@@ -199,7 +268,7 @@ def fuse_layers(layers: nn.ModuleList, config: object, attention: str = ATTENTIO
         layers: the decoder's layers.
         config: the model's (text) config (``num_attention_heads``, ``num_key_value_heads``,
             ``head_dim`` or ``hidden_size``).
-        attention: ``"matmul"`` or ``"sdpa"`` (:data:`ATTENTION`).
+        attention: one of :data:`ATTENTIONS` (default :data:`ATTENTION`).
     """
     if any(fusable(layer, config) is not None for layer in layers):
         return None

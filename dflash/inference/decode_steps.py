@@ -44,9 +44,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.decode_layers import ATTENTION, fuse_layers
+from dflash.inference.decode_layers import ATTENTION, ATTENTIONS, fuse_layers
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import DFlashProposer
+from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder
 
 __all__ = ["DecodeSteps"]
@@ -83,18 +84,23 @@ class DecodeSteps:
         fuse: run the target's layers as :class:`dflash.inference.decode_layers.FusedDecoderLayer` (fused
             projections, grouped-query attention on the cache in place) when every layer is
             supported; ``False`` = through the transformers layers. Same math either way.
-        attention: the fused layers' attention, ``"matmul"`` or ``"sdpa"``
-            (:data:`dflash.inference.decode_layers.ATTENTION`).
+        attention: the fused layers' attention, one of
+            :data:`dflash.inference.decode_layers.ATTENTIONS` (default
+            :data:`dflash.inference.decode_layers.ATTENTION`); ``"flex"`` builds no mask tensor.
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
-            (linear attention), an attention implementation other than sdpa / eager, ``max_len < 2``
+            (linear attention), an attention implementation other than sdpa / eager, an
+            ``attention`` not in :data:`dflash.inference.decode_layers.ATTENTIONS` (or ``"flex"``
+            compiled on CUDA with a head dim below 16), ``max_len < 2``
             or ``batch_size < 1``.
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
                  attention: str = ATTENTION) -> None:
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: one of {ATTENTIONS}, got {attention!r}")
         self.model = model.eval()
         self.decoder = _decoder(model)
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -135,6 +141,10 @@ class DecodeSteps:
         kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.group = int(self.config.num_attention_heads) // kv_heads
         head_dim = int(getattr(self.config, "head_dim", None) or width // self.config.num_attention_heads)
+        if self.fused is not None and attention == "flex" and self.compiled and self.device.type == "cuda" \
+                and head_dim < FLEX_MIN_HEAD_DIM:
+            raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= {FLEX_MIN_HEAD_DIM}, "
+                             f"the target has {head_dim}")
         kv = StaticKVCache(self.num_layers, self.batch_size, kv_heads, self.max_len, head_dim, self.dtype, self.device)
         self.state = DecodeState.allocate(kv, self.batch_size, self.max_len, max(1, len(self.layer_ids)) * width,
                                           self.block_size, self.dtype, self.device)
@@ -180,9 +190,11 @@ class DecodeSteps:
             out[kind] = mask
         return out
 
+    @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, rows: Optional[Tensor] = None,
                 features: bool = True, logits_at: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """The target over ``input_ids`` at ``positions``, on top of the cache; writes their keys/values.
+        Without gradients (decoding never needs them; flex_attention has no CPU backward).
 
         Args:
             input_ids / positions: ``[b', T]`` int64.
@@ -203,14 +215,17 @@ class DecodeSteps:
         if getattr(dec.rotary_emb, "mrope_section", None) is not None:
             rope_pos = positions.unsqueeze(0).expand(3, -1, -1)
         rotary = dec.rotary_emb(hidden, rope_pos)
-        masks = self._masks(positions)
+        flex = self.fused is not None and self.fused[0].attention == "flex"
+        masks = {} if flex else self._masks(positions)
         width = hidden.shape[-1]
         feats = hidden.new_empty(*hidden.shape[:2], len(self.layer_ids) * width) if features else None
         last = self.num_layers - 1
         for i, layer in enumerate(dec.layers):
             if self.fused is not None:
+                kind = self.layer_types[i]
+                window = int(self.sliding_window) if kind == SLIDING and self.sliding_window is not None else None
                 hidden = self.fused[i](hidden, rotary[0], rotary[1], kv.keys[i], kv.values[i], rows, positions,
-                                       masks[self.layer_types[i]])
+                                       masks.get(kind), window)
             else:
                 out = layer(hidden, attention_mask=masks[self.layer_types[i]], position_ids=positions,
                             position_embeddings=rotary, **{self.cache_arg: kv})
