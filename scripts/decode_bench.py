@@ -49,12 +49,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--attention", default="sdpa", help="the fused target layers' attention: sdpa, matmul or flex")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--out", default="decode-bench-out")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.modes = [m for m in args.modes.split(",") if m]
+    from dflash.inference.decode_layers import ATTENTIONS
+
+    if args.attention not in ATTENTIONS:
+        p.error(f"--attention: one of {ATTENTIONS}, got {args.attention!r}")
     bad = [d for d in args.dtypes if d not in DTYPES] + [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown dtype/mode {bad}: dtypes are {DTYPES}, modes {MODES}")
@@ -66,7 +71,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def table(runs: list[dict[str, Any]]) -> str:
     """Markdown table, one row per run."""
-    head = ("| dtype | mode | batch | outputs (same / tie / FAIL) | τ measured | τ offline, own text | "
+    head = ("| dtype | mode, attention | batch | outputs (same / tie / FAIL) | τ measured | τ offline, own text | "
             "τ offline walk, own text | τ replay | "
             "τ offline, dataset | target-only tok/s | speculative tok/s | speedup | draft / verify / host s | "
             "warm-up s |")
@@ -78,7 +83,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         s = r["summary"]
         lines.append(
-            f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {s['batch']} | "
+            f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'}, {s.get('attention', 'sdpa')} | {s['batch']} | "
             f"{s['identical']} / {s['ties']} / {s['failures']} | {f(s['tau'])} | {f(s.get('offline_tau_own'))} | "
             f"{f(s.get('offline_tau_own_walk'))} | {f(s.get('offline_tau_replay'))} | "
             f"{f(s.get('offline_tau_dataset'))} | {f(s['target_tok_s'], 1)} | "
@@ -123,7 +128,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs: list[dict[str, Any]] = []
     meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,
             "drafter": "checkpoint" if args.checkpoint else "random (tau ~ 1: speculative numbers are not meaningful)",
-            "prompts": len(cases), "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+            "prompts": len(cases), "max_new_tokens": args.max_new_tokens, "batch": args.batch, "attention": args.attention,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__}
     failed = False
@@ -148,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             t0 = time.perf_counter()
             report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,
                                    batch=args.batch, compile=mode == "compiled", offline=not args.no_offline,
-                                   labels=cfg.drafter.labels)
+                                   labels=cfg.drafter.labels, attention=args.attention)
             report["summary"]["run_s"] = time.perf_counter() - t0
             print(f"\n== {dtype}, {mode}\n{format_report(report)}", flush=True)
             failed |= report["summary"]["failures"] > 0

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.inference.acceptance import Walk, measured_per_position, offline_tau, walk_tau
+from dflash.inference.decode_layers import ATTENTION
 from dflash.inference.generation import Generation, Generator
 from dflash.inference.lossless import first_difference
 from dflash.inference.oracle import naive_greedy_decode
@@ -60,14 +61,16 @@ def _continuation(case: PromptCase, gen: Generation) -> tuple[Tensor, Tensor]:
 
 
 def _warm_generator(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
-                    stop_ids: Sequence[int], batch: int, compile: Optional[bool]) -> tuple[Generator, float]:
+                    stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: str
+                    ) -> tuple[Generator, float]:
     """A :class:`Generator` sized for ``cases``, run once both ways for :data:`WARMUP_TOKENS`
     tokens (compilation and graph capture on CUDA). Returns it and the warm-up's seconds."""
     b_sz = int(drafter.block_size)
     longest = max(c.prompt_ids.numel() for c in cases)
     max_len = longest + max(max_new_tokens, WARMUP_TOKENS) + b_sz + 1
     max_len = -(-max_len // 64) * 64
-    gen = Generator(target.model, target.layer_ids, max_len, batch_size=batch, drafter=drafter, compile=compile)
+    gen = Generator(target.model, target.layer_ids, max_len, batch_size=batch, drafter=drafter, compile=compile,
+                    attention=attention)
     warm = [c.prompt_ids for c in cases[:batch]]
     t0 = time.perf_counter()
     gen.greedy(warm, WARMUP_TOKENS, stop_ids)
@@ -173,7 +176,7 @@ def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: An
 @torch.no_grad()
 def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], *, max_new_tokens: int,
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
-                  labels: str = "target") -> dict[str, Any]:
+                  labels: str = "target", attention: str = ATTENTION) -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
     Args:
@@ -186,12 +189,13 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         offline: also compute the offline τ values (dataset, own continuation at every anchor and
             walked, replay).
         labels: offline τ labels on the dataset conversations (training's ``drafter.labels``).
+        attention: the fused target layers' attention (:data:`dflash.inference.decode_layers.ATTENTIONS`).
 
     Returns:
         ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
         speedup, time split, the first difference and its margins, per-position acceptance.
     """
-    gen, warmup_s = _warm_generator(target, drafter, cases, max_new_tokens, stop_ids, batch, compile)
+    gen, warmup_s = _warm_generator(target, drafter, cases, max_new_tokens, stop_ids, batch, compile, attention)
     base, spec = _decode_both(gen, cases, max_new_tokens, stop_ids, batch)
     b_sz = int(drafter.block_size)
     dtype = target.dtype
@@ -202,7 +206,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
     ps, pt = _pooled(spec, batch), _pooled(base, batch)
     summary: dict[str, Any] = {
         "prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": b_sz, "batch": batch,
-        "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "device": str(gen.device),
+        "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "attention": attention,
+        "device": str(gen.device),
         "identical": sum(r["result"] == "identical" for r in rows), "ties": sum(r["result"] == "tie" for r in rows),
         "failures": sum(r["result"] == "FAIL" for r in rows),
         "tau": tau, "verification_steps": steps, "new_tokens": ps["tokens"],
