@@ -11,6 +11,10 @@
 #             (A's held-out split), bf16 and fp32; the newest A export -> $KEEP (15 MiB parts)
 # multinode   two launchers as two nodes (node 0: the target on GPU 0, node 1: the drafter on
 #             GPU 1), tcp between them
+# train_regen configs/smollm2-135m-h200-regen.yaml on both GPUs over regenerated data already there
+#             (/tmp/regen/turn1.jsonl or .gpu/regen-turn1.jsonl.xz) -> /tmp/run-regen
+# decode_regen decode_bench.py for /tmp/run-regen at 96 (bf16, fp32) and 512 (bf16) new tokens, one
+#             GPU each; its export -> $KEEP (15 MiB parts). ATTN: the target's attention (sdpa)
 #
 # Needs /tmp/smollm2.gguf and /tmp/sharegpt.jsonl (scripts/gpu_runbook.sh's set-up does not make
 # them: see docs/gpu-runbook.md). Step output goes to $OUT (the runbook gives each step its own).
@@ -88,5 +92,37 @@ multinode)
     echo "rc node 0 $rc0, node 1 $rc1"
     (( rc0 == 0 && rc1 == 0 ))
     ;;
-*) echo "unknown step $step (regen, train_pair, decode_pair, multinode)"; exit 2 ;;
+train_regen)
+    # the regeneration recipe on both GPUs (target on 0, drafter on 1), on regenerated data that is
+    # already there (/tmp/regen/turn1.jsonl, or .gpu/regen-turn1.jsonl.xz unpacked)
+    mkdir -p /tmp/regen
+    [ -s /tmp/regen/turn1.jsonl ] || xz -dc .gpu/regen-turn1.jsonl.xz >/tmp/regen/turn1.jsonl || exit
+    DFLASH_CACHE=/tmp/cacheA $PY -m launch.cluster train --config configs/smollm2-135m-h200-regen.yaml --overwrite \
+        "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl run_dir=/tmp/run-regen \
+        train.max_steps="${STEPS:-3000}" >"$OUT/train.log" 2>&1
+    rc=$?
+    cp /tmp/run-regen/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
+    cp /tmp/run-regen/config.yaml "$OUT/config.yaml" 2>/dev/null
+    tail -n 4 "$OUT/train.log"
+    exit $rc
+    ;;
+decode_regen)
+    # /tmp/run-regen's drafter: 96 new tokens (bf16 and fp32) on GPU 0, 512 (bf16) on GPU 1, at once
+    for n in 96 512; do
+        gpu=0 dtypes=bfloat16,float32
+        [ $n = 512 ] && gpu=1 dtypes=bfloat16
+        CUDA_VISIBLE_DEVICES=$gpu DFLASH_CACHE=/tmp/cacheA $PY scripts/decode_bench.py --config /tmp/run-regen/config.yaml \
+            --checkpoint /tmp/run-regen --prompts 16 --max-new-tokens $n --modes compiled --dtypes $dtypes \
+            --attention "${ATTN:-sdpa}" --out "$OUT/decode-$n" >"$OUT/decode-$n.log" 2>&1 &
+        children+=($!)
+    done
+    wait "${children[0]}"; rc_a=$?
+    wait "${children[1]}"; rc_b=$?
+    cat "$OUT"/decode-*/decode_bench.md
+    $PY -m launch.cluster export --checkpoint /tmp/run-regen --out /tmp/export-regen \
+        && tar cf - -C /tmp export-regen | split -b 15M - "$KEEP/export-regen.tar.part-"
+    echo "rc 96: $rc_a, 512: $rc_b"
+    (( rc_a == 0 && rc_b == 0 ))
+    ;;
+*) echo "unknown step $step (regen, train_pair, decode_pair, multinode, train_regen, decode_regen)"; exit 2 ;;
 esac

@@ -6,7 +6,9 @@
 # STEP is one of: gpu_tests (every test marked gpu), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu,
 # decode_speed (random SmolLM2-shaped decoding speed), decode (scripts/decode_bench.py: DECODE_TARGET = SmolLM2 HF dir,
 # DECODE_CHECKPOINT = drafter checkpoint or unset for a random drafter, DECODE_DATA = the ShareGPT file),
-# and the real-target steps of scripts/gpu_real_steps.sh: regen, train_pair, decode_pair, multinode.
+# the real-target steps of scripts/gpu_real_steps.sh (regen, train_pair, decode_pair, multinode,
+# train_regen, decode_regen), ckpt / ckpt_pipeline (512 anchors a row with drafter.gradient_checkpointing
+# at the Qwen3-8B shape: one step, then the two-GPU pipeline) and flex (decode_speed with flex attention).
 # Each step runs under `timeout` (its own limit, cut to what is left of BUDGET_S), writes into
 # /tmp/gpu-res/STEP/, and after every step everything so far is packed into $OUT/results.tgz
 # (one file: the device returns at most 8) with a one-line status per step in $OUT/steps.txt.
@@ -28,8 +30,16 @@ fi
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
+# $G: the Qwen3 tokenizer and ShareGPT for the Qwen3-shaped runs, from .gpu/ (a directory or its
+# .tar.xz; ShareGPT as .gpu/sharegpt.jsonl or already unpacked at /tmp/sharegpt.jsonl)
 G=""
-[ -d .gpu ] && G="target.tokenizer=.gpu/tokenizer-qwen3 data.dataset=.gpu/sharegpt.jsonl"
+tok=.gpu/tokenizer-qwen3
+if [ ! -d "$tok" ] && [ -f "$tok.tar.xz" ]; then
+    mkdir -p /tmp/gpu-tok && tar xJf "$tok.tar.xz" -C /tmp/gpu-tok && tok=/tmp/gpu-tok/tokenizer-qwen3
+fi
+data=.gpu/sharegpt.jsonl
+[ -f /tmp/sharegpt.jsonl ] && data=/tmp/sharegpt.jsonl
+[ -d "$tok" ] && [ -f "$data" ] && G="target.tokenizer=$tok data.dataset=$data"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv >"$res/gpus.csv" 2>&1
 
 run_step() {  # name, own limit (s), command...
@@ -65,6 +75,15 @@ for step in "$@"; do
     train_pair) run_step train_pair 540 bash scripts/gpu_real_steps.sh train_pair ;;
     decode_pair) run_step decode_pair 300 bash scripts/gpu_real_steps.sh decode_pair ;;
     multinode) run_step multinode 240 bash scripts/gpu_real_steps.sh multinode ;;
+    train_regen) run_step train_regen 960 bash scripts/gpu_real_steps.sh train_regen ;;
+    decode_regen) run_step decode_regen 420 bash scripts/gpu_real_steps.sh decode_regen ;;
+    ckpt) run_step ckpt 300 $PY benchmarks/bench_compile.py --arch qwen3-8b --steps 20 --anchors 512 \
+                --skip-target-compile --profile --gradient-checkpointing ;;
+    ckpt_pipeline) run_step ckpt_pipeline 330 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r5 --warm-steps 5 \
+                --budget-s 310 train.max_steps=40 checkpoint.every=0 drafter.compile=true \
+                drafter.anchors_per_row=512 drafter.gradient_checkpointing=true $G ;;
+    flex) run_step flex 300 $PY scripts/decode_speed.py --out "$res/flex" \
+                --modes compiled,compiled-flex,compiled-matmul --profile --prompts 4 ;;
     decode) run_step decode 540 $PY scripts/decode_bench.py --target "${DECODE_TARGET:?set DECODE_TARGET to the SmolLM2 HF dir}" \
                 ${DECODE_CHECKPOINT:+--checkpoint "$DECODE_CHECKPOINT"} --out "$res/decode" \
                 ${DECODE_DATA:+data.dataset="$DECODE_DATA"} ;;
