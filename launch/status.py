@@ -100,7 +100,8 @@ def ended_run_summary(run_dir: Path) -> Optional[str]:
     holds no checkpoint and no metrics (no run has trained there).
 
     Names the newest checkpoint (step, whether that is ``train.max_steps`` of the run's saved
-    ``config.yaml``, when it was written) and the last step and held-out τ of ``metrics.jsonl``.
+    ``config.yaml``, when it was written) and the last step and held-out τ of ``metrics.jsonl`` (over
+    every anchor, and ``eval/tau_head``: over those in the first ``train.eval_head_tokens`` of a response).
     """
     run_dir = Path(run_dir)
     ckpt = latest_checkpoint(run_dir)
@@ -108,9 +109,10 @@ def ended_run_summary(run_dir: Path) -> Optional[str]:
     if ckpt is None and last is None:
         return None
     try:
-        max_steps = ((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("train") or {}).get("max_steps")
+        train = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("train") or {}
+        max_steps, head_tokens = train.get("max_steps"), train.get("eval_head_tokens")
     except (OSError, yaml.YAMLError, AttributeError):
-        max_steps = None
+        max_steps = head_tokens = None
     parts = []
     complete = False
     if ckpt is not None:
@@ -137,6 +139,10 @@ def ended_run_summary(run_dir: Path) -> Optional[str]:
     if last is not None:
         tau = (f", last held-out τ {last_eval['eval/tau']:.3f} at step {last_eval['step']}"
                if last_eval is not None and isinstance(last_eval.get("eval/tau"), (int, float)) else "")
+        head = last_eval.get("eval/tau_head") if last_eval is not None else None
+        if tau and isinstance(head, (int, float)) and head == head:
+            tokens = head_tokens if isinstance(head_tokens, int) else "train.eval_head_tokens"
+            tau += f", {head:.3f} in the first {tokens} tokens of each response"
         parts.append(f"metrics up to step {last['step']} are in {run_dir / 'metrics.jsonl'}{tau}")
     text = "; ".join(parts)
     if complete:

@@ -335,6 +335,12 @@ def newest_checkpoint_line(run_dir: Path, steps_done: int) -> str:
             f"--resume trains them again")
 
 
+def _tau_text(ev: dict, key: str) -> str:
+    """``ev[key]`` as ``1.234``, or ``n/a`` when absent (no such blocks)."""
+    value = ev.get(key)
+    return f"{value:.3f}" if isinstance(value, (int, float)) and value == value else "n/a"
+
+
 def final_report(cfg: RunConfig, run_dir: Path, plan: StepPlan, coordinator: Coordinator, result, exit_code: int,
                  elapsed: float) -> int:
     """Check the ledger, log the run's summary (steps, held-out τ first → last, where the files
@@ -348,11 +354,14 @@ def final_report(cfg: RunConfig, run_dir: Path, plan: StepPlan, coordinator: Coo
     if exit_code == 0 and coordinator.stop_signal is not None:
         exit_code = 128 + coordinator.stop_signal  # stopped by a signal, after the final checkpoint
     first, final = result.first_eval or {}, result.final_eval or {}
+    head = f"first {cfg.train.eval_head_tokens} response tokens"
     if first and final and final["step"] != first["step"]:
         evals = (f"held-out τ {first['eval/tau']:.3f} (step {first['step']}) -> {final['eval/tau']:.3f} "
-                 f"(step {final['step']}), loss {first['eval/loss']:.3f} -> {final['eval/loss']:.3f}")
+                 f"(step {final['step']}), {head} {_tau_text(first, 'eval/tau_head')} -> "
+                 f"{_tau_text(final, 'eval/tau_head')}, loss {first['eval/loss']:.3f} -> {final['eval/loss']:.3f}")
     elif first:
-        evals = f"held-out τ {first['eval/tau']:.3f} at step {first['step']} (no later evaluation)"
+        evals = (f"held-out τ {first['eval/tau']:.3f} at step {first['step']} ({head} "
+                 f"{_tau_text(first, 'eval/tau_head')}; no later evaluation)")
     else:
         evals = "no held-out evaluation"
     log.info("run %s: %d/%d steps in %s; %s; checkpoints in %s; metrics in %s; exit %d", cfg.name,

@@ -143,6 +143,8 @@ def _check_train(tr: TrainConfig) -> None:
     _need(tr.eval_every >= 0, "train.eval_every", f"must be >= 0, got {tr.eval_every}")
     _need(tr.eval_batches is None or tr.eval_batches >= 0, "train.eval_batches",
           f"must be >= 0 (0 = no held-out evaluation, null = all held-out batches), got {tr.eval_batches}")
+    _need(tr.eval_head_tokens >= 1, "train.eval_head_tokens",
+          f"must be >= 1 (response tokens counted by eval/tau_head), got {tr.eval_head_tokens}")
 
 
 def _check_cluster(c: ClusterConfig) -> None:

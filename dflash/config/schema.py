@@ -151,6 +151,10 @@ class TrainConfig:
     #: Held-out batches per evaluation (``null`` = all held-out batches, ``0`` = no held-out
     #: evaluation at all, not even at the start and end).
     eval_batches: Optional[int] = None
+    #: ``eval/tau_head``: held-out τ over the anchors within the first N tokens of their assistant
+    #: response (the default is the decoding check's default ``--max-new-tokens``,
+    #: ``dflash.inference.speculative``): the part of a response that decoding N new tokens sees.
+    eval_head_tokens: int = 96
 
 
 @dataclass

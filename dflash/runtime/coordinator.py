@@ -399,9 +399,11 @@ class Coordinator(SupervisionMixin, StopMixin):
         ev["eval/round"] = item.index
         ev["eval/step"] = item.at_step
         self.done_rounds.add(item.index)
-        log.info("held-out eval %d%s at step %d: loss %.4f, τ %.3f over %d blocks", item.index,
+        log.info("held-out eval %d%s at step %d: loss %.4f, τ %.3f over %d blocks, τ %.3f over the %d within "
+                 "train.eval_head_tokens of their response's start", item.index,
                  " (off-schedule baseline)" if item.index < 0 else "", item.at_step,
-                 ev.get("eval/loss", float("nan")), ev.get("eval/tau", float("nan")), ev.get("eval/blocks", 0))
+                 ev.get("eval/loss", float("nan")), ev.get("eval/tau", float("nan")), ev.get("eval/blocks", 0),
+                 ev.get("eval/tau_head", float("nan")), ev.get("eval/head_blocks", 0))
         if self.result.first_eval is None:
             self.result.first_eval = {"step": item.at_step, **ev}
         self.result.final_eval = {"step": item.at_step, **ev}

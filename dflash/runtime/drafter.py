@@ -298,8 +298,8 @@ class DrafterWorker:
                 sums = {k: ([a + b for a, b in zip(v, s[k])] if isinstance(v, list) else v + s[k])
                         for k, v in sums.items()}
         b = self.trainer.block_size
-        sums = sums or {"loss_sum": 0.0, "weight_sum": 0.0, "tau_sum": 0.0, "blocks": 0.0,
-                        "correct": [0.0] * b, "count": [0.0] * b}
+        sums = sums or {"loss_sum": 0.0, "weight_sum": 0.0, "tau_sum": 0.0, "blocks": 0.0, "head_tau_sum": 0.0,
+                        "head_blocks": 0.0, "correct": [0.0] * b, "count": [0.0] * b}
         self.ctx.link.send(Evaluated(attempt=cmd.attempt, round=cmd.round, sums=sums))
 
     def save(self, block: bool = False) -> None:

@@ -141,7 +141,7 @@ class Trained(ControlMessage):
 @dataclass(frozen=True)
 class Evaluated(ControlMessage):
     """A drafter's held-out sums of evaluation round ``round`` (``loss_sum``, ``weight_sum``,
-    ``tau_sum``, ``blocks``, per-block-position ``correct`` / ``count``)."""
+    ``tau_sum``, ``blocks``, ``head_tau_sum``, ``head_blocks``, per-block-position ``correct`` / ``count``)."""
 
     TAG: ClassVar[str] = "evaluated"
     attempt: int

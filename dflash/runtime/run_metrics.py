@@ -17,12 +17,13 @@ def aggregate_eval(sums: list[dict]) -> dict:
     """Combine per-drafter evaluation sums into held-out loss, τ and per-block-position accuracy.
 
     Args:
-        sums: one dict per drafter with ``loss_sum``, ``weight_sum``, ``tau_sum``, ``blocks`` and the
-            lists ``correct`` / ``count`` indexed by block position.
+        sums: one dict per drafter with ``loss_sum``, ``weight_sum``, ``tau_sum``, ``blocks``,
+            ``head_tau_sum``, ``head_blocks`` and the lists ``correct`` / ``count`` indexed by block position.
     Returns:
         ``eval/loss`` = Σ loss_sum / Σ weight_sum, ``eval/tau`` = Σ tau_sum / Σ blocks,
-        ``eval/blocks`` and ``eval/acc_block_pos_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1;
-        ``{}`` without sums.
+        ``eval/blocks``, ``eval/tau_head`` = Σ head_tau_sum / Σ head_blocks (the blocks whose anchor lies in
+        the first ``train.eval_head_tokens`` tokens of its response; NaN without any), ``eval/head_blocks``
+        and ``eval/acc_block_pos_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1; ``{}`` without sums.
     """
     if not sums:
         return {}
@@ -39,6 +40,10 @@ def aggregate_eval(sums: list[dict]) -> dict:
         "eval/tau": total["tau_sum"] / max(total["blocks"], 1),
         "eval/blocks": int(total["blocks"]),
     }
+    if "head_blocks" in total:
+        head = total["head_blocks"]
+        out["eval/tau_head"] = total["head_tau_sum"] / head if head else float("nan")
+        out["eval/head_blocks"] = int(head)
     for k, (c, n) in enumerate(zip(total.get("correct", []), total.get("count", []))):
         if k > 0:
             out[f"eval/acc_block_pos_{k}"] = c / n if n else float("nan")

@@ -28,6 +28,7 @@ __all__ = [
     "conversation_anchor_quotas",
     "sample_anchors_per_conversation",
     "draw_anchors",
+    "response_offsets",
 ]
 
 #: ``drafter.anchor_sampling``: per packed row, or the row's anchor entries shared among its conversations.
@@ -277,3 +278,36 @@ def draw_anchors(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int, sampling:
         return sample_anchors_per_conversation(loss_mask, doc_ids, num_anchors, cap, generator)
     raise ValueError(f"sampling: must be one of {list(ANCHOR_SAMPLING)}, got {sampling!r}")
 
+
+
+def response_offsets(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
+    """How far into its response each position lies: ``[R, S]`` int64.
+
+    A response is a maximal run of ``loss_mask == True`` inside one conversation (``doc_ids``
+    constant): an assistant turn. Position ``p`` of a run starting at ``s`` gets ``p − s``
+    (0 at the response's first token); positions outside ``loss_mask`` get −1. A new
+    conversation (``doc_ids`` changes) or a new assistant turn (after masked user tokens) starts a
+    new run. Vectorised (a cumulative max over the run starts), no host synchronisation.
+
+    Used to split held-out τ by the anchor's offset (``train.eval_head_tokens``): speculative
+    decoding of ``n`` new tokens only ever sees anchors at offsets below ``n``.
+
+    Args:
+        loss_mask: ``[R, S]`` bool.
+        doc_ids: ``[R, S]`` int (conversations: runs of equal values).
+
+    Returns:
+        ``[R, S]`` int64 offsets, −1 where ``loss_mask`` is False.
+
+    Raises:
+        ValueError: mismatched or non-2-D shapes.
+    """
+    if loss_mask.shape != doc_ids.shape or loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and doc_ids {tuple(doc_ids.shape)} must be [R, S]")
+    in_loss = loss_mask.bool()
+    r, s = in_loss.shape
+    start = in_loss.clone()
+    start[:, 1:] &= ~in_loss[:, :-1] | (doc_ids[:, 1:] != doc_ids[:, :-1])
+    j = torch.arange(s, device=in_loss.device).expand(r, s)
+    run_start = torch.cummax(torch.where(start, j, torch.zeros_like(j)), dim=1).values
+    return torch.where(in_loss, j - run_start, torch.full_like(j, -1))

@@ -22,7 +22,7 @@ from :mod:`dflash.models.masks`, the chunked LM-head cross-entropy from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Optional
 
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "LOSS_WEIGHTINGS",
     "DPACE_ALPHA",
     "LossOutput",
+    "EvalOutput",
     "build_block_labels",
     "block_position_weights",
     "label_weights",
@@ -187,6 +188,9 @@ class LossOutput:
     tau_sum: Tensor
     #: Number of kept blocks.
     num_blocks: Tensor
+    #: ``[R, A]`` τ of every block (dropped ones: 1), as :func:`dflash_loss` computed it; not a
+    #: sum, so not in :meth:`stats_vector` (``None`` after :meth:`from_stats_vector`).
+    block_tau: Optional[Tensor] = field(default=None, kw_only=True, repr=False)
 
     @property
     def loss(self) -> Tensor:
@@ -213,6 +217,56 @@ class LossOutput:
         b = (vec.numel() - 4) // 2
         return cls(loss_sum=vec[0], weight_sum=vec[1], tau_sum=vec[2], num_blocks=vec[3],
                    block_pos_correct=vec[4:4 + b], block_pos_count=vec[4 + b:4 + 2 * b])
+
+
+@dataclass
+class EvalOutput(LossOutput):
+    """A held-out batch's :class:`LossOutput` plus τ over its *head* blocks.
+
+    Head blocks are the kept blocks whose anchor lies within the first ``train.eval_head_tokens``
+    tokens of its response (:func:`dflash.training.anchors.response_offsets`): the part of a
+    response that speculative decoding of that many new tokens sees. On long responses the
+    every-anchor τ (``tau``) is dominated by their tails; ``tau_head`` is the number to compare
+    with decoding. ``tau_head = head_tau_sum / head_blocks``.
+    """
+
+    #: ``Σ τ`` over head blocks (fp32 scalar).
+    head_tau_sum: Tensor
+    #: Number of head blocks (fp32 scalar).
+    head_blocks: Tensor
+
+    @property
+    def tau_head(self) -> Tensor:
+        return self.head_tau_sum / self.head_blocks.clamp_min(1.0)
+
+    @classmethod
+    def from_loss(cls, out: LossOutput, head: Tensor) -> "EvalOutput":
+        """``out``'s sums (detached) plus the head sums over the blocks of ``head``.
+
+        Args:
+            out: a batch's :class:`LossOutput` with ``block_tau`` (:func:`dflash_loss`'s).
+            head: ``[R, A]`` bool, the head blocks (a subset of the kept blocks).
+
+        Raises:
+            ValueError: ``out`` has no ``block_tau`` or ``head`` does not match its shape.
+        """
+        if out.block_tau is None:
+            raise ValueError("out: has no block_tau (a LossOutput from dflash_loss is needed, not a stats vector's)")
+        if head.shape != out.block_tau.shape:
+            raise ValueError(f"head {tuple(head.shape)} does not match block_tau {tuple(out.block_tau.shape)}")
+        sums = {f.name: getattr(out, f.name).detach() for f in fields(LossOutput) if f.name != "block_tau"}
+        return cls(**sums, block_tau=out.block_tau, head_tau_sum=(out.block_tau * head.float()).sum(),
+                   head_blocks=head.float().sum())
+
+    def stats_vector(self) -> Tensor:
+        """``[2B + 6]`` fp32: :meth:`LossOutput.stats_vector`, then head_tau_sum, head_blocks."""
+        return torch.cat([super().stats_vector(), torch.stack([self.head_tau_sum, self.head_blocks]).float()])
+
+    @classmethod
+    def from_stats_vector(cls, vec: Tensor) -> "EvalOutput":
+        base = LossOutput.from_stats_vector(vec[:-2])
+        sums = {f.name: getattr(base, f.name) for f in fields(LossOutput) if f.name != "block_tau"}
+        return cls(**sums, head_tau_sum=vec[-2], head_blocks=vec[-1])
 
 
 def acceptance_lengths(correct: Tensor, valid: Tensor) -> Tensor:
@@ -253,7 +307,7 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
         dpace_alpha: α of :func:`dpace_weights` (``"dpace"`` only).
 
     Returns:
-        :class:`LossOutput`; only ``loss_sum`` carries a gradient (to ``hidden``).
+        :class:`LossOutput` (with ``block_tau``); only ``loss_sum`` carries a gradient (to ``hidden``).
 
     Raises:
         ValueError: shape mismatch, ``chunk < 1``, unknown ``weighting`` or α outside ``[0, 1]``.
@@ -294,4 +348,4 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
         num_blocks = keep.float().sum()
         weight_sum = loss_denominator(valid, gamma, weighting)
     return LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, block_pos_correct=block_pos_correct,
-                      block_pos_count=block_pos_count, tau_sum=tau_sum, num_blocks=num_blocks)
+                      block_pos_count=block_pos_count, tau_sum=tau_sum, num_blocks=num_blocks, block_tau=tau)

@@ -42,9 +42,10 @@ from torch import Tensor, nn
 from dflash.config import default_gamma
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.masks import AttentionMask, drafter_attention_masks, restage_attention_mask
-from dflash.training.anchors import anchor_generator, draw_anchors
+from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets
 from dflash.training.chunked_ce import LOSS_CHUNK_ROWS, compiled_linear_ce_chunk
-from dflash.training.objective import DPACE_ALPHA, LossOutput, build_block_labels, dflash_loss, loss_denominator
+from dflash.training.objective import (DPACE_ALPHA, EvalOutput, LossOutput, build_block_labels, dflash_loss,
+                                       loss_denominator)
 from dflash.training.optim import LRSchedule, build_optimizer, build_scheduler
 
 __all__ = ["EVAL_EPOCH", "REQUIRED_KEYS", "PreparedBatch", "DrafterTrainer", "metrics_to_host"]
@@ -94,7 +95,8 @@ class DrafterTrainer:
 
     Args:
         model: a :class:`DFlashDraftModel`, or a DDP wrapper around one.
-        train_cfg: :class:`dflash.config.TrainConfig` (lr, betas, weight decay, warm-up, clip).
+        train_cfg: :class:`dflash.config.TrainConfig` (lr, betas, weight decay, warm-up, clip, and
+            ``eval_head_tokens`` for :meth:`evaluate`).
         drafter_cfg: :class:`dflash.config.DrafterConfig` (block size, anchors per row, anchor
             sampling, loss weighting, γ, labels, compile).
         total_steps: optimizer steps of the whole run (the schedule's length).
@@ -142,6 +144,8 @@ class DrafterTrainer:
         self.loss_weighting = drafter_cfg.loss_weighting
         self.dpace_alpha = drafter_cfg.dpace_alpha if drafter_cfg.dpace_alpha is not None else DPACE_ALPHA
         self.labels = drafter_cfg.labels
+        #: evaluation's head: anchors within this many tokens of their response's start
+        self.eval_head_tokens = train_cfg.eval_head_tokens
         self.loss_chunk = loss_chunk
         self.weight_sum_reduce = weight_sum_reduce
         self.grad_sync = grad_sync
@@ -363,12 +367,16 @@ class DrafterTrainer:
         }
 
     @torch.no_grad()
-    def evaluate(self, tensors: dict[str, Tensor], batch_id: int, epoch: int = EVAL_EPOCH) -> LossOutput:
+    def evaluate(self, tensors: dict[str, Tensor], batch_id: int, epoch: int = EVAL_EPOCH) -> EvalOutput:
         """Loss / τ / per-block-position accuracy *sums* of one held-out batch, without gradients.
 
         Anchors are deterministic: ``anchor_seed(seed, EVAL_EPOCH, batch_id)``, the same at every
-        evaluation. Add the returned :class:`LossOutput` stats over batches (and ranks) with
-        :meth:`LossOutput.stats_vector`, then read ``loss``, ``tau``, ``block_pos_accuracy``.
+        evaluation. Besides τ over every kept block, the same forward gives τ over the *head*
+        blocks: kept blocks whose anchor's offset in its response
+        (:func:`dflash.training.anchors.response_offsets`) is below ``train.eval_head_tokens``.
+        Add the returned :class:`EvalOutput` stats over batches (and ranks) with
+        :meth:`EvalOutput.stats_vector`, then read ``loss``, ``tau``, ``tau_head``,
+        ``block_pos_accuracy``; ``block_tau [R, A]`` holds this batch's τ per block.
         """
         was_training = self.model.training
         self.model.eval()
@@ -377,7 +385,10 @@ class DrafterTrainer:
             out = self.forward_loss(prepared, compiled=False)
         finally:
             self.model.train(was_training)
-        return LossOutput.from_stats_vector(out.stats_vector())
+        t = prepared.tensors
+        offsets = response_offsets(t["loss_mask"], t["doc_ids"]).gather(1, prepared.anchors)
+        head = prepared.anchor_keep & (offsets >= 0) & (offsets < self.eval_head_tokens)
+        return EvalOutput.from_loss(out, head)
 
     # ----------------------------------------------------------------------- checkpointing
 
