@@ -10,6 +10,7 @@ from dflash.training.anchors import (
     anchor_seed,
     conversation_anchor_quotas,
     draw_anchors,
+    response_offsets,
     sample_anchors,
     sample_anchors_per_conversation,
     valid_anchor_mask,
@@ -254,3 +255,74 @@ def test_draw_anchors_dispatches_and_checks() -> None:
         draw_anchors(lm, doc, 6, "sequence")
     with pytest.raises(ValueError, match="cap"):
         draw_anchors(lm, doc, 6, "row", 4)
+
+
+def packed_turns(r: int, s: int, seed: int, noise: float = 0.1, max_conversation: int = 40,
+                 max_turn: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed rows: conversations of random lengths (< ``max_conversation``) back to back
+    (doc ids 1, 2, …, then padding 0), each alternating masked user turns and loss-masked
+    assistant turns of random lengths (< ``max_turn``; a conversation may open with either); then
+    a fraction ``noise`` of the loss mask flipped at random.
+    Returns ``(loss_mask [R, S] bool, doc_ids [R, S] int32)``."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    loss_mask = torch.zeros(r, s, dtype=torch.bool)
+    doc_ids = torch.zeros(r, s, dtype=torch.int32)
+    for row in range(r):
+        p, doc = 0, 1
+        end = s - rand(0, 6)  # trailing padding
+        while p < end:
+            conv_end = min(end, p + rand(4, max_conversation))
+            assistant = bool(rand(0, 2))
+            while p < conv_end:
+                turn_end = min(conv_end, p + rand(1, max_turn))
+                doc_ids[row, p:turn_end] = doc
+                loss_mask[row, p:turn_end] = assistant
+                assistant = not assistant
+                p = turn_end
+            doc += 1
+    flip = torch.rand(r, s, generator=g) < noise
+    loss_mask = (loss_mask ^ flip) & (doc_ids > 0)
+    return loss_mask, doc_ids
+
+
+def naive_response_offsets(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> list[list[int]]:
+    """``p − start`` of the run of ``loss_mask`` inside one conversation holding ``p``, else −1 (loops)."""
+    out = []
+    for mask, docs in zip(loss_mask.tolist(), doc_ids.tolist()):
+        row, start = [], None
+        for p, (m, d) in enumerate(zip(mask, docs)):
+            if not m:
+                start = None
+                row.append(-1)
+                continue
+            if start is None or docs[p - 1] != d:
+                start = p
+            row.append(p - start)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("noise", [0.0, 0.15])
+def test_response_offsets_equal_the_naive_loop(seed: int, noise: float) -> None:
+    loss_mask, doc_ids = packed_turns(6, 120, seed, noise)
+    got = response_offsets(loss_mask, doc_ids)
+    assert got.dtype == torch.int64 and got.shape == loss_mask.shape
+    assert got.tolist() == naive_response_offsets(loss_mask, doc_ids)
+    assert got.max() > 5 and (got == 0).sum() > 3 * 6  # several responses per row, some long
+
+
+def test_response_offsets_restart_at_a_new_conversation_and_turn() -> None:
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2, 2, 0]])
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 0, 1, 1, 1, 0]], dtype=torch.bool)
+    assert response_offsets(loss_mask, doc_ids).tolist() == [[-1, 0, 1, 0, 1, -1, 0, 1, 2, -1]]
+    with pytest.raises(ValueError, match=r"loss_mask \(1, 10\) and doc_ids \(10,\) must be \[R, S\]"):
+        response_offsets(loss_mask, doc_ids[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_response_offsets_on_gpu_equal_the_naive_loop() -> None:
+    loss_mask, doc_ids = packed_turns(8, 300, 7)
+    got = response_offsets(loss_mask.cuda(), doc_ids.cuda())
+    assert got.cpu().tolist() == naive_response_offsets(loss_mask, doc_ids)

@@ -75,6 +75,12 @@ BAD_CASES = [
     (["train.eval_batches=-1"], 0,
      r"^train\.eval_batches: must be >= 0 \(0 = no held-out evaluation, null = all held-out batches\), got -1$"),
     (["train.eval_every=-5"], 0, r"^train\.eval_every: must be >= 0, got -5$"),
+    (["train.eval_head_tokens=0"], 0,
+     r"^train\.eval_head_tokens: must be >= 1 \(response tokens counted by eval/tau_head\), got 0$"),
+    (["train.eval_head_tokens=-96"], 0, r"^train\.eval_head_tokens: must be >= 1 .*, got -96$"),
+    (["train.eval_head_tokens=2.5"], 0, r"^train\.eval_head_tokens: expected an integer"),
+    (["train.eval_head_tokens=null"], 0, r"^train\.eval_head_tokens: expected an integer"),
+    (["train.eval_head_tokens=true"], 0, r"^train\.eval_head_tokens: expected an integer"),
     (["drafter.anchor_sampling=sequence"], 0, r"^drafter\.anchor_sampling: must be one of \['row', 'conversation'\]"),
     (["drafter.anchors_per_conversation=64"], 0,
      r"^drafter\.anchors_per_conversation: applies only to drafter\.anchor_sampling: conversation \(got anchor_sampling: row\)"),
@@ -158,3 +164,11 @@ def test_gradient_checkpointing_key():
     for name, gpus in (("smollm2-135m-cpu", 0), ("h200-2gpu", 2)):
         cfg = load_config(CONFIGS / f"{name}.yaml", ["drafter.gradient_checkpointing=true"], gpu_count=gpus)
         assert cfg.drafter.gradient_checkpointing is True
+
+
+def test_eval_head_tokens_defaults_to_the_decoding_checks_new_tokens():
+    from dflash.inference.speculative import DEFAULT_MAX_NEW_TOKENS
+
+    assert load_config(CONFIGS / "smollm2-135m-cpu.yaml", [], gpu_count=0).train.eval_head_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert load_config(CONFIGS / "smollm2-135m-cpu.yaml", ["train.eval_head_tokens=1"],
+                       gpu_count=0).train.eval_head_tokens == 1

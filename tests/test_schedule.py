@@ -80,14 +80,19 @@ def test_ledger_detects_missing_and_double():
 
 
 def test_aggregate_eval_sums_ranks():
-    sums = [{"loss_sum": 2.0, "weight_sum": 4.0, "tau_sum": 6.0, "blocks": 4, "correct": [0, 3, 1], "count": [0, 4, 4]},
-            {"loss_sum": 1.0, "weight_sum": 2.0, "tau_sum": 3.0, "blocks": 2, "correct": [0, 1, 1], "count": [0, 2, 2]}]
+    sums = [{"loss_sum": 2.0, "weight_sum": 4.0, "tau_sum": 6.0, "blocks": 4, "head_tau_sum": 2.5, "head_blocks": 2.0,
+             "correct": [0, 3, 1], "count": [0, 4, 4]},
+            {"loss_sum": 1.0, "weight_sum": 2.0, "tau_sum": 3.0, "blocks": 2, "head_tau_sum": 1.0, "head_blocks": 1.0,
+             "correct": [0, 1, 1], "count": [0, 2, 2]}]
     ev = aggregate_eval(sums)
     assert ev["eval/loss"] == pytest.approx(0.5)
     assert ev["eval/tau"] == pytest.approx(1.5)
     assert ev["eval/blocks"] == 6
+    assert ev["eval/tau_head"] == pytest.approx(3.5 / 3) and ev["eval/head_blocks"] == 3
     assert ev["eval/acc_block_pos_1"] == pytest.approx(4 / 6)
     assert ev["eval/acc_block_pos_2"] == pytest.approx(2 / 6)
+    no_head = aggregate_eval([{**s, "head_tau_sum": 0.0, "head_blocks": 0.0} for s in sums])
+    assert no_head["eval/head_blocks"] == 0 and no_head["eval/tau_head"] != no_head["eval/tau_head"]  # NaN
 
 
 # ---------------------------------------------------------------- evaluation rounds: a function of the step

@@ -16,7 +16,7 @@ from dflash.models.drafter_config import DFlashConfig
 from dflash.models.masks import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash.training.anchors import anchor_generator, draw_anchors, sample_anchors
 from dflash.training.optim import build_optimizer, build_scheduler, lr_factor, warmup_steps
-from dflash.training.trainer import DrafterTrainer, metrics_to_host
+from dflash.training.trainer import EVAL_EPOCH, DrafterTrainer, metrics_to_host
 
 V, D, L, B = 32, 32, 2, 4
 
@@ -250,6 +250,36 @@ def test_evaluate_is_deterministic_and_does_not_train() -> None:
     assert not torch.equal(e1.stats_vector(), tr.evaluate(batch, 5).stats_vector())
     assert all(torch.equal(a, p) for a, p in zip(before, tr.params))
     assert all(p.grad is None for p in tr.params)
+
+
+@pytest.mark.parametrize("head_tokens", [1, 4, 9])
+def test_eval_tau_head_equals_the_naive_filter(head_tokens: int) -> None:
+    """``tau_head`` = mean τ of the evaluation's own blocks whose anchor's offset in its response
+    (naive loop) is below ``train.eval_head_tokens``; ``tau`` = mean over every kept block."""
+    from tests.test_anchors import naive_response_offsets, packed_turns
+
+    r, s = 4, 64
+    loss_mask, doc_ids = packed_turns(r, s, seed=3, max_conversation=64, max_turn=24)
+    batch = {**pattern_batch(r, s, seed=5), "doc_ids": doc_ids, "loss_mask": loss_mask}
+    tr = DrafterTrainer(tiny_model(), TrainConfig(lr=2e-2, warmup_ratio=0.1, eval_head_tokens=head_tokens),
+                        drafter_cfg(anchors_per_row=12), 20, "cpu")
+    for i in range(20):  # a drafter that accepts some drafts: τ varies between blocks
+        tr.step(pattern_batch(seed=i), 0, i)
+    out = tr.evaluate(batch, 7)
+    anchors, keep = tr.draw_anchors(loss_mask, doc_ids, EVAL_EPOCH, 7)
+    offsets = naive_response_offsets(loss_mask, doc_ids)
+    taus = out.block_tau.tolist()
+    kept = [(taus[i][j], offsets[i][int(anchors[i, j])]) for i in range(r) for j in range(12) if keep[i, j]]
+    head = [tau for tau, offset in kept if 0 <= offset < head_tokens]
+    assert 0 < len(head) < len(kept) and len(set(tau for tau, _ in kept)) > 2
+    assert out.head_blocks.item() == len(head) and out.num_blocks.item() == len(kept)
+    assert out.head_tau_sum.item() == pytest.approx(sum(head))
+    assert out.tau_head.item() == pytest.approx(sum(head) / len(head))
+    assert out.tau_sum.item() == pytest.approx(sum(tau for tau, _ in kept))
+    # the stats vector carries the head sums; a round trip keeps them
+    again = type(out).from_stats_vector(out.stats_vector() + out.stats_vector())
+    assert again.head_blocks.item() == 2 * len(head) and again.tau_head.item() == pytest.approx(out.tau_head.item())
+    assert again.tau.item() == pytest.approx(out.tau.item())
 
 
 def test_state_dict_resume_gives_identical_steps() -> None:
