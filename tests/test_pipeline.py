@@ -2,8 +2,8 @@
 
 - the multi-process pipeline (separate target and drafter processes, shared-memory slots, gloo)
   gives the same per-step losses as the single-process reference trainer: 1 drafter to 1e-6
-  (with the default objective and with per-conversation anchors + D-PACE weights), 2 drafters
-  to the reference's doubled batch to 1e-5;
+  (with the default objective and with per-conversation anchors + D-PACE weights; and the same
+  held-out loss, τ and head τ), 2 drafters to the reference's doubled batch to 1e-5;
 - a run stopped with SIGTERM writes a final checkpoint, and ``--resume`` continues it with the
   losses of an uninterrupted run;
 - a bad config fails before any worker starts.
@@ -65,24 +65,43 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def reference_losses(extra: list[str], replicas: int) -> list[float]:
+    return run_reference_small(extra, replicas, evaluate=False).losses
+
+
+def run_reference_small(extra: list[str], replicas: int, evaluate: bool):
     from dflash.training.reference import run_reference
 
     torch.set_num_threads(1)  # as the drafter workers: same kernels, same rounding
     cfg = load_config(CONFIG, [*SMALL, *extra])
-    return run_reference(cfg, "cpu", num_replicas=replicas, evaluate=False).losses
+    return run_reference(cfg, "cpu", num_replicas=replicas, evaluate=evaluate)
+
+
+def eval_rows(run_dir: Path) -> dict[int, dict]:
+    """``{step: held-out evaluation record}`` of a run's ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "eval/tau" in r}
 
 
 @pytest.mark.parametrize("objective", [[], ["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=3",
                                               "drafter.loss_weighting=dpace"]], ids=["row+decay", "conversation+dpace"])
 def test_one_drafter_matches_reference(tmp_path, objective):
-    extra = ["cluster.drafters=[0]", *objective]
+    extra = ["cluster.drafters=[0]", "train.eval_head_tokens=16", *objective]
     out = run_cluster(tmp_path / "run", extra)
     got = train_losses(tmp_path / "run")
-    ref = reference_losses(extra, 1)
+    reference = run_reference_small(extra, 1, evaluate=True)
+    ref = reference.losses
     assert sorted(got) == list(range(1, len(ref) + 1))
     for step, loss in enumerate(ref, start=1):
         assert got[step] == pytest.approx(loss, rel=1e-6, abs=1e-6), (step, got, ref)
     assert ref[0] > 0 and len(set(ref)) == len(ref)  # real, changing losses
+    # held-out evaluation at the start and the end: the same sums through the drafter's report
+    evals = eval_rows(tmp_path / "run")
+    assert sorted(evals) == [e["step"] for e in reference.evals] == [0, len(ref)]
+    for ev in reference.evals:
+        row = evals[ev["step"]]
+        assert 0 < ev["eval/head_blocks"] < ev["eval/blocks"], ev  # some anchors lie past the first 16 tokens
+        for key in ("eval/loss", "eval/tau", "eval/blocks", "eval/tau_head", "eval/head_blocks"):
+            assert row[key] == pytest.approx(ev[key], rel=1e-6, abs=1e-6), (key, row, ev)
     # every log line of a worker names it
     assert "[target.0]" in out and "[drafter.0]" in out
     assert (tmp_path / "run" / "checkpoints" / "step-00000005" / "drafter" / "model.safetensors").is_file()
