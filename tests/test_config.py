@@ -169,6 +169,7 @@ def test_gradient_checkpointing_key():
 def test_eval_head_tokens_defaults_to_the_decoding_checks_new_tokens():
     from dflash.inference.speculative import DEFAULT_MAX_NEW_TOKENS
 
-    assert load_config(CONFIGS / "smollm2-135m-cpu.yaml", [], gpu_count=0).train.eval_head_tokens == DEFAULT_MAX_NEW_TOKENS
+    cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml", [], gpu_count=0)
+    assert cfg.train.eval_head_tokens == DEFAULT_MAX_NEW_TOKENS
     assert load_config(CONFIGS / "smollm2-135m-cpu.yaml", ["train.eval_head_tokens=1"],
                        gpu_count=0).train.eval_head_tokens == 1

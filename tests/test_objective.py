@@ -300,3 +300,20 @@ def test_loss_output_stats_vector_round_trip() -> None:
     both = LossOutput.from_stats_vector(vec)
     assert both.loss.item() == 1.75 and both.tau.item() == 1.5
     assert both.block_pos_accuracy.tolist() == [0.0, 0.5, 0.5]
+
+
+def test_eval_output_head_sums_and_errors() -> None:
+    from dflash.training.objective import EvalOutput
+
+    tau = torch.tensor([[1.0, 3.0, 2.0], [4.0, 1.0, 1.0]])
+    out = LossOutput(loss_sum=torch.tensor(3.5), weight_sum=torch.tensor(2.0), block_pos_correct=torch.tensor([0., 1.]),
+                     block_pos_count=torch.tensor([0., 2.]), tau_sum=torch.tensor(12.0), num_blocks=torch.tensor(6.0),
+                     block_tau=tau)
+    head = torch.tensor([[True, True, False], [False, False, True]])
+    ev = EvalOutput.from_loss(out, head)
+    assert ev.head_tau_sum.item() == 5.0 and ev.head_blocks.item() == 3.0 and ev.tau_head.item() == pytest.approx(5 / 3)
+    assert ev.stats_vector().tolist() == [3.5, 2.0, 12.0, 6.0, 0.0, 1.0, 0.0, 2.0, 5.0, 3.0]
+    with pytest.raises(ValueError, match=r"head \(2, 2\) does not match block_tau \(2, 3\)"):
+        EvalOutput.from_loss(out, head[:, :2])
+    with pytest.raises(ValueError, match="out: has no block_tau"):
+        EvalOutput.from_loss(LossOutput.from_stats_vector(out.stats_vector()), head)
