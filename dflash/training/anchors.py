@@ -279,7 +279,6 @@ def draw_anchors(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int, sampling:
     raise ValueError(f"sampling: must be one of {list(ANCHOR_SAMPLING)}, got {sampling!r}")
 
 
-
 def response_offsets(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
     """How far into its response each position lies: ``[R, S]`` int64.
 
