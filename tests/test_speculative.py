@@ -670,12 +670,12 @@ def test_training_eval_tau_of_the_checkpoint_step(tmp_path):
     (run / "checkpoints" / "step-00000150" / "drafter").mkdir(parents=True)
     (run / "checkpoints" / "step-00000150" / "state.json").write_text('{"step": 150, "epoch": 0}')
     lines = ['{"step": 0, "eval/tau": 1.0}', '{"step": 50, "train/tau": 1.5}', "not json",
-             '{"step": 100, "eval/tau": 1.25}', '{"step": 200, "eval/tau": 1.75}']
+             '{"step": 100, "eval/tau": 1.25}', '{"step": 200, "eval/tau": 1.75, "eval/tau_head": 1.5}']
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     step = checkpoint_step(run / "checkpoints" / "step-00000150" / "drafter")
     assert step == 150
-    assert last_eval_tau(run, max_step=step) == (100, 1.25)
-    assert last_eval_tau(run) == (200, 1.75)
+    assert last_eval_tau(run, max_step=step) == (100, 1.25, None)
+    assert last_eval_tau(run) == (200, 1.75, 1.5)
     assert last_eval_tau(tmp_path / "none") is None and last_eval_tau(None) is None
     assert checkpoint_step(tmp_path) is None
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 from dflash.training.ledger_file import read_jsonl_rows
 
-__all__ = ["resolve_checkpoint", "last_eval_tau", "checkpoint_step"]
+__all__ = ["EvalTau", "resolve_checkpoint", "last_eval_tau", "checkpoint_step"]
 
 
 def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
@@ -41,8 +41,18 @@ def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
     raise FileNotFoundError(f"{p}: neither a checkpoint (drafter/config.json) nor a drafter directory (config.json)")
 
 
-def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Optional[tuple[int, float]]:
-    """``(step, eval/tau)`` of the last held-out evaluation in ``run_dir/metrics.jsonl``.
+class EvalTau(NamedTuple):
+    """A held-out evaluation's τ: every anchor (``eval/tau``) and the response heads
+    (``eval/tau_head``: anchors within ``train.eval_head_tokens`` of their response's start; ``None``
+    in runs that did not record it)."""
+
+    step: int
+    tau: float
+    tau_head: Optional[float]
+
+
+def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Optional[EvalTau]:
+    """The τ values (:class:`EvalTau`) of the last held-out evaluation in ``run_dir/metrics.jsonl``.
 
     Args:
         run_dir: the run directory (``None`` = no run).
@@ -50,7 +60,7 @@ def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Op
             older checkpoint is compared with the evaluation of its own weights or an earlier one.
 
     Returns:
-        ``(step, tau)``, or ``None`` when there is no such evaluation (unreadable lines are skipped).
+        :class:`EvalTau`, or ``None`` when there is no such evaluation (unreadable lines are skipped).
     """
     if run_dir is None:
         return None
@@ -60,7 +70,8 @@ def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Op
             continue
         step = int(rec.get("step", -1))
         if max_step is None or step <= max_step:
-            found = (step, float(rec["eval/tau"]))
+            head = rec.get("eval/tau_head")
+            found = EvalTau(step, float(rec["eval/tau"]), float(head) if isinstance(head, (int, float)) else None)
     return found
 
 

@@ -266,7 +266,10 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                   f"measured / own = {_fmt(s['measured_over_offline_own'], 3)}"]
     if "offline_tau_training_eval" in s and s["offline_tau_training_eval"] is not None:
         lines.append(f"offline tau, training eval (step {s['training_eval_step']}): "
-                     f"{_fmt(s['offline_tau_training_eval'], 3)}")
+                     f"{_fmt(s['offline_tau_training_eval'], 3)} (every anchor of whole responses)"
+                     + (f", {_fmt(s['offline_tau_training_eval_head'], 3)} (anchors within train.eval_head_tokens "
+                        "of a response's start: compare this one with decoding's tau over as many new tokens)"
+                        if s.get("offline_tau_training_eval_head") is not None else ""))
     lines += ["", "acceptance per block position k (fraction of passes / blocks with m >= k):",
               f"{'k':>3} {'decoding':>9} {'replay':>7} {'own':>7} {'dataset':>7}"]
     for k, meas in enumerate(s["per_position_measured"], start=1):

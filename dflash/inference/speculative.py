@@ -151,8 +151,9 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     step = checkpoint_step(drafter_dir)
     trained = last_eval_tau(run_dir, max_step=step)
     report["summary"].update(checkpoint=str(args.checkpoint), checkpoint_step=step,
-                             offline_tau_training_eval=trained[1] if trained else None,
-                             training_eval_step=trained[0] if trained else None, threads=torch.get_num_threads())
+                             offline_tau_training_eval=trained.tau if trained else None,
+                             offline_tau_training_eval_head=trained.tau_head if trained else None,
+                             training_eval_step=trained.step if trained else None, threads=torch.get_num_threads())
     if args.show_text:
         for row in report["prompts"]:
             row["text"] = tokenizer.decode(row["target_tokens"])
