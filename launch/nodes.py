@@ -41,6 +41,8 @@ log = logging.getLogger("dflash.cluster")
 
 #: torchrun's default master port.
 DEFAULT_MASTER_PORT = 29500
+#: Seconds between "still waiting for node(s)" lines while nodes join.
+JOIN_NOTE_S = 30.0
 #: After the run: the longest wait (s) for the other nodes' launchers to report their workers stopped.
 NODE_STOP_WAIT_S = 60.0
 
@@ -150,6 +152,7 @@ class NodeCluster(LocalCluster):
         super().__init__(cfg, run_dir, rdzv.control_endpoint, supervisor, node_addr=rdzv.node_addr,
                          data_cache=data_cache)
         self.sock = sock
+        self.rdzv = rdzv
         self.timeout_s = cfg.transport.peer_timeout_s
         self.beat_s = cfg.transport.heartbeat_s
         self.nodes = {r: _Node(r) for r in range(1, rdzv.nnodes)}
@@ -166,13 +169,21 @@ class NodeCluster(LocalCluster):
             NodeLost: a node did not join within ``timeout_s`` (named, with the command to start it).
         """
         deadline = time.monotonic() + timeout_s
+        where = f"--master-addr {self.rdzv.master_addr} --master-port {self.rdzv.master_port}"
+        log.info("waiting for node(s) %s to join (%s, at most %.0f s: cluster.node_join_timeout_s)",
+                 sorted(self.nodes), where, timeout_s)
+        next_note = time.monotonic() + JOIN_NOTE_S
         while not all(n.incarnation for n in self.nodes.values()):
+            missing = sorted(r for r, n in self.nodes.items() if not n.incarnation)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(r for r, n in self.nodes.items() if not n.incarnation)
                 raise NodeLost(f"node(s) {missing} did not join within {timeout_s:.0f} s "
                                f"(cluster.node_join_timeout_s): start `python -m launch.cluster train --node-rank R "
-                               f"--nnodes {len(self.nodes) + 1} --master-addr ... --master-port ...` on each")
+                               f"--nnodes {len(self.nodes) + 1} {where}` on each, with the same config "
+                               f"(is the port reachable from there, and the same on every node?)")
+            if time.monotonic() >= next_note:
+                log.info("still waiting for node(s) %s (%.0f s left)", missing, remaining)
+                next_note += JOIN_NOTE_S
             got = self.sock.recv(min(remaining, 1.0))
             if got is not None and isinstance(got[1], (NodeHello, NodeBeat, NodeExited)):
                 self.on_node_message(*got)
@@ -284,6 +295,9 @@ class NodeCluster(LocalCluster):
         """Tell every node launcher the run is over and wait (at most ``wait_s``) until each has
         stopped its workers or is lost."""
         for node in self.nodes.values():
+            if not node.incarnation:  # never joined: nothing to stop there
+                node.stopped = True
+                continue
             self._send(node, NodeStop(reason=reason))
         deadline = time.monotonic() + wait_s
         while not all(n.lost or n.stopped for n in self.nodes.values()) and time.monotonic() < deadline:

@@ -97,6 +97,17 @@ def test_sigkill_of_node1_launcher_stops_the_run_naming_the_node(tmp_path):
     assert shm_entries() <= before
 
 
+def test_a_node_that_never_joins_stops_node_0_with_the_command_to_start_it(tmp_path):
+    port = free_port()
+    node0 = launch_node(tmp_path / "run", 0, port, ["cluster.node_join_timeout_s=3"])
+    out, _ = node0.communicate(timeout=RUN_TIMEOUT_S)
+    assert node0.returncode == 1, out[-3000:]
+    assert "waiting for node(s) [1] to join" in out, out[-3000:]
+    assert "did not join within 3 s" in out and f"--master-addr 127.0.0.1 --master-port {port}" in out, out[-3000:]
+    assert "is lost" not in out and "cannot send" not in out, out[-3000:]  # nothing to stop on a node never seen
+    assert not worker_pids(out), "a worker started before every node joined"
+
+
 def _process(pid: int):
     try:
         return psutil.Process(pid)
