@@ -161,7 +161,8 @@ def worker_view(w: dict) -> dict:
     launcher runs is up only while it has a pid, and ready only when up.
 
     ``state``: ``restarting`` (no process: killed or crashed, to be started again), ``starting``
-    (a process, no hello yet), ``loading`` (up, not ready), ``ready``; an ``attach``-ed worker is
+    (a process, no hello yet), ``loading`` (up, not ready), ``ready``, ``unreachable`` (a drafter
+    up that no target could hand a batch to lately: ``undelivered_s``); an ``attach``-ed worker is
     ``attached`` while its process is connected, else ``detached``.
     """
     external = bool(w.get("external"))
@@ -172,7 +173,8 @@ def worker_view(w: dict) -> dict:
     elif w.get("pid") is None:
         state = "restarting"
     else:
-        state = "ready" if ready else "loading" if up else "starting"
+        state = ("ready" if ready else "unreachable" if up and w.get("undelivered_s") is not None
+                 else "loading" if up else "starting")
     return {**w, "up": up, "ready": ready, "state": state}
 
 

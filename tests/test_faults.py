@@ -91,12 +91,13 @@ def _kill_leftover_clusters():
             proc.wait(timeout=30)
 
 
-def launch(run_dir: Path, extra: list[str]) -> subprocess.Popen:
-    """Start a cluster; its output goes to ``<run_dir>.log`` (a pipe nobody reads would block it)."""
+def launch(run_dir: Path, extra: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Start a cluster (``env``: added to its environment); its output goes to ``<run_dir>.log``
+    (a pipe nobody reads would block it)."""
     cmd = [sys.executable, "-m", "launch.cluster", "--config", str(CONFIG), *SMALL, *extra, f"run_dir={run_dir}"]
     log_file = open(f"{run_dir}.log", "w")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), **(env or {})}, stdout=log_file, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     proc.log_path = Path(f"{run_dir}.log")  # type: ignore[attr-defined]
     _STARTED.append(proc)
     return proc
@@ -314,3 +315,33 @@ def test_stop_while_steps_are_in_flight(tmp_path, tiny_data, state):
         assert "target.0 is back after" in out, out[-3000:]
     else:  # the evaluation in flight finished after the stop; the final checkpoint was not written twice
         assert "held-out eval" in after_stop and "writing the final checkpoint" not in after_stop, out[-3000:]
+
+
+# --------------------------------------------------------------------------- a busy target
+
+
+def test_target_busy_past_the_peer_timeout_recovers_with_exact_ledger(tmp_path, tiny_data):
+    """The target's main thread sleeps past ``transport.peer_timeout_s`` before publishing one batch
+    (test hook ``DFLASH_TEST_TARGET_STALL``): the drafter waiting for it drops the target's ring.
+    The batches in flight to it must come back as lost and be re-assigned, the drafter must attach
+    again, and the run must finish every step with each batch trained once (it used to hang with
+    the batch's ring slot in flight forever)."""
+    from dflash.config import load_config
+    from dflash.training.factory import build_batch_plans
+    from dflash.training.ledger_file import ledger_problems, ledger_view
+
+    run_dir = tmp_path / "run"
+    steps = 8
+    extra = [*TINY, *tiny_data, "cluster.drafters=[0, 1]", f"train.max_steps={steps}", "checkpoint.every=3",
+             "transport.heartbeat_s=0.25", "transport.peer_timeout_s=1.5"]
+    proc = launch(run_dir, extra, env={"DFLASH_TEST_TARGET_STALL": "train:e0:4:a0=5"})
+    out = finish(proc, 300)
+    assert proc.returncode == 0, out[-6000:]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "sleeping 5.0 s before publishing train:e0:4:a0" in logs, logs[-3000:]
+    assert "dropping its ring" in logs and "(silent: silent for more than 1.5 s)" in logs, logs[-3000:]
+    assert "ledger:" not in out, out[-3000:]  # the launcher logs ledger problems, if any
+    assert sorted(ledger_view(run_dir / "ledger.jsonl")) == list(range(steps))
+    plans = build_batch_plans(load_config(CONFIG, [*SMALL, *extra]))
+    assert ledger_problems(run_dir / "ledger.jsonl", [plans.train.num_batches(0)]) == []
+    assert sorted(train_losses(run_dir)) == list(range(1, steps + 1))

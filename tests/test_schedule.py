@@ -447,3 +447,81 @@ def test_rollback_below_the_launch_start_replans_from_that_checkpoint(tmp_path):
     c.restart_drafter_group("checkpoint step 6 damaged")
     assert c.plan.start_step == 2 and c.plan.assignment(2).batch_ids == (4,)
     assert [it.batches for it in c.work.items if it.kind == "train"][:2] == [[4], [5]]
+
+
+# --------------------------------------------------------------------------- a drafter no target can reach
+
+
+def _undeliverable(tmp_path, written=8, started=8):
+    """A coordinator in mid-run whose first train job for drafter.0 target.0 could not hand over
+    (drafter.0 is not attached), ``peer_timeout_s`` 10 s."""
+    from dflash.runtime.messages import Dropped
+
+    c = _running(tmp_path, 8, steps_done=9, written=written, started=started)
+    c.config = dataclasses.replace(c.config, peer_timeout_s=10.0)
+    item = next(it for it in c.work.items if it.kind == "train")
+    c._issue(item)
+    key = next(iter(c.assignment.jobs))
+    c._handle("target.0", Dropped(job_key=key, reason="drafter.0 is not attached", name="target.0"))
+    assert c.assignment.undelivered_since.keys() == {"drafter.0"} and c.assignment.unassigned[0] == key
+    return c, key
+
+
+def _age(c, seconds):
+    """Move the first failed hand-over ``seconds`` into the past (nobody sleeps)."""
+    c.assignment.undelivered_since["drafter.0"] -= seconds
+
+
+def test_a_drafter_no_target_can_reach_is_treated_as_failed(tmp_path):
+    """Within 3 peer timeouts the job is just re-assigned (the drafter may attach again, and a batch
+    taken clears it); past them the drafter group restarts under the restart policy, and past
+    ``max_restarts`` the run fails instead of re-assigning forever. ``status`` does not call it ready."""
+    from dflash.runtime.messages import Received
+
+    c, key = _undeliverable(tmp_path)
+    s = c.status()["workers"]
+    assert s["drafter.0"]["ready"] is False and s["drafter.0"]["undelivered_s"] is not None
+    assert s["target.0"]["ready"] is True and s["target.0"]["undelivered_s"] is None
+    _age(c, 29)
+    c._check_undelivered()
+    assert c.control.restarts == [] and c.policy.drafter_failures == 0
+    c._handle("drafter.0", Received(job_key=key, name="drafter.0"))  # it attached again and took the batch
+    assert c.assignment.undelivered_since == {} and c.status()["workers"]["drafter.0"]["ready"] is True
+
+    for attempt in range(1, c.policy.max_restarts + 2):
+        (tmp_path / f"a{attempt}").mkdir()
+        c, key = _undeliverable(tmp_path / f"a{attempt}")
+        c.policy.drafter_failures = attempt - 1
+        _age(c, 31)
+        if attempt > c.policy.max_restarts:
+            with pytest.raises(Exception, match=r"no target could hand drafter.0 a batch for 30 s .*not attached"):
+                c._check_undelivered()
+            break
+        c._check_undelivered()
+        assert c.policy.drafter_failures == attempt and c.control.restarts == ["drafter.0"] and c.steps_done == 8
+        assert c.assignment.undelivered_since == {} and c.attempt == 1
+
+
+def test_a_drafter_no_target_can_reach_waits_for_the_checkpoint_being_written(tmp_path):
+    c, _ = _undeliverable(tmp_path, written=4, started=8)
+    _age(c, 31)
+    c._check_undelivered()
+    assert c.pending_restart is not None and c.control.restarts == [] and c.policy.drafter_failures == 1
+    c._handle(*_checkpointed(8))
+    c._restart_when_written()
+    assert c.control.restarts == ["drafter.0"] and c.steps_done == 8
+
+
+def test_stop_does_not_wait_for_items_a_drafter_no_target_can_reach_holds_up(tmp_path):
+    """A stop waits for the issued items only while they can be handed out: a drafter no target
+    could hand a batch to for a peer timeout ends the wait (no final checkpoint: rank 0 is stuck)."""
+    c, _ = _undeliverable(tmp_path)
+    assert _ctl(c, "stop")["ok"]
+    c._check_undelivered()
+    assert c.group_lost is None and not c._stop_overdue()
+    _age(c, 11)
+    c._check_undelivered()
+    assert c.group_lost.startswith("no target could hand drafter.0 a batch for 10 s") and c._stop_overdue()
+    assert c.control.restarts == [] and c.policy.drafter_failures == 0
+    c._final_checkpoint()
+    assert not [kind for _, kind, _ in c.sock.sent if kind == "save"]

@@ -306,6 +306,51 @@ def test_silent_consumer_is_evicted_and_reattaches_without_stale_reads(run_dir):
         producer.close()
 
 
+def test_busy_producer_dropped_by_its_consumer_reclaims_its_slots_and_reattaches(run_dir):
+    """A producer whose thread is busy past the peer timeout (it reads nothing, sends nothing) is
+    dropped by its consumer. The consumer tells it (STOP ``silent``): once the producer reads its
+    socket again, every batch in flight to that consumer comes back as lost (the held one and one
+    published during the silence, which the consumer discards), all credits return, and the
+    consumer attaches again and receives a re-published batch."""
+    producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=3, carrier="shm", **FAST)
+    consumer = Consumer("drafter.0", {"target.0": producer.endpoint}, SPEC, carrier="shm", **FAST)
+    try:
+        attach(producer, consumer)
+        slot = producer.acquire(0)
+        fill_pattern(producer.slots[slot], 0)
+        producer.publish(slot, "drafter.0", 0)
+        drain_until(consumer, producer, lambda: consumer.pending() == 1)
+        slot = producer.acquire(0)  # (acquire reads the socket: before the silence)
+        # The producer goes silent past peer_timeout_s (the consumer's clock is moved, nobody sleeps).
+        consumer._links["target.0"].last_seen -= FAST["peer_timeout_s"] + 1
+        consumer.poll(0)
+        assert not consumer.attached() and consumer.pending() == 0 and consumer.stats["dropped"] == 1
+        # still busy: it publishes one more batch before it reads the STOP
+        fill_pattern(producer.slots[slot], 1)
+        producer.publish(slot, "drafter.0", 1)
+        assert producer.free_slots() == 1
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        lost = []
+        while sorted(b.job_key for b in lost) != [0, 1]:
+            assert time.monotonic() < deadline, f"in-flight batches never reported lost: {lost}"
+            producer.poll(5)
+            consumer.poll(5)
+            lost += producer.lost_batches()
+        assert all(b.consumer == "drafter.0" and b.reason == "timeout" for b in lost)
+        drain_until(consumer, producer, lambda: "drafter.0" in producer.consumers and bool(consumer.attached()))
+        assert producer.free_slots() == 3 and consumer.pending() == 0  # the READY of batch 1 was discarded
+        slot = producer.acquire(0)
+        fill_pattern(producer.slots[slot], 1)
+        producer.publish(slot, "drafter.0", 1)
+        got = consumer.receive(EVENT_TIMEOUT_S)
+        assert got.job_key == 1 and check_pattern(got.tensors, 1)
+        consumer.poll(0)
+        drain_until(consumer, producer, lambda: producer.free_slots() == 3)
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_fuzzed_messages_at_producer_are_rejected_and_logged(run_dir, caplog):
     caplog.set_level(logging.WARNING, logger=TRANSPORT_LOGGER)
     producer = Producer("target.0", f"ipc://{run_dir}/t0", SPEC, num_slots=2, carrier="shm", **FAST)

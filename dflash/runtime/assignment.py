@@ -5,13 +5,16 @@ A **job** is one batch handed to a target for one drafter, named by its job key
 drafter reports its ring slot received. A job goes to the ready target with the fewest jobs not
 yet received (ties round-robin) among those on its drafter's node when one is ready there (CUDA IPC
 or shared memory instead of the network), else among all; a job whose target dies or cannot deliver it goes back to the
-queue of unassigned jobs and is given to another target.
+queue of unassigned jobs and is given to another target. A drafter whose jobs cannot be
+delivered (it is not attached to the target, or a batch was lost in flight to it) is recorded
+in :attr:`Assignment.undelivered_since` until it takes a batch again.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -54,6 +57,9 @@ class Assignment:
         self.near = near
         self.jobs: dict[str, Job] = {}
         self.unassigned: collections.deque[str] = collections.deque()
+        #: drafter → monotonic time (s) of the first job a target could not hand it since it last
+        #: took a batch (absent: its batches are being delivered)
+        self.undelivered_since: dict[str, float] = {}
         self._rr = 0
 
     def in_flight(self) -> int:
@@ -114,11 +120,18 @@ class Assignment:
             log.warning("%s could not hand %s to %s (%s): re-assigning", target, job.key, job.drafter, reason)
             job.target = None
             self.unassigned.append(job.key)
+            self.undelivered_since.setdefault(job.drafter, time.monotonic())
 
     def received(self, key: str) -> None:
         job = self.jobs.get(key)
         if job is not None:
             job.received = True
+            self.undelivered_since.pop(job.drafter, None)
+
+    def undelivered(self, for_s: float) -> list[str]:
+        """Drafters none of whose jobs could be delivered for more than ``for_s`` seconds."""
+        now = time.monotonic()
+        return [d for d, since in self.undelivered_since.items() if now - since > for_s]
 
     def forget(self, keys: Iterable[str]) -> None:
         for key in list(keys):
@@ -136,3 +149,4 @@ class Assignment:
     def clear(self) -> None:
         self.jobs.clear()
         self.unassigned.clear()
+        self.undelivered_since.clear()

@@ -53,6 +53,9 @@ STOP_DRAIN_S = 300.0
 #: The longest wait (s) for a checkpoint write to reach the disk: the final one after a stop, or
 #: one in flight when a drafter-group restart is requested.
 CHECKPOINT_WAIT_S = 600.0
+#: A drafter no target could hand a batch to for this many ``peer_timeout_s`` (it stays detached
+#: from the targets' rings) is treated as failed: the restart policy applies to the drafter group.
+UNDELIVERED_TIMEOUTS = 3
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ class Coordinator(SupervisionMixin, StopMixin):
         while not self.work.all_finished() or self._awaiting_last_checkpoint():
             if self.pending_restart is not None:
                 self._restart_when_written()
+            self._check_undelivered()
             if self.stop_reason is None and self.pending_restart is None and self._all_ready(self.drafters):
                 while self.work.can_issue(self.lookahead):
                     self._issue(self.work.items[self.work.next_item])
@@ -243,6 +247,38 @@ class Coordinator(SupervisionMixin, StopMixin):
                 self.work.first_open += 1
         if self.stop_reason is not None:
             self._final_checkpoint()
+
+    def _check_undelivered(self) -> None:
+        """A drafter that no target could hand a batch to for too long (it does not attach to their
+        rings again) holds up every issued step: after a stop request (past ``peer_timeout_s``)
+        the stop stops waiting for the issued items; otherwise (past ``UNDELIVERED_TIMEOUTS``
+        peer timeouts) it counts as a drafter failure and the drafter group restarts from its
+        newest checkpoint (:class:`~dflash.runtime.restarts.RestartPolicy`; the run fails past
+        ``max_restarts``).
+
+        Raises:
+            RunFailed: the drafter group failed more than ``max_restarts`` times in a row.
+        """
+        if self.pending_restart is not None or self.finishing:
+            return
+        stopping = self.stop_reason is not None
+        bound = self.config.peer_timeout_s * (1 if stopping else UNDELIVERED_TIMEOUTS)
+        stuck = self.assignment.undelivered(bound)
+        if not stuck:
+            return
+        reason = (f"no target could hand {stuck[0]} a batch for {bound:.0f} s "
+                  f"({UNDELIVERED_TIMEOUTS if not stopping else 1} x transport.peer_timeout_s): it is not attached")
+        if stopping:
+            if self.group_lost is None:
+                self.group_lost = reason
+                log.error("%s: the issued items cannot finish", reason)
+            return
+        self.policy.drafter_failed(stuck[0], reason)
+        self.assignment.undelivered_since.clear()
+        if self.checkpoints.in_flight() is not None:  # restarting now would lose the write: wait for it
+            self.pending_restart = (reason, time.monotonic() + self.config.checkpoint_wait_s)
+        else:
+            self.restart_drafter_group(reason)
 
     # ------------------------------------------------------------------ issuing work
     def _live_targets(self) -> list[str]:
@@ -362,15 +398,22 @@ class Coordinator(SupervisionMixin, StopMixin):
         log.error("%s reports a failure: %s", w.name, msg.error)
 
     def status(self) -> dict:
-        """The run's state for ``launch.cluster status`` (steps, workers, restarts)."""
+        """The run's state for ``launch.cluster status`` (steps, workers, restarts).
+
+        A worker's ``undelivered_s``: seconds since a target last failed to hand that drafter a
+        batch without it taking one since (None: its batches are delivered)."""
+        now = time.monotonic()
+        undelivered = {d: round(now - t, 1) for d, t in self.assignment.undelivered_since.items()}
         return {
             "step": self.steps_done, "total_steps": self.plan.total_steps, "attempt": self.attempt,
             "stop_requested": self.stop_reason,
             "unassigned_batches": len(self.assignment.unassigned),
             "batches_in_flight": self.assignment.in_flight(),
             "workers": {n: {"role": w.role, "pid": self.control.pid(n) if not w.external else w.pid, "up": w.up,
-                            "ready": w.ready, "failures": w.failures, "external": w.external,
-                            "node": self.node_of(n)}
+                            # a drafter no target can hand a batch to (not attached) is not ready
+                            "ready": w.ready and n not in undelivered, "failures": w.failures,
+                            "external": w.external, "node": self.node_of(n),
+                            "undelivered_s": undelivered.get(n)}
                         for n, w in self.workers.items()},
             "nodes": getattr(self.control, "node_status", lambda: {})(),
             "restarts": self.restarts,

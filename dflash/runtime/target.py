@@ -8,13 +8,16 @@ Loop: take ``produce {split, data epoch, batch id, drafter, job key}`` commands 
 each, build the batch (a deterministic function of its ids), copy it into the static input
 buffers, run the forward, copy the context features and greedy tokens into a free ring slot
 (credits permitting) and publish it to the named drafter under the job key. Report ``produced``
-with the forward time. Control messages are dispatched by type through one table.
+with the forward time. A batch the ring reports lost (its drafter was evicted, restarted or
+dropped this ring after a silence) is reported ``dropped``: the coordinator re-assigns it.
+Control messages are dispatched by type through one table.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -31,6 +34,29 @@ log = logging.getLogger("dflash.runtime.target")
 
 WARMUP_ITERS = 3
 IDLE_POLL_MS = 200
+#: Test hook, inert unless set: ``<job key>=<seconds>`` makes this worker's main thread sleep that
+#: long (no message handled, no heartbeat sent on the ring) before publishing that job, once per
+#: process: a forward or a host busy past ``transport.peer_timeout_s``.
+STALL_ENV = "DFLASH_TEST_TARGET_STALL"
+
+
+def _stall_hook() -> tuple[str, float]:
+    """``(job key, seconds)`` of :data:`STALL_ENV`, or ``("", 0.0)`` when it is unset.
+
+    Raises:
+        ValueError: the variable is set but not ``<job key>=<seconds>``.
+    """
+    raw = os.environ.get(STALL_ENV, "")
+    if not raw:
+        return "", 0.0
+    key, _, seconds = raw.rpartition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = -1.0
+    if not key or not value >= 0:
+        raise ValueError(f"{STALL_ENV}={raw!r}: expected <job key>=<seconds>, e.g. train:e0:4:a0=3")
+    return key, value
 
 
 class TargetWorker:
@@ -59,6 +85,7 @@ class TargetWorker:
                                  self.device, cfg.transport.carrier, heartbeat_s=cfg.transport.heartbeat_s,
                                  peer_timeout_s=cfg.transport.peer_timeout_s, incarnation=ctx.incarnation)
         self.queue: collections.deque[Produce] = collections.deque()
+        self.stall_key, self.stall_s = _stall_hook()
         self.stats = ctx.stats
         self.stats.update(produced=0, busy_s=0.0, wait_slot_s=0.0)
 
@@ -101,6 +128,10 @@ class TargetWorker:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         seconds = time.perf_counter() - started
+        if job.job_key == self.stall_key:
+            log.warning("test hook %s: sleeping %.1f s before publishing %s", STALL_ENV, self.stall_s, job.job_key)
+            time.sleep(self.stall_s)  # the simulated busy main thread (never set outside tests)
+            self.stall_key = ""
         try:
             self.producer.publish(ring_slot, job.drafter, job.job_key,
                                   meta={"split": split, "data_epoch": epoch, "batch_id": batch_id})
@@ -115,6 +146,13 @@ class TargetWorker:
         self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
         self.ctx.link.send(Produced(job_key=job.job_key, data_epoch=epoch, batch_id=batch_id, split=split,
                                     drafter=job.drafter, seconds=seconds, tokens=batch.num_tokens))
+
+    def _report_lost(self) -> None:
+        """Tell the coordinator about every batch the ring lost in flight (``dropped``: it re-assigns
+        the job unless its drafter took the batch meanwhile)."""
+        for lost in self.producer.lost_batches():
+            self.ctx.link.send(Dropped(job_key=str(lost.job_key),
+                                       reason=f"lost in flight to {lost.consumer} ({lost.reason})"))
 
     def _on_flush(self, msg: Flush) -> bool:
         """The drafter group restarts: forget its queued jobs and reset its credits."""
@@ -157,6 +195,7 @@ class TargetWorker:
         unattached_since = None
         while self._handle_control():
             self.producer.poll(0)
+            self._report_lost()
             if self.queue:
                 job = self.queue[0]
                 if job.drafter not in self.producer.consumers:

@@ -43,6 +43,9 @@ Design decisions (the pitfalls they avoid in brackets)
   after ``peer_timeout_s`` of silence (it is told so: STOP ``evicted``) or is
   :meth:`Producer.evict`-ed come back to the pool and their job keys are reported as
   :class:`LostBatch`; batches are deterministic, so the coordinator just re-assigns them.
+  A consumer that drops a silent producer's ring tells it so (STOP ``silent``): a producer that
+  was only busy then reclaims the slots in flight to that consumer the same way. Either side
+  that comes back attaches again with HELLO (same incarnations: the import is reused).
 * **CUDA IPC.** One export per producer incarnation [each ``reduce_tensor`` is a separate
   refcount], one import per (producer, incarnation) per consumer, fields as msgpack (no pickle); slot
   memory allocated with ``expandable_segments`` off [pidfd_getfd is EPERM in containers]; one

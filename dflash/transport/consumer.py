@@ -411,11 +411,14 @@ class Consumer:
         level = logging.INFO if msg.reason == StopReason.DONE else logging.ERROR
         log.log(level, "%s: %s sent STOP (%s%s)", self.name, link.producer, msg.reason,
                 f": {msg.detail}" if msg.detail else "")
-        if msg.reason == StopReason.EVICTED and msg.incarnation == link.incarnation:
-            # Same incarnation: keep the import (cached per incarnation), forget what was in flight.
-            self._forget_in_flight(link, "evicted")
-            link.attached = False
-            self._hello(link)
+        if msg.reason == StopReason.EVICTED:
+            if msg.incarnation == link.incarnation:
+                # Same incarnation: keep the import (cached per incarnation), forget what was in flight.
+                self._forget_in_flight(link, "evicted")
+                link.attached = False
+            else:  # its ring is already dropped (this side timed out too) or is of an older incarnation
+                self._drop_ring(link, "evicted", dead=True)
+            self._hello(link)  # attach again at once: the producer is alive
             return
         link.stopped = msg.reason
         self._drop_ring(link, f"producer sent STOP ({msg.reason})")
@@ -496,6 +499,11 @@ class Consumer:
             if link.attached and now - link.last_seen > self.peer_timeout_s:
                 log.warning("%s: producer %s silent for %.1f s: dropping its ring", self.name, link.producer,
                             now - link.last_seen)
+                # It may only be busy: STOP(silent) makes it reclaim the slots in flight to us and report
+                # their batches lost (READYs it sends before reading the STOP are discarded here);
+                # our next HELLO, behind the STOP on the same connection, attaches again.
+                self._send(link, Stop(self.name, self.incarnation, StopReason.SILENT,
+                                      f"silent for more than {self.peer_timeout_s} s"))
                 self._drop_ring(link, "timeout", dead=True)
             if now >= link.next_timer:
                 if link.attached:

@@ -15,7 +15,7 @@ Conversation (producer = target worker, ROUTER; consumer = drafter worker, one D
                                  ◄───────  READY(p, c, ring slot, generation, job key, meta) [+ payload]
     FREE(c, p, ring slot, gen)   ───────►  the ring slot may be refilled
     HEARTBEAT(c, p)              ◄──────►  HEARTBEAT(p, c)   liveness; an unknown incarnation triggers HELLO
-    STOP(reason)                 ◄──────►  STOP(reason)      clean end / evicted / incompatible
+    STOP(reason)                 ◄──────►  STOP(reason)      clean end / evicted / incompatible / silent
 
 An incarnation id names one run of a process (:func:`new_incarnation`: milliseconds since
 1970-01-01 in the high bits, 20 random low bits), so a later start has a larger id and a message
@@ -94,8 +94,12 @@ class StopReason:
     EVICTED = "evicted"
     #: Producer → consumer: your HELLO does not match (layout, carrier, host); not attached.
     INCOMPATIBLE = "incompatible"
+    #: Consumer → producer: you were silent past ``peer_timeout_s``; I dropped your ring and the
+    #: READYs I held or will receive from it. Reclaim the slots in flight to me (report their
+    #: batches lost); my next HELLO attaches again.
+    SILENT = "silent"
 
-    ALL = (DONE, FAILED, EVICTED, INCOMPATIBLE)
+    ALL = (DONE, FAILED, EVICTED, INCOMPATIBLE, SILENT)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ consumer's name. Everything runs in the caller's thread: :meth:`Producer.poll` (
 Credits (kept by :class:`~dflash.transport.producer_state.SlotCredits`; this module is the message
 loop that drives them): a slot is FREE, ACQUIRED (by the caller) or IN_FLIGHT (published to one
 consumer, until that consumer's FREE for that exact fill generation). A slot is never handed out
-again while in flight. A consumer restart (a HELLO with a newer consumer incarnation), its STOP or its silence past
-``peer_timeout_s`` returns its in-flight slots to the pool and reports their batch ids as
+again while in flight. A consumer restart (a HELLO with a newer consumer incarnation), its STOP (``silent``
+included: it dropped this ring after this producer's silence) or its silence past ``peer_timeout_s`` returns its in-flight slots to the pool and reports their batch ids as
 :class:`~dflash.transport.producer_state.LostBatch` (``on_lost`` callback and :meth:`Producer.lost_batches`).
 """
 
@@ -392,9 +392,10 @@ class Producer:
         if peer is None or peer.incarnation != msg.incarnation:
             self._reject(msg.sender, f"STOP from unknown or stale consumer incarnation {msg.incarnation}", stale=True)
             return
-        log.info("%s: consumer %s stopped (%s%s)", self.name, msg.sender, msg.reason,
-                 f": {msg.detail}" if msg.detail else "")
-        self._drop_consumer(msg.sender, "stopped")
+        log.log(logging.WARNING if msg.reason == StopReason.SILENT else logging.INFO, "%s: consumer %s stopped (%s%s)",
+                self.name, msg.sender, msg.reason, f": {msg.detail}" if msg.detail else "")
+        # SILENT: it dropped our ring while we were busy; it attaches again with HELLO
+        self._drop_consumer(msg.sender, "timeout" if msg.reason == StopReason.SILENT else "stopped")
 
     def _drop_consumer(self, name: str, reason: str) -> list[LostBatch]:
         self._consumers.pop(name, None)
