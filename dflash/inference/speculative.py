@@ -22,7 +22,7 @@ import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -77,6 +77,22 @@ def compile_flag(value: str) -> Optional[bool]:
     return {"auto": None, "on": True, "off": False}[value]
 
 
+def _prompts(args: argparse.Namespace, cfg: Any, tokenizer: Any) -> list:
+    """The held-out prompts to decode (:func:`prompts_from_corpus`), at most ``--max-prompt-tokens``
+    long (default ``data.max_length − --max-new-tokens``); logs why when there are none or fewer."""
+    from dflash.data.corpus import prepare_data
+
+    max_prompt = args.max_prompt_tokens
+    if max_prompt is None:
+        max_prompt = max(1, cfg.data.max_length - args.max_new_tokens)
+    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, args.prompts, max_prompt, tokenizer=tokenizer)
+    if not cases:
+        log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt)
+    elif len(cases) < args.prompts:
+        log.warning("only %d held-out prompts of at most %d tokens", len(cases), max_prompt)
+    return cases
+
+
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     """The CLI: decode held-out prompts both ways and print the report (``prog``: the command name
     ``--help`` shows).
@@ -88,7 +104,6 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     """
     from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
     from dflash.config import ConfigError, load_config
-    from dflash.data.corpus import prepare_data
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
     from dflash.models.target_loader import load_target
@@ -132,15 +147,9 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head, attention="sdpa",
                                                device=device).eval()
     stops = stop_token_ids(tokenizer, target.model)
-    max_prompt = args.max_prompt_tokens
-    if max_prompt is None:
-        max_prompt = max(1, cfg.data.max_length - args.max_new_tokens)
-    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, args.prompts, max_prompt, tokenizer=tokenizer)
+    cases = _prompts(args, cfg, tokenizer)
     if not cases:
-        log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt)
         return 2
-    if len(cases) < args.prompts:
-        log.warning("only %d held-out prompts of at most %d tokens", len(cases), max_prompt)
     log.info("drafter %s: B=%d, target layers %s, mask %s; %d prompts, max %d new tokens, stop ids %s, "
              "%d torch threads", drafter_dir, dcfg.block_size, dcfg.target_layer_ids,
              dcfg.mask_token_id, len(cases),
