@@ -42,10 +42,10 @@ from torch import Tensor, nn
 from dflash.config import default_gamma
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.masks import AttentionMask, drafter_attention_masks, restage_attention_mask
-from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets
+from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets, valid_anchor_mask
 from dflash.training.chunked_ce import LOSS_CHUNK_ROWS, compiled_linear_ce_chunk
 from dflash.training.objective import (DPACE_ALPHA, EvalOutput, LossOutput, build_block_labels, dflash_loss,
-                                       loss_denominator)
+                                       loss_denominator, walked_tau_sums)
 from dflash.training.optim import LRSchedule, build_optimizer, build_scheduler
 
 __all__ = ["EVAL_EPOCH", "REQUIRED_KEYS", "PreparedBatch", "DrafterTrainer", "metrics_to_host"]
@@ -96,7 +96,7 @@ class DrafterTrainer:
     Args:
         model: a :class:`DFlashDraftModel`, or a DDP wrapper around one.
         train_cfg: :class:`dflash.config.TrainConfig` (lr, betas, weight decay, warm-up, clip, and
-            ``eval_head_tokens`` for :meth:`evaluate`).
+            ``eval_head_tokens`` and ``eval_walk`` for :meth:`evaluate`).
         drafter_cfg: :class:`dflash.config.DrafterConfig` (block size, anchors per row, anchor
             sampling, loss weighting, γ, labels, compile).
         total_steps: optimizer steps of the whole run (the schedule's length).
@@ -146,6 +146,8 @@ class DrafterTrainer:
         self.labels = drafter_cfg.labels
         #: evaluation's head: anchors within this many tokens of their response's start
         self.eval_head_tokens = train_cfg.eval_head_tokens
+        #: evaluation also walks decoding's anchors over every held-out response (eval/tau_walk)
+        self.eval_walk = bool(train_cfg.eval_walk)
         self.loss_chunk = loss_chunk
         self.weight_sum_reduce = weight_sum_reduce
         self.grad_sync = grad_sync
@@ -374,21 +376,65 @@ class DrafterTrainer:
         evaluation. Besides τ over every kept block, the same forward gives τ over the *head*
         blocks: kept blocks whose anchor's offset in its response
         (:func:`dflash.training.anchors.response_offsets`) is below ``train.eval_head_tokens``.
+        With ``train.eval_walk`` it also walks decoding's anchors over every response of the batch
+        (:func:`dflash.training.objective.walked_tau_sums` on :meth:`position_tau`: extra eager
+        forwards, after the sampled anchors', which they leave as they are).
         Add the returned :class:`EvalOutput` stats over batches (and ranks) with
-        :meth:`EvalOutput.stats_vector`, then read ``loss``, ``tau``, ``tau_head``,
-        ``block_pos_accuracy``; ``block_tau [R, A]`` holds this batch's τ per block.
+        :meth:`EvalOutput.stats_vector`, then read ``loss``, ``tau``, ``tau_head``, ``tau_walk``,
+        ``tau_walk_head``, ``block_pos_accuracy``; ``block_tau [R, A]`` holds this batch's τ per block.
         """
         was_training = self.model.training
         self.model.eval()
         try:
             prepared = self.prepare(tensors, epoch, batch_id)
             out = self.forward_loss(prepared, compiled=False)
+            t = prepared.tensors
+            walk = (walked_tau_sums(self.position_tau(t), t["loss_mask"], t["doc_ids"], self.eval_head_tokens)
+                    if self.eval_walk else None)
         finally:
             self.model.train(was_training)
-        t = prepared.tensors
         offsets = response_offsets(t["loss_mask"], t["doc_ids"]).gather(1, prepared.anchors)
         head = prepared.anchor_keep & (offsets >= 0) & (offsets < self.eval_head_tokens)
-        return EvalOutput.from_loss(out, head)
+        return EvalOutput.from_loss(out, head, walk)
+
+    @torch.no_grad()
+    def position_tau(self, tensors: dict[str, Tensor]) -> Tensor:
+        """τ at every valid anchor of a batch: ``[R, S]`` fp32, 0 where no block can be anchored.
+
+        Every position of :func:`dflash.training.anchors.valid_anchor_mask` is an anchor, taken in
+        ascending order ``drafter.anchors_per_row`` at a time per row (the anchor count of the
+        training step, so the forwards have its shapes and at most its memory, less without
+        gradients); each chunk goes through :meth:`prepare` and :meth:`forward_loss` eagerly, with
+        the batch's labels (``drafter.labels``), and its per-block τ (``block_tau``) is scattered to
+        the anchors' positions. A drafter block sees its context and its own block only
+        (:mod:`dflash.models.masks`), so τ at an anchor does not depend on which anchors share
+        its forward. One host sync (the number of chunks); the model's train/eval mode is the caller's.
+
+        Args:
+            tensors: the batch contract's tensors plus ``features`` / ``target_tokens``.
+
+        Raises:
+            KeyError: a required tensor is missing.
+        """
+        t = self._batch(tensors)
+        valid = valid_anchor_mask(t["loss_mask"].bool(), t["doc_ids"])
+        r, s = valid.shape
+        a = self.num_anchors
+        j = torch.arange(s, device=valid.device).expand(r, s)
+        order = torch.argsort(torch.where(valid, j, j + s), dim=1)  # valid positions first, ascending
+        keep_all = valid.gather(1, order)
+        chunks = -(-int(valid.sum(dim=1).max()) // a) if s else 0
+        width = chunks * a
+        if width > s:
+            order = torch.cat([order, order.new_zeros(r, width - s)], dim=1)
+            keep_all = torch.cat([keep_all, keep_all.new_zeros(r, width - s)], dim=1)
+        tau = torch.zeros(r, s, dtype=torch.float32, device=valid.device)
+        for c in range(chunks):
+            keep = keep_all[:, c * a:(c + 1) * a]
+            anchors = torch.where(keep, order[:, c * a:(c + 1) * a], torch.zeros_like(keep, dtype=torch.long))
+            out = self.forward_loss(self.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep)), compiled=False)
+            tau.scatter_add_(1, anchors, torch.where(keep, out.block_tau.float(), torch.zeros_like(out.block_tau)))
+        return tau
 
     # ----------------------------------------------------------------------- checkpointing
 
