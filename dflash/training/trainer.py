@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.config import default_gamma
@@ -404,11 +405,13 @@ class DrafterTrainer:
         Every position of :func:`dflash.training.anchors.valid_anchor_mask` is an anchor, taken in
         ascending order ``drafter.anchors_per_row`` at a time per row (the anchor count of the
         training step, so the forwards have its shapes and at most its memory, less without
-        gradients); each chunk goes through :meth:`prepare` and :meth:`forward_loss` eagerly, with
-        the batch's labels (``drafter.labels``), and its per-block τ (``block_tau``) is scattered to
-        the anchors' positions. A drafter block sees its context and its own block only
+        gradients); each chunk goes through :meth:`prepare` and the drafter forward eagerly, with
+        the batch's labels (``drafter.labels``), and its per-block τ (the ``block_tau`` of
+        :meth:`forward_loss`, the LM head applied only while a block accepts) is scattered to the
+        anchors' positions. A drafter block sees its context and its own block only
         (:mod:`dflash.models.masks`), so τ at an anchor does not depend on which anchors share
-        its forward. One host sync (the number of chunks); the model's train/eval mode is the caller's.
+        its forward. Syncs with the host (the number of chunks, the blocks alive at each block
+        position); the model's train/eval mode is the caller's.
 
         Args:
             tensors: the batch contract's tensors plus ``features`` / ``target_tokens``.
@@ -432,9 +435,40 @@ class DrafterTrainer:
         for c in range(chunks):
             keep = keep_all[:, c * a:(c + 1) * a]
             anchors = torch.where(keep, order[:, c * a:(c + 1) * a], torch.zeros_like(keep, dtype=torch.long))
-            out = self.forward_loss(self.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep)), compiled=False)
-            tau.scatter_add_(1, anchors, torch.where(keep, out.block_tau.float(), torch.zeros_like(out.block_tau)))
+            block_tau = self._leading_tau(self.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep)))
+            tau.scatter_add_(1, anchors, torch.where(keep, block_tau, torch.zeros_like(block_tau)))
         return tau
+
+    def _leading_tau(self, prepared: PreparedBatch) -> Tensor:
+        """τ of every kept block of a prepared batch, ``[R, A]`` fp32 (dropped blocks: 1), eagerly.
+
+        :func:`dflash.training.objective.acceptance_lengths` of the argmax of
+        ``lm_head(hidden)`` (as :func:`dflash.training.objective.dflash_loss` computes it: the
+        head in its weight's dtype, argmax in fp32), but block position ``k`` goes through the LM
+        head only for the blocks that accepted every position before it, ``self.loss_chunk`` rows
+        at a time: the ``[·, V]`` logits cost about ``τ`` rows a block instead of ``B − 1``.
+        """
+        t = prepared.tensors
+        hidden = self._hidden(t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors,
+                              prepared.anchor_keep, prepared.attn_masks)
+        r, a, b, d = hidden.shape
+        weight, bias = self.module.lm_head.weight, getattr(self.module.lm_head, "bias", None)
+        h = hidden.reshape(r * a, b, d)
+        labels = prepared.labels.reshape(r * a, b)
+        valid = prepared.valid.reshape(r * a, b)
+        alive = prepared.anchor_keep.reshape(r * a).clone()
+        tau = torch.ones(r * a, dtype=torch.float32, device=hidden.device)
+        for k in range(1, b):
+            rows = torch.nonzero(alive & valid[:, k]).flatten()
+            alive.zero_()
+            for idx in torch.split(rows, self.loss_chunk):
+                pred = F.linear(h[idx, k].to(weight.dtype), weight, bias).float().argmax(dim=-1)
+                hit = idx[pred == labels[idx, k]]
+                tau[hit] += 1.0
+                alive[hit] = True
+            if not bool(alive.any()):
+                break
+        return tau.view(r, a)
 
     # ----------------------------------------------------------------------- checkpointing
 
