@@ -101,7 +101,8 @@ def ended_run_summary(run_dir: Path) -> Optional[str]:
 
     Names the newest checkpoint (step, whether that is ``train.max_steps`` of the run's saved
     ``config.yaml``, when it was written) and the last step and held-out τ of ``metrics.jsonl`` (over
-    every anchor, and ``eval/tau_head``: over those in the first ``train.eval_head_tokens`` of a response).
+    every anchor, ``eval/tau_head``: over those in the first ``train.eval_head_tokens`` of a response, and
+    ``eval/tau_walk`` / ``eval/tau_walk_head``: walked as decoding walks, training's prediction of decoding τ).
     """
     run_dir = Path(run_dir)
     ckpt = latest_checkpoint(run_dir)
@@ -143,6 +144,13 @@ def ended_run_summary(run_dir: Path) -> Optional[str]:
         if tau and isinstance(head, (int, float)) and head == head:
             tokens = head_tokens if isinstance(head_tokens, int) else "train.eval_head_tokens"
             tau += f", {head:.3f} in the first {tokens} tokens of each response"
+        walk, walk_head = ((last_eval.get("eval/tau_walk"), last_eval.get("eval/tau_walk_head"))
+                           if last_eval is not None else (None, None))
+        if tau and isinstance(walk, (int, float)) and walk == walk:
+            tokens = head_tokens if isinstance(head_tokens, int) else "train.eval_head_tokens"
+            head_text = (f" ({walk_head:.3f} in the first {tokens})"
+                         if isinstance(walk_head, (int, float)) and walk_head == walk_head else "")
+            tau += f", walked as decoding {walk:.3f}{head_text} (training's prediction of decoding τ)"
         parts.append(f"metrics up to step {last['step']} are in {run_dir / 'metrics.jsonl'}{tau}")
     text = "; ".join(parts)
     if complete:

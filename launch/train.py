@@ -356,12 +356,18 @@ def final_report(cfg: RunConfig, run_dir: Path, plan: StepPlan, coordinator: Coo
     first, final = result.first_eval or {}, result.final_eval or {}
     head = f"first {cfg.train.eval_head_tokens} response tokens"
     if first and final and final["step"] != first["step"]:
+        walked = (f"; walked as decoding {_tau_text(first, 'eval/tau_walk')} -> {_tau_text(final, 'eval/tau_walk')}, "
+                  f"{head} {_tau_text(first, 'eval/tau_walk_head')} -> {_tau_text(final, 'eval/tau_walk_head')}"
+                  if "eval/tau_walk" in final else "")
         evals = (f"held-out τ {first['eval/tau']:.3f} (step {first['step']}) -> {final['eval/tau']:.3f} "
                  f"(step {final['step']}), {head} {_tau_text(first, 'eval/tau_head')} -> "
-                 f"{_tau_text(final, 'eval/tau_head')}, loss {first['eval/loss']:.3f} -> {final['eval/loss']:.3f}")
+                 f"{_tau_text(final, 'eval/tau_head')}{walked}, loss {first['eval/loss']:.3f} -> "
+                 f"{final['eval/loss']:.3f}")
     elif first:
+        walked = (f"; walked as decoding {_tau_text(first, 'eval/tau_walk')}, {head} "
+                  f"{_tau_text(first, 'eval/tau_walk_head')}" if "eval/tau_walk" in first else "")
         evals = (f"held-out τ {first['eval/tau']:.3f} at step {first['step']} ({head} "
-                 f"{_tau_text(first, 'eval/tau_head')}; no later evaluation)")
+                 f"{_tau_text(first, 'eval/tau_head')}{walked}; no later evaluation)")
     else:
         evals = "no held-out evaluation"
     log.info("run %s: %d/%d steps in %s; %s; checkpoints in %s; metrics in %s; exit %d", cfg.name,

@@ -81,6 +81,8 @@ BAD_CASES = [
     (["train.eval_head_tokens=2.5"], 0, r"^train\.eval_head_tokens: expected an integer"),
     (["train.eval_head_tokens=null"], 0, r"^train\.eval_head_tokens: expected an integer"),
     (["train.eval_head_tokens=true"], 0, r"^train\.eval_head_tokens: expected an integer"),
+    (["train.eval_walk=1"], 0, r"^train\.eval_walk: expected true/false, got int 1$"),
+    (["train.eval_walk=maybe"], 0, r"^train\.eval_walk: expected true/false"),
     (["drafter.anchor_sampling=sequence"], 0, r"^drafter\.anchor_sampling: must be one of \['row', 'conversation'\]"),
     (["drafter.anchors_per_conversation=64"], 0,
      r"^drafter\.anchors_per_conversation: applies only to drafter\.anchor_sampling: conversation \(got anchor_sampling: row\)"),
@@ -173,3 +175,5 @@ def test_eval_head_tokens_defaults_to_the_decoding_checks_new_tokens():
     assert cfg.train.eval_head_tokens == DEFAULT_MAX_NEW_TOKENS
     assert load_config(CONFIGS / "smollm2-135m-cpu.yaml", ["train.eval_head_tokens=1"],
                        gpu_count=0).train.eval_head_tokens == 1
+    assert cfg.train.eval_walk is True
+    assert load_config(CONFIGS / "smollm2-135m-cpu.yaml", ["train.eval_walk=false"], gpu_count=0).train.eval_walk is False

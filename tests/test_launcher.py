@@ -395,7 +395,8 @@ def _ended_run(run_dir: Path, max_steps: int, step: int = 300) -> Path:
     (ckpt / "state.json").write_text(json.dumps({"step": step, "epoch": 0, "time": 1_800_000_000.0}))
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"name": "r", "train": {"max_steps": max_steps,
                                                                                   "eval_head_tokens": 96}}))
-    lines = [{"step": step, "time": 1.0, "eval/tau": 1.125, "eval/tau_head": 1.25, "eval/loss": 6.4},
+    lines = [{"step": step, "time": 1.0, "eval/tau": 1.125, "eval/tau_head": 1.25, "eval/tau_walk": 1.0625,
+              "eval/tau_walk_head": 1.03125, "eval/loss": 6.4},
              {"step": step, "time": 2.0, "train/loss": 6.7}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return ckpt
@@ -416,8 +417,8 @@ def test_status_of_a_finished_run(tmp_path, monkeypatch, caplog):
         f"no running cluster in {tmp_path.resolve()}: the run has ended; its last checkpoint is "
         f"{tmp_path.resolve() / 'checkpoints' / ckpt.name} (step 300 of 300 (train.max_steps), written on {when}); "
         f"metrics up to step 300 are in {tmp_path.resolve() / 'metrics.jsonl'}, last held-out τ 1.125 at step 300, "
-        f"1.250 in the first 96 tokens of each response; "
-        f"it is complete")
+        f"1.250 in the first 96 tokens of each response, walked as decoding 1.062 (1.031 in the first 96) "
+        f"(training's prediction of decoding τ); it is complete")
 
 
 def test_status_of_a_stopped_run(tmp_path, monkeypatch, caplog):

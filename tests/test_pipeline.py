@@ -100,7 +100,9 @@ def test_one_drafter_matches_reference(tmp_path, objective):
     for ev in reference.evals:
         row = evals[ev["step"]]
         assert 0 < ev["eval/head_blocks"] < ev["eval/blocks"], ev  # some anchors lie past the first 16 tokens
-        for key in ("eval/loss", "eval/tau", "eval/blocks", "eval/tau_head", "eval/head_blocks"):
+        assert 0 < ev["eval/walk_head_blocks"] < ev["eval/walk_blocks"], ev  # walked, the head walk cut at 16 tokens
+        for key in ("eval/loss", "eval/tau", "eval/blocks", "eval/tau_head", "eval/head_blocks", "eval/tau_walk",
+                    "eval/walk_blocks", "eval/tau_walk_head", "eval/walk_head_blocks"):
             assert row[key] == pytest.approx(ev[key], rel=1e-6, abs=1e-6), (key, row, ev)
     # every log line of a worker names it
     assert "[target.0]" in out and "[drafter.0]" in out

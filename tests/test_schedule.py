@@ -93,6 +93,15 @@ def test_aggregate_eval_sums_ranks():
     assert ev["eval/acc_block_pos_2"] == pytest.approx(2 / 6)
     no_head = aggregate_eval([{**s, "head_tau_sum": 0.0, "head_blocks": 0.0} for s in sums])
     assert no_head["eval/head_blocks"] == 0 and no_head["eval/tau_head"] != no_head["eval/tau_head"]  # NaN
+    assert not any("walk" in key for key in ev)  # an evaluation that did not walk reports no walk
+    walks = [{"walk_tau_sum": 9.0, "walk_blocks": 5.0, "walk_head_tau_sum": 4.0, "walk_head_blocks": 3.0},
+             {"walk_tau_sum": 3.0, "walk_blocks": 1.0, "walk_head_tau_sum": 0.0, "walk_head_blocks": 0.0}]
+    walked = aggregate_eval([{**s, **w} for s, w in zip(sums, walks)])
+    assert walked["eval/tau_walk"] == pytest.approx(12 / 6) and walked["eval/walk_blocks"] == 6
+    assert walked["eval/tau_walk_head"] == pytest.approx(4 / 3) and walked["eval/walk_head_blocks"] == 3
+    assert walked["eval/tau"] == ev["eval/tau"] and walked["eval/tau_head"] == ev["eval/tau_head"]
+    none = aggregate_eval([{**s, **w, "walk_head_tau_sum": 0.0, "walk_head_blocks": 0.0} for s, w in zip(sums, walks)])
+    assert none["eval/walk_head_blocks"] == 0 and none["eval/tau_walk_head"] != none["eval/tau_walk_head"]  # NaN
 
 
 # ---------------------------------------------------------------- evaluation rounds: a function of the step

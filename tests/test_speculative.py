@@ -624,6 +624,58 @@ def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, reference
         assert "walked" in text and f"{s['offline_tau_own_walk']:.3f}" in text
 
 
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_training_eval_walk_is_decodings_tau(target, prompts, references, trained_drafter, block_size):
+    """Held-out conversations whose responses are the target's own greedy continuations, packed
+    two and more to a row: training's evaluation (labels from the target) walks decoding's anchors.
+    ``eval/tau_walk_head`` over the first ``H`` response tokens, scored on text ``B − 1`` tokens
+    longer, is decoding τ of ``H`` new tokens exactly (Σ τ and passes, pooled over prompts);
+    ``eval/tau_walk`` over whole responses has decoding's passes for the response's length and the
+    same Σ τ but in each prompt's last pass, which counts only the tokens up to the response's end."""
+    from dflash.training.objective import WalkSums
+
+    head_tokens, n = MAX_NEW, MAX_NEW + MAX_B
+    drafter = copy.deepcopy(trained_drafter)
+    drafter.block_size = block_size
+    rows = [[0, 1, 2], [3]]  # prompts of 8, 8, 1 tokens in one row; the 150-token prompt alone
+    s = max(sum(prompts[i].numel() + n for i in row) for row in rows) + 3  # and some padding
+    ids = torch.zeros(len(rows), s, dtype=torch.long)
+    pos = torch.zeros(len(rows), s, dtype=torch.long)
+    doc = torch.zeros(len(rows), s, dtype=torch.int32)
+    mask = torch.zeros(len(rows), s, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        p = 0
+        for d, i in enumerate(row, start=1):
+            conv = torch.cat([prompts[i], torch.tensor(references[i][:n])])
+            ids[r, p:p + conv.numel()] = conv
+            pos[r, p:p + conv.numel()] = torch.arange(conv.numel())
+            doc[r, p:p + conv.numel()] = d
+            mask[r, p + prompts[i].numel():p + conv.numel()] = True
+            p += conv.numel()
+    feats, tokens = target.forward_features(ids, pos, doc)
+    batch = dict(input_ids=ids, position_ids=pos, doc_ids=doc, loss_mask=mask, features=feats, target_tokens=tokens)
+    trainer = DrafterTrainer(drafter, TrainConfig(eval_head_tokens=head_tokens),
+                             DrafterConfig(num_layers=1, block_size=block_size, anchors_per_row=16), 1, "cpu")
+    out = trainer.evaluate(batch, 0)
+
+    head, whole = WalkSums(), WalkSums()
+    for i, prompt in enumerate(prompts):
+        p = prompt.numel()
+        short = speculative(target, drafter, prompt, head_tokens)
+        assert short.tokens == references[i][:head_tokens]
+        head = WalkSums(head.tau_sum + sum(short.accepted), head.blocks + len(short.accepted))
+        full = speculative(target, drafter, prompt, n)
+        assert full.tokens == references[i][:n]
+        end = p + n - 1  # the response's last token: past it, block positions are not scored
+        cut = full.accepted[:-1] + [min(full.accepted[-1], 1 + end - full.anchors[-1])]
+        whole = WalkSums(whole.tau_sum + sum(cut), whole.blocks + len(cut))
+    assert (out.walk_head_tau_sum.item(), out.walk_head_blocks.item()) == (head.tau_sum, head.blocks)
+    assert out.tau_walk_head.item() == pytest.approx(head.tau_sum / head.blocks, abs=1e-6)
+    assert (out.walk_tau_sum.item(), out.walk_blocks.item()) == (whole.tau_sum, whole.blocks)
+    assert head.tau_sum > 1.3 * head.blocks  # the drafter is right often: not a walk of τ = 1 steps
+    assert out.tau.item() != pytest.approx(out.tau_walk.item(), abs=1e-3)  # the walk is not the anchor mean
+
+
 # --------------------------------------------------------------------------- prompts, checkpoints
 
 

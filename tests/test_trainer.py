@@ -277,9 +277,102 @@ def test_eval_tau_head_equals_the_naive_filter(head_tokens: int) -> None:
     assert out.tau_head.item() == pytest.approx(sum(head) / len(head))
     assert out.tau_sum.item() == pytest.approx(sum(tau for tau, _ in kept))
     # the stats vector carries the head sums; a round trip keeps them
-    again = type(out).from_stats_vector(out.stats_vector() + out.stats_vector())
+    again = type(out).from_stats_vector(out.stats_vector() + out.stats_vector(), walked=out.walked)
     assert again.head_blocks.item() == 2 * len(head) and again.tau_head.item() == pytest.approx(out.tau_head.item())
     assert again.tau.item() == pytest.approx(out.tau.item())
+
+
+def naive_walk_sums(tau: list[list[int]], loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                    head_tokens: int) -> tuple[int, int, int, int]:
+    """Decoding token by token over every response (runs of naive response offsets): a block runs
+    where the next anchor is and the response has a token after it; the head walk stops at the
+    ``head_tokens``-th token. ``(Σ τ, blocks, head Σ τ, head blocks)``."""
+    from tests.test_anchors import naive_response_offsets
+
+    total = blocks = head_total = head_blocks = 0
+    for row, offsets in zip(tau, naive_response_offsets(loss_mask, doc_ids)):
+        s = len(offsets)
+        for start in (p for p in range(s) if offsets[p] == 0):
+            end = start
+            while end + 1 < s and offsets[end + 1] == offsets[end] + 1:
+                end += 1
+            nxt = start
+            for p in range(start, end):
+                if p == nxt:
+                    total, blocks = total + row[p], blocks + 1
+                    if p - start < head_tokens - 1:
+                        head_total, head_blocks = head_total + row[p], head_blocks + 1
+                    nxt = p + row[p]
+    return total, blocks, head_total, head_blocks
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("head_tokens", [1, 5, 16])
+def test_walked_tau_sums_equal_a_naive_scan(seed: int, head_tokens: int) -> None:
+    """Random τ ∈ [1, B] at every position of random packed rows (responses of any length,
+    several per conversation): the walk's sums are the naive token-by-token scan's, and agree
+    response by response with :func:`dflash.inference.acceptance.walk_tau`."""
+    from dflash.inference.acceptance import walk_tau
+    from dflash.training.objective import walked_tau_sums
+    from tests.test_anchors import naive_response_offsets, packed_turns
+
+    loss_mask, doc_ids = packed_turns(5, 160, seed, noise=0.1, max_conversation=80, max_turn=40)
+    g = torch.Generator().manual_seed(seed)
+    b = 2 + seed * 2
+    tau = torch.randint(1, b + 1, loss_mask.shape, generator=g)
+    got = walked_tau_sums(tau.float(), loss_mask, doc_ids, head_tokens)
+    want = naive_walk_sums(tau.tolist(), loss_mask, doc_ids, head_tokens)
+    assert (got.tau_sum, got.blocks, got.head_tau_sum, got.head_blocks) == want
+    assert want[1] > 50 and want[0] > want[1] and (0 < want[3] <= want[1] or head_tokens == 1)  # real walks
+    total = passes = 0
+    for r, offsets in enumerate(naive_response_offsets(loss_mask, doc_ids)):
+        for start in (p for p in range(len(offsets)) if offsets[p] == 0):
+            end = start
+            while end + 1 < len(offsets) and offsets[end + 1] == offsets[end] + 1:
+                end += 1
+            w = walk_tau(torch.arange(start, end), tau[r, start:end], start, end)
+            total, passes = total + w.total, passes + w.passes
+    assert (total, passes) == (got.tau_sum, got.blocks)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        walked_tau_sums(torch.zeros(loss_mask.shape), loss_mask, doc_ids, head_tokens)
+    with pytest.raises(ValueError, match="must be the same"):
+        walked_tau_sums(tau[:, 1:], loss_mask, doc_ids, head_tokens)
+
+
+def test_eval_walk_over_the_evaluations_own_tau() -> None:
+    """``evaluate``'s walk = the naive scan over :meth:`position_tau`; ``position_tau`` at the
+    evaluation's sampled anchors is their ``block_tau`` (the extra forwards score blocks as the
+    sampled forward does) and 0 off the valid anchors; ``eval/tau`` and ``eval/tau_head`` are those
+    of an evaluation without the walk; ``train.eval_walk: false`` leaves the walk out."""
+    from dflash.training.anchors import valid_anchor_mask
+    from tests.test_anchors import packed_turns
+
+    r, s, head_tokens = 4, 64, 6
+    loss_mask, doc_ids = packed_turns(r, s, seed=3, max_conversation=64, max_turn=24)
+    batch = {**pattern_batch(r, s, seed=5), "doc_ids": doc_ids, "loss_mask": loss_mask}
+    tr = DrafterTrainer(tiny_model(), TrainConfig(lr=2e-2, warmup_ratio=0.1, eval_head_tokens=head_tokens),
+                        drafter_cfg(anchors_per_row=12), 20, "cpu")
+    for i in range(20):  # a drafter that accepts some drafts: τ varies between blocks
+        tr.step(pattern_batch(seed=i), 0, i)
+    out = tr.evaluate(batch, 7)
+    tau = tr.position_tau(batch)
+    valid = valid_anchor_mask(loss_mask, doc_ids)
+    assert valid.sum() > 4 * 12  # more anchors than one forward holds: several chunks
+    assert bool((tau[valid] >= 1).all()) and bool((tau[~valid] == 0).all()) and len(set(tau[valid].tolist())) > 2
+    anchors, keep = tr.draw_anchors(loss_mask, doc_ids, EVAL_EPOCH, 7)
+    assert torch.equal(tau.gather(1, anchors)[keep], out.block_tau[keep])
+    want = naive_walk_sums(tau.long().tolist(), loss_mask, doc_ids, head_tokens)
+    assert out.walked and (out.walk_tau_sum.item(), out.walk_blocks.item(), out.walk_head_tau_sum.item(),
+                           out.walk_head_blocks.item()) == want
+    assert out.tau_walk.item() == pytest.approx(want[0] / want[1])
+    assert out.tau_walk_head.item() == pytest.approx(want[2] / want[3])
+    again = type(out).from_stats_vector(out.stats_vector() + out.stats_vector(), walked=True)
+    assert again.walk_blocks.item() == 2 * want[1] and again.tau_walk.item() == pytest.approx(out.tau_walk.item())
+    assert again.tau_head.item() == pytest.approx(out.tau_head.item())
+    tr.eval_walk = False
+    plain = tr.evaluate(batch, 7)
+    assert not plain.walked and plain.tau_walk is None
+    assert torch.equal(plain.stats_vector(), out.stats_vector()[:-4])
 
 
 def test_state_dict_resume_gives_identical_steps() -> None:

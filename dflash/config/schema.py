@@ -155,6 +155,11 @@ class TrainConfig:
     #: response (the default is the decoding check's default ``--max-new-tokens``,
     #: ``dflash.inference.speculative``): the part of a response that decoding N new tokens sees.
     eval_head_tokens: int = 96
+    #: ``eval/tau_walk`` / ``eval/tau_walk_head``: held-out τ walked as decoding walks, from each
+    #: response's first token (every token, and its first ``eval_head_tokens``): training's
+    #: prediction of decoding τ. Costs extra eager drafter forwards over every anchor of the
+    #: held-out batches (``false`` skips them).
+    eval_walk: bool = True
 
 
 @dataclass

@@ -442,11 +442,14 @@ class Coordinator(SupervisionMixin, StopMixin):
         ev["eval/round"] = item.index
         ev["eval/step"] = item.at_step
         self.done_rounds.add(item.index)
+        walked = (f"; walked as decoding (its prediction of decoding τ): τ {ev['eval/tau_walk']:.3f} over "
+                  f"{ev['eval/walk_blocks']} blocks, {ev['eval/tau_walk_head']:.3f} over the "
+                  f"{ev['eval/walk_head_blocks']} within train.eval_head_tokens" if "eval/tau_walk" in ev else "")
         log.info("held-out eval %d%s at step %d: loss %.4f, τ %.3f over %d blocks, τ %.3f over the %d within "
-                 "train.eval_head_tokens of their response's start", item.index,
+                 "train.eval_head_tokens of their response's start%s", item.index,
                  " (off-schedule baseline)" if item.index < 0 else "", item.at_step,
                  ev.get("eval/loss", float("nan")), ev.get("eval/tau", float("nan")), ev.get("eval/blocks", 0),
-                 ev.get("eval/tau_head", float("nan")), ev.get("eval/head_blocks", 0))
+                 ev.get("eval/tau_head", float("nan")), ev.get("eval/head_blocks", 0), walked)
         if self.result.first_eval is None:
             self.result.first_eval = {"step": item.at_step, **ev}
         self.result.final_eval = {"step": item.at_step, **ev}

@@ -18,12 +18,18 @@ def aggregate_eval(sums: list[dict]) -> dict:
 
     Args:
         sums: one dict per drafter with ``loss_sum``, ``weight_sum``, ``tau_sum``, ``blocks``,
-            ``head_tau_sum``, ``head_blocks`` and the lists ``correct`` / ``count`` indexed by block position.
+            ``head_tau_sum``, ``head_blocks``, the lists ``correct`` / ``count`` indexed by block position
+            and, from an evaluation that walked (``train.eval_walk``), ``walk_tau_sum``, ``walk_blocks``,
+            ``walk_head_tau_sum``, ``walk_head_blocks``.
     Returns:
         ``eval/loss`` = Σ loss_sum / Σ weight_sum, ``eval/tau`` = Σ tau_sum / Σ blocks,
         ``eval/blocks``, ``eval/tau_head`` = Σ head_tau_sum / Σ head_blocks (the blocks whose anchor lies in
-        the first ``train.eval_head_tokens`` tokens of its response; NaN without any), ``eval/head_blocks``
-        and ``eval/acc_block_pos_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1; ``{}`` without sums.
+        the first ``train.eval_head_tokens`` tokens of its response; NaN without any), ``eval/head_blocks``,
+        with the walk ``eval/tau_walk`` = Σ walk_tau_sum / Σ walk_blocks (decoding's anchors walked over
+        every held-out response, pooled as decoding pools: training's prediction of decoding τ),
+        ``eval/walk_blocks``, ``eval/tau_walk_head`` / ``eval/walk_head_blocks`` (the walk over the first
+        ``train.eval_head_tokens`` tokens of each response; NaN without blocks), and
+        ``eval/acc_block_pos_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1; ``{}`` without sums.
     """
     if not sums:
         return {}
@@ -44,6 +50,12 @@ def aggregate_eval(sums: list[dict]) -> dict:
         head = total["head_blocks"]
         out["eval/tau_head"] = total["head_tau_sum"] / head if head else float("nan")
         out["eval/head_blocks"] = int(head)
+    if "walk_blocks" in total:
+        for name, tau_key, blocks_key in (("walk", "walk_tau_sum", "walk_blocks"),
+                                          ("walk_head", "walk_head_tau_sum", "walk_head_blocks")):
+            n = total[blocks_key]
+            out[f"eval/tau_{name}"] = total[tau_key] / n if n else float("nan")
+            out[f"eval/{name}_blocks"] = int(n)
     for k, (c, n) in enumerate(zip(total.get("correct", []), total.get("count", []))):
         if k > 0:
             out[f"eval/acc_block_pos_{k}"] = c / n if n else float("nan")

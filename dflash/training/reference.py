@@ -51,16 +51,21 @@ def target_tensors(target: Any, batch: Any, device: torch.device) -> dict[str, t
 
 
 def eval_sums(out: EvalOutput) -> dict:
-    """Host-side sums of one or more held-out batches' :class:`EvalOutput` (to add over batches and ranks)."""
-    return {"loss_sum": float(out.loss_sum), "weight_sum": float(out.weight_sum), "tau_sum": float(out.tau_sum),
+    """Host-side sums of one or more held-out batches' :class:`EvalOutput` (to add over batches and ranks);
+    ``walk_tau_sum``, ``walk_blocks``, ``walk_head_tau_sum``, ``walk_head_blocks`` only when it walked."""
+    sums = {"loss_sum": float(out.loss_sum), "weight_sum": float(out.weight_sum), "tau_sum": float(out.tau_sum),
             "blocks": float(out.num_blocks), "head_tau_sum": float(out.head_tau_sum),
             "head_blocks": float(out.head_blocks), "correct": out.block_pos_correct.tolist(),
             "count": out.block_pos_count.tolist()}
+    if out.walked:
+        sums.update(walk_tau_sum=float(out.walk_tau_sum), walk_blocks=float(out.walk_blocks),
+                    walk_head_tau_sum=float(out.walk_head_tau_sum), walk_head_blocks=float(out.walk_head_blocks))
+    return sums
 
 
 def evaluate_heldout(trainer: DrafterTrainer, target: Any, plans: DataPlans, num_batches: Optional[int],
                      device: torch.device) -> dict:
-    """Held-out loss, τ (every anchor and the head's) and accuracy per block position over the first
+    """Held-out loss, τ (every anchor, the head's and, with ``train.eval_walk``, walked) and accuracy per block position over the first
     ``num_batches`` held-out batches (:func:`dflash.runtime.run_metrics.aggregate_eval`)."""
     from dflash.runtime.coordinator import aggregate_eval
 
@@ -146,11 +151,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = "cuda" if cfg.cluster.device != "cpu" and torch.cuda.is_available() else "cpu"
     res = run_reference(cfg, device, steps=args.steps)
     first, last = res.evals[0], res.evals[-1]
+    nan = float("nan")
     log.info("%d steps in %.1f min: train loss %.3f -> %.3f; held-out loss %.3f -> %.3f, tau %.3f -> %.3f "
-             "(first %d response tokens %.3f -> %.3f)", len(res.losses), res.seconds / 60, res.losses[0],
-             res.losses[-1], first.get("eval/loss", float("nan")), last.get("eval/loss", float("nan")),
-             first.get("eval/tau", float("nan")), last.get("eval/tau", float("nan")), cfg.train.eval_head_tokens,
-             first.get("eval/tau_head", float("nan")), last.get("eval/tau_head", float("nan")))
+             "(first %d response tokens %.3f -> %.3f); walked as decoding: tau %.3f -> %.3f (first %d response "
+             "tokens %.3f -> %.3f)", len(res.losses), res.seconds / 60, res.losses[0],
+             res.losses[-1], first.get("eval/loss", nan), last.get("eval/loss", nan),
+             first.get("eval/tau", nan), last.get("eval/tau", nan), cfg.train.eval_head_tokens,
+             first.get("eval/tau_head", nan), last.get("eval/tau_head", nan),
+             first.get("eval/tau_walk", nan), last.get("eval/tau_walk", nan), cfg.train.eval_head_tokens,
+             first.get("eval/tau_walk_head", nan), last.get("eval/tau_walk_head", nan))
     return 0
 
 
