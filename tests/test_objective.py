@@ -303,7 +303,7 @@ def test_loss_output_stats_vector_round_trip() -> None:
 
 
 def test_eval_output_head_sums_and_errors() -> None:
-    from dflash.training.objective import EvalOutput
+    from dflash.training.evaluation import EvalOutput
 
     tau = torch.tensor([[1.0, 3.0, 2.0], [4.0, 1.0, 1.0]])
     out = LossOutput(loss_sum=torch.tensor(3.5), weight_sum=torch.tensor(2.0), block_pos_correct=torch.tensor([0., 1.]),

@@ -632,7 +632,7 @@ def test_training_eval_walk_is_decodings_tau(target, prompts, references, traine
     longer, is decoding τ of ``H`` new tokens exactly (Σ τ and passes, pooled over prompts);
     ``eval/tau_walk`` over whole responses has decoding's passes for the response's length and the
     same Σ τ but in each prompt's last pass, which counts only the tokens up to the response's end."""
-    from dflash.training.objective import WalkSums
+    from dflash.training.evaluation import WalkSums
 
     head_tokens, n = MAX_NEW, MAX_NEW + MAX_B
     drafter = copy.deepcopy(trained_drafter)

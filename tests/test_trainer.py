@@ -313,7 +313,7 @@ def test_walked_tau_sums_equal_a_naive_scan(seed: int, head_tokens: int) -> None
     several per conversation): the walk's sums are the naive token-by-token scan's, and agree
     response by response with :func:`dflash.inference.acceptance.walk_tau`."""
     from dflash.inference.acceptance import walk_tau
-    from dflash.training.objective import walked_tau_sums
+    from dflash.training.evaluation import walked_tau_sums
     from tests.test_anchors import naive_response_offsets, packed_turns
 
     loss_mask, doc_ids = packed_turns(5, 160, seed, noise=0.1, max_conversation=80, max_turn=40)

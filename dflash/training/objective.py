@@ -22,7 +22,7 @@ from :mod:`dflash.models.masks`, the chunked LM-head cross-entropy from
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 import torch
@@ -34,9 +34,6 @@ __all__ = [
     "LOSS_WEIGHTINGS",
     "DPACE_ALPHA",
     "LossOutput",
-    "EvalOutput",
-    "WalkSums",
-    "walked_tau_sums",
     "build_block_labels",
     "block_position_weights",
     "label_weights",
@@ -219,179 +216,6 @@ class LossOutput:
         b = (vec.numel() - 4) // 2
         return cls(loss_sum=vec[0], weight_sum=vec[1], tau_sum=vec[2], num_blocks=vec[3],
                    block_pos_correct=vec[4:4 + b], block_pos_count=vec[4 + b:4 + 2 * b])
-
-
-@dataclass(frozen=True)
-class WalkSums:
-    """Σ τ and the number of blocks of speculative decoding's walk over held-out responses.
-
-    ``tau_sum / blocks`` is the walked τ over every token of each response; ``head_tau_sum /
-    head_blocks`` the walk cut at the first ``train.eval_head_tokens`` tokens
-    (:func:`walked_tau_sums`). Plain Python numbers (the walk runs on the host).
-    """
-
-    tau_sum: float = 0.0
-    blocks: int = 0
-    head_tau_sum: float = 0.0
-    head_blocks: int = 0
-
-
-@dataclass
-class EvalOutput(LossOutput):
-    """A held-out batch's :class:`LossOutput` plus τ over its *head* blocks and, optionally, the walk.
-
-    Head blocks are the kept blocks whose anchor lies within the first ``train.eval_head_tokens``
-    tokens of its response (:func:`dflash.training.anchors.response_offsets`): the part of a
-    response that speculative decoding of that many new tokens sees. On long responses the
-    every-anchor τ (``tau``) is dominated by their tails; ``tau_head = head_tau_sum / head_blocks``.
-
-    Both still average τ over anchors, which is length-biased: inside a stretch the drafter
-    predicts well every anchor has a high τ and all of them count, while decoding crosses it with
-    one block. The *walked* τ (:func:`walked_tau_sums`) visits the anchors decoding would visit and
-    is training's prediction of decoding τ: ``tau_walk = walk_tau_sum / walk_blocks`` over whole
-    responses, ``tau_walk_head`` over the first ``train.eval_head_tokens`` tokens of each. The walk
-    fields are ``None`` when the evaluation did not walk (``train.eval_walk: false``).
-    """
-
-    #: ``Σ τ`` over head blocks (fp32 scalar).
-    head_tau_sum: Tensor
-    #: Number of head blocks (fp32 scalar).
-    head_blocks: Tensor
-    #: ``Σ τ`` over the walked blocks of whole responses, and their number (fp32 scalars).
-    walk_tau_sum: Optional[Tensor] = field(default=None, kw_only=True)
-    walk_blocks: Optional[Tensor] = field(default=None, kw_only=True)
-    #: The same for the walk cut at ``train.eval_head_tokens`` tokens of each response.
-    walk_head_tau_sum: Optional[Tensor] = field(default=None, kw_only=True)
-    walk_head_blocks: Optional[Tensor] = field(default=None, kw_only=True)
-
-    _WALK = ("walk_tau_sum", "walk_blocks", "walk_head_tau_sum", "walk_head_blocks")
-
-    @property
-    def tau_head(self) -> Tensor:
-        return self.head_tau_sum / self.head_blocks.clamp_min(1.0)
-
-    @property
-    def walked(self) -> bool:
-        """Whether the walk fields are set."""
-        return self.walk_blocks is not None
-
-    @property
-    def tau_walk(self) -> Optional[Tensor]:
-        return None if not self.walked else self.walk_tau_sum / self.walk_blocks.clamp_min(1.0)
-
-    @property
-    def tau_walk_head(self) -> Optional[Tensor]:
-        return None if not self.walked else self.walk_head_tau_sum / self.walk_head_blocks.clamp_min(1.0)
-
-    @classmethod
-    def from_loss(cls, out: LossOutput, head: Tensor, walk: Optional[WalkSums] = None) -> "EvalOutput":
-        """``out``'s sums (detached) plus the head sums over the blocks of ``head`` and ``walk``'s sums.
-
-        Args:
-            out: a batch's :class:`LossOutput` with ``block_tau`` (:func:`dflash_loss`'s).
-            head: ``[R, A]`` bool, the head blocks (a subset of the kept blocks).
-            walk: the batch's walked sums (:func:`walked_tau_sums`), or ``None`` (no walk).
-
-        Raises:
-            ValueError: ``out`` has no ``block_tau`` or ``head`` does not match its shape.
-        """
-        if out.block_tau is None:
-            raise ValueError("out: has no block_tau (a LossOutput from dflash_loss is needed, not a stats vector's)")
-        if head.shape != out.block_tau.shape:
-            raise ValueError(f"head {tuple(head.shape)} does not match block_tau {tuple(out.block_tau.shape)}")
-        sums = {f.name: getattr(out, f.name).detach() for f in fields(LossOutput) if f.name != "block_tau"}
-        if walk is not None:
-            dev = out.block_tau.device
-            sums.update({name: torch.tensor(float(value), dtype=torch.float32, device=dev) for name, value in
-                         zip(cls._WALK, (walk.tau_sum, walk.blocks, walk.head_tau_sum, walk.head_blocks))})
-        return cls(**sums, block_tau=out.block_tau, head_tau_sum=(out.block_tau * head.float()).sum(),
-                   head_blocks=head.float().sum())
-
-    def stats_vector(self) -> Tensor:
-        """``[2B + 6]`` fp32: :meth:`LossOutput.stats_vector`, then head_tau_sum, head_blocks; with the
-        walk ``[2B + 10]``: then walk_tau_sum, walk_blocks, walk_head_tau_sum, walk_head_blocks."""
-        extra = [self.head_tau_sum, self.head_blocks]
-        if self.walked:
-            extra += [getattr(self, name) for name in self._WALK]
-        return torch.cat([super().stats_vector(), torch.stack(extra).float()])
-
-    @classmethod
-    def from_stats_vector(cls, vec: Tensor, walked: bool = False) -> "EvalOutput":
-        """Read back :meth:`stats_vector` (``walked``: it holds the walk sums)."""
-        n = 6 if walked else 2
-        base = LossOutput.from_stats_vector(vec[:-n])
-        sums = {f.name: getattr(base, f.name) for f in fields(LossOutput) if f.name != "block_tau"}
-        if walked:
-            sums.update(zip(cls._WALK, vec[-4:]))
-        return cls(**sums, head_tau_sum=vec[-n], head_blocks=vec[-n + 1])
-
-
-def walked_tau_sums(position_tau: Tensor, loss_mask: Tensor, doc_ids: Tensor, head_tokens: int) -> WalkSums:
-    """Walk speculative decoding's anchors over every response of a batch, each block accepting its τ.
-
-    A response is a maximal run ``s … e`` of ``loss_mask`` inside one conversation
-    (:func:`dflash.training.anchors.response_offsets`). Greedy DFlash decoding of it (the rule of
-    :func:`dflash.inference.acceptance.walk_tau`, which
-    :meth:`dflash.inference.decode_steps.DecodeSteps._verify_step_impl` implements): the first block
-    is anchored at the response's first token ``s`` (the token the prefill emits); a block at
-    anchor ``a`` accepts ``τ(a)`` tokens (``m`` drafts and the bonus), so the next anchor is
-    ``a + τ(a)``; blocks run while ``a < e``. The head walk stops at ``min(e, s + head_tokens − 1)``
-    (decoding ``head_tokens`` new tokens): its blocks are the first blocks of the whole walk.
-    Pooled as decoding pools: ``Σ τ`` over walked blocks and their number, over all responses.
-
-    ``τ(a)`` is scored on the response text only (block positions past ``e`` are invalid), so a
-    whole response's last block counts ``min(m + 1, 1 + e − a)`` where decoding exactly
-    ``e − s + 1`` new tokens would count ``m + 1``: lower by at most ``B − 2`` a response, in its
-    last block only. A head walk that ends ``B − 1`` or more tokens before its response ends is
-    scored on the continued text and so counts exactly what decoding counts.
-
-    Args:
-        position_tau: ``[R, S]`` τ at every position that is a valid anchor
-            (:func:`dflash.training.anchors.valid_anchor_mask`: every position of a response but
-            its last), any value elsewhere (any numeric dtype, integers ``≥ 1`` where read).
-        loss_mask: ``[R, S]`` bool.
-        doc_ids: ``[R, S]`` int.
-        head_tokens: ``train.eval_head_tokens`` (``≥ 1``).
-
-    Returns:
-        :class:`WalkSums`.
-
-    Raises:
-        ValueError: mismatched shapes, ``head_tokens < 1``, or a τ below 1 on the walk.
-    """
-    if not (position_tau.shape == loss_mask.shape == doc_ids.shape) or loss_mask.dim() != 2:
-        raise ValueError(f"position_tau {tuple(position_tau.shape)}, loss_mask {tuple(loss_mask.shape)} and "
-                         f"doc_ids {tuple(doc_ids.shape)} must be the same [R, S]")
-    if head_tokens < 1:
-        raise ValueError(f"head_tokens: must be >= 1, got {head_tokens}")
-    taus = position_tau.detach().round().long().cpu().tolist()
-    masks = loss_mask.bool().cpu().tolist()
-    docs = doc_ids.cpu().tolist()
-    tau_sum = blocks = head_sum = head_blocks = 0
-    for tau, mask, doc in zip(taus, masks, docs):
-        s = len(mask)
-        p = 0
-        while p < s:
-            if not mask[p]:
-                p += 1
-                continue
-            start = p  # a response: loss_mask run inside one conversation
-            while p + 1 < s and mask[p + 1] and doc[p + 1] == doc[start]:
-                p += 1
-            end, head_end = p, min(p, start + head_tokens - 1)
-            a = start
-            while a < end:
-                t = tau[a]
-                if t < 1:
-                    raise ValueError(f"position_tau: τ at position {a} is {t}, must be >= 1")
-                tau_sum += t
-                blocks += 1
-                if a < head_end:
-                    head_sum += t
-                    head_blocks += 1
-                a += t
-            p += 1
-    return WalkSums(tau_sum=float(tau_sum), blocks=blocks, head_tau_sum=float(head_sum), head_blocks=head_blocks)
 
 
 def acceptance_lengths(correct: Tensor, valid: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from dflash.config import RunConfig, load_config
 from dflash.training.factory import DataPlans, build_batch_plans, build_drafter
-from dflash.training.objective import EvalOutput
+from dflash.training.evaluation import EvalOutput
 from dflash.data.schedule import StepPlan
 from dflash.training.trainer import DrafterTrainer, metrics_to_host
 

@@ -37,16 +37,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.config import default_gamma
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.masks import AttentionMask, drafter_attention_masks, restage_attention_mask
-from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets, valid_anchor_mask
+from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets
 from dflash.training.chunked_ce import LOSS_CHUNK_ROWS, compiled_linear_ce_chunk
-from dflash.training.objective import (DPACE_ALPHA, EvalOutput, LossOutput, build_block_labels, dflash_loss,
-                                       loss_denominator, walked_tau_sums)
+from dflash.training.evaluation import EvalOutput, position_tau, walked_tau_sums
+from dflash.training.objective import DPACE_ALPHA, LossOutput, build_block_labels, dflash_loss, loss_denominator
 from dflash.training.optim import LRSchedule, build_optimizer, build_scheduler
 
 __all__ = ["EVAL_EPOCH", "REQUIRED_KEYS", "PreparedBatch", "DrafterTrainer", "metrics_to_host"]
@@ -378,7 +377,7 @@ class DrafterTrainer:
         blocks: kept blocks whose anchor's offset in its response
         (:func:`dflash.training.anchors.response_offsets`) is below ``train.eval_head_tokens``.
         With ``train.eval_walk`` it also walks decoding's anchors over every response of the batch
-        (:func:`dflash.training.objective.walked_tau_sums` on :meth:`position_tau`: extra eager
+        (:func:`dflash.training.evaluation.walked_tau_sums` on :meth:`position_tau`: extra eager
         forwards, after the sampled anchors', which they leave as they are).
         Add the returned :class:`EvalOutput` stats over batches (and ranks) with
         :meth:`EvalOutput.stats_vector`, then read ``loss``, ``tau``, ``tau_head``, ``tau_walk``,
@@ -398,77 +397,10 @@ class DrafterTrainer:
         head = prepared.anchor_keep & (offsets >= 0) & (offsets < self.eval_head_tokens)
         return EvalOutput.from_loss(out, head, walk)
 
-    @torch.no_grad()
     def position_tau(self, tensors: dict[str, Tensor]) -> Tensor:
-        """τ at every valid anchor of a batch: ``[R, S]`` fp32, 0 where no block can be anchored.
-
-        Every position of :func:`dflash.training.anchors.valid_anchor_mask` is an anchor, taken in
-        ascending order ``drafter.anchors_per_row`` at a time per row (the anchor count of the
-        training step, so the forwards have its shapes and at most its memory, less without
-        gradients); each chunk goes through :meth:`prepare` and the drafter forward eagerly, with
-        the batch's labels (``drafter.labels``), and its per-block τ (the ``block_tau`` of
-        :meth:`forward_loss`, the LM head applied only while a block accepts) is scattered to the
-        anchors' positions. A drafter block sees its context and its own block only
-        (:mod:`dflash.models.masks`), so τ at an anchor does not depend on which anchors share
-        its forward. Syncs with the host (the number of chunks, the blocks alive at each block
-        position); the model's train/eval mode is the caller's.
-
-        Args:
-            tensors: the batch contract's tensors plus ``features`` / ``target_tokens``.
-
-        Raises:
-            KeyError: a required tensor is missing.
-        """
-        t = self._batch(tensors)
-        valid = valid_anchor_mask(t["loss_mask"].bool(), t["doc_ids"])
-        r, s = valid.shape
-        a = self.num_anchors
-        j = torch.arange(s, device=valid.device).expand(r, s)
-        order = torch.argsort(torch.where(valid, j, j + s), dim=1)  # valid positions first, ascending
-        keep_all = valid.gather(1, order)
-        chunks = -(-int(valid.sum(dim=1).max()) // a) if s else 0
-        width = chunks * a
-        if width > s:
-            order = torch.cat([order, order.new_zeros(r, width - s)], dim=1)
-            keep_all = torch.cat([keep_all, keep_all.new_zeros(r, width - s)], dim=1)
-        tau = torch.zeros(r, s, dtype=torch.float32, device=valid.device)
-        for c in range(chunks):
-            keep = keep_all[:, c * a:(c + 1) * a]
-            anchors = torch.where(keep, order[:, c * a:(c + 1) * a], torch.zeros_like(keep, dtype=torch.long))
-            block_tau = self._leading_tau(self.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep)))
-            tau.scatter_add_(1, anchors, torch.where(keep, block_tau, torch.zeros_like(block_tau)))
-        return tau
-
-    def _leading_tau(self, prepared: PreparedBatch) -> Tensor:
-        """τ of every kept block of a prepared batch, ``[R, A]`` fp32 (dropped blocks: 1), eagerly.
-
-        :func:`dflash.training.objective.acceptance_lengths` of the argmax of
-        ``lm_head(hidden)`` (as :func:`dflash.training.objective.dflash_loss` computes it: the
-        head in its weight's dtype, argmax in fp32), but block position ``k`` goes through the LM
-        head only for the blocks that accepted every position before it, ``self.loss_chunk`` rows
-        at a time: the ``[·, V]`` logits cost about ``τ`` rows a block instead of ``B − 1``.
-        """
-        t = prepared.tensors
-        hidden = self._hidden(t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors,
-                              prepared.anchor_keep, prepared.attn_masks)
-        r, a, b, d = hidden.shape
-        weight, bias = self.module.lm_head.weight, getattr(self.module.lm_head, "bias", None)
-        h = hidden.reshape(r * a, b, d)
-        labels = prepared.labels.reshape(r * a, b)
-        valid = prepared.valid.reshape(r * a, b)
-        alive = prepared.anchor_keep.reshape(r * a).clone()
-        tau = torch.ones(r * a, dtype=torch.float32, device=hidden.device)
-        for k in range(1, b):
-            rows = torch.nonzero(alive & valid[:, k]).flatten()
-            alive.zero_()
-            for idx in torch.split(rows, self.loss_chunk):
-                pred = F.linear(h[idx, k].to(weight.dtype), weight, bias).float().argmax(dim=-1)
-                hit = idx[pred == labels[idx, k]]
-                tau[hit] += 1.0
-                alive[hit] = True
-            if not bool(alive.any()):
-                break
-        return tau.view(r, a)
+        """τ at every valid anchor of a batch, ``[R, S]`` fp32
+        (:func:`dflash.training.evaluation.position_tau`)."""
+        return position_tau(self, tensors)
 
     # ----------------------------------------------------------------------- checkpointing
 
