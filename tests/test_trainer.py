@@ -252,24 +252,32 @@ def test_evaluate_is_deterministic_and_does_not_train() -> None:
     assert all(p.grad is None for p in tr.params)
 
 
-@pytest.mark.parametrize("head_tokens", [1, 4, 9])
-def test_eval_tau_head_equals_the_naive_filter(head_tokens: int) -> None:
-    """``tau_head`` = mean τ of the evaluation's own blocks whose anchor's offset in its response
-    (naive loop) is below ``train.eval_head_tokens``; ``tau`` = mean over every kept block."""
-    from tests.test_anchors import naive_response_offsets, packed_turns
+def trained_on_packed_turns(head_tokens: int, r: int = 4, s: int = 64):
+    """A tiny trainer after 20 steps (it accepts some drafts: τ varies between blocks) and a held-out
+    batch of packed multi-turn rows: ``(trainer, batch, loss_mask, doc_ids)``."""
+    from tests.test_anchors import packed_turns
 
-    r, s = 4, 64
     loss_mask, doc_ids = packed_turns(r, s, seed=3, max_conversation=64, max_turn=24)
     batch = {**pattern_batch(r, s, seed=5), "doc_ids": doc_ids, "loss_mask": loss_mask}
     tr = DrafterTrainer(tiny_model(), TrainConfig(lr=2e-2, warmup_ratio=0.1, eval_head_tokens=head_tokens),
                         drafter_cfg(anchors_per_row=12), 20, "cpu")
-    for i in range(20):  # a drafter that accepts some drafts: τ varies between blocks
+    for i in range(20):
         tr.step(pattern_batch(seed=i), 0, i)
+    return tr, batch, loss_mask, doc_ids
+
+
+@pytest.mark.parametrize("head_tokens", [1, 4, 9])
+def test_eval_tau_head_equals_the_naive_filter(head_tokens: int) -> None:
+    """``tau_head`` = mean τ of the evaluation's own blocks whose anchor's offset in its response
+    (naive loop) is below ``train.eval_head_tokens``; ``tau`` = mean over every kept block."""
+    from tests.test_anchors import naive_response_offsets
+
+    tr, batch, loss_mask, doc_ids = trained_on_packed_turns(head_tokens)
     out = tr.evaluate(batch, 7)
     anchors, keep = tr.draw_anchors(loss_mask, doc_ids, EVAL_EPOCH, 7)
     offsets = naive_response_offsets(loss_mask, doc_ids)
     taus = out.block_tau.tolist()
-    kept = [(taus[i][j], offsets[i][int(anchors[i, j])]) for i in range(r) for j in range(12) if keep[i, j]]
+    kept = [(taus[i][j], offsets[i][int(anchors[i, j])]) for i in range(loss_mask.shape[0]) for j in range(12) if keep[i, j]]
     head = [tau for tau, offset in kept if 0 <= offset < head_tokens]
     assert 0 < len(head) < len(kept) and len(set(tau for tau, _ in kept)) > 2
     assert out.head_blocks.item() == len(head) and out.num_blocks.item() == len(kept)
@@ -345,15 +353,8 @@ def test_eval_walk_over_the_evaluations_own_tau() -> None:
     sampled forward does) and 0 off the valid anchors; ``eval/tau`` and ``eval/tau_head`` are those
     of an evaluation without the walk; ``train.eval_walk: false`` leaves the walk out."""
     from dflash.training.anchors import valid_anchor_mask
-    from tests.test_anchors import packed_turns
-
-    r, s, head_tokens = 4, 64, 6
-    loss_mask, doc_ids = packed_turns(r, s, seed=3, max_conversation=64, max_turn=24)
-    batch = {**pattern_batch(r, s, seed=5), "doc_ids": doc_ids, "loss_mask": loss_mask}
-    tr = DrafterTrainer(tiny_model(), TrainConfig(lr=2e-2, warmup_ratio=0.1, eval_head_tokens=head_tokens),
-                        drafter_cfg(anchors_per_row=12), 20, "cpu")
-    for i in range(20):  # a drafter that accepts some drafts: τ varies between blocks
-        tr.step(pattern_batch(seed=i), 0, i)
+    head_tokens = 6
+    tr, batch, loss_mask, doc_ids = trained_on_packed_turns(head_tokens)
     out = tr.evaluate(batch, 7)
     tau = tr.position_tau(batch)
     valid = valid_anchor_mask(loss_mask, doc_ids)
