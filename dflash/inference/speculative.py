@@ -50,7 +50,8 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
     p.add_argument("--config", default=None,
                    help=f"run config (default: the run's config.yaml, else {DEFAULT_CONFIG})")
     p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="held-out prompts to decode")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"new tokens a prompt (default {DEFAULT_MAX_NEW_TOKENS}; decoding stops earlier at a stop token)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="skip longer prompts (default: data.max_length - max_new_tokens, so decoding stays "
                         "within the trained length)")
