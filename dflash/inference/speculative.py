@@ -46,7 +46,8 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
                                 description="Lossless speculative decoding with a trained DFlash drafter on "
                                             "held-out prompts: output check, measured and offline tau, tokens/s.")
     p.add_argument("--checkpoint", required=True,
-                   help="runs/<name>/checkpoints/step-XXXXXXXX (or a drafter directory)")
+                   help="a run directory (its newest checkpoint), runs/<name>/checkpoints/step-XXXXXXXX or a "
+                        "drafter directory")
     p.add_argument("--config", default=None,
                    help=f"run config (default: the run's config.yaml, else {DEFAULT_CONFIG})")
     p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="held-out prompts to decode")
