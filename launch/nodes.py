@@ -105,6 +105,9 @@ class Rendezvous:
         except ValueError as exc:
             raise ValueError(f"--nnodes / --node-rank / --master-port: {exc}") from None
         addr = str(pick(getattr(args, "master_addr", None), "MASTER_ADDR", default="127.0.0.1"))
+        if rank > 0 and getattr(args, "master_addr", None) is None and not env.get("MASTER_ADDR"):
+            log.warning("node %d: no --master-addr (or MASTER_ADDR): node 0 is assumed on this machine (127.0.0.1)",
+                        rank)
         if nnodes < 1 or not 0 <= rank < nnodes:
             raise ValueError(f"--node-rank {rank} is outside [0, --nnodes {nnodes})")
         if not 0 < port < 65536:
@@ -117,8 +120,9 @@ class Rendezvous:
     def check(self, cfg: RunConfig) -> None:
         """Raises ValueError when ``--nnodes`` differs from the config's placement."""
         if self.nnodes != cfg.cluster.num_nodes:
+            unset = "" if cfg.cluster.nodes else " (cluster.nodes is not set: one machine)"
             raise ValueError(f"--nnodes {self.nnodes} but cluster.nodes places workers on {cfg.cluster.num_nodes} "
-                             f"node(s)")
+                             f"node(s){unset}")
 
     @property
     def control_endpoint(self) -> str:

@@ -132,3 +132,20 @@ def test_rendezvous_flags_win_over_torchrun_and_slurm_environment():
         from dflash.config import load_config
 
         Rendezvous(nnodes=3).check(load_config(CONFIG, PLACEMENT))
+    with pytest.raises(ValueError, match=r"cluster.nodes is not set"):
+        Rendezvous(nnodes=2).check(load_config(CONFIG))
+
+
+def test_a_node_without_master_address_says_it_assumes_this_machine(caplog):
+    import argparse
+
+    from launch.nodes import Rendezvous
+
+    with caplog.at_level("WARNING", logger="dflash.cluster"):
+        r = Rendezvous.from_args(argparse.Namespace(nnodes=2, node_rank=1), {})
+    assert r.master_addr == "127.0.0.1" and "no --master-addr (or MASTER_ADDR)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash.cluster"):
+        Rendezvous.from_args(argparse.Namespace(nnodes=2, node_rank=1), {"MASTER_ADDR": "127.0.0.1"})
+        Rendezvous.from_args(argparse.Namespace(nnodes=2, node_rank=0), {})
+    assert "no --master-addr" not in caplog.text
