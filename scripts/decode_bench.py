@@ -94,13 +94,12 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from dflash.config import load_config
-    from dflash.data.corpus import prepare_data
     from dflash.training.factory import build_drafter
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
     from dflash.inference.drafter_checkpoint import resolve_checkpoint
     from dflash.data.render import stop_token_ids
-    from dflash.inference.prompts import prompts_from_corpus
+    from dflash.inference.prompts import heldout_prompts
     from dflash.inference.spec_report import decode_report, format_report
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
@@ -120,10 +119,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         drafter_dir, _ = resolve_checkpoint(args.checkpoint)
         dcfg = DFlashDraftModel.load_config(drafter_dir)
     tokenizer = load_tokenizer(cfg.target)
-    max_prompt = args.max_prompt_tokens or max(1, cfg.data.max_length - args.max_new_tokens)
-    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, args.prompts, max_prompt, tokenizer=tokenizer)
+    cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
     if not cases:
-        log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt)
         return 2
     runs: list[dict[str, Any]] = []
     meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,

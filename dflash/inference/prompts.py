@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["PromptCase", "prompts_from_corpus", "user_turn_header"]
+__all__ = ["PromptCase", "heldout_prompts", "prompts_from_corpus", "user_turn_header"]
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +100,22 @@ def user_turn_header(tokenizer: Any) -> Optional[str]:
         log.warning("no user-turn filter for prompts: unexpected chat template rendering")
         return None
     return head[len(alone):]
+
+
+def heldout_prompts(cfg: Any, tokenizer: Any, count: int, max_new_tokens: int,
+                    max_prompt_tokens: Optional[int] = None) -> list[PromptCase]:
+    """The first ``count`` held-out prompts of a run's data (:func:`prompts_from_corpus` over
+    :func:`dflash.data.corpus.prepare_data`'s held-out split), each at most ``max_prompt_tokens``
+    long (default ``data.max_length − max_new_tokens``, so decoding stays within the trained
+    length); logs why when there are none or fewer than ``count``.
+    """
+    from dflash.data.corpus import prepare_data
+
+    if max_prompt_tokens is None:
+        max_prompt_tokens = max(1, cfg.data.max_length - max_new_tokens)
+    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, count, max_prompt_tokens, tokenizer=tokenizer)
+    if not cases:
+        log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt_tokens)
+    elif len(cases) < count:
+        log.warning("only %d held-out prompts of at most %d tokens", len(cases), max_prompt_tokens)
+    return cases

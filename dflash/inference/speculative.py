@@ -22,13 +22,13 @@ import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
 from dflash.data.render import stop_token_ids
-from dflash.inference.prompts import prompts_from_corpus
+from dflash.inference.prompts import heldout_prompts
 from dflash.inference.spec_report import decode_report, format_report
 
 __all__ = ["compile_flag", "main"]
@@ -77,22 +77,6 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
 def compile_flag(value: str) -> Optional[bool]:
     """``auto`` / ``on`` / ``off`` → ``None`` / ``True`` / ``False``."""
     return {"auto": None, "on": True, "off": False}[value]
-
-
-def _prompts(args: argparse.Namespace, cfg: Any, tokenizer: Any) -> list:
-    """The held-out prompts to decode (:func:`prompts_from_corpus`), at most ``--max-prompt-tokens``
-    long (default ``data.max_length − --max-new-tokens``); logs why when there are none or fewer."""
-    from dflash.data.corpus import prepare_data
-
-    max_prompt = args.max_prompt_tokens
-    if max_prompt is None:
-        max_prompt = max(1, cfg.data.max_length - args.max_new_tokens)
-    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, args.prompts, max_prompt, tokenizer=tokenizer)
-    if not cases:
-        log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt)
-    elif len(cases) < args.prompts:
-        log.warning("only %d held-out prompts of at most %d tokens", len(cases), max_prompt)
-    return cases
 
 
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
@@ -149,7 +133,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head, attention="sdpa",
                                                device=device).eval()
     stops = stop_token_ids(tokenizer, target.model)
-    cases = _prompts(args, cfg, tokenizer)
+    cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
     if not cases:
         return 2
     log.info("drafter %s: B=%d, target layers %s, mask %s; %d prompts, max %d new tokens, stop ids %s, "
