@@ -178,7 +178,7 @@ class DrafterWorker:
         for i in range(WARMUP_ITERS):
             self.trainer.forward_backward(tensors, -2, i, weight_sum_reduce=lambda w: w)
             self.trainer.optimizer.zero_grad(set_to_none=True)
-        self.trainer.evaluate(tensors, 0, epoch=-2)
+        self.trainer.evaluate(tensors, 0, epoch=-2, walk=False)  # the walk's forwards have these shapes
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         log.info("train step warmed up in %.1f s (%s)", seconds,

@@ -369,7 +369,8 @@ class DrafterTrainer:
         }
 
     @torch.no_grad()
-    def evaluate(self, tensors: dict[str, Tensor], batch_id: int, epoch: int = EVAL_EPOCH) -> EvalOutput:
+    def evaluate(self, tensors: dict[str, Tensor], batch_id: int, epoch: int = EVAL_EPOCH,
+                 walk: Optional[bool] = None) -> EvalOutput:
         """Loss / τ / per-block-position accuracy *sums* of one held-out batch, without gradients.
 
         Anchors are deterministic: ``anchor_seed(seed, EVAL_EPOCH, batch_id)``, the same at every
@@ -378,7 +379,8 @@ class DrafterTrainer:
         (:func:`dflash.training.anchors.response_offsets`) is below ``train.eval_head_tokens``.
         With ``train.eval_walk`` it also walks decoding's anchors over every response of the batch
         (:func:`dflash.training.evaluation.walked_tau_sums` on :meth:`position_tau`: extra eager
-        forwards, after the sampled anchors', which they leave as they are).
+        forwards, after the sampled anchors', which they leave as they are); ``walk`` overrides
+        ``train.eval_walk`` (``False``: the drafter worker's warm-up, which only warms the kernels).
         Add the returned :class:`EvalOutput` stats over batches (and ranks) with
         :meth:`EvalOutput.stats_vector`, then read ``loss``, ``tau``, ``tau_head``, ``tau_walk``,
         ``tau_walk_head``, ``block_pos_accuracy``; ``block_tau [R, A]`` holds this batch's τ per block.
@@ -390,7 +392,7 @@ class DrafterTrainer:
             out = self.forward_loss(prepared, compiled=False)
             t = prepared.tensors
             walk = (walked_tau_sums(self.position_tau(t), t["loss_mask"], t["doc_ids"], self.eval_head_tokens)
-                    if self.eval_walk else None)
+                    if (self.eval_walk if walk is None else walk) else None)
         finally:
             self.model.train(was_training)
         offsets = response_offsets(t["loss_mask"], t["doc_ids"]).gather(1, prepared.anchors)
