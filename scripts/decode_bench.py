@@ -49,17 +49,21 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--attention", default="sdpa", help="the fused target layers' attention: sdpa, matmul or flex")
+    p.add_argument("--attention", default="sdpa",
+                   help="the fused target layers' attention: sdpa, matmul or flex, or X+Y (X in the one-token "
+                        "step, Y in verification and prefill)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--out", default="decode-bench-out")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.modes = [m for m in args.modes.split(",") if m]
-    from dflash.inference.decode_layers import ATTENTIONS
+    from dflash.inference.decode_layers import split_attention
 
-    if args.attention not in ATTENTIONS:
-        p.error(f"--attention: one of {ATTENTIONS}, got {args.attention!r}")
+    try:
+        split_attention(args.attention)
+    except ValueError as e:
+        p.error(f"--attention: {e}")
     bad = [d for d in args.dtypes if d not in DTYPES] + [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown dtype/mode {bad}: dtypes are {DTYPES}, modes {MODES}")

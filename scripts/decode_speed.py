@@ -7,12 +7,15 @@ graphs). Random weights decode at the same speed as trained ones, and a random d
 and eager decoding produce the same tokens in fp32 (exit 1 otherwise).
 
 Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.inference.decode_layers`, SDPA
-attention), ``compiled-matmul`` and ``compiled-flex`` (the same with matmul or flex_attention
-attention) and ``compiled-plain`` (the transformers layers). ``--profile`` also counts the GPU
-kernels of one compiled target-only token and lists the costliest (torch.profiler).
+attention), ``compiled-ATTN`` (the same with the attention spec ``ATTN`` of
+:func:`dflash.inference.decode_layers.split_attention`: ``matmul``, ``flex``, or ``flex+sdpa`` for
+flex in the one-token step and SDPA in verification) and ``compiled-plain`` (the transformers
+layers). ``--profile`` also counts the GPU kernels of one compiled target-only token and lists the
+costliest (torch.profiler). A mode that fails (a kernel inductor cannot lower on this machine) is
+logged with its error and the others still run; the exit status is then 1.
 
     python scripts/decode_speed.py --out /tmp/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
-        [--modes eager,compiled,compiled-matmul,compiled-flex,compiled-plain] [--profile]
+        [--modes eager,compiled,compiled-matmul,compiled-flex,compiled-flex+sdpa,compiled-plain] [--profile]
 """
 
 from __future__ import annotations
@@ -29,9 +32,24 @@ import torch
 
 log = logging.getLogger("decode_speed")
 
-#: The fused layers' attention of each mode (every other mode: SDPA).
-MODE_ATTENTION = {"compiled-matmul": "matmul", "compiled-flex": "flex"}
-KNOWN_MODES = ("eager", "compiled", "compiled-matmul", "compiled-flex", "compiled-plain")
+PLAIN_MODES = ("eager", "compiled", "compiled-plain")
+
+
+def mode_attention(mode: str) -> str:
+    """The fused layers' attention spec of a mode (``compiled-ATTN``; every other mode: SDPA).
+
+    Raises:
+        ValueError: an unknown mode or attention spec.
+    """
+    from dflash.inference.decode_layers import split_attention
+
+    if mode in PLAIN_MODES:
+        return "sdpa"
+    if not mode.startswith("compiled-"):
+        raise ValueError(f"unknown mode {mode!r}: {', '.join(PLAIN_MODES)} or compiled-ATTN")
+    spec = mode[len("compiled-"):]
+    split_attention(spec)
+    return spec
 
 #: SmolLM2-135M-Instruct's shape (its config.json), on the tiny-llama family.
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -41,7 +59,6 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
 
 def main(argv: Optional[list[str]] = None) -> int:
     from dflash.config import DrafterConfig, TargetConfig
-    from dflash.inference.generation import Generator
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
     from dflash.models.drafter_config import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
@@ -61,9 +78,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--profile", action="store_true", help="kernels of one compiled target-only token")
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in KNOWN_MODES]
-    if unknown:
-        p.error(f"--modes: unknown {unknown}, choose from {','.join(KNOWN_MODES)}")
+    for m in modes:
+        try:
+            mode_attention(m)
+        except ValueError as e:
+            p.error(f"--modes: {e}")
     setup_logging("decode_speed")
     device = torch.device(args.device)
     target = load_target(TargetConfig(kind="random", arch="tiny-llama", arch_overrides=SMOLLM2_SHAPE, dtype=args.dtype),
@@ -81,37 +100,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict = {"dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens,
                      "block_size": args.block_size, "device": str(device), "torch": torch.__version__}
     tokens_by_mode: dict = {}
+    failed: list = []
     for mode in modes:
-        gen = Generator(target.model, target.layer_ids, max_len, batch_size=args.batch, drafter=drafter,
-                        compile=mode.startswith("compiled"), fuse=mode != "compiled-plain",
-                        attention=MODE_ATTENTION.get(mode, "sdpa"))
-        for warm in range(2):  # compile + capture, then once more
-            gen.greedy(prompts[:args.batch], 16)
-            gen.speculative(prompts[:args.batch], 16)
-        row: dict = {}
-        for kind in ("greedy", "speculative"):
-            fn = gen.greedy if kind == "greedy" else gen.speculative
-            outs = []
-            for i in range(0, len(prompts), args.batch):
-                outs += fn(prompts[i:i + args.batch], args.new_tokens)
-            groups = [outs[i:i + args.batch] for i in range(0, len(outs), args.batch)]
-            seconds = sum(grp[0].seconds for grp in groups)
-            tokens = sum(len(o.tokens) for o in outs)
-            row[kind] = {"tok_s": tokens / seconds, "ms_per_token_or_pass": 1e3 * seconds / max(
-                1, sum(o.steps for o in outs) if kind == "speculative" else tokens / args.batch),
-                "tau": (sum(sum(o.accepted) for o in outs) / max(1, sum(o.steps for o in outs))
-                        if kind == "speculative" else None),
-                "draft_s": sum(grp[0].draft_seconds for grp in groups),
-                "verify_s": sum(grp[0].verify_seconds for grp in groups), "seconds": seconds}
-            tokens_by_mode.setdefault(mode, {})[kind] = [o.tokens for o in outs]
-        if args.profile and gen.compiled:
-            row["profile"] = profile_greedy(gen, prompts[:args.batch])
+        try:
+            row = run_mode(mode, target, drafter, prompts, max_len, args, tokens_by_mode)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' numbers
+            log.exception("%s failed", mode)
+            row = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            failed.append(mode)
+            torch._dynamo.reset()
         results[mode] = row
         log.info("%s: %s", mode, json.dumps(row))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / f"speed-{args.dtype}-b{args.batch}.json").write_text(json.dumps(results, indent=1))
-    ok = True
+    ok = not failed
     eager = tokens_by_mode.get("eager")
     for mode, toks in tokens_by_mode.items():
         if eager is None or mode == "eager":
@@ -126,6 +129,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.out:
         (Path(args.out) / f"speed-{args.dtype}-b{args.batch}.json").write_text(json.dumps(results, indent=1))
     return 0 if ok else 1
+
+
+def run_mode(mode: str, target, drafter, prompts: list, max_len: int, args: argparse.Namespace,
+             tokens_by_mode: dict) -> dict:
+    """One mode's target-only and speculative speed over ``prompts`` (and its profile with
+    ``--profile``); its tokens go into ``tokens_by_mode[mode]``."""
+    from dflash.inference.generation import Generator
+
+    gen = Generator(target.model, target.layer_ids, max_len, batch_size=args.batch, drafter=drafter,
+                    compile=mode.startswith("compiled"), fuse=mode != "compiled-plain",
+                    attention=mode_attention(mode))
+    for warm in range(2):  # compile + capture, then once more
+        gen.greedy(prompts[:args.batch], 16)
+        gen.speculative(prompts[:args.batch], 16)
+    row: dict = {}
+    for kind in ("greedy", "speculative"):
+        fn = gen.greedy if kind == "greedy" else gen.speculative
+        outs = []
+        for i in range(0, len(prompts), args.batch):
+            outs += fn(prompts[i:i + args.batch], args.new_tokens)
+        groups = [outs[i:i + args.batch] for i in range(0, len(outs), args.batch)]
+        seconds = sum(grp[0].seconds for grp in groups)
+        tokens = sum(len(o.tokens) for o in outs)
+        row[kind] = {"tok_s": tokens / seconds, "ms_per_token_or_pass": 1e3 * seconds / max(
+            1, sum(o.steps for o in outs) if kind == "speculative" else tokens / args.batch),
+            "tau": (sum(sum(o.accepted) for o in outs) / max(1, sum(o.steps for o in outs))
+                    if kind == "speculative" else None),
+            "draft_s": sum(grp[0].draft_seconds for grp in groups),
+            "verify_s": sum(grp[0].verify_seconds for grp in groups), "seconds": seconds}
+        tokens_by_mode.setdefault(mode, {})[kind] = [o.tokens for o in outs]
+    if args.profile and gen.compiled:
+        row["profile"] = profile_greedy(gen, prompts[:args.batch])
+    return row
 
 
 def profile_greedy(gen, prompts: list, tokens: int = 32) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from dflash.inference.decode_layers import fusable, fuse_layers
+from dflash.inference.decode_layers import fusable, fuse_layers, split_attention
 from dflash.inference.generation import Generator
 from dflash.inference.oracle import naive_greedy_decode
 
@@ -43,7 +43,7 @@ def _model(kind: str, **shape) -> torch.nn.Module:
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex"])
+@pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex", "flex+sdpa", "matmul+flex"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding"])
 def test_fused_decoding_equals_transformers_layers_and_naive(kind, attention):
     model = _model(kind)
@@ -67,6 +67,37 @@ def test_fused_decoding_equals_transformers_layers_and_naive(kind, attention):
     torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(f2, f1, rtol=1e-5, atol=1e-5)
     assert torch.equal(i1[..., 0], i2[..., 0])
+
+
+def test_split_attention():
+    assert split_attention("sdpa") == ("sdpa", "sdpa")
+    assert split_attention("flex+sdpa") == ("flex", "sdpa")
+    for bad in ("cudnn", "flex+", "flex+sdpa+matmul", "+sdpa"):
+        with pytest.raises(ValueError, match="attention"):
+            split_attention(bad)
+    with pytest.raises(ValueError, match="attention"):
+        Generator(_model("llama"), [0], 32, compile=False, attention="sdpa+bogus")
+
+
+def test_mixed_attention_uses_each_part_where_it_belongs(monkeypatch):
+    """``"X+Y"``: the one-token step runs X, verification and prefill run Y (recorded per call)."""
+    import dflash.inference.decode_layers as dl
+
+    model = _model("qwen3")
+    seen = []
+    real = dl.FusedDecoderLayer.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append((args[0].shape[1], kwargs.get("attention", args[9] if len(args) > 9 else None)))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(dl.FusedDecoderLayer, "forward", spy)
+    proposer, _ = _oracle(model, [torch.arange(5)], 4, 64, 4)
+    gen = Generator(model, [1, 3], 64, batch_size=1, drafter=proposer, compile=False, attention="matmul+flex")
+    gen.greedy([torch.arange(5)], 3)
+    gen.speculative([torch.arange(5)], 6)
+    assert {a for t, a in seen if t == 1} == {"matmul"}
+    assert {a for t, a in seen if t > 1} == {"flex"}
 
 
 def test_fused_weights_are_views_and_model_forward_is_unchanged():

@@ -42,13 +42,33 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 
 __all__ = ["ATTENTION", "ATTENTIONS", "FusedDecoderLayer", "decode_score_mod", "fusable", "fuse_layers",
-           "rotate_half"]
+           "rotate_half", "split_attention"]
 
 #: How a fused layer attends: ``"sdpa"``, ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax)
 #: or ``"flex"`` (flex_attention with the mask as a ``score_mod``, :func:`decode_score_mod`).
 ATTENTION = "sdpa"
 #: Every attention a fused layer implements.
 ATTENTIONS = ("sdpa", "matmul", "flex")
+
+
+def split_attention(spec: str) -> tuple[str, str]:
+    """``(one-token attention, multi-token attention)`` of an attention spec.
+
+    ``spec`` is one of :data:`ATTENTIONS` (every forward) or ``"X+Y"``: ``X`` for the target-only
+    one-token step, ``Y`` for every forward of several tokens (verification of a block, prefill).
+    The two regimes favour different kernels: a one-token step has ``g`` query rows per key/value
+    head, a verification ``g·B``.
+
+    Raises:
+        ValueError: a part that is not in :data:`ATTENTIONS`, or more than two parts.
+    """
+    parts = spec.split("+") if isinstance(spec, str) else [spec]
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or any(p not in ATTENTIONS for p in parts):
+        raise ValueError(f"attention: one of {ATTENTIONS} or 'X+Y' of them (one-token step + multi-token "
+                         f"forwards), got {spec!r}")
+    return parts[0], parts[1]
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -203,7 +223,7 @@ class FusedDecoderLayer(nn.Module):
 
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, k_buf: Tensor, v_buf: Tensor,
                 rows: Optional[Tensor], positions: Tensor, mask: Optional[Tensor],
-                window: Optional[int] = None) -> Tensor:
+                window: Optional[int] = None, attention: Optional[str] = None) -> Tensor:
         """One layer for ``T`` new tokens per row.
 
         Args:
@@ -218,6 +238,7 @@ class FusedDecoderLayer(nn.Module):
                 (may be ``None``) by ``"flex"``, which applies the same rule from ``positions``.
             window: the layer's sliding window in tokens (``None`` = full attention); read by
                 ``"flex"`` only (the other attentions take it from ``mask``).
+            attention: this call's attention (one of :data:`ATTENTIONS`), ``None`` = the layer's.
 
         Returns:
             ``[b', T, D]`` the layer's output (same dtype as ``hidden``).
@@ -244,9 +265,10 @@ class FusedDecoderLayer(nn.Module):
         g = hq // hkv
         q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
         q = q.to(keys.dtype)
-        if self.attention == "flex":
+        attention = attention or self.attention
+        if attention == "flex":
             out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling)
-        elif self.attention == "sdpa":
+        elif attention == "sdpa":
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         else:
             scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling  # [b', H_kv, g·T, T_max]

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.decode_layers import ATTENTION, ATTENTIONS, fuse_layers
+from dflash.inference.decode_layers import ATTENTION, fuse_layers, split_attention
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import DFlashProposer
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
@@ -86,12 +86,14 @@ class DecodeSteps:
             supported; ``False`` = through the transformers layers. Same math either way.
         attention: the fused layers' attention, one of
             :data:`dflash.inference.decode_layers.ATTENTIONS` (default
-            :data:`dflash.inference.decode_layers.ATTENTION`); ``"flex"`` builds no mask tensor.
+            :data:`dflash.inference.decode_layers.ATTENTION`), or ``"X+Y"``: ``X`` in the
+            target-only one-token step, ``Y`` in verification and prefill
+            (:func:`dflash.inference.decode_layers.split_attention`); ``"flex"`` builds no mask tensor.
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
             (linear attention), an attention implementation other than sdpa / eager, an
-            ``attention`` not in :data:`dflash.inference.decode_layers.ATTENTIONS` (or ``"flex"``
+            ``attention`` that :func:`dflash.inference.decode_layers.split_attention` refuses (or ``"flex"``
             compiled on CUDA with a head dim below 16), ``max_len < 2``
             or ``batch_size < 1``.
     """
@@ -99,8 +101,7 @@ class DecodeSteps:
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
                  attention: str = ATTENTION) -> None:
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention: one of {ATTENTIONS}, got {attention!r}")
+        self.step_attention, self.block_attention = split_attention(attention)
         self.model = model.eval()
         self.decoder = _decoder(model)
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -126,7 +127,7 @@ class DecodeSteps:
             raise ValueError(f"attention implementation {impl!r}: static-cache decoding needs sdpa or eager")
         self.additive_mask = impl == "eager"
         self.cache_arg = _layer_cache_kwarg(self.decoder.layers[0])
-        self.fused = fuse_layers(self.decoder.layers, self.config, attention) if fuse else None
+        self.fused = fuse_layers(self.decoder.layers, self.config, self.block_attention) if fuse else None
         self.max_len = int(max_len)
         self.batch_size = int(batch_size)
         if drafter is None:
@@ -141,7 +142,8 @@ class DecodeSteps:
         kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.group = int(self.config.num_attention_heads) // kv_heads
         head_dim = int(getattr(self.config, "head_dim", None) or width // self.config.num_attention_heads)
-        if self.fused is not None and attention == "flex" and self.compiled and self.device.type == "cuda" \
+        flex = "flex" in (self.step_attention, self.block_attention)
+        if self.fused is not None and flex and self.compiled and self.device.type == "cuda" \
                 and head_dim < FLEX_MIN_HEAD_DIM:
             raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= {FLEX_MIN_HEAD_DIM}, "
                              f"the target has {head_dim}")
@@ -192,7 +194,8 @@ class DecodeSteps:
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, rows: Optional[Tensor] = None,
-                features: bool = True, logits_at: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+                features: bool = True, logits_at: Optional[Tensor] = None, attention: Optional[str] = None
+                ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """The target over ``input_ids`` at ``positions``, on top of the cache; writes their keys/values.
         Without gradients (decoding never needs them; flex_attention has no CPU backward).
 
@@ -202,6 +205,7 @@ class DecodeSteps:
             features: also return the fused features.
             logits_at: ``[b']`` int64: logits of that token of each row only (prefill: a row's last
                 prompt token when prompts are right-padded to one length).
+            attention: the fused layers' attention in this forward (default: the multi-token one).
 
         Returns:
             ``(top2 values [b', T', 2] fp32, top2 ids [b', T', 2] int64, features [b', T, L·D] or None)``
@@ -215,7 +219,8 @@ class DecodeSteps:
         if getattr(dec.rotary_emb, "mrope_section", None) is not None:
             rope_pos = positions.unsqueeze(0).expand(3, -1, -1)
         rotary = dec.rotary_emb(hidden, rope_pos)
-        flex = self.fused is not None and self.fused[0].attention == "flex"
+        attention = attention or self.block_attention
+        flex = self.fused is not None and attention == "flex"
         masks = {} if flex else self._masks(positions)
         width = hidden.shape[-1]
         feats = hidden.new_empty(*hidden.shape[:2], len(self.layer_ids) * width) if features else None
@@ -225,7 +230,7 @@ class DecodeSteps:
                 kind = self.layer_types[i]
                 window = int(self.sliding_window) if kind == SLIDING and self.sliding_window is not None else None
                 hidden = self.fused[i](hidden, rotary[0], rotary[1], kv.keys[i], kv.values[i], rows, positions,
-                                       masks.get(kind), window)
+                                       masks.get(kind), window, attention)
             else:
                 out = layer(hidden, attention_mask=masks[self.layer_types[i]], position_ids=positions,
                             position_embeddings=rotary, **{self.cache_arg: kv})
@@ -262,7 +267,8 @@ class DecodeSteps:
         """
         st = self.state
         a, active = st.anchor, st.active
-        vals, ids, _ = self.forward(st.tokens.gather(1, a[:, None]), a[:, None], features=False)
+        vals, ids, _ = self.forward(st.tokens.gather(1, a[:, None]), a[:, None], features=False,
+                                    attention=self.step_attention)
         tok = ids[:, :, 0]  # [b, 1]
         nxt = torch.clamp(a + 1, max=self.max_len - 1)[:, None]  # [b, 1]
         act = active[:, None]
