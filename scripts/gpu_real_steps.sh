@@ -16,6 +16,9 @@
 # decode_regen decode_bench.py for /tmp/run-regen at 96 (bf16, fp32) and 512 (bf16) new tokens, one
 #             GPU each; its export -> $KEEP (15 MiB parts). ATTN: the target's attention (sdpa)
 #
+# decode_one  one GPU: decode_speed.py's attention variants, then decode_bench.py for $CKPT ($CFG) with
+#             each attention spec of $ATTNS at 96 new tokens and the first one at 512
+#
 # Needs /tmp/smollm2.gguf and /tmp/sharegpt.jsonl (scripts/gpu_runbook.sh's set-up does not make
 # them: see docs/gpu-runbook.md). Step output goes to $OUT (the runbook gives each step its own).
 # Env: STEPS (train_pair's train.max_steps, default 3500), KEEP (folder for files to bring back,
@@ -124,5 +127,30 @@ decode_regen)
     echo "rc 96: $rc_a, 512: $rc_b"
     (( rc_a == 0 && rc_b == 0 ))
     ;;
-*) echo "unknown step $step (regen, train_pair, decode_pair, multinode, train_regen, decode_regen)"; exit 2 ;;
+decode_one)
+    # one GPU: the attention variants' decoding speed (random weights, prompts of 480 tokens as long
+    # as the held-out ones), then drafter $CKPT (default /tmp/run-regen, config $CFG) over 16
+    # held-out prompts at 96 new tokens with each spec of $ATTNS (the first in bf16 and fp32, the
+    # others in bf16), and at 512 new tokens (bf16) with the first spec that ran
+    ckpt=${CKPT:-/tmp/run-regen} cfg=${CFG:-/tmp/run-regen/config.yaml} attns=(${ATTNS:-flex+sdpa sdpa})
+    $PY scripts/decode_speed.py --out "$OUT/speed" --prompts 4 --prompt-tokens 480 --profile \
+        --modes "${SPEED_MODES:-compiled,compiled-flex,compiled-flex+sdpa}" >"$OUT/speed.log" 2>&1
+    rc=$? ran=""
+    bench() {  # attention spec, new tokens, dtypes
+        DFLASH_CACHE=/tmp/cacheA $PY scripts/decode_bench.py --config "$cfg" --checkpoint "$ckpt" --prompts 16 \
+            --max-new-tokens "$2" --modes compiled --dtypes "$3" --attention "$1" --out "$OUT/decode-$2-$1" \
+            >"$OUT/decode-$2-$1.log" 2>&1
+        local r=$?
+        cat "$OUT/decode-$2-$1/decode_bench.md" 2>/dev/null || tail -n 5 "$OUT/decode-$2-$1.log"
+        return $r
+    }
+    dtypes=bfloat16,float32
+    for a in "${attns[@]}"; do
+        if bench "$a" 96 $dtypes; then ran=${ran:-$a}; else rc=1; fi
+        dtypes=bfloat16
+    done
+    [ -n "$ran" ] && { bench "$ran" 512 bfloat16 || rc=1; }
+    exit $rc
+    ;;
+*) echo "unknown step $step (regen, train_pair, decode_pair, multinode, train_regen, decode_regen, decode_one)"; exit 2 ;;
 esac
