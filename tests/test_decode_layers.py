@@ -43,7 +43,7 @@ def _model(kind: str, **shape) -> torch.nn.Module:
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex", "flex+sdpa", "matmul+flex"])
+@pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex", "reduce", "flex+sdpa", "matmul+flex", "reduce+sdpa"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding"])
 def test_fused_decoding_equals_transformers_layers_and_naive(kind, attention):
     model = _model(kind)

@@ -21,7 +21,10 @@ layer with
   sliding-window rule as a ``score_mod`` that reads the step's positions, so no mask tensor is
   built or copied: under ``torch.compile`` inductor lowers a step of fewer than 128 query rows to
   its split-KV flex-decoding kernel (``torch/_inductor/kernel/flex/flex_decoding.py``; the folded
-  query heads keep ``H = H_kv``, so its power-of-two GQA condition holds for any group size).
+  query heads keep ``H = H_kv``, so its power-of-two GQA condition holds for any group size); or
+  as broadcast products and sums (``"reduce"``, :func:`reduce_attention`), which inductor splits
+  over the cache slots like flash-decoding. ``"X+Y"`` picks ``X`` for the one-token step and ``Y``
+  for the multi-token forwards (:func:`split_attention`).
 
 The original ``nn.Linear`` weights become views into the fused tensors, so the model's own forward
 (prefill in other code, training) keeps working and no weight is stored twice.
@@ -42,13 +45,15 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 
 __all__ = ["ATTENTION", "ATTENTIONS", "FusedDecoderLayer", "decode_score_mod", "fusable", "fuse_layers",
-           "rotate_half", "split_attention"]
+           "reduce_attention", "rotate_half", "split_attention"]
 
-#: How a fused layer attends: ``"sdpa"``, ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax)
-#: or ``"flex"`` (flex_attention with the mask as a ``score_mod``, :func:`decode_score_mod`).
+#: How a fused layer attends: ``"sdpa"``, ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax),
+#: ``"flex"`` (flex_attention with the mask as a ``score_mod``, :func:`decode_score_mod`) or
+#: ``"reduce"`` (the same math as ``"matmul"`` written as broadcast products and sums, see
+#: :func:`reduce_attention`; for the one-token step).
 ATTENTION = "sdpa"
 #: Every attention a fused layer implements.
-ATTENTIONS = ("sdpa", "matmul", "flex")
+ATTENTIONS = ("sdpa", "matmul", "flex", "reduce")
 
 
 def split_attention(spec: str) -> tuple[str, str]:
@@ -164,6 +169,33 @@ def _flex(q: Tensor, keys: Tensor, values: Tensor, score_mod: Callable[..., Tens
     return torch.matmul(probs.to(values.dtype), values)
 
 
+def reduce_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """``softmax(q·kᵀ·scale, masked)·v`` as broadcast products summed in fp32, for a few query rows.
+
+    A decoding step has ``g`` query rows per key/value head (3 for SmolLM2) against ``T_max`` cache
+    slots. A fused attention kernel (cuDNN, flex) walks the slots in one thread block per head, so
+    its time grows with ``T_max`` (22 µs a layer at ``T_max`` ≈ 600 on an H200). Written as
+    reductions, inductor spreads the slots over many blocks: one kernel for the scores (a sum over
+    ``hd``), one for the softmax and one for the weighted sum of values (a sum over ``T_max``),
+    the mask, scale and casts fused into them: the split-KV idea of flash-decoding
+    (Dao et al., 2023) without writing a kernel.
+
+    Eagerly the products are materialised (``b'·H_kv·Q·T_max·hd`` fp32 elements), so use it where
+    ``Q`` is small: the one-token step (``"reduce+sdpa"``, :func:`split_attention`).
+
+    Args:
+        q: ``[b', H_kv, Q, hd]``; keys, values: ``[b', H_kv, T_max, hd]``.
+        mask: ``[b', 1, Q, T_max]`` bool, True = may attend.
+        scale: the softmax scale.
+
+    Returns:
+        ``[b', H_kv, Q, hd]`` in ``values.dtype``.
+    """
+    scores = (q.float().unsqueeze(3) * keys.float().unsqueeze(2)).sum(-1) * scale  # [b', H_kv, Q, T_max]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return (probs.unsqueeze(-1) * values.float().unsqueeze(2)).sum(-2).to(values.dtype)
+
+
 def _fuse(linears: list[nn.Linear]) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
     """Concatenate the linears' weights (and biases) along the output dimension and make each
     linear's weight a view into the result."""
@@ -270,6 +302,8 @@ class FusedDecoderLayer(nn.Module):
             out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling)
         elif attention == "sdpa":
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+        elif attention == "reduce":
+            out = reduce_attention(q, keys, values, mask, self.scaling)
         else:
             scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling  # [b', H_kv, g·T, T_max]
             probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
