@@ -49,8 +49,8 @@ __all__ = ["ATTENTION", "ATTENTIONS", "FusedDecoderLayer", "decode_score_mod", "
 
 #: How a fused layer attends: ``"sdpa"``, ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v, fp32 softmax),
 #: ``"flex"`` (flex_attention with the mask as a ``score_mod``, :func:`decode_score_mod`) or
-#: ``"reduce"`` (the same math as ``"matmul"`` written as broadcast products and sums, see
-#: :func:`reduce_attention`; for the one-token step).
+#: ``"reduce"`` (fp32 attention written as broadcast products and sums that inductor splits over
+#: the cache slots, :func:`reduce_attention`).
 ATTENTION = "sdpa"
 #: Every attention a fused layer implements.
 ATTENTIONS = ("sdpa", "matmul", "flex", "reduce")
@@ -170,30 +170,36 @@ def _flex(q: Tensor, keys: Tensor, values: Tensor, score_mod: Callable[..., Tens
 
 
 def reduce_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """``softmax(q·kᵀ·scale, masked)·v`` as broadcast products summed in fp32, for a few query rows.
+    """``softmax(q·kᵀ·scale, masked)·v`` in fp32, written for inductor as broadcast products and sums.
 
-    A decoding step has ``g`` query rows per key/value head (3 for SmolLM2) against ``T_max`` cache
-    slots. A fused attention kernel (cuDNN, flex) walks the slots in one thread block per head, so
-    its time grows with ``T_max`` (22 µs a layer at ``T_max`` ≈ 600 on an H200). Written as
-    reductions, inductor spreads the slots over many blocks: one kernel for the scores (a sum over
-    ``hd``), one for the softmax and one for the weighted sum of values (a sum over ``T_max``),
-    the mask, scale and casts fused into them: the split-KV idea of flash-decoding
-    (Dao et al., 2023) without writing a kernel.
+    A decoding step has ``g`` (one token) or ``g·B`` (a block) query rows per key/value head against
+    ``T_max`` cache slots. A fused attention kernel (cuDNN, flex) walks the slots in one thread block
+    per head and query tile, so its time grows with ``T_max`` (22 µs a layer at ``T_max`` ≈ 600 on
+    an H200). Written as sums, inductor spreads the slots over many blocks: one kernel for the
+    scores (a sum over ``hd``, the rotary embedding and casts fused in), one for the masked softmax
+    and one for the weighted sum of values (a sum over ``T_max``): the split-KV idea of
+    flash-decoding (Dao et al., 2023) without writing a kernel; 7.7 µs a layer measured.
 
-    Eagerly the products are materialised (``b'·H_kv·Q·T_max·hd`` fp32 elements), so use it where
-    ``Q`` is small: the one-token step (``"reduce+sdpa"``, :func:`split_attention`).
+    Outside ``torch.compile`` (prefill, CPU decoding) the same fp32 math runs as two matmuls, since
+    eagerly the broadcast products would be materialised (``b'·H_kv·Q·T_max·hd`` elements).
 
     Args:
         q: ``[b', H_kv, Q, hd]``; keys, values: ``[b', H_kv, T_max, hd]``.
-        mask: ``[b', 1, Q, T_max]`` bool, True = may attend.
+        mask: ``[b', 1, Q, T_max]`` bool, True = may attend (every row has at least one True).
         scale: the softmax scale.
 
     Returns:
         ``[b', H_kv, Q, hd]`` in ``values.dtype``.
     """
-    scores = (q.float().unsqueeze(3) * keys.float().unsqueeze(2)).sum(-1) * scale  # [b', H_kv, Q, T_max]
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return (probs.unsqueeze(-1) * values.float().unsqueeze(2)).sum(-2).to(values.dtype)
+    qf, kf, vf = q.float(), keys.float(), values.float()
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        scores = (qf.unsqueeze(3) * kf.unsqueeze(2)).sum(-1)  # [b', H_kv, Q, T_max]
+    else:
+        scores = torch.matmul(qf, kf.transpose(-1, -2))
+    probs = (scores * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    out = (probs.unsqueeze(-1) * vf.unsqueeze(2)).sum(-2) if compiling else torch.matmul(probs, vf)
+    return out.to(values.dtype)
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
