@@ -49,17 +49,26 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--attention", default="sdpa",
-                   help="the fused target layers' attention: sdpa, matmul or flex, or X+Y (X in the one-token "
-                        "step, Y in verification and prefill)")
+    p.add_argument("--length-bucket", type=int, default=None,
+                   help="decoders sized per length bucket of this many tokens, 0 = one sized for the longest "
+                        "prompt (default: dflash.inference.spec_report.LENGTH_BUCKET)")
+    p.add_argument("--attention", default=None,
+                   help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
+                        "one-token step, Y in verification and prefill; default: "
+                        "dflash.inference.decode_layers.ATTENTION)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--out", default="decode-bench-out")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.modes = [m for m in args.modes.split(",") if m]
-    from dflash.inference.decode_layers import split_attention
+    from dflash.inference.decode_layers import ATTENTION, split_attention
+    from dflash.inference.spec_report import LENGTH_BUCKET
 
+    args.attention = args.attention or ATTENTION
+    args.length_bucket = LENGTH_BUCKET if args.length_bucket is None else args.length_bucket
+    if args.length_bucket < 0:
+        p.error("--length-bucket: must be >= 0")
     try:
         split_attention(args.attention)
     except ValueError as e:
@@ -130,6 +139,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,
             "drafter": "checkpoint" if args.checkpoint else "random (tau ~ 1: speculative numbers are not meaningful)",
             "prompts": len(cases), "max_new_tokens": args.max_new_tokens, "batch": args.batch, "attention": args.attention,
+            "length_bucket": args.length_bucket,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__}
     failed = False
@@ -151,10 +161,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             if mode == "compiled" and device.type != "cuda":
                 log.warning("compiled mode needs CUDA: skipped on %s", device)
                 continue
+            torch._dynamo.reset()  # each run compiles its own decoders; earlier ones need no cache entries
             t0 = time.perf_counter()
             report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,
                                    batch=args.batch, compile=mode == "compiled", offline=not args.no_offline,
-                                   labels=cfg.drafter.labels, attention=args.attention)
+                                   labels=cfg.drafter.labels, attention=args.attention,
+                                   length_bucket=args.length_bucket)
             report["summary"]["run_s"] = time.perf_counter() - t0
             print(f"\n== {dtype}, {mode}\n{format_report(report)}", flush=True)
             failed |= report["summary"]["failures"] > 0

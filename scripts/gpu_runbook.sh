@@ -8,7 +8,8 @@
 # DECODE_CHECKPOINT = drafter checkpoint or unset for a random drafter, DECODE_DATA = the ShareGPT file),
 # the real-target steps of scripts/gpu_real_steps.sh (regen, train_pair, decode_pair, multinode,
 # train_regen, decode_regen, decode_one), ckpt / ckpt_pipeline (512 anchors a row with drafter.gradient_checkpointing
-# at the Qwen3-8B shape: one step, then the two-GPU pipeline) and flex (decode_speed with flex attention).
+# at the Qwen3-8B shape: one step, then the two-GPU pipeline) and flex (decode_speed with the attention
+# variants, prompts of 480 tokens).
 # Each step runs under `timeout` (its own limit, cut to what is left of BUDGET_S), writes into
 # /tmp/gpu-res/STEP/, and after every step everything so far is packed into $OUT/results.tgz
 # (one file: the device returns at most 8) with a one-line status per step in $OUT/steps.txt.
@@ -84,7 +85,7 @@ for step in "$@"; do
                 --budget-s 310 train.max_steps=40 checkpoint.every=0 drafter.compile=true \
                 drafter.anchors_per_row=512 drafter.gradient_checkpointing=true $G ;;
     flex) run_step flex 300 $PY scripts/decode_speed.py --out "$res/flex" \
-                --modes compiled,compiled-flex,compiled-matmul --profile --prompts 4 ;;
+                --modes compiled,compiled-flex,compiled-reduce+sdpa,compiled-matmul+sdpa --profile --prompts 4 --prompt-tokens 480 ;;
     decode) run_step decode 540 $PY scripts/decode_bench.py --target "${DECODE_TARGET:?set DECODE_TARGET to the SmolLM2 HF dir}" \
                 ${DECODE_CHECKPOINT:+--checkpoint "$DECODE_CHECKPOINT"} --out "$res/decode" \
                 ${DECODE_DATA:+data.dataset="$DECODE_DATA"} ;;

@@ -624,6 +624,45 @@ def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, reference
         assert "walked" in text and f"{s['offline_tau_own_walk']:.3f}" in text
 
 
+def test_length_buckets_round_up_and_stay_few():
+    from dflash.inference.spec_report import length_buckets
+
+    g = torch.Generator().manual_seed(4)
+    for _ in range(50):
+        lengths = torch.randint(1, 3000, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        bucket, most = int(torch.randint(1, 300, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        out = length_buckets(lengths, bucket, most)
+        step = bucket
+        while len({-(-n // step) * step for n in lengths}) > most:  # the naive doubling search
+            step *= 2
+        assert out == [-(-n // step) * step for n in lengths]
+        assert all(o >= n for o, n in zip(out, lengths)) and len(set(out)) <= most
+    assert length_buckets([5, 300, 40], 0) == [300, 300, 300]
+    assert length_buckets([], 256) == []
+    with pytest.raises(ValueError, match="length bucket"):
+        length_buckets([5], -1)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_report_length_buckets_decode_like_one_decoder(target, prompts, references, trained_drafter,
+                                                              greedy_rows, batch):
+    """Prompts of 8, 8, 1 and 150 tokens in decoders per length bucket: the same tokens, passes and
+    τ as one decoder sized for the longest, in the cases' order, and the greedy references."""
+    from dflash.inference.prompts import PromptCase
+    from dflash.inference.spec_report import decode_report
+
+    cases = [PromptCase(i, i, prompt, greedy_rows["input_ids"][i], greedy_rows["loss_mask"][i])
+             for i, prompt in enumerate(prompts[:4])]
+    runs = {lb: decode_report(target, trained_drafter, cases, max_new_tokens=MAX_NEW, stop_ids=(), batch=batch,
+                              compile=False, offline=False, length_bucket=lb) for lb in (0, 32)}
+    assert len(runs[0]["summary"]["decoder_lengths"]) == 1 and len(runs[32]["summary"]["decoder_lengths"]) == 2
+    for one, many, ref in zip(runs[0]["prompts"], runs[32]["prompts"], references):
+        assert one["target_tokens"] == many["target_tokens"] == ref[:MAX_NEW]
+        assert (one["anchors"], one["accepted"]) == (many["anchors"], many["accepted"])
+        assert many["result"] == "identical"
+    assert runs[32]["summary"]["tau"] == runs[0]["summary"]["tau"] > 1
+
+
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_training_eval_walk_is_decodings_tau(target, prompts, references, trained_drafter, block_size):
     """Held-out conversations whose responses are the target's own greedy continuations, packed

@@ -25,13 +25,17 @@ from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
 from dflash.progress import Progress
 
-__all__ = ["decode_report", "format_report", "WARMUP_TOKENS"]
+__all__ = ["decode_report", "format_report", "length_buckets", "LENGTH_BUCKET", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
 
 #: Tokens generated (and thrown away) by each decoder once before timing: first-call
 #: allocations and, on CUDA, compilation and graph capture do not count.
 WARMUP_TOKENS = 16
+#: Length buckets of the decoders (tokens; :func:`length_buckets`).
+LENGTH_BUCKET = 256
+#: At most this many decoders (compiled step sets) per report.
+MAX_BUCKETS = 4
 #: Progress: a log line this often (s) when stderr is not a terminal.
 PROGRESS_LOG_S = 10.0
 
@@ -40,13 +44,13 @@ def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def _pooled(gens: Sequence[Generation], batch: int) -> dict[str, float]:
-    """Tokens/s and time split over prompts decoded ``batch`` at a time (a batch's time counted once)."""
+def _pooled(gens: Sequence[Generation], groups: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Tokens/s and time split over prompts decoded in ``groups`` (batches of indices into ``gens``;
+    a batch's time counted once)."""
     tokens = sum(len(g.tokens) for g in gens)
-    groups = _batches(list(gens), batch)
-    seconds = sum(grp[0].seconds for grp in groups)
-    draft = sum(grp[0].draft_seconds for grp in groups)
-    verify = sum(grp[0].verify_seconds for grp in groups)
+    seconds = sum(gens[grp[0]].seconds for grp in groups)
+    draft = sum(gens[grp[0]].draft_seconds for grp in groups)
+    verify = sum(gens[grp[0]].verify_seconds for grp in groups)
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds if seconds else float("nan"),
             "draft_s": draft, "verify_s": verify, "host_s": max(0.0, seconds - draft - verify)}
 
@@ -60,40 +64,82 @@ def _continuation(case: PromptCase, gen: Generation) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
-def _warm_generator(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
-                    stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: str
-                    ) -> tuple[Generator, float]:
-    """A :class:`Generator` sized for ``cases``, run once both ways for :data:`WARMUP_TOKENS`
-    tokens (compilation and graph capture on CUDA). Returns it and the warm-up's seconds."""
+def length_buckets(lengths: Sequence[int], bucket: int, max_buckets: int = MAX_BUCKETS) -> list[int]:
+    """Each length rounded up to its bucket: a multiple of ``bucket`` tokens, with the multiple
+    doubled until at most ``max_buckets`` distinct buckets remain (each one is a compiled decoder
+    of its own). ``bucket = 0``: every length gets the largest (one decoder).
+
+    Args:
+        lengths: the positions each prompt needs (prompt + new tokens + block + 1).
+        bucket: granularity in tokens (``>= 0``).
+        max_buckets: at most this many distinct results (``>= 1``).
+
+    Raises:
+        ValueError: a negative ``bucket`` or ``max_buckets < 1``.
+    """
+    if bucket < 0 or max_buckets < 1:
+        raise ValueError(f"length bucket {bucket} / max buckets {max_buckets}: need >= 0 / >= 1")
+    if not lengths:
+        return []
+    if bucket == 0:
+        return [max(lengths)] * len(lengths)
+    while True:
+        out = [-(-n // bucket) * bucket for n in lengths]
+        if len(set(out)) <= max_buckets:
+            return out
+        bucket *= 2
+
+
+def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
+                     stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: str,
+                     length_bucket: int) -> tuple[dict[int, Generator], list[int], float]:
+    """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run once
+    both ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA).
+
+    Attention and the drafter's context read all ``max_len`` slots of a decoder's static buffers
+    whatever the prompt, so a short prompt decodes faster in a smaller decoder, as it does in an
+    engine that attends over the sequence's own length.
+
+    Returns:
+        ``(generators by max_len, each case's max_len, warm-up seconds)``.
+    """
     b_sz = int(drafter.block_size)
-    longest = max(c.prompt_ids.numel() for c in cases)
-    max_len = longest + max(max_new_tokens, WARMUP_TOKENS) + b_sz + 1
-    max_len = -(-max_len // 64) * 64
-    gen = Generator(target.model, target.layer_ids, max_len, batch_size=batch, drafter=drafter, compile=compile,
-                    attention=attention)
-    warm = [c.prompt_ids for c in cases[:batch]]
+    need = [c.prompt_ids.numel() + max(max_new_tokens, WARMUP_TOKENS) + b_sz + 1 for c in cases]
+    sizes = length_buckets(need, length_bucket)
+    sizes = [-(-n // 64) * 64 for n in sizes]
+    gens: dict[int, Generator] = {}
     t0 = time.perf_counter()
-    gen.greedy(warm, WARMUP_TOKENS, stop_ids)
-    gen.speculative(warm, WARMUP_TOKENS, stop_ids)
+    for size in sorted(set(sizes)):
+        gen = Generator(target.model, target.layer_ids, size, batch_size=batch, drafter=drafter, compile=compile,
+                        attention=attention)
+        warm = [c.prompt_ids for c, n in zip(cases, sizes) if n == size][:batch]
+        gen.greedy(warm, WARMUP_TOKENS, stop_ids)
+        gen.speculative(warm, WARMUP_TOKENS, stop_ids)
+        gens[size] = gen
     warmup_s = time.perf_counter() - t0
-    log.info("warm-up (%s) %.1f s", "compile + graph capture" if gen.compiled else "eager", warmup_s)
-    return gen, warmup_s
+    log.info("warm-up (%s) %.1f s for %d decoder(s) of %s positions", "compile + graph capture"
+             if next(iter(gens.values())).compiled else "eager", warmup_s, len(gens), sorted(gens))
+    return gens, sizes, warmup_s
 
 
-def _decode_both(gen: Generator, cases: Sequence[PromptCase], max_new_tokens: int, stop_ids: Sequence[int],
-                 batch: int) -> tuple[list[Generation], list[Generation]]:
-    """``(target-only, speculative)`` generations of ``cases``, ``batch`` prompts at a time."""
-    prompts = [c.prompt_ids for c in cases]
-    base: list[Generation] = []
-    spec: list[Generation] = []
+def _decode_both(gens: dict[int, Generator], sizes: Sequence[int], cases: Sequence[PromptCase], max_new_tokens: int,
+                 stop_ids: Sequence[int], batch: int
+                 ) -> tuple[list[Generation], list[Generation], list[list[int]]]:
+    """``(target-only, speculative)`` generations of ``cases`` (in their order), ``batch`` prompts of
+    one length bucket at a time, and those batches as lists of case indices."""
+    groups = [grp for size in sorted(gens) for grp in _batches([i for i, n in enumerate(sizes) if n == size], batch)]
+    base: list[Optional[Generation]] = [None] * len(cases)
+    spec: list[Optional[Generation]] = [None] * len(cases)
     bar = Progress(2 * len(cases) * max_new_tokens, desc="decoding", unit="tok", interval_s=PROGRESS_LOG_S,
                    logger=log)
-    for group in _batches(prompts, batch):
-        base += gen.greedy(group, max_new_tokens, stop_ids, progress=bar.advance)
-    for group in _batches(prompts, batch):
-        spec += gen.speculative(group, max_new_tokens, stop_ids, progress=bar.advance)
+    for out, method in ((base, "greedy"), (spec, "speculative")):
+        for grp in groups:
+            decode = getattr(gens[sizes[grp[0]]], method)
+            for i, g in zip(grp, decode([cases[i].prompt_ids for i in grp], max_new_tokens, stop_ids,
+                                        progress=bar.advance)):
+                out[i] = g
     bar.close()
-    return base, spec
+    return base, spec, groups  # type: ignore[return-value]
 
 
 def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int, dtype: torch.dtype
@@ -176,7 +222,8 @@ def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: An
 @torch.no_grad()
 def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], *, max_new_tokens: int,
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
-                  labels: str = "target", attention: str = ATTENTION) -> dict[str, Any]:
+                  labels: str = "target", attention: str = ATTENTION, length_bucket: int = LENGTH_BUCKET
+                  ) -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
     Args:
@@ -189,24 +236,31 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         offline: also compute the offline τ values (dataset, own continuation at every anchor and
             walked, replay).
         labels: offline τ labels on the dataset conversations (training's ``drafter.labels``).
-        attention: the fused target layers' attention (:data:`dflash.inference.decode_layers.ATTENTIONS`).
+        attention: the fused target layers' attention spec
+            (:func:`dflash.inference.decode_layers.split_attention`).
+        length_bucket: prompts are decoded by a decoder sized to their length bucket
+            (:func:`length_buckets`; 0 = one decoder sized for the longest), target-only and
+            speculative alike.
 
     Returns:
         ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
         speedup, time split, the first difference and its margins, per-position acceptance.
     """
-    gen, warmup_s = _warm_generator(target, drafter, cases, max_new_tokens, stop_ids, batch, compile, attention)
-    base, spec = _decode_both(gen, cases, max_new_tokens, stop_ids, batch)
+    gens, sizes, warmup_s = _warm_generators(target, drafter, cases, max_new_tokens, stop_ids, batch, compile,
+                                             attention, length_bucket)
+    base, spec, groups = _decode_both(gens, sizes, cases, max_new_tokens, stop_ids, batch)
+    gen = next(iter(gens.values()))
     b_sz = int(drafter.block_size)
     dtype = target.dtype
     rows = [_prompt_row(case, t, s, gen.num_layers, dtype) for case, t, s in zip(cases, base, spec)]
     all_accepted = [a for s in spec for a in s.accepted]
     steps = len(all_accepted)
     tau = sum(all_accepted) / steps if steps else float("nan")
-    ps, pt = _pooled(spec, batch), _pooled(base, batch)
+    ps, pt = _pooled(spec, groups), _pooled(base, groups)
     summary: dict[str, Any] = {
         "prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": b_sz, "batch": batch,
         "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "attention": attention,
+        "decoder_lengths": sorted(gens),
         "device": str(gen.device),
         "identical": sum(r["result"] == "identical" for r in rows), "ties": sum(r["result"] == "tie" for r in rows),
         "failures": sum(r["result"] == "FAIL" for r in rows),
@@ -229,7 +283,8 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     """The report of :func:`decode_report` as text: a row per prompt, pooled lines, per-position acceptance."""
     s, rows = report["summary"], report["prompts"]
     lines = [f"{s['prompts']} held-out prompts, max {s['max_new_tokens']} new tokens, B={s['block_size']}, "
-             f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}",
+             f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
+             f"attention {s.get('attention', ATTENTION)}, decoders of {s.get('decoder_lengths', '?')} positions",
              "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
     lines.append(f"{'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'result':>9} {'tau':>5} {'steps':>5} "
                  f"{'spec tok/s':>10} {'target tok/s':>12} {'off own':>7} {'walk':>5} {'replay':>7} {'off data':>8}")

@@ -29,7 +29,7 @@ import torch
 from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
 from dflash.data.render import stop_token_ids
 from dflash.inference.prompts import heldout_prompts
-from dflash.inference.spec_report import decode_report, format_report
+from dflash.inference.spec_report import LENGTH_BUCKET, decode_report, format_report
 
 __all__ = ["compile_flag", "main"]
 
@@ -61,6 +61,9 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="CUDA graphs for the decoding steps (auto = on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--length-bucket", type=int, default=LENGTH_BUCKET,
+                   help=f"one decoder per prompt-length bucket of this many tokens, 0 = one sized for the longest "
+                        f"prompt (default {LENGTH_BUCKET}; on CUDA each decoder compiles its own steps)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--show-text", action="store_true", help="print each decoded response")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
@@ -71,6 +74,8 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
     for name in ("prompts", "max_new_tokens", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.length_bucket < 0:
+        p.error(f"--length-bucket: must be >= 0, got {args.length_bucket}")
     return args
 
 
@@ -142,7 +147,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
              args.max_new_tokens, stops, torch.get_num_threads())
     report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,
                            batch=args.batch, compile=compile_flag(args.compile), offline=not args.no_offline,
-                           labels=cfg.drafter.labels)
+                           labels=cfg.drafter.labels, length_bucket=args.length_bucket)
     step = checkpoint_step(drafter_dir)
     trained = last_eval_tau(run_dir, max_step=step)
     report["summary"].update(checkpoint=str(args.checkpoint), checkpoint_step=step,
