@@ -876,6 +876,49 @@ def test_step_functions_trace_whole_and_decode_like_eager(target):
     assert outs[False][1].tokens == _cut(ref, set(stop), 16) and len(outs[False][1].tokens) < 16
 
 
+def test_compiled_prefill_traces_once_for_every_width(target):
+    """The prefill forward under ``torch.compile(dynamic=True)`` (its functionalised graph,
+    ``aot_eager``, on CPU) decodes like the eager prefill for prompts of many widths and row
+    counts, without recompiling after the first two calls (sizes 1 and >1 are specialised)."""
+    import torch._dynamo
+
+    drafter = make_drafter(target, 4, seed=2)
+    g = torch.Generator().manual_seed(8)
+    sets = [[torch.randint(0, VOCAB, (n,), generator=g) for n in lens] for lens in
+            ((3, 17), (9,), (40, 5), (2, 33), (21,), (11, 12))]
+    torch._dynamo.reset()
+    try:
+        eager = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter)
+        traced = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter)
+        traced.compile_prefill(backend="aot_eager")
+        for i, prompts in enumerate(sets):
+            with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+                got = traced.greedy(prompts, 6) + traced.speculative(prompts, 6)
+            want = eager.greedy(prompts, 6) + eager.speculative(prompts, 6)
+            for a, b in zip(got, want):
+                assert (a.tokens, a.accepted, a.anchors) == (b.tokens, b.accepted, b.anchors)
+                torch.testing.assert_close(torch.tensor(a.top2), torch.tensor(b.top2), atol=1e-5, rtol=1e-5)
+        assert traced._prefill_forward is not traced.forward  # compiled, not fallen back
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_prefill_falls_back_to_eager(target, caplog):
+    """A prefill that cannot compile runs eagerly, with a warning, and decodes the same tokens."""
+    drafter = make_drafter(target, 4, seed=2)
+    prompts = [torch.arange(1, 9), torch.arange(3, 20)]
+    want = Generator(target.model, target.layer_ids, 64, batch_size=2, drafter=drafter).greedy(prompts, 5)
+    gen = Generator(target.model, target.layer_ids, 64, batch_size=2, drafter=drafter)
+    def broken(gm, example_inputs):
+        raise RuntimeError("this lowering is not supported")
+
+    gen.compile_prefill(backend=broken)
+    with caplog.at_level("WARNING"):
+        got = gen.greedy(prompts, 5)
+    assert [a.tokens for a in got] == [b.tokens for b in want]
+    assert "prefill runs eagerly" in caplog.text and gen._prefill_forward == gen.forward
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_compiled_decoding_equals_eager_on_gpu():
