@@ -16,6 +16,11 @@
 # decode_regen decode_bench.py for /tmp/run-regen at 96 (bf16, fp32) and 512 (bf16) new tokens, one
 #             GPU each; its export -> $KEEP (15 MiB parts). ATTN: the target's attention (sdpa)
 #
+# ablation    scripts/ablation.py over the regenerated data (/tmp/regen/turn1.jsonl or
+#             .gpu/regen-turn1.jsonl.xz), one variant per GPU at a time, ABL_STEPS steps each (1000),
+#             ABL_VARIANTS (default: all built-in ones), plus raw ShareGPT as a variant; results in
+#             /tmp/ablation (kept across calls: a later call continues) and $KEEP/ablation.md
+#
 # decode_one  one GPU: decode_speed.py's attention variants, then decode_bench.py for $CKPT ($CFG) with
 #             each attention spec of $ATTNS at 96 new tokens and the first one at 512
 #
@@ -127,6 +132,19 @@ decode_regen)
     echo "rc 96: $rc_a, 512: $rc_b"
     (( rc_a == 0 && rc_b == 0 ))
     ;;
+ablation)
+    mkdir -p /tmp/regen
+    [ -s /tmp/regen/turn1.jsonl ] || xz -dc .gpu/regen-turn1.jsonl.xz >/tmp/regen/turn1.jsonl || exit
+    gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)
+    raw=(); [ -s /tmp/sharegpt.jsonl ] && raw=(--variant raw-sharegpt=data.dataset=/tmp/sharegpt.jsonl)
+    DFLASH_CACHE=/tmp/cacheA $PY scripts/ablation.py --gpus "$gpus" --steps "${ABL_STEPS:-1000}" \
+        ${ABL_VARIANTS:+--variants "$ABL_VARIANTS"} "${raw[@]}" --out /tmp/ablation --work /tmp/ablation-runs \
+        "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl
+    rc=$?
+    cp /tmp/ablation/ablation.md /tmp/ablation/ablation.json "$KEEP/" 2>/dev/null
+    cat /tmp/ablation/ablation.md
+    exit $rc
+    ;;
 decode_one)
     # one GPU: the attention variants' decoding speed (random weights, prompts of 480 tokens as long
     # as the held-out ones; SPEED_MODES=none skips it), then drafter $CKPT (default /tmp/run-regen, config $CFG) over 16
@@ -154,5 +172,5 @@ decode_one)
     [ -n "$ran" ] && { bench "$ran" 512 bfloat16 || rc=1; }
     exit $rc
     ;;
-*) echo "unknown step $step (regen, train_pair, decode_pair, multinode, train_regen, decode_regen, decode_one)"; exit 2 ;;
+*) echo "unknown step $step (regen, train_pair, decode_pair, multinode, train_regen, decode_regen, ablation, decode_one)"; exit 2 ;;
 esac

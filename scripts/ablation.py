@@ -1,0 +1,345 @@
+"""Recipe ablation: train one drafter per variant of a base config, same data and steps, then
+measure each one's held-out τ (training's evaluation) and decoding τ (the speculative check).
+
+Each variant is the base config plus a few overrides (``VARIANTS``; ``--variant name=k=v,k=v`` adds
+one). On CUDA every variant runs with the target and the drafter on one GPU
+(``cluster.allow_shared_gpu``), one variant per GPU of ``--gpus`` at a time; on CPU
+(``--gpus cpu``) one after the other with the config's own placement. After training, the
+variant's newest checkpoint decodes ``--prompts`` held-out prompts (``scripts/decode_bench.py``,
+bf16 on GPUs, ``--decode-mode`` eager by default: the ablation compares τ, not speed, and eager skips the
+compile warm-up; ``--decode-batch`` prompts at a time, each row accepting its own drafts).
+
+Results: ``<out>/<variant>/result.json`` per variant and, after every variant, ``<out>/ablation.md``
+(one table row per variant) and ``<out>/ablation.json``. A variant whose ``result.json`` exists is
+not run again (if it was made with the same settings, else the script refuses to start); an
+interrupted one resumes from its newest checkpoint (``--resume``). Every
+variant's config is loaded and checked before anything runs, so a bad override fails at once.
+
+Example (``nvidia-h200-x2``, regenerated data already at ``/tmp/regen/turn1.jsonl``)::
+
+    python scripts/ablation.py --gpus 0,1 --steps 1000 --out /tmp/ablation \\
+        target.path=/tmp/smollm2.gguf regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl
+
+Exit status: 0 when every variant trained and decoded, 1 when one failed (the others still run),
+2 on bad arguments or a config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+#: The built-in variants: name -> (overrides, what changes). ``baseline`` is the base config as is.
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "baseline": ([], "the base config"),
+    "anchors-conversation": (["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=512"],
+                             "anchors drawn per conversation (≤ 512 each), not uniformly over the packed row"),
+    "gamma-4": (["drafter.loss_gamma=4"], "loss decay γ 4"),
+    "gamma-10": (["drafter.loss_gamma=10"], "loss decay γ 10"),
+    "lr-3e-4": (["train.lr=3e-4"], "learning rate 3e-4"),
+    "lr-1.2e-3": (["train.lr=1.2e-3"], "learning rate 1.2e-3"),
+    "warmup-0.1": (["train.warmup_ratio=0.1"], "warm-up 10 % of the steps"),
+    "layers-3": (["drafter.num_layers=3"], "3 drafter layers"),
+    "layers-8": (["drafter.num_layers=8"], "8 drafter layers"),
+    "block-8": (["drafter.block_size=8"], "block size 8 (γ 4 by default)"),
+    "labels-data": (["drafter.labels=data"], "labels from the dataset's tokens, not the target's greedy ones"),
+    "dpace": (["drafter.loss_weighting=dpace"], "D-PACE position weights (α 0.5)"),
+}
+
+#: ``metrics.jsonl`` keys of the last held-out evaluation that go into the table.
+EVAL_KEYS = ("eval/loss", "eval/tau", "eval/tau_head", "eval/tau_walk", "eval/tau_walk_head")
+
+
+@dataclass
+class Variant:
+    """One line of the ablation: ``overrides`` on top of the base config's (and the command line's)."""
+
+    name: str
+    overrides: list[str]
+    about: str = ""
+    result: Optional[dict[str, Any]] = field(default=None, repr=False)
+
+
+def parse_variant(text: str) -> Variant:
+    """``name=section.key=value,section.key=value`` -> :class:`Variant`.
+
+    Raises:
+        ValueError: no ``=`` after the name, an empty name, or an override without ``=``.
+    """
+    name, sep, rest = text.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--variant {text!r}: expected name=section.key=value[,section.key=value ...]")
+    overrides = [o.strip() for o in rest.split(",") if o.strip()]
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"--variant {name}: overrides must be section.key=value, got {bad}")
+    return Variant(name.strip(), overrides, "custom: " + " ".join(overrides))
+
+
+def select_variants(names: Optional[str], custom: list[str]) -> list[Variant]:
+    """The built-in variants named in ``names`` (comma-separated; ``None`` = all) and the custom ones.
+
+    Raises:
+        ValueError: an unknown or repeated name, or a malformed custom variant.
+    """
+    picked = list(VARIANTS) if names is None else [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in picked if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; built-in variants are {list(VARIANTS)}")
+    variants = [Variant(n, list(VARIANTS[n][0]), VARIANTS[n][1]) for n in picked] + [parse_variant(c) for c in custom]
+    seen: set[str] = set()
+    for v in variants:
+        if v.name in seen:
+            raise ValueError(f"variant {v.name!r} given twice")
+        seen.add(v.name)
+    return variants
+
+
+def train_summary(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The table's training columns from ``metrics.jsonl`` rows (:func:`dflash.metrics.metrics_view`):
+    the last step, the last held-out evaluation (``EVAL_KEYS``, ``NaN`` where it never ran), and the
+    median ``time/step_s`` (s a step; the first 10 % of steps, warm-up and compilation, left out)."""
+    steps = [r for r in metrics if "step" in r]
+    last_eval = next((r for r in reversed(steps) if "eval/tau" in r), {})
+    times = [(r["step"], r["time/step_s"]) for r in steps if isinstance(r.get("time/step_s"), (int, float))]
+    last = max((s for s, _ in times), default=0)
+    warm = [t for s, t in times if s > 0.1 * last] or [t for _, t in times]
+    out: dict[str, Any] = {"steps": max((r["step"] for r in steps), default=0),
+                           "step_s": statistics.median(warm) if warm else math.nan,
+                           "eval_step": last_eval.get("step")}
+    for k in EVAL_KEYS:
+        out[k] = float(last_eval.get(k, math.nan))
+    return out
+
+
+def decode_summary(bench: dict[str, Any]) -> dict[str, Any]:
+    """The table's decoding columns from ``decode_bench.json``'s first run: measured τ, the walked
+    offline τ on the target's own text, the outputs' check, tokens/s both ways."""
+    if not bench.get("runs"):
+        return {}
+    s = bench["runs"][0]["summary"]
+    return {"decode_tau": s["tau"], "decode_walk": s.get("offline_tau_own_walk", math.nan),
+            "decode_check": f"{s['identical']}/{s['ties']}/{s['failures']}",
+            "target_tok_s": s["target_tok_s"], "spec_tok_s": s["spec_tok_s"]}
+
+
+def table(variants: list[Variant], meta: dict[str, Any]) -> str:
+    """Markdown: one row per variant with a result, decoding τ also as the difference from
+    ``baseline`` where that ran."""
+    def f(x: Any, d: int = 3) -> str:
+        return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
+
+    base = next((v.result for v in variants if v.name == "baseline" and v.result), None)
+    lines = [f"Ablation: `{meta['config']}` {' '.join(meta['overrides'])}; {meta['steps']} steps each; decoding: "
+             f"{meta['prompts']} held-out prompts × {meta['max_new_tokens']} new tokens, {meta['decode_dtype']}, {meta['decode_mode']}, "
+             f"batch {meta['decode_batch']}.", "",
+             "| variant | change | s/step | train wall s | eval/tau | eval/tau_head | eval/tau_walk_head | "
+             "decoding τ | Δ vs baseline | walked τ (own text) | same/tie/FAIL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        r = v.result
+        if not r:
+            continue
+        delta = "–"
+        if base and v.name != "baseline" and "decode_tau" in r and "decode_tau" in base:
+            delta = f"{r['decode_tau'] - base['decode_tau']:+.3f}"
+        status = "" if r.get("ok") else f" ({r.get('error', 'failed')})"
+        lines.append(
+            f"| {v.name}{status} | {v.about} | {f(r.get('step_s'))} | {f(r.get('train_s'), 0)} | "
+            f"{f(r.get('eval/tau'))} | {f(r.get('eval/tau_head'))} | {f(r.get('eval/tau_walk_head'))} | "
+            f"{f(r.get('decode_tau'))} | {delta} | {f(r.get('decode_walk'))} | {r.get('decode_check', '–')} |")
+    return "\n".join(lines) + "\n"
+
+
+def check_configs(config: str, common: list[str], variants: list[Variant], shared_gpu: bool) -> None:
+    """Load and check every variant's config (no model loads).
+
+    Raises:
+        ValueError: the variant's name and the config error.
+    """
+    from dflash.config import ConfigError, load_config
+
+    for v in variants:
+        try:
+            load_config(config, common + v.overrides + (placement() if shared_gpu else []))
+        except (ConfigError, OSError) as e:
+            raise ValueError(f"variant {v.name}: {e}") from e
+
+
+def placement() -> list[str]:
+    """Overrides that put the target and the drafter on the one visible GPU."""
+    return ["cluster.device=cuda", "cluster.targets=[0]", "cluster.drafters=[0]", "cluster.allow_shared_gpu=true"]
+
+
+def setup(args: argparse.Namespace, v: Variant) -> dict[str, Any]:
+    """What a variant's result depends on: a kept result must have been made with the same."""
+    return {"config": args.config, "overrides": args.overrides + v.overrides, "steps": args.steps,
+            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "decode_mode": args.decode_mode,
+            "decode_dtype": args.decode_dtype, "decode_batch": args.decode_batch}
+
+
+def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    """Train ``v`` (resuming its run directory), decode with its newest checkpoint, return its result."""
+    from dflash.metrics import metrics_view
+
+    vdir = Path(args.out) / v.name
+    vdir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(args.work) / v.name
+    env = dict(os.environ, DFLASH_CACHE=os.environ.get("DFLASH_CACHE", str(Path(args.work) / "cache")))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    over = args.overrides + v.overrides + (placement() if gpu is not None else []) + [
+        f"run_dir={run_dir}", f"train.max_steps={args.steps}", "log.wandb=disabled"]
+    result: dict[str, Any] = {"variant": v.name, "overrides": v.overrides, "gpu": gpu, "ok": False,
+                              "setup": setup(args, v)}
+    t0 = time.perf_counter()
+    with open(vdir / "train.log", "ab") as fh:
+        rc = subprocess.run([sys.executable, "-m", "launch.cluster", "train", "--config", args.config, "--resume",
+                             *over], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    result["train_s"] = time.perf_counter() - t0
+    if (run_dir / "metrics.jsonl").exists():
+        result.update(train_summary(metrics_view(run_dir / "metrics.jsonl")))
+    if rc != 0:
+        result["error"] = f"training exit {rc}, see {vdir / 'train.log'}"
+        return result
+    log(f"{v.name}: trained in {result['train_s']:.0f} s, eval/tau {result.get('eval/tau', math.nan):.3f}; decoding")
+    device = "cuda" if gpu is not None else "cpu"
+    cmd = [sys.executable, "scripts/decode_bench.py", "--config", str(run_dir / "config.yaml"), "--checkpoint",
+           str(run_dir), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
+           "--dtypes", args.decode_dtype, "--modes", args.decode_mode, "--batch", str(args.decode_batch),
+           "--device", device, "--out", str(vdir / "decode")]
+    with open(vdir / "decode.log", "ab") as fh:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    bench = vdir / "decode" / "decode_bench.json"
+    if bench.exists():
+        result.update(decode_summary(json.loads(bench.read_text())))
+    if rc not in (0, 1) or "decode_tau" not in result:  # 1 = a FAIL of the margin rule: reported, not an error
+        result["error"] = f"decoding exit {rc}, see {vdir / 'decode.log'}"
+        return result
+    result["ok"] = True
+    return result
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="built-in variants: " + ", ".join(f"{k} ({a})" for k, (_, a) in VARIANTS.items()))
+    p.add_argument("--config", default="configs/smollm2-135m-h200-regen.yaml")
+    p.add_argument("--gpus", default="0", help="comma-separated GPU ids, one variant on each at a time; "
+                                               "`cpu`: one variant at a time on CPU")
+    p.add_argument("--steps", type=int, default=1000, help="train.max_steps of every variant")
+    p.add_argument("--variants", default=None, help="comma-separated built-in variants (default: all)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=K=V[,K=V]", help="a custom variant")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--decode-mode", choices=("eager", "compiled"), default="eager")
+    p.add_argument("--decode-batch", type=int, default=16)
+    p.add_argument("--decode-dtype", choices=("bfloat16", "float32"), default=None,
+                   help="the decoding check's dtype (default: bfloat16 on GPUs, float32 on CPU)")
+    p.add_argument("--out", default="ablation-out", help="results (result.json per variant, ablation.md)")
+    p.add_argument("--work", default=None, help="run directories and data cache (default: <out>/runs)")
+    p.add_argument("overrides", nargs="*", help="config overrides of every variant, section.key=value")
+    args = p.parse_args(argv)
+    for name in ("steps", "prompts", "max_new_tokens", "decode_batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    args.gpu_list = None if args.gpus == "cpu" else [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if args.gpu_list is not None and (not args.gpu_list or not all(g.isdigit() for g in args.gpu_list)):
+        p.error(f"--gpus: expected comma-separated GPU ids or `cpu`, got {args.gpus!r}")
+    if args.decode_mode == "compiled" and args.gpu_list is None:
+        p.error("--decode-mode compiled needs GPUs")
+    args.decode_dtype = args.decode_dtype or ("float32" if args.gpu_list is None else "bfloat16")
+    args.work = args.work or str(Path(args.out) / "runs")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    try:
+        variants = select_variants(args.variants, args.variant)
+        check_configs(args.config, args.overrides, variants, shared_gpu=args.gpu_list is not None)
+    except ValueError as e:
+        print(f"ablation: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens, "decode_mode": args.decode_mode, "decode_dtype": args.decode_dtype, "decode_batch": args.decode_batch,
+            "gpus": args.gpus}
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        with lock:
+            print(f"[ablation {time.perf_counter() - start:7.0f} s] {msg}", flush=True)
+
+    def write() -> None:
+        (out / "ablation.json").write_text(json.dumps({"meta": meta, "variants": [v.result for v in variants if v.result]},
+                                                      indent=1))
+        (out / "ablation.md").write_text(table(variants, meta))
+
+    todo: list[Variant] = []
+    for v in variants:
+        done = out / v.name / "result.json"
+        before = json.loads(done.read_text()) if done.exists() else {}
+        if before.get("setup", setup(args, v)) != setup(args, v):
+            print(f"ablation: variant {v.name}: {done} was made with {before['setup']}, not {setup(args, v)}; "
+                  "use another --out (or delete that variant's folder)", file=sys.stderr)
+            return 2
+        if before.get("ok"):
+            v.result = before
+            log(f"{v.name}: done before, kept")
+        else:
+            todo.append(v)
+    durations: list[float] = []
+    queue = list(todo)
+    lanes = args.gpu_list or [None]
+
+    def lane(gpu: Optional[str]) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                v = queue.pop(0)
+                left = len(queue)
+            log(f"{v.name}: start on {'GPU ' + gpu if gpu is not None else 'CPU'} ({' '.join(v.overrides) or 'as is'})")
+            t0 = time.perf_counter()
+            try:
+                v.result = run_variant(v, gpu, args, log)
+            except Exception as e:  # noqa: BLE001 - one variant's failure must not stop the others
+                v.result = {"variant": v.name, "overrides": v.overrides, "ok": False, "setup": setup(args, v),
+                            "error": f"{type(e).__name__}: {e}"}
+            (out / v.name / "result.json").write_text(json.dumps(v.result, indent=1))
+            with lock:
+                durations.append(time.perf_counter() - t0)
+                eta = statistics.mean(durations) * math.ceil(left / len(lanes))
+                write()
+            state = "ok" if v.result.get("ok") else f"FAILED: {v.result.get('error')}"
+            log(f"{v.name}: {state} in {durations[-1]:.0f} s; decoding τ {v.result.get('decode_tau', math.nan):.3f}; "
+                f"{left} left, ETA {eta:.0f} s")
+
+    threads = [threading.Thread(target=lane, args=(g,), name=f"lane-{g}") for g in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    write()
+    print(table(variants, meta), flush=True)
+    return 0 if all(v.result and v.result.get("ok") for v in variants) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""scripts/ablation.py: variant parsing, the training and decoding columns against naive
+computations on random metrics, and config errors before anything runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    spec = importlib.util.spec_from_file_location("ablation_script", REPO / "scripts" / "ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_parse_variant(ablation):
+    v = ablation.parse_variant("wide=drafter.num_layers=7, train.lr=1e-3")
+    assert (v.name, v.overrides) == ("wide", ["drafter.num_layers=7", "train.lr=1e-3"])
+    for bad in ("noequals", "=train.lr=1", "x=train.lr"):
+        with pytest.raises(ValueError, match="--variant"):
+            ablation.parse_variant(bad)
+
+
+def test_select_variants(ablation):
+    assert [v.name for v in ablation.select_variants(None, [])] == list(ablation.VARIANTS)
+    got = ablation.select_variants("gamma-4, baseline", ["c=train.lr=1e-4"])
+    assert [(v.name, v.overrides) for v in got] == [("gamma-4", ["drafter.loss_gamma=4"]), ("baseline", []),
+                                                    ("c", ["train.lr=1e-4"])]
+    with pytest.raises(ValueError, match="unknown.*'nope'"):
+        ablation.select_variants("baseline,nope", [])
+    with pytest.raises(ValueError, match="given twice"):
+        ablation.select_variants("baseline", ["baseline=train.lr=1"])
+
+
+def test_train_summary_matches_a_naive_reading(ablation):
+    rng = random.Random(3)
+    rows, evals = [], []
+    for step in range(1, 201):
+        row = {"step": step, "train/loss": rng.random(), "time/step_s": rng.uniform(0.05, 0.5)}
+        if step % 50 == 0:
+            row.update({k: rng.uniform(1, 5) for k in ablation.EVAL_KEYS})
+            evals.append(row)
+        rows.append(row)
+    rows.insert(0, {"step": 0, "eval/tau": 1.0, "eval/loss": 9.0})  # the evaluation before training
+    got = ablation.train_summary(rows)
+    times = sorted(r["time/step_s"] for r in rows if r["step"] > 20)
+    n = len(times)
+    median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+    assert got["steps"] == 200 and got["eval_step"] == 200
+    assert got["step_s"] == pytest.approx(median)
+    for k in ablation.EVAL_KEYS:
+        assert got[k] == evals[-1][k]
+    none = ablation.train_summary([{"step": 1, "time/step_s": 0.2}])
+    assert none["step_s"] == 0.2 and all(math.isnan(none[k]) for k in ablation.EVAL_KEYS)
+
+
+def test_table_rows_and_baseline_delta(ablation):
+    rng = random.Random(5)
+    vs = ablation.select_variants("baseline,gamma-4,layers-3", [])
+    for v in vs:
+        v.result = {"ok": True, "step_s": rng.uniform(0.1, 0.2), "train_s": 100.0, "decode_tau": rng.uniform(1.5, 3),
+                    "decode_walk": 2.0, "decode_check": "3/13/0", **{k: rng.uniform(1, 5) for k in ablation.EVAL_KEYS}}
+    vs[2].result = {"ok": False, "error": "training exit 1"}
+    meta = {"config": "c.yaml", "overrides": ["a=b"], "steps": 10, "prompts": 16, "max_new_tokens": 96,
+            "decode_mode": "eager", "decode_dtype": "bfloat16", "decode_batch": 16}
+    lines = ablation.table(vs, meta).splitlines()
+    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| variant")]
+    assert len(rows) == 3
+    cells = [c.strip() for c in rows[1].split("|")[1:-1]]
+    assert cells[0] == "gamma-4"
+    assert cells[7] == f"{vs[1].result['decode_tau']:.3f}"
+    assert cells[8] == f"{vs[1].result['decode_tau'] - vs[0].result['decode_tau']:+.3f}"
+    assert rows[0].split("|")[9].strip() == "–"  # the baseline has no delta
+    assert "layers-3 (training exit 1)" in rows[2] and rows[2].count("–") >= 6
+
+
+def test_bad_override_fails_before_any_run(ablation, tmp_path, capsys):
+    rc = ablation.main(["--config", str(REPO / "configs/smollm2-135m-cpu.yaml"), "--gpus", "cpu", "--variants", "baseline",
+                        "--variant", "oops=drafter.block_size=-3", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "variant oops" in err and "drafter.block_size" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_kept_results_are_reused_only_with_the_same_setup(ablation, tmp_path, capsys):
+    """A finished variant is kept when its settings match (nothing runs), refused when they do not."""
+    import json
+
+    out = tmp_path / "o"
+    argv = ["--config", str(REPO / "configs/smollm2-135m-cpu.yaml"), "--gpus", "cpu", "--variants", "gamma-4",
+            "--steps", "7", "--out", str(out), "train.lr=1e-3"]
+    args = ablation.parse_args(argv)
+    (v,) = ablation.select_variants("gamma-4", [])
+    (out / "gamma-4").mkdir(parents=True)
+    kept = {"variant": "gamma-4", "ok": True, "setup": ablation.setup(args, v), "decode_tau": 2.5, "step_s": 0.1}
+    (out / "gamma-4" / "result.json").write_text(json.dumps(kept))
+    assert ablation.main(argv) == 0
+    assert "| gamma-4 | loss decay γ 4 | 0.100 |" in (out / "ablation.md").read_text()
+    assert args.overrides + ["drafter.loss_gamma=4"] == kept["setup"]["overrides"]
+    assert ablation.main([a if a != "7" else "8" for a in argv]) == 2
+    assert "variant gamma-4" in capsys.readouterr().err
