@@ -3,7 +3,7 @@ measure each one's held-out τ (training's evaluation) and decoding τ (the spec
 
 Each variant is the base config plus a few overrides (``VARIANTS``; ``--variant name=k=v,k=v`` adds
 one). On CUDA every variant runs with the target and the drafter on one GPU
-(``cluster.allow_shared_gpu``), one variant per GPU of ``--gpus`` at a time; on CPU
+(``cluster.allow_shared_gpu``), ``--per-gpu`` variants per GPU of ``--gpus`` at a time; on CPU
 (``--gpus cpu``) one after the other with the config's own placement. After training, the
 variant's newest checkpoint decodes ``--prompts`` held-out prompts (``scripts/decode_bench.py``,
 bf16 on GPUs, ``--decode-mode`` eager by default: the ablation compares τ, not speed, and eager skips the
@@ -146,7 +146,8 @@ def table(variants: list[Variant], meta: dict[str, Any]) -> str:
     base = next((v.result for v in variants if v.name == "baseline" and v.result), None)
     lines = [f"Ablation: `{meta['config']}` {' '.join(meta['overrides'])}; {meta['steps']} steps each; decoding: "
              f"{meta['prompts']} held-out prompts × {meta['max_new_tokens']} new tokens, {meta['decode_dtype']}, {meta['decode_mode']}, "
-             f"batch {meta['decode_batch']}.", "",
+             f"batch {meta['decode_batch']}. GPUs {meta.get('gpus', '–')}, {meta.get('per_gpu', 1)} variant(s) a GPU at a "
+             "time (s/step compares variants run alike).", "",
              "| variant | change | s/step | train wall s | eval/tau | eval/tau_head | eval/tau_walk_head | "
              "decoding τ | Δ vs baseline | walked τ (own text) | same/tie/FAIL |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -240,6 +241,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--config", default="configs/smollm2-135m-h200-regen.yaml")
     p.add_argument("--gpus", default="0", help="comma-separated GPU ids, one variant on each at a time; "
                                                "`cpu`: one variant at a time on CPU")
+    p.add_argument("--per-gpu", type=int, default=1,
+                   help="variants at once on each GPU (a small target leaves a GPU mostly idle)")
     p.add_argument("--steps", type=int, default=1000, help="train.max_steps of every variant")
     p.add_argument("--variants", default=None, help="comma-separated built-in variants (default: all)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=K=V[,K=V]", help="a custom variant")
@@ -253,7 +256,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--work", default=None, help="run directories and data cache (default: <out>/runs)")
     p.add_argument("overrides", nargs="*", help="config overrides of every variant, section.key=value")
     args = p.parse_args(argv)
-    for name in ("steps", "prompts", "max_new_tokens", "decode_batch"):
+    for name in ("steps", "prompts", "max_new_tokens", "decode_batch", "per_gpu"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1")
     args.gpu_list = None if args.gpus == "cpu" else [g.strip() for g in args.gpus.split(",") if g.strip()]
@@ -278,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens, "decode_mode": args.decode_mode, "decode_dtype": args.decode_dtype, "decode_batch": args.decode_batch,
-            "gpus": args.gpus}
+            "gpus": args.gpus, "per_gpu": args.per_gpu}
     lock = threading.Lock()
     start = time.perf_counter()
 
@@ -306,7 +309,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             todo.append(v)
     durations: list[float] = []
     queue = list(todo)
-    lanes = args.gpu_list or [None]
+    lanes = [g for g in args.gpu_list for _ in range(args.per_gpu)] if args.gpu_list else [None]
 
     def lane(gpu: Optional[str]) -> None:
         while True:
@@ -331,7 +334,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             log(f"{v.name}: {state} in {durations[-1]:.0f} s; decoding τ {v.result.get('decode_tau', math.nan):.3f}; "
                 f"{left} left, ETA {eta:.0f} s")
 
-    threads = [threading.Thread(target=lane, args=(g,), name=f"lane-{g}") for g in lanes]
+    threads = [threading.Thread(target=lane, args=(g,), name=f"lane-{i}") for i, g in enumerate(lanes)]
     for t in threads:
         t.start()
     for t in threads:

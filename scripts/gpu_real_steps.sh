@@ -137,7 +137,7 @@ ablation)
     [ -s /tmp/regen/turn1.jsonl ] || xz -dc .gpu/regen-turn1.jsonl.xz >/tmp/regen/turn1.jsonl || exit
     gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)
     raw=(); [ -s /tmp/sharegpt.jsonl ] && raw=(--variant raw-sharegpt=data.dataset=/tmp/sharegpt.jsonl)
-    DFLASH_CACHE=/tmp/cacheA $PY scripts/ablation.py --gpus "$gpus" --steps "${ABL_STEPS:-1000}" \
+    DFLASH_CACHE=/tmp/cacheA $PY scripts/ablation.py --gpus "$gpus" --per-gpu "${ABL_PER_GPU:-1}" --steps "${ABL_STEPS:-1000}" \
         ${ABL_VARIANTS:+--variants "$ABL_VARIANTS"} "${raw[@]}" --out /tmp/ablation --work /tmp/ablation-runs \
         "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl
     rc=$?
