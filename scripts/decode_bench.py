@@ -37,7 +37,8 @@ MODES = ("eager", "compiled")
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=None, help="a Hugging Face directory of the target (default: the config's)")
     p.add_argument("--checkpoint", default=None, help="drafter checkpoint (default: a randomly initialised drafter)")
     p.add_argument("--config", default="configs/smollm2-135m-cpu.yaml")
@@ -47,10 +48,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="skip longer prompts (default: data.max_length - max_new_tokens)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated, of {MODES} (default: both on CUDA, eager on CPU; compiled on CPU is "
+                        "torch.compile without CUDA graphs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--length-bucket", type=int, default=None,
-                   help="decoders sized per length bucket of this many tokens, 0 = one sized for the longest "
+                   help="decoders sized per length bucket of this many tokens (doubled until at most "
+                        "dflash.inference.spec_report.MAX_BUCKETS remain), 0 = one sized for the longest "
                         "prompt (default: dflash.inference.spec_report.LENGTH_BUCKET)")
     p.add_argument("--attention", default=None,
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
@@ -61,6 +65,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if args.modes is None:
+        args.modes = ",".join(MODES) if args.device.startswith("cuda") else "eager"
     args.modes = [m for m in args.modes.split(",") if m]
     from dflash.inference.decode_layers import ATTENTION, split_attention
     from dflash.inference.spec_report import LENGTH_BUCKET
@@ -122,15 +128,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     overrides = list(args.overrides)
     if args.target:
         overrides += ["target.kind=hf", f"target.path={args.target}"]
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except (OSError, ValueError) as exc:  # ConfigError is a ValueError
+        log.error("%s", exc)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     dcfg = None
     drafter_dir = None
     if args.checkpoint:
-        drafter_dir, _ = resolve_checkpoint(args.checkpoint)
-        dcfg = DFlashDraftModel.load_config(drafter_dir)
+        try:
+            drafter_dir, _ = resolve_checkpoint(args.checkpoint)
+            dcfg = DFlashDraftModel.load_config(drafter_dir)
+        except (OSError, ValueError) as exc:
+            log.error("--checkpoint %s: %s", args.checkpoint, exc)
+            return 2
     tokenizer = load_tokenizer(cfg.target)
     cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
     if not cases:
@@ -158,9 +172,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         drafter.eval()
         stops = stop_token_ids(tokenizer, target.model)
         for mode in args.modes:
-            if mode == "compiled" and device.type != "cuda":
-                log.warning("compiled mode needs CUDA: skipped on %s", device)
-                continue
             torch._dynamo.reset()  # each run compiles its own decoders; earlier ones need no cache entries
             t0 = time.perf_counter()
             report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,

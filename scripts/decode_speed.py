@@ -57,6 +57,10 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
 
 
+#: Prompt ``i`` is this many tokens shorter than prompt ``i − 1`` (lengths vary, as real prompts do).
+PROMPT_STEP = 7
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from dflash.config import DrafterConfig, TargetConfig
     from dflash.logs import setup_logging
@@ -64,10 +68,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.models.drafter_config import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
     from dflash.models.target_loader import load_target
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=160)
+    p.add_argument("--prompt-tokens", type=int, default=160,
+                   help=f"the first prompt's length; prompt i has {PROMPT_STEP}·i tokens fewer")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
@@ -75,8 +81,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write speed.json here")
-    p.add_argument("--profile", action="store_true", help="kernels of one compiled target-only token")
+    p.add_argument("--profile", action="store_true", help="kernels of one compiled target-only token (CUDA only)")
     args = p.parse_args(argv)
+    for name in ("prompts", "prompt_tokens", "new_tokens", "batch", "block_size", "drafter_layers"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.block_size < 2:
+        p.error(f"--block-size: must be >= 2 (the anchor and at least one draft), got {args.block_size}")
+    shortest = args.prompt_tokens - PROMPT_STEP * (args.prompts - 1)
+    if shortest < 1:
+        p.error(f"--prompt-tokens {args.prompt_tokens} is too short for {args.prompts} prompts: prompt i has "
+                f"{PROMPT_STEP}·i tokens fewer, so the last would have {shortest}; give at least "
+                f"{PROMPT_STEP * (args.prompts - 1) + 1}")
+    if args.profile and not args.device.startswith("cuda"):
+        p.error("--profile counts CUDA kernels: it needs --device cuda")
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         try:
@@ -95,7 +113,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(0)
     drafter = DFlashDraftModel(dcfg, target.embed_tokens, target.lm_head, attention="sdpa").to(device).eval()
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 49152, (args.prompt_tokens - 7 * i,), generator=g) for i in range(args.prompts)]
+    prompts = [torch.randint(0, 49152, (args.prompt_tokens - PROMPT_STEP * i,), generator=g) for i in range(args.prompts)]
     max_len = args.prompt_tokens + max(args.new_tokens, 16) + args.block_size + 1
     results: dict = {"dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens,
                      "block_size": args.block_size, "device": str(device), "torch": torch.__version__}

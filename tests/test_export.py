@@ -355,7 +355,29 @@ def test_export_never_replaces_the_run_or_foreign_files(tmp_path, capsys):
         assert export.main(["--checkpoint", str(run), "--out", str(out)]) == 0  # an earlier export is replaced
     finally:
         os.umask(old_umask)
-    assert {stat.S_IMODE((out / name).stat().st_mode) for name in export.EXPORT_FILES} == {0o644}
+    written = [name for name in export.EXPORT_FILES if (out / name).exists()]
+    assert len(written) >= 3 and {stat.S_IMODE((out / name).stat().st_mode) for name in written} == {0o644}
+
+
+def test_export_keeps_what_it_was_trained_with(tmp_path, capsys):
+    """The checkpoint's ``trained_with`` record goes into the export, and decoding with the export
+    is refused under another thinking mode or template, as with the checkpoint itself."""
+    from dflash.inference import export
+    from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, trained_with
+
+    src, _ = serving_drafter(tmp_path, True, ["full_attention"] * 2)
+    record = {"tokenizer.size": SERVE_V - 6, "tokenizer.sha256": "ab" * 32, "chat_template.sha256": "cd" * 32,
+              "enable_thinking": False, "target.layer_ids": [1, 5]}
+    (src.parent / "state.json").write_text(json.dumps({"step": 1, "epoch": 0, "trained_with": record}))
+    assert export.main(["--checkpoint", str(src.parent), "--out", str(tmp_path / "serve")]) == 0
+    assert "thinking mode (data.enable_thinking): False" in capsys.readouterr().out
+    assert json.loads((tmp_path / "serve" / "trained_with.json").read_text()) == record
+    assert trained_with(tmp_path / "serve") == record
+    assert check_fits(tmp_path / "serve", dict(record)) == []
+    for key, value in (("enable_thinking", True), ("chat_template.sha256", "ef" * 32)):
+        with pytest.raises(CheckpointMismatch, match="--force"):
+            check_fits(tmp_path / "serve", {**record, key: value})
+    assert export.main(["--checkpoint", str(src.parent), "--out", str(tmp_path / "serve")]) == 0  # replaced again
 
 
 def test_export_refuses_a_learned_mask_vector(tmp_path, capsys):

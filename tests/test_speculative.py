@@ -756,6 +756,49 @@ def test_resolve_checkpoint(tmp_path):
         resolve_checkpoint(tmp_path)
 
 
+def test_cli_bad_input_fails_before_any_model_loads(target, tmp_path, monkeypatch, capsys, caplog):
+    """Bad arguments exit 2 at parse time; a damaged drafter (corrupt config.json, truncated
+    weights) exits 2 before the target loads; an unexpected error exits 3 (not 1, the lossless
+    check's failure), an interruption 130."""
+    from dflash.inference import speculative
+    from dflash.models import target_loader
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target must not load")
+
+    monkeypatch.setattr(target_loader, "load_target", no_target)
+    cfg = "configs/smollm2-135m-cpu.yaml"
+    ckpt = tmp_path / "step-00000001"
+    (ckpt / "drafter").mkdir(parents=True)
+    for argv, msg in ((["--json", str(tmp_path / "no" / "dir" / "r.json")], "does not exist"),
+                      (["--threads", "-1"], "--threads: must be >= 1"),
+                      (["--max-prompt-tokens", "0"], "--max-prompt-tokens: must be >= 1"),
+                      (["--device", "tpu"], "--device tpu")):
+        with pytest.raises(SystemExit) as exc:
+            speculative.main(["--checkpoint", str(ckpt), "--config", cfg, *argv])
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
+    (ckpt / "drafter" / "config.json").write_text('{"model_type": ')  # cut mid-write
+    assert speculative.main(["--checkpoint", str(ckpt), "--config", cfg]) == 2
+    drafter = make_drafter(target, 4, seed=1)
+    drafter.save_pretrained(ckpt / "drafter")
+    weights = ckpt / "drafter" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert speculative.main(["--checkpoint", str(ckpt), "--config", cfg]) == 2
+    assert "not a complete safetensors file" in caplog.text
+
+    def boom(args):
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(speculative, "_run", boom)
+    assert speculative.main(["--checkpoint", str(ckpt), "--config", cfg]) == 3
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speculative, "_run", interrupted)
+    assert speculative.main(["--checkpoint", str(ckpt), "--config", cfg]) == 130
+
+
 def test_training_eval_tau_of_the_checkpoint_step(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step-00000150" / "drafter").mkdir(parents=True)

@@ -2,7 +2,9 @@
 
 ``PATH`` is a run directory (its newest checkpoint), a checkpoint ``step-XXXXXXXX`` or a drafter
 directory. ``DIR`` gets ``config.json``, ``model.safetensors`` (bfloat16 by default, ``--dtype
-float32`` on request) and ``modeling_dflash.py`` with ``auto_map``, so that
+float32`` on request), ``modeling_dflash.py`` with ``auto_map`` and, when the checkpoint records it,
+``trained_with.json`` (the tokenizer, chat template and thinking mode it was trained with, which
+the decoding check compares as for a checkpoint; engines ignore the file), so that
 
 * vLLM (``vllm/model_executor/models/qwen3_dflash.py``) and SGLang
   (``python/sglang/srt/models/dflash.py``) load it as a DFlash draft model (integer
@@ -30,7 +32,7 @@ from torch import nn
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DFlashConfig
 from dflash.models.drafter_io import CONFIG_FILE, MODELING_FILE, SAVE_DTYPES, WEIGHTS_FILE, write_drafter_directory
-from dflash.training.checkpoint_identity import IDENTITY_NAMES, trained_with
+from dflash.training.checkpoint_identity import IDENTITY_NAMES, TRAINED_WITH_FILE, trained_with
 from dflash.models.masks import SLIDING_ATTENTION
 
 __all__ = ["ExportReport", "resolve_drafter_dir", "export_drafter", "engine_rules", "main"]
@@ -121,7 +123,7 @@ def engine_rules(hf_config: dict) -> list[str]:
 
 
 #: What an export directory holds; ``--out`` may replace a directory holding only these.
-EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, MODELING_FILE})
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, MODELING_FILE, TRAINED_WITH_FILE})
 
 
 def check_out_dir(out: Path, src: Path) -> None:
@@ -185,7 +187,9 @@ def export_drafter(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Expo
         wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
         raise ValueError(f"{src / WEIGHTS_FILE}: weights do not match {CONFIG_FILE}: missing {missing}, "
                          f"unexpected {unexpected}, wrong shape {wrong}")
-    write_drafter_directory(out, config, state, dtype=dtype, modeling_file=True)
+    record = trained_with(src)  # kept so that decoding with the export is checked as with the checkpoint
+    extra = {TRAINED_WITH_FILE: json.dumps(record, indent=1, sort_keys=True) + "\n"} if record else None
+    write_drafter_directory(out, config, state, dtype=dtype, modeling_file=True, extra_files=extra)
     hf_config = json.loads((out / CONFIG_FILE).read_text())
     files = sorted((p.name, p.stat().st_size) for p in out.iterdir() if p.is_file())
     return ExportReport(directory=out, dtype=dtype, mask_token_id=int(config.mask_token_id),

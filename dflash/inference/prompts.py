@@ -55,7 +55,7 @@ def prompts_from_corpus(corpus: Any, count: int, max_prompt_tokens: Optional[int
         up to ``count`` :class:`PromptCase` in corpus order (fewer when the corpus runs out).
     """
     header = user_turn_header(tokenizer) if tokenizer is not None else None
-    skipped = 0
+    skipped = too_long = 0
     out: list[PromptCase] = []
     for i in range(len(corpus)):
         if len(out) >= count:
@@ -66,6 +66,7 @@ def prompts_from_corpus(corpus: Any, count: int, max_prompt_tokens: Optional[int
             continue
         p = int(first[0])
         if max_prompt_tokens is not None and p > max_prompt_tokens:
+            too_long += 1
             continue
         if header is not None and header not in tokenizer.decode(ids[:p].tolist(), skip_special_tokens=False):
             skipped += 1
@@ -74,6 +75,8 @@ def prompts_from_corpus(corpus: Any, count: int, max_prompt_tokens: Optional[int
                               input_ids=ids, loss_mask=mask))
     if skipped:
         log.info("skipped %d held-out conversations whose prompt holds no user turn (assistant-first)", skipped)
+    if too_long:
+        log.info("skipped %d held-out conversations whose prompt has more than %d tokens", too_long, max_prompt_tokens)
     return out
 
 

@@ -276,7 +276,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
 
 
 def _fmt(x: Optional[float], digits: int = 2) -> str:
-    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
 def format_report(report: dict[str, Any], show_text: bool = False) -> str:
@@ -303,8 +303,8 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
             lines.append(f"       {r['text']!r}")
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
                   f"{s['failures']} FAIL (of {s['prompts']})",
-              f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes, "
-              f"{s['new_tokens']} tokens",
+              f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes "
+              f"({s['new_tokens']} new tokens: the passes' and each prompt's first, from the prefill)",
               f"tokens/s: speculative {_fmt(s['spec_tok_s'], 1)}, target-only {_fmt(s['target_tok_s'], 1)} "
               f"(speedup {_fmt(s['speedup'], 2)}x)",
               f"speculative time: {_fmt(s['spec_s'], 3)} s = draft {_fmt(s['draft_s'], 3)} + verify "
@@ -325,8 +325,12 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                      + (f", {_fmt(s['offline_tau_training_eval_head'], 3)} (anchors within train.eval_head_tokens "
                         "of a response's start: compare this one with decoding's tau over as many new tokens)"
                         if s.get("offline_tau_training_eval_head") is not None else ""))
+    if s["batch"] > 1:
+        lines.append(f"per prompt, tok/s is the row's tokens over its batch's time (rows of a batch of {s['batch']} "
+                     "share it); the pooled lines count each batch's time once")
     lines += ["", "acceptance per block position k (fraction of passes / blocks with m >= k):",
-              f"{'k':>3} {'decoding':>9} {'replay':>7} {'own':>7} {'dataset':>7}"]
+              f"{'k':>3} {'decoding':>9}" + (f" {'replay':>7} {'own':>7} {'dataset':>7}"
+                                             if "per_position_offline_own" in s else "")]
     for k, meas in enumerate(s["per_position_measured"], start=1):
         extra = ""
         if "per_position_offline_own" in s:

@@ -29,7 +29,7 @@ import torch
 from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
 from dflash.data.render import stop_token_ids
 from dflash.inference.prompts import heldout_prompts
-from dflash.inference.spec_report import LENGTH_BUCKET, decode_report, format_report
+from dflash.inference.spec_report import LENGTH_BUCKET, MAX_BUCKETS, decode_report, format_report
 
 __all__ = ["compile_flag", "main"]
 
@@ -59,11 +59,13 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
     p.add_argument("--device", default=None, help="cpu / cuda (default: the config's cluster.device)")
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="CUDA graphs for the decoding steps (auto = on CUDA)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+                   help="torch.compile the decoding steps (auto = on CUDA, where they also become CUDA graphs; "
+                        "on CPU `on` compiles without graphs)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--length-bucket", type=int, default=LENGTH_BUCKET,
-                   help=f"one decoder per prompt-length bucket of this many tokens, 0 = one sized for the longest "
-                        f"prompt (default {LENGTH_BUCKET}; on CUDA each decoder compiles its own steps)")
+                   help=f"one decoder per prompt-length bucket of this many tokens (doubled until at most {MAX_BUCKETS} "
+                        f"buckets remain), 0 = one sized for the longest prompt (default {LENGTH_BUCKET}; on CUDA "
+                        f"each decoder compiles its own steps)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--show-text", action="store_true", help="print each decoded response")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
@@ -71,11 +73,23 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
                    help="use a checkpoint trained with another tokenizer, chat template or thinking mode")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
-    for name in ("prompts", "max_new_tokens", "batch"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    for name in ("prompts", "max_new_tokens", "batch", "threads", "max_prompt_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
     if args.length_bucket < 0:
         p.error(f"--length-bucket: must be >= 0, got {args.length_bucket}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        p.error(f"--json {args.json}: its directory {Path(args.json).resolve().parent} does not exist")
+    if args.device is not None:
+        try:
+            dev = torch.device(args.device)
+        except RuntimeError as exc:
+            p.error(f"--device {args.device}: {exc}")
+        if dev.type not in ("cpu", "cuda"):
+            p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: this torch sees no CUDA device")
     return args
 
 
@@ -90,18 +104,34 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
 
     Returns:
         0 when every speculative output is identical to target-only greedy or differs only at a
-        numerical tie (:func:`tie_bound`), 1 otherwise, 2 when there is no usable prompt or the checkpoint
-        does not fit the tokenizer, template, thinking mode or target (:func:`dflash.training.checkpoint_identity.check_fits`).
+        numerical tie (:func:`tie_bound`), 1 otherwise (the lossless check failed), 2 on bad input
+        (arguments, config, a missing or damaged checkpoint, no usable prompt, a checkpoint that does
+        not fit the tokenizer, template, thinking mode or target:
+        :func:`dflash.training.checkpoint_identity.check_fits`), 3 on any other error (its traceback is
+        logged), 130 when interrupted.
     """
-    from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
-    from dflash.config import ConfigError, load_config
     from dflash.logs import setup_logging
-    from dflash.models.drafter import DFlashDraftModel
-    from dflash.models.target_loader import load_target
-    from dflash.data.tokenizer import load_tokenizer
 
     args = _parse_args(argv, prog)
     setup_logging("speculative")
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return 130
+    except Exception:  # noqa: BLE001 - exit 1 means "the lossless check failed": an error must not read so
+        log.exception("speculative decoding stopped by an error")
+        return 3
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
+    from dflash.config import load_config
+    from dflash.models.drafter import DFlashDraftModel
+    from dflash.models.drafter_io import check_drafter_weights
+    from dflash.models.target_loader import load_target
+    from dflash.data.tokenizer import load_tokenizer
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -111,10 +141,11 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
             config_path = (str(run_dir / "config.yaml") if run_dir and (run_dir / "config.yaml").is_file()
                            else DEFAULT_CONFIG)
         cfg = load_config(config_path, args.overrides)
-    except (FileNotFoundError, ConfigError) as exc:
+        dcfg = DFlashDraftModel.load_config(drafter_dir)
+        check_drafter_weights(drafter_dir)  # a damaged file fails here, before the target loads
+    except (OSError, ValueError) as exc:  # ConfigError and a corrupt config.json are ValueErrors
         log.error("%s", exc)
         return 2
-    dcfg = DFlashDraftModel.load_config(drafter_dir)
     ignored = [o for o in args.overrides if o.split("=", 1)[0].startswith("drafter.")]
     if ignored:  # the drafter's shape and block size are the checkpoint's
         log.warning("ignored %s: the drafter is %s's (block size %d, %d layers)", ", ".join(ignored), drafter_dir,
@@ -141,6 +172,9 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
     if not cases:
         return 2
+    if args.batch > len(cases):
+        log.info("--batch %d: %d prompts, so batches of %d", args.batch, len(cases), len(cases))
+        args.batch = len(cases)
     log.info("drafter %s: B=%d, target layers %s, mask %s; %d prompts, max %d new tokens, stop ids %s, "
              "%d torch threads", drafter_dir, dcfg.block_size, dcfg.target_layer_ids,
              dcfg.mask_token_id, len(cases),

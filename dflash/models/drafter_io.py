@@ -28,6 +28,7 @@ __all__ = [
     "SAVE_DTYPES",
     "WEIGHTS_FILE",
     "modeling_source",
+    "check_drafter_weights",
     "read_drafter_config",
     "read_drafter_weights",
     "write_drafter_directory",
@@ -64,7 +65,8 @@ def _match_umask(path: Path) -> None:
 
 
 def write_drafter_directory(directory: Union[str, os.PathLike], config: DFlashConfig, state: dict[str, Tensor],
-                            dtype: Optional[str] = None, modeling_file: bool = False) -> Path:
+                            dtype: Optional[str] = None, modeling_file: bool = False,
+                            extra_files: Optional[dict[str, str]] = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ the modeling file) into ``directory``, atomically.
 
     Files go to a temporary sibling directory first, flushed to disk, which then replaces
@@ -81,6 +83,7 @@ def write_drafter_directory(directory: Union[str, os.PathLike], config: DFlashCo
         state: ``{name: tensor}`` under the public DFlash names.
         dtype: ``float32`` or ``bfloat16`` (default: ``config.dtype``).
         modeling_file: ship the modeling file and ``auto_map``.
+        extra_files: ``{file name: text}`` written beside them, in the same atomic replacement.
 
     Returns:
         the directory.
@@ -106,6 +109,8 @@ def write_drafter_directory(directory: Union[str, os.PathLike], config: DFlashCo
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if modeling_file:
             (tmp / MODELING_FILE).write_text(modeling_source())
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return target
 
 
@@ -126,6 +131,26 @@ def read_drafter_config(directory: Union[str, os.PathLike]) -> DFlashConfig:
     if flags.get("mask_embedding") or flags.get("mask_token_id") is None:
         raise ValueError(f"{path}: {LEARNED_MASK_MESSAGE}")
     return DFlashConfig.from_hf_dict(data)
+
+
+def check_drafter_weights(directory: Union[str, os.PathLike]) -> list[str]:
+    """The tensor names of ``directory/model.safetensors``, reading only its header: a cheap check,
+    before any model loads, that the weights file is there and whole.
+
+    Raises:
+        FileNotFoundError: no weights file.
+        ValueError: the file is not a complete safetensors file (truncated, corrupt).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(directory) / WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no weights file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: not a complete safetensors file ({exc})") from exc
 
 
 def read_drafter_weights(directory: Union[str, os.PathLike],

@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 from dflash.training.checkpoint_load import read_state
 
-__all__ = ["CheckpointMismatch", "FORCIBLE", "IDENTITY_NAMES", "run_identity", "tokenizer_fingerprint", "check_fits",
-           "trained_with"]
+__all__ = ["CheckpointMismatch", "FORCIBLE", "IDENTITY_NAMES", "TRAINED_WITH_FILE", "run_identity",
+           "tokenizer_fingerprint", "check_fits", "trained_with"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class CheckpointMismatch(ValueError):
 #: Identity fields a user may knowingly change (``--force``): the drafter still loads and runs, but
 #: what it learnt may not transfer (another chat template or thinking mode collapses acceptance).
 FORCIBLE = ("tokenizer.sha256", "chat_template.sha256", "enable_thinking", "target.architecture")
+#: The ``trained_with`` record in a serving export (a drafter directory without ``state.json``).
+TRAINED_WITH_FILE = "trained_with.json"
 #: What each identity field is, in a mismatch message.
 IDENTITY_NAMES = {
     "tokenizer.size": "tokenizer size (tokens)",
@@ -115,15 +117,21 @@ def trained_with(checkpoint_dir: Path) -> dict[str, Any]:
     """The ``trained_with`` record of a checkpoint (:func:`run_identity` at training time).
 
     Args:
-        checkpoint_dir: ``runs/<name>/checkpoints/step-XXXXXXXX`` or its ``drafter/`` directory.
+        checkpoint_dir: ``runs/<name>/checkpoints/step-XXXXXXXX``, its ``drafter/`` directory, or a
+            serving export (its :data:`TRAINED_WITH_FILE`).
 
     Returns:
-        ``{field: value}``; empty when the checkpoint records none or its ``state.json`` is
-        missing or unreadable (a bare drafter directory).
+        ``{field: value}``; empty when the checkpoint records none or its ``state.json`` (an export's
+        :data:`TRAINED_WITH_FILE`) is missing or unreadable (a bare drafter directory).
     """
+    root = _checkpoint_root(checkpoint_dir)
     try:
-        return dict(read_state(_checkpoint_root(checkpoint_dir)).get("trained_with") or {})
-    except (OSError, ValueError):
+        if not (root / "state.json").is_file() and (root / TRAINED_WITH_FILE).is_file():
+            record = json.loads((root / TRAINED_WITH_FILE).read_text())
+        else:
+            record = read_state(root).get("trained_with")
+        return dict(record or {})
+    except (OSError, ValueError, TypeError):
         return {}
 
 
