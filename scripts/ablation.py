@@ -239,8 +239,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="built-in variants: " + ", ".join(f"{k} ({a})" for k, (_, a) in VARIANTS.items()))
     p.add_argument("--config", default="configs/smollm2-135m-h200-regen.yaml")
-    p.add_argument("--gpus", default="0", help="comma-separated GPU ids, one variant on each at a time; "
-                                               "`cpu`: one variant at a time on CPU")
+    p.add_argument("--gpus", default=None, help="comma-separated GPU ids, --per-gpu variants on each at a time; "
+                                                "`cpu`: one variant at a time on CPU (default: every visible GPU, "
+                                                "else cpu)")
     p.add_argument("--per-gpu", type=int, default=1,
                    help="variants at once on each GPU (a small target leaves a GPU mostly idle)")
     p.add_argument("--steps", type=int, default=1000, help="train.max_steps of every variant")
@@ -259,11 +260,21 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     for name in ("steps", "prompts", "max_new_tokens", "decode_batch", "per_gpu"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    if args.gpus is None:
+        import torch
+
+        args.gpus = ",".join(str(i) for i in range(torch.cuda.device_count())) or "cpu"
     args.gpu_list = None if args.gpus == "cpu" else [g.strip() for g in args.gpus.split(",") if g.strip()]
     if args.gpu_list is not None and (not args.gpu_list or not all(g.isdigit() for g in args.gpu_list)):
         p.error(f"--gpus: expected comma-separated GPU ids or `cpu`, got {args.gpus!r}")
-    if args.decode_mode == "compiled" and args.gpu_list is None:
-        p.error("--decode-mode compiled needs GPUs")
+    if args.gpu_list is not None:
+        import torch
+
+        visible = torch.cuda.device_count()
+        missing = [g for g in args.gpu_list if int(g) >= visible]
+        if missing:
+            p.error(f"--gpus {args.gpus}: this machine has {visible} visible GPU(s), no GPU {', '.join(missing)} "
+                    "(`--gpus cpu` runs on CPU)")
     args.decode_dtype = args.decode_dtype or ("float32" if args.gpu_list is None else "bfloat16")
     args.work = args.work or str(Path(args.out) / "runs")
     return args
