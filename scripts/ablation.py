@@ -236,7 +236,7 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="built-in variants: " + ", ".join(f"{k} ({a})" for k, (_, a) in VARIANTS.items()))
     p.add_argument("--config", default="configs/smollm2-135m-h200-regen.yaml")
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids, --per-gpu variants on each at a time; "
