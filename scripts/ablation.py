@@ -30,6 +30,8 @@ import argparse
 import json
 import math
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +62,13 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "dpace": (["drafter.loss_weighting=dpace"], "D-PACE position weights (α 0.5)"),
 }
 
+#: What a variant's name may be (it names its folders).
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+#: Seconds between two echoes of a variant's training progress line on the console.
+ECHO_S = 60.0
+#: Seconds a stopped variant's training or decoding gets to end after SIGTERM, before SIGKILL.
+STOP_GRACE_S = 120.0
+
 #: ``metrics.jsonl`` keys of the last held-out evaluation that go into the table.
 EVAL_KEYS = ("eval/loss", "eval/tau", "eval/tau_head", "eval/tau_walk", "eval/tau_walk_head")
 
@@ -78,16 +87,23 @@ def parse_variant(text: str) -> Variant:
     """``name=section.key=value,section.key=value`` -> :class:`Variant`.
 
     Raises:
-        ValueError: no ``=`` after the name, an empty name, or an override without ``=``.
+        ValueError: no ``=`` after the name, a name that is not a folder name (:data:`NAME`), no
+            override, or an override without ``=``.
     """
     name, sep, rest = text.partition("=")
-    if not sep or not name.strip():
+    name = name.strip()
+    if not sep or not name:
         raise ValueError(f"--variant {text!r}: expected name=section.key=value[,section.key=value ...]")
+    if not NAME.fullmatch(name):
+        raise ValueError(f"--variant {name!r}: a variant name is a folder name: letters, digits, '.', '_', '-', "
+                         "not starting with '.'")
     overrides = [o.strip() for o in rest.split(",") if o.strip()]
+    if not overrides:
+        raise ValueError(f"--variant {name}: no overrides (that is the baseline)")
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ValueError(f"--variant {name}: overrides must be section.key=value, got {bad}")
-    return Variant(name.strip(), overrides, "custom: " + " ".join(overrides))
+    return Variant(name, overrides, "custom: " + " ".join(overrides))
 
 
 def select_variants(names: Optional[str], custom: list[str]) -> list[Variant]:
@@ -146,8 +162,10 @@ def table(variants: list[Variant], meta: dict[str, Any]) -> str:
     base = next((v.result for v in variants if v.name == "baseline" and v.result), None)
     lines = [f"Ablation: `{meta['config']}` {' '.join(meta['overrides'])}; {meta['steps']} steps each; decoding: "
              f"{meta['prompts']} held-out prompts × {meta['max_new_tokens']} new tokens, {meta['decode_dtype']}, {meta['decode_mode']}, "
-             f"batch {meta['decode_batch']}. GPUs {meta.get('gpus', '–')}, {meta.get('per_gpu', 1)} variant(s) a GPU at a "
-             "time (s/step compares variants run alike).", "",
+             f"batch {meta['decode_batch']}. " + ("On CPU, one variant at a time." if meta.get("gpus") == "cpu" else
+                                                   f"GPUs {meta.get('gpus', '–')}, {meta.get('per_gpu', 1)} "
+                                                   "variant(s) a GPU at a time (s/step compares variants run alike)."),
+             "",
              "| variant | change | s/step | train wall s | eval/tau | eval/tau_head | eval/tau_walk_head | "
              "decoding τ | Δ vs baseline | walked τ (own text) | same/tie/FAIL |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -193,14 +211,88 @@ def setup(args: argparse.Namespace, v: Variant) -> dict[str, Any]:
             "decode_dtype": args.decode_dtype, "decode_batch": args.decode_batch}
 
 
-def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: Any) -> dict[str, Any]:
+class Children:
+    """The running training and decoding processes of every lane, so that a stop reaches them.
+
+    Each runs in its own session (a terminal's Ctrl-C reaches only this script, which stops them in
+    order); its output goes to its log file, and its training progress line is echoed to the
+    console every :data:`ECHO_S` seconds.
+    """
+
+    def __init__(self) -> None:
+        self.procs: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def run(self, cmd: list[str], env: dict[str, str], log_path: Path, echo: Optional[Any] = None) -> int:
+        """Run ``cmd`` to its end; its exit status (``-15`` when the ablation is stopping)."""
+        with open(log_path, "ab") as fh:
+            with self.lock:
+                if self.stopping.is_set():
+                    return -signal.SIGTERM
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                self.procs.add(proc)
+            last = 0.0
+            try:
+                for line in proc.stdout:
+                    fh.write(line)
+                    fh.flush()
+                    if echo is not None and b"dflash.progress" in line and time.monotonic() - last >= ECHO_S:
+                        last = time.monotonic()
+                        echo(line.decode(errors="replace").strip())
+                return proc.wait()
+            finally:
+                with self.lock:
+                    self.procs.discard(proc)
+
+    def stop(self) -> None:
+        """SIGTERM every running child (a training launcher then stops its workers, as on
+        ``launch.cluster stop``), SIGKILL its session after :data:`STOP_GRACE_S`."""
+        self.stopping.set()
+        with self.lock:
+            procs = list(self.procs)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def setup_conflict(args: argparse.Namespace, v: Variant) -> Optional[str]:
+    """Why ``v`` cannot run or be kept in ``--out`` / ``--work`` with these settings, or ``None``.
+
+    A variant's folder records the settings it started with (``setup.json``); its run directory
+    must come from that same start (a run directory without it could hold any schedule)."""
+    vdir, run_dir = Path(args.out) / v.name, Path(args.work) / v.name
+    now = setup(args, v)
+    advice = f"use another --out and --work, or delete {vdir} and {run_dir}"
+    befores = []
+    if (vdir / "setup.json").exists():
+        befores.append(json.loads((vdir / "setup.json").read_text()))
+    if (vdir / "result.json").exists():
+        befores.append(json.loads((vdir / "result.json").read_text()).get("setup", now))
+    for before in befores:
+        diff = {k: (before.get(k), now.get(k)) for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)}
+        if diff:
+            return "started with other settings (" + "; ".join(f"{k}: then {a!r}, now {b!r}" for k, (a, b) in
+                                                             diff.items()) + f"): {advice}"
+    if not befores and run_dir.exists():
+        return f"{run_dir} holds a run this ablation did not record starting: {advice}"
+    return None
+
+
+def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: Any,
+                children: Children) -> dict[str, Any]:
     """Train ``v`` (resuming its run directory), decode with its newest checkpoint, return its result."""
     from dflash.metrics import metrics_view
 
     vdir = Path(args.out) / v.name
-    vdir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(args.work) / v.name
-    env = dict(os.environ, DFLASH_CACHE=os.environ.get("DFLASH_CACHE", str(Path(args.work) / "cache")))
+    env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     over = args.overrides + v.overrides + (placement() if gpu is not None else []) + [
@@ -208,9 +300,8 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
     result: dict[str, Any] = {"variant": v.name, "overrides": v.overrides, "gpu": gpu, "ok": False,
                               "setup": setup(args, v)}
     t0 = time.perf_counter()
-    with open(vdir / "train.log", "ab") as fh:
-        rc = subprocess.run([sys.executable, "-m", "launch.cluster", "train", "--config", args.config, "--resume",
-                             *over], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    rc = children.run([sys.executable, "-m", "launch.cluster", "train", "--config", args.config, "--resume", *over],
+                      env, vdir / "train.log", echo=lambda line: log(f"{v.name}: {line}"))
     result["train_s"] = time.perf_counter() - t0
     if (run_dir / "metrics.jsonl").exists():
         result.update(train_summary(metrics_view(run_dir / "metrics.jsonl")))
@@ -223,8 +314,7 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
            str(run_dir), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
            "--dtypes", args.decode_dtype, "--modes", args.decode_mode, "--batch", str(args.decode_batch),
            "--device", device, "--out", str(vdir / "decode")]
-    with open(vdir / "decode.log", "ab") as fh:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    rc = children.run(cmd, env, vdir / "decode.log")
     bench = vdir / "decode" / "decode_bench.json"
     if bench.exists():
         result.update(decode_summary(json.loads(bench.read_text())))
@@ -236,25 +326,29 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="built-in variants: " + ", ".join(f"{k} ({a})" for k, (_, a) in VARIANTS.items()))
-    p.add_argument("--config", default="configs/smollm2-135m-h200-regen.yaml")
+    p.add_argument("--config", default="configs/smollm2-135m-h200-regen.yaml", help="base config (default: %(default)s)")
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids, --per-gpu variants on each at a time; "
                                                 "`cpu`: one variant at a time on CPU (default: every visible GPU, "
                                                 "else cpu)")
     p.add_argument("--per-gpu", type=int, default=1,
-                   help="variants at once on each GPU (a small target leaves a GPU mostly idle)")
-    p.add_argument("--steps", type=int, default=1000, help="train.max_steps of every variant")
+                   help="variants at once on each GPU; a small target leaves a GPU mostly idle (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=1000, help="train.max_steps of every variant (default: %(default)s)")
     p.add_argument("--variants", default=None, help="comma-separated built-in variants (default: all)")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=K=V[,K=V]", help="a custom variant")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--decode-mode", choices=("eager", "compiled"), default="eager")
-    p.add_argument("--decode-batch", type=int, default=16)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=K=V[,K=V]",
+                   help="a custom variant (repeatable)")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts decoded per variant (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens a prompt (default: %(default)s)")
+    p.add_argument("--decode-mode", choices=("eager", "compiled"), default="eager",
+                   help="the decoding check's mode (default: %(default)s: τ is the same, and eager has no warm-up)")
+    p.add_argument("--decode-batch", type=int, default=16,
+                   help="prompts decoded together, each row accepting its own drafts (default: %(default)s)")
     p.add_argument("--decode-dtype", choices=("bfloat16", "float32"), default=None,
                    help="the decoding check's dtype (default: bfloat16 on GPUs, float32 on CPU)")
-    p.add_argument("--out", default="ablation-out", help="results (result.json per variant, ablation.md)")
-    p.add_argument("--work", default=None, help="run directories and data cache (default: <out>/runs)")
+    p.add_argument("--out", default="ablation-out",
+                   help="results: result.json per variant, ablation.md, ablation.json (default: %(default)s)")
+    p.add_argument("--work", default=None, help="the variants' run directories (default: <out>/runs)")
     p.add_argument("overrides", nargs="*", help="config overrides of every variant, section.key=value")
     args = p.parse_args(argv)
     for name in ("steps", "prompts", "max_new_tokens", "decode_batch", "per_gpu"):
@@ -277,6 +371,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                     "(`--gpus cpu` runs on CPU)")
     args.decode_dtype = args.decode_dtype or ("float32" if args.gpu_list is None else "bfloat16")
     args.work = args.work or str(Path(args.out) / "runs")
+    for name in ("out", "work"):
+        if Path(getattr(args, name)).exists() and not Path(getattr(args, name)).is_dir():
+            p.error(f"--{name} {getattr(args, name)}: is a file, not a directory")
     return args
 
 
@@ -307,12 +404,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     todo: list[Variant] = []
     for v in variants:
+        problem = setup_conflict(args, v)
+        if problem:
+            print(f"ablation: variant {v.name}: {problem}", file=sys.stderr)
+            return 2
         done = out / v.name / "result.json"
         before = json.loads(done.read_text()) if done.exists() else {}
-        if before.get("setup", setup(args, v)) != setup(args, v):
-            print(f"ablation: variant {v.name}: {done} was made with {before['setup']}, not {setup(args, v)}; "
-                  "use another --out (or delete that variant's folder)", file=sys.stderr)
-            return 2
         if before.get("ok"):
             v.result = before
             log(f"{v.name}: done before, kept")
@@ -321,35 +418,57 @@ def main(argv: Optional[list[str]] = None) -> int:
     durations: list[float] = []
     queue = list(todo)
     lanes = [g for g in args.gpu_list for _ in range(args.per_gpu)] if args.gpu_list else [None]
+    children = Children()
 
     def lane(gpu: Optional[str]) -> None:
-        while True:
+        while not children.stopping.is_set():
             with lock:
                 if not queue:
                     return
                 v = queue.pop(0)
                 left = len(queue)
             log(f"{v.name}: start on {'GPU ' + gpu if gpu is not None else 'CPU'} ({' '.join(v.overrides) or 'as is'})")
+            (out / v.name).mkdir(parents=True, exist_ok=True)
+            (out / v.name / "setup.json").write_text(json.dumps(setup(args, v), indent=1))
             t0 = time.perf_counter()
             try:
-                v.result = run_variant(v, gpu, args, log)
+                v.result = run_variant(v, gpu, args, log, children)
             except Exception as e:  # noqa: BLE001 - one variant's failure must not stop the others
                 v.result = {"variant": v.name, "overrides": v.overrides, "ok": False, "setup": setup(args, v),
                             "error": f"{type(e).__name__}: {e}"}
+            if children.stopping.is_set() and not v.result.get("ok"):
+                log(f"{v.name}: stopped; a later run resumes it")
+                return
             (out / v.name / "result.json").write_text(json.dumps(v.result, indent=1))
             with lock:
                 durations.append(time.perf_counter() - t0)
                 eta = statistics.mean(durations) * math.ceil(left / len(lanes))
                 write()
-            state = "ok" if v.result.get("ok") else f"FAILED: {v.result.get('error')}"
-            log(f"{v.name}: {state} in {durations[-1]:.0f} s; decoding τ {v.result.get('decode_tau', math.nan):.3f}; "
-                f"{left} left, ETA {eta:.0f} s")
+            state = (f"ok in {durations[-1]:.0f} s; decoding τ {v.result['decode_tau']:.3f}" if v.result.get("ok")
+                     else f"FAILED in {durations[-1]:.0f} s: {v.result.get('error')}")
+            log(f"{v.name}: {state}; {left} left, ETA {eta:.0f} s")
 
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
     threads = [threading.Thread(target=lane, args=(g,), name=f"lane-{i}") for i, g in enumerate(lanes)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(timeout=1.0)
+    except KeyboardInterrupt as stop:
+        signum = stop.args[0] if stop.args else signal.SIGINT
+        log(f"stopping: {signal.Signals(signum).name}; the running variants stop (their last checkpoint is kept)")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        children.stop()
+        for t in threads:
+            t.join(timeout=STOP_GRACE_S)
+        write()
+        return 128 + int(signum)
     write()
     print(table(variants, meta), flush=True)
     return 0 if all(v.result and v.result.get("ok") for v in variants) else 1

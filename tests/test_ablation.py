@@ -29,7 +29,7 @@ def ablation():
 def test_parse_variant(ablation):
     v = ablation.parse_variant("wide=drafter.num_layers=7, train.lr=1e-3")
     assert (v.name, v.overrides) == ("wide", ["drafter.num_layers=7", "train.lr=1e-3"])
-    for bad in ("noequals", "=train.lr=1", "x=train.lr"):
+    for bad in ("noequals", "=train.lr=1", "x=train.lr", "x=", "../x=train.lr=1", "a/b=train.lr=1", ".h=train.lr=1"):
         with pytest.raises(ValueError, match="--variant"):
             ablation.parse_variant(bad)
 
@@ -97,7 +97,8 @@ def test_bad_override_fails_before_any_run(ablation, tmp_path, capsys):
 
 
 def test_kept_results_are_reused_only_with_the_same_setup(ablation, tmp_path, capsys):
-    """A finished variant is kept when its settings match (nothing runs), refused when they do not."""
+    """A finished variant is kept when its settings match (nothing runs), refused when they do not,
+    and so is a run directory that the ablation did not record starting."""
     import json
 
     out = tmp_path / "o"
@@ -112,4 +113,14 @@ def test_kept_results_are_reused_only_with_the_same_setup(ablation, tmp_path, ca
     assert "| gamma-4 | loss decay γ 4 | 0.100 |" in (out / "ablation.md").read_text()
     assert args.overrides + ["drafter.loss_gamma=4"] == kept["setup"]["overrides"]
     assert ablation.main([a if a != "7" else "8" for a in argv]) == 2
-    assert "variant gamma-4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "variant gamma-4: started with other settings (steps: then 7, now 8)" in err
+    assert str(out / "runs" / "gamma-4") in err  # the advice names the run directory too
+    (out / "gamma-4" / "result.json").unlink()
+    (out / "runs" / "gamma-4").mkdir(parents=True)  # a run left by someone else
+    assert ablation.main(argv) == 2
+    assert "holds a run this ablation did not record starting" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit):
+        ablation.parse_args(argv[:-3] + ["--out", str(tmp_path / "f")])
+    assert "--out" in capsys.readouterr().err  # "is a file, not a directory"

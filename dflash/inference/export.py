@@ -31,7 +31,8 @@ from torch import nn
 
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DFlashConfig
-from dflash.models.drafter_io import CONFIG_FILE, MODELING_FILE, SAVE_DTYPES, WEIGHTS_FILE, write_drafter_directory
+from dflash.models.drafter_io import (CONFIG_FILE, MODELING_FILE, SAVE_DTYPES, WEIGHTS_FILE, check_drafter_weights,
+                                     write_drafter_directory)
 from dflash.training.checkpoint_identity import IDENTITY_NAMES, TRAINED_WITH_FILE, trained_with
 from dflash.models.masks import SLIDING_ATTENTION
 
@@ -167,8 +168,8 @@ def export_drafter(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Expo
 
     Raises:
         FileNotFoundError: no drafter at ``checkpoint``.
-        ValueError: a bad ``dtype``; a drafter with a learned mask vector; weights whose
-            names or shapes do not match the config.
+        ValueError: a bad ``dtype``; a drafter with a learned mask vector; a truncated or corrupt
+            weights file; weights whose names or shapes do not match the config.
     """
     from safetensors.torch import load_file
 
@@ -178,6 +179,7 @@ def export_drafter(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Expo
     out = Path(out)
     check_out_dir(out, src)
     config = DFlashDraftModel.load_config(src)
+    check_drafter_weights(src)  # a truncated or corrupt file: one line, not a safetensors traceback
     state = load_file(str(src / WEIGHTS_FILE))
     expected = _expected_shapes(config)
     got = {k: tuple(v.shape) for k, v in state.items()}

@@ -115,7 +115,11 @@ def heldout_prompts(cfg: Any, tokenizer: Any, count: int, max_new_tokens: int,
     from dflash.data.corpus import prepare_data
 
     if max_prompt_tokens is None:
-        max_prompt_tokens = max(1, cfg.data.max_length - max_new_tokens)
+        if max_new_tokens >= cfg.data.max_length:
+            log.error("max_new_tokens %d leaves no room for a prompt within data.max_length %d (the trained length); "
+                      "ask for fewer new tokens or pass a prompt limit", max_new_tokens, cfg.data.max_length)
+            return []
+        max_prompt_tokens = cfg.data.max_length - max_new_tokens
     cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, count, max_prompt_tokens, tokenizer=tokenizer)
     if not cases:
         log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt_tokens)

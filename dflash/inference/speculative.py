@@ -79,14 +79,16 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
     if args.length_bucket < 0:
         p.error(f"--length-bucket: must be >= 0, got {args.length_bucket}")
+    if args.json and Path(args.json).is_dir():
+        p.error(f"--json {args.json}: is a directory; give a file name")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         p.error(f"--json {args.json}: its directory {Path(args.json).resolve().parent} does not exist")
     if args.device is not None:
         try:
             dev = torch.device(args.device)
-        except RuntimeError as exc:
-            p.error(f"--device {args.device}: {exc}")
-        if dev.type not in ("cpu", "cuda"):
+        except RuntimeError:
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
             p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
         if dev.type == "cuda" and not torch.cuda.is_available():
             p.error(f"--device {args.device}: this torch sees no CUDA device")

@@ -124,7 +124,10 @@ def read_drafter_config(directory: Union[str, os.PathLike]) -> DFlashConfig:
             vector (``dflash_config.mask_embedding``), which no engine can serve.
     """
     path = Path(directory) / CONFIG_FILE
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
     if ARCHITECTURE not in (data.get("architectures") or []):
         raise ValueError(f"{path}: architectures {data.get('architectures')} does not name {ARCHITECTURE}")
     flags = data.get("dflash_config") or {}
