@@ -116,7 +116,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.training.factory import build_drafter
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
-    from dflash.inference.drafter_checkpoint import resolve_checkpoint
+    from dflash.inference.drafter_checkpoint import open_checkpoint
     from dflash.data.render import stop_token_ids
     from dflash.inference.prompts import heldout_prompts
     from dflash.inference.spec_report import decode_report, format_report
@@ -140,8 +140,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     drafter_dir = None
     if args.checkpoint:
         try:
-            drafter_dir, _ = resolve_checkpoint(args.checkpoint)
-            dcfg = DFlashDraftModel.load_config(drafter_dir)
+            drafter_dir, _, dcfg = open_checkpoint(args.checkpoint)
         except (OSError, ValueError) as exc:
             log.error("--checkpoint %s: %s", args.checkpoint, exc)
             return 2

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from dflash.training.ledger_file import read_jsonl_rows
 
-__all__ = ["EvalTau", "resolve_checkpoint", "last_eval_tau", "checkpoint_step"]
+__all__ = ["EvalTau", "resolve_checkpoint", "open_checkpoint", "last_eval_tau", "checkpoint_step"]
 
 
 def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
@@ -39,6 +39,24 @@ def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
         run = p.parent.parent.parent if p.parent.parent.name == "checkpoints" else None
         return p, run
     raise FileNotFoundError(f"{p}: neither a checkpoint (drafter/config.json) nor a drafter directory (config.json)")
+
+
+def open_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path], Any]:
+    """``(drafter directory, run directory or None, drafter config)`` of a checkpoint path
+    (:func:`resolve_checkpoint`), its ``config.json`` read and its weights file's header checked:
+    what a decoding run needs to know before any model loads.
+
+    Raises:
+        FileNotFoundError: no checkpoint or drafter at ``path``, or no weights file.
+        ValueError: a ``config.json`` that is not a servable DFlash drafter config, or a truncated or
+            corrupt weights file (:func:`dflash.models.drafter_io.check_drafter_weights`).
+    """
+    from dflash.models.drafter_io import check_drafter_weights, read_drafter_config
+
+    drafter_dir, run_dir = resolve_checkpoint(path)
+    config = read_drafter_config(drafter_dir)
+    check_drafter_weights(drafter_dir)
+    return drafter_dir, run_dir, config
 
 
 class EvalTau(NamedTuple):

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
+from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, open_checkpoint
 from dflash.data.render import stop_token_ids
 from dflash.inference.prompts import heldout_prompts
 from dflash.inference.spec_report import LENGTH_BUCKET, MAX_BUCKETS, decode_report, format_report
@@ -130,21 +130,18 @@ def _run(args: argparse.Namespace) -> int:
     from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
     from dflash.config import load_config
     from dflash.models.drafter import DFlashDraftModel
-    from dflash.models.drafter_io import check_drafter_weights
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        drafter_dir, run_dir = resolve_checkpoint(args.checkpoint)
+        drafter_dir, run_dir, dcfg = open_checkpoint(args.checkpoint)  # a damaged drafter fails here
         config_path = args.config
         if config_path is None:
             config_path = (str(run_dir / "config.yaml") if run_dir and (run_dir / "config.yaml").is_file()
                            else DEFAULT_CONFIG)
         cfg = load_config(config_path, args.overrides)
-        dcfg = DFlashDraftModel.load_config(drafter_dir)
-        check_drafter_weights(drafter_dir)  # a damaged file fails here, before the target loads
     except (OSError, ValueError) as exc:  # ConfigError and a corrupt config.json are ValueErrors
         log.error("%s", exc)
         return 2
