@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_real_steps.sh STEP
 #
-# regen       the target's own first responses to every ShareGPT prompt, on both GPUs
+# regen       the target's own first responses to every ShareGPT prompt, on every GPU
 #             -> /tmp/regen/turn1.jsonl (and $KEEP/regen-turn1.jsonl.xz)
 # train_pair  two drafters at once, each on one GPU with its own target (same recipe and steps):
 #             A on the regenerated data (/tmp/runA), B on raw ShareGPT (/tmp/runB)
@@ -11,7 +11,7 @@
 #             (A's held-out split), bf16 and fp32; the newest A export -> $KEEP (15 MiB parts)
 # multinode   two launchers as two nodes (node 0: the target on GPU 0, node 1: the drafter on
 #             GPU 1), tcp between them
-# train_regen configs/smollm2-135m-h200-regen.yaml on both GPUs over regenerated data already there
+# train_regen configs/smollm2-135m-h200-regen.yaml on both GPUs (both roles on one, when only one) over regenerated data already there
 #             (/tmp/regen/turn1.jsonl or .gpu/regen-turn1.jsonl.xz) -> /tmp/run-regen
 # decode_regen decode_bench.py for /tmp/run-regen at 96 (bf16, fp32) and 512 (bf16) new tokens, one
 #             GPU each; its export -> $KEEP (15 MiB parts). ATTN: the target's attention (sdpa)
@@ -34,12 +34,16 @@ PY=${PY:-python3}
 KEEP=${KEEP:-$OUT}
 REAL=(target.path=/tmp/smollm2.gguf)
 children=()
+gpu_ids() { nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,; }
+# one GPU: the target and the drafter share it
+ONE_GPU=()
+[ "$(gpu_ids)" = 0 ] && ONE_GPU=("cluster.drafters=[0]" cluster.allow_shared_gpu=true)
 trap 'for p in "${children[@]}"; do kill "$p" 2>/dev/null; done' EXIT TERM INT
 
 case $step in
 regen)
     DFLASH_CACHE=/tmp/cacheA $PY -m dflash.inference.regenerate --config configs/smollm2-135m-h200-regen.yaml \
-        --output /tmp/regen/turn1.jsonl --gpus 0,1 --batch-size "${REGEN_BATCH:-512}" "${REAL[@]}" \
+        --output /tmp/regen/turn1.jsonl --gpus "$(gpu_ids)" --batch-size "${REGEN_BATCH:-512}" "${REAL[@]}" \
         data.dataset=/tmp/sharegpt.jsonl || exit
     xz -T16 -6 -c /tmp/regen/turn1.jsonl >"$KEEP/regen-turn1.jsonl.xz"
     ls -l /tmp/regen "$KEEP"
@@ -107,7 +111,7 @@ train_regen)
     [ -s /tmp/regen/turn1.jsonl ] || xz -dc .gpu/regen-turn1.jsonl.xz >/tmp/regen/turn1.jsonl || exit
     DFLASH_CACHE=/tmp/cacheA $PY -m launch.cluster train --config configs/smollm2-135m-h200-regen.yaml --overwrite \
         "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl run_dir=/tmp/run-regen \
-        train.max_steps="${STEPS:-3000}" >"$OUT/train.log" 2>&1
+        train.max_steps="${STEPS:-3000}" "${ONE_GPU[@]}" >"$OUT/train.log" 2>&1
     rc=$?
     cp /tmp/run-regen/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
     cp /tmp/run-regen/config.yaml "$OUT/config.yaml" 2>/dev/null
@@ -135,7 +139,7 @@ decode_regen)
 ablation)
     mkdir -p /tmp/regen
     [ -s /tmp/regen/turn1.jsonl ] || xz -dc .gpu/regen-turn1.jsonl.xz >/tmp/regen/turn1.jsonl || exit
-    gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)
+    gpus=$(gpu_ids)
     raw=(); [ -s /tmp/sharegpt.jsonl ] && raw=(--variant raw-sharegpt=data.dataset=/tmp/sharegpt.jsonl)
     DFLASH_CACHE=/tmp/cacheA $PY scripts/ablation.py --gpus "$gpus" --per-gpu "${ABL_PER_GPU:-1}" --steps "${ABL_STEPS:-1000}" \
         ${ABL_VARIANTS:+--variants "$ABL_VARIANTS"} "${raw[@]}" --out /tmp/ablation --work /tmp/ablation-runs \

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_runbook.sh BUDGET_S STEP [STEP ...]
 #
-# STEP is one of: gpu_tests (every test marked gpu), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu,
+# STEP is one of: gpu_tests (every test marked gpu), decode_tests (the GPU tests of decoding, masks and the drafter), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu,
 # decode_speed (random SmolLM2-shaped decoding speed), decode (scripts/decode_bench.py: DECODE_TARGET = SmolLM2 HF dir,
 # DECODE_CHECKPOINT = drafter checkpoint or unset for a random drafter, DECODE_DATA = the ShareGPT file),
 # the real-target steps of scripts/gpu_real_steps.sh (regen, train_pair, decode_pair, multinode,
@@ -63,6 +63,8 @@ for step in "$@"; do
                 -k "gpu or two_processes" ;;
     gpu_tests) run_step gpu_tests 240 $PY -m pytest -q -rs -m gpu tests/test_gpu_compile.py tests/test_model.py \
                 tests/test_trainer.py tests/test_transport.py ;;
+    decode_tests) run_step decode_tests 420 $PY -m pytest -q -rs -m gpu tests/test_speculative.py \
+                tests/test_decode_layers.py tests/test_anchors.py tests/test_masks.py tests/test_model.py ;;
     compile) run_step compile 330 $PY benchmarks/bench_compile.py --arch qwen3-8b --steps 20 --anchors 128 \
                 --skip-target-compile --profile ;;
     compiled_pipeline) run_step compiled_pipeline 230 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r1 \
@@ -72,7 +74,7 @@ for step in "$@"; do
     threaded) run_step threaded 200 $PY benchmarks/bench_pipeline.py --mode threaded --steps 12 --timeout-s 185 $G ;;
     decode_speed) run_step decode_speed 300 $PY scripts/decode_speed.py --out "$res/decode_speed" \
                 --modes compiled,compiled-matmul,compiled-plain --profile --prompts 4 ;;
-    regen) run_step regen 420 bash scripts/gpu_real_steps.sh regen ;;
+    regen) run_step regen 720 bash scripts/gpu_real_steps.sh regen ;;
     train_pair) run_step train_pair 540 bash scripts/gpu_real_steps.sh train_pair ;;
     decode_pair) run_step decode_pair 300 bash scripts/gpu_real_steps.sh decode_pair ;;
     multinode) run_step multinode 240 bash scripts/gpu_real_steps.sh multinode ;;
