@@ -55,7 +55,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--length-bucket", type=int, default=None,
                    help="decoders sized per length bucket of this many tokens (doubled until at most "
                         "dflash.inference.spec_report.MAX_BUCKETS remain), 0 = one sized for the longest "
-                        "prompt (default: dflash.inference.spec_report.LENGTH_BUCKET)")
+                        "prompt (default: dflash.inference.spec_report.default_length_bucket: "
+                        "256 eager, 0 compiled, since each compiled decoder compiles its own steps)")
     p.add_argument("--attention", default=None,
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
                         "one-token step, Y in verification and prefill; default: "
@@ -69,11 +70,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         args.modes = ",".join(MODES) if args.device.startswith("cuda") else "eager"
     args.modes = [m for m in args.modes.split(",") if m]
     from dflash.inference.decode_layers import ATTENTION, split_attention
-    from dflash.inference.spec_report import LENGTH_BUCKET
-
     args.attention = args.attention or ATTENTION
-    args.length_bucket = LENGTH_BUCKET if args.length_bucket is None else args.length_bucket
-    if args.length_bucket < 0:
+    if args.length_bucket is not None and args.length_bucket < 0:
         p.error("--length-bucket: must be >= 0")
     try:
         split_attention(args.attention)

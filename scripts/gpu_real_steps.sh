@@ -43,7 +43,7 @@ trap 'for p in "${children[@]}"; do kill "$p" 2>/dev/null; done' EXIT TERM INT
 case $step in
 regen)
     DFLASH_CACHE=/tmp/cacheA $PY -m dflash.inference.regenerate --config configs/smollm2-135m-h200-regen.yaml \
-        --output /tmp/regen/turn1.jsonl --gpus "$(gpu_ids)" --batch-size "${REGEN_BATCH:-512}" "${REAL[@]}" \
+        --output /tmp/regen/turn1.jsonl --gpus "$(gpu_ids)" --batch-size "${REGEN_BATCH:-512}" "${REAL[@]}" "${ONE_GPU[@]}" \
         data.dataset=/tmp/sharegpt.jsonl || exit
     xz -T16 -6 -c /tmp/regen/turn1.jsonl >"$KEEP/regen-turn1.jsonl.xz"
     ls -l /tmp/regen "$KEEP"

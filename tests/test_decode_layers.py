@@ -272,25 +272,43 @@ def test_flex_greedy_step_inductor_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex decoding kernels need a GPU")
 def test_compiled_flex_equals_sdpa_on_gpu_bf16():
-    """bf16 on CUDA, compiled (CUDA graphs): the flex step's top-2 logits and context features equal
-    the sdpa step's within bf16 rounding, one-token steps and B-token verification at several
-    fill levels; greedy tokens agree wherever the target's top-1/top-2 margin is not a near-tie."""
+    """bf16 on CUDA, compiled (CUDA graphs): the flex step's top-2 logits and context features are
+    as close to an fp32 SDPA reference as the SDPA step's, one-token steps and B-token verification
+    at several fill levels; greedy tokens agree wherever the target's top-1/top-2 margin is not a
+    near-tie.
+
+    bf16 bound: relative Frobenius error ≤ 2.5e-2 and largest error ≤ 4·u·√(N+1)·max|ref|
+    (u = 2⁻⁸, N = 4 layers). On this model (CPU, eager bf16) both attentions measure about 1 %
+    relative error and up to 2 % of max|ref| in their features: rounding of features of magnitude ~4
+    reaches 0.08, beyond a fixed elementwise tolerance between the two bf16 runs."""
     model = _model("qwen3-sliding", head_dim=16).to("cuda", torch.bfloat16)  # flex's CUDA minimum
+    reference = _model("qwen3-sliding", head_dim=16).to("cuda")
     g = torch.Generator().manual_seed(10)
     prompts = [torch.randint(0, 257, (n,), generator=g) for n in (5, 30)]
+    cases = ((1, 0), (1, 40), (4, 7), (16, 60))
     outs = {}
-    for attention in ("sdpa", "flex"):
-        gen = Generator(model, [1, 3], 96, batch_size=2, compile=True, attention=attention)
-        outs[attention] = gen.greedy(prompts, 24)
-        step = torch.compile(gen.forward, dynamic=False)
-        for t, start in ((1, 0), (1, 40), (4, 7), (16, 60)):
+    for attention in ("sdpa", "flex", "fp32"):
+        gen = (Generator(reference, [1, 3], 96, batch_size=2, compile=False, attention="sdpa") if attention == "fp32"
+               else Generator(model, [1, 3], 96, batch_size=2, compile=True, attention=attention))
+        if attention != "fp32":
+            outs[attention] = gen.greedy(prompts, 24)
+        step = gen.forward if attention == "fp32" else torch.compile(gen.forward, dynamic=False)
+        # the same 96-token history in every run's cache, whatever greedy decoding wrote there
+        step(torch.randint(0, 257, (2, 96), generator=torch.Generator().manual_seed(11)).to(model.device),
+             torch.arange(96, device=model.device).expand(2, 96))
+        for t, start in cases:
             pos = torch.clamp(torch.arange(2)[:, None] * 13 + start + torch.arange(t), max=95).cuda()
             ids = torch.randint(0, 257, (2, t), generator=torch.Generator().manual_seed(start)).cuda()
             outs[attention, t, start] = step(ids, pos)
-    for key in [k for k in outs if k != "sdpa" and k != "flex" and k[0] == "flex"]:
-        (v2, _, f2), (v1, _, f1) = outs[key], outs[("sdpa",) + key[1:]]
-        torch.testing.assert_close(v2, v1, rtol=2e-2, atol=5e-2)
-        torch.testing.assert_close(f2.float(), f1.float(), rtol=2e-2, atol=5e-2)
+    bound = 4 * 2.0 ** -8 * 5 ** 0.5
+    for t, start in cases:
+        ref_v, _, ref_f = (x.float() for x in outs["fp32", t, start])
+        for attention in ("sdpa", "flex"):
+            v, _, f = (x.float() for x in outs[attention, t, start])
+            for name, x, ref in (("top-2 logits", v, ref_v), ("features", f, ref_f)):
+                rel = ((x - ref).norm() / ref.norm()).item()
+                worst = (x - ref).abs().max().item()
+                assert rel <= 2.5e-2 and worst <= bound * ref.abs().max().item(), (attention, t, start, name, rel, worst)
     for a, b in zip(outs["flex"], outs["sdpa"]):
         n = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
         if n is not None:  # a flip is only allowed at a near-tie of either run

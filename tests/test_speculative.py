@@ -643,6 +643,16 @@ def test_length_buckets_round_up_and_stay_few():
         length_buckets([5], -1)
 
 
+def test_compiled_decoding_defaults_to_one_decoder():
+    """Every compiled decoder compiles its own steps: one by default; eager decoders are bucketed."""
+    from dflash.inference.spec_report import LENGTH_BUCKET, default_length_bucket, length_buckets
+
+    assert default_length_bucket(True) == 0 and default_length_bucket(False) == LENGTH_BUCKET
+    lengths = [120, 700, 1500, 1800]
+    assert len(set(length_buckets(lengths, default_length_bucket(True)))) == 1
+    assert len(set(length_buckets(lengths, default_length_bucket(False)))) == 4
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_decode_report_length_buckets_decode_like_one_decoder(target, prompts, references, trained_drafter,
                                                               greedy_rows, batch):
