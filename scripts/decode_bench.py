@@ -59,8 +59,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "256 eager, 0 compiled, since each compiled decoder compiles its own steps)")
     p.add_argument("--attention", default=None,
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
-                        "one-token step, Y in verification and prefill; default: "
-                        "dflash.inference.decode_layers.ATTENTION)")
+                        "one-token step, Y in verification and prefill; default: reduce+sdpa at batch 1, sdpa "
+                        "above, dflash.inference.decode_layers.default_attention)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--out", default="decode-bench-out")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
@@ -69,8 +69,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.modes is None:
         args.modes = ",".join(MODES) if args.device.startswith("cuda") else "eager"
     args.modes = [m for m in args.modes.split(",") if m]
-    from dflash.inference.decode_layers import ATTENTION, split_attention
-    args.attention = args.attention or ATTENTION
+    from dflash.inference.decode_layers import default_attention, split_attention
+    args.attention = args.attention or default_attention(args.batch)
     if args.length_bucket is not None and args.length_bucket < 0:
         p.error("--length-bucket: must be >= 0")
     try:

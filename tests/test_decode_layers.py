@@ -315,3 +315,18 @@ def test_compiled_flex_equals_sdpa_on_gpu_bf16():
             assert min(b.top2[n][0] - b.top2[n][1], a.top2[n][0] - a.top2[n][1]) < 5e-2, n
         m = len(a.tokens) if n is None else n
         torch.testing.assert_close(torch.tensor(a.top2[:m]), torch.tensor(b.top2[:m]), rtol=2e-2, atol=5e-2)
+
+
+def test_default_attention_by_batch_size():
+    """``reduce`` in the one-token step at batch 1 (where it was measured faster), SDPA above; an
+    explicit spec wins."""
+    from dflash.inference.decode_layers import ATTENTION, BATCH_ATTENTION, REDUCE_MAX_BATCH, default_attention
+
+    model = _model("llama")
+    for batch in (1, REDUCE_MAX_BATCH + 1, 16):
+        want = ATTENTION if batch <= REDUCE_MAX_BATCH else BATCH_ATTENTION
+        assert default_attention(batch) == want
+        gen = Generator(model, [1], 32, batch_size=batch, compile=False)
+        assert gen.attention == want
+        assert (gen.step_attention, gen.block_attention) == split_attention(want)
+    assert Generator(model, [1], 32, batch_size=4, compile=False, attention="reduce").attention == "reduce"

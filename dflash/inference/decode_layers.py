@@ -43,19 +43,32 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 
-__all__ = ["ATTENTION", "ATTENTIONS", "FusedDecoderLayer", "decode_score_mod", "fusable", "fuse_layers",
-           "reduce_attention", "rotate_half", "split_attention"]
+__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FusedDecoderLayer", "REDUCE_MAX_BATCH", "decode_score_mod",
+           "default_attention", "fusable", "fuse_layers", "reduce_attention", "rotate_half", "split_attention"]
 
 #: Decoding's default attention spec (:func:`split_attention`): ``"reduce"`` in the one-token step,
 #: SDPA in verification and prefill; the fastest measured on an H200 (SmolLM2-135M, bf16, batch 1,
 #: prompts of up to 544 tokens: 564 target-only tokens/s against 457 with SDPA alone; ``reduce``
 #: in verification made it 40 % slower).
 ATTENTION = "reduce+sdpa"
+#: The default attention spec for batches above :data:`REDUCE_MAX_BATCH` rows.
+BATCH_ATTENTION = "sdpa"
+#: The largest batch that gets :data:`ATTENTION` by default: ``reduce`` was measured faster at batch
+#: 1 only; larger batches keep SDPA, with which regeneration (256–512 rows) was measured.
+REDUCE_MAX_BATCH = 1
 #: Every attention a fused layer implements: ``"sdpa"``, ``"matmul"`` (softmax(q·kᵀ·scale + mask)·v,
 #: fp32 softmax), ``"flex"`` (flex_attention with the mask as a ``score_mod``, :func:`decode_score_mod`)
 #: and ``"reduce"`` (fp32 attention written as broadcast products and sums that inductor splits over
 #: the cache slots, :func:`reduce_attention`).
 ATTENTIONS = ("sdpa", "matmul", "flex", "reduce")
+
+
+def default_attention(batch_size: int) -> str:
+    """The attention spec decoding uses when none is given: :data:`ATTENTION` up to
+    :data:`REDUCE_MAX_BATCH` rows, :data:`BATCH_ATTENTION` above (``reduce``'s fp32 broadcast sums
+    pay off when one row's few query heads would leave a fused kernel's thread blocks idle, not
+    when hundreds of rows fill them)."""
+    return ATTENTION if batch_size <= REDUCE_MAX_BATCH else BATCH_ATTENTION
 
 
 def split_attention(spec: str) -> tuple[str, str]:

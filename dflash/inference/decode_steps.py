@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.decode_layers import ATTENTION, fuse_layers, split_attention
+from dflash.inference.decode_layers import default_attention, fuse_layers, split_attention
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import DFlashProposer
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
@@ -89,10 +89,11 @@ class DecodeSteps:
             projections, grouped-query attention on the cache in place) when every layer is
             supported; ``False`` = through the transformers layers. Same math either way.
         attention: the fused layers' attention, one of
-            :data:`dflash.inference.decode_layers.ATTENTIONS` (default
-            :data:`dflash.inference.decode_layers.ATTENTION`), or ``"X+Y"``: ``X`` in the
+            :data:`dflash.inference.decode_layers.ATTENTIONS`, or ``"X+Y"``: ``X`` in the
             target-only one-token step, ``Y`` in verification and prefill
-            (:func:`dflash.inference.decode_layers.split_attention`); ``"flex"`` builds no mask tensor.
+            (:func:`dflash.inference.decode_layers.split_attention`); ``"flex"`` builds no mask tensor;
+            ``None``: :func:`dflash.inference.decode_layers.default_attention` of ``batch_size``
+            (kept in :attr:`attention`).
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
@@ -104,8 +105,9 @@ class DecodeSteps:
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
-                 attention: str = ATTENTION) -> None:
-        self.step_attention, self.block_attention = split_attention(attention)
+                 attention: Optional[str] = None) -> None:
+        self.attention = default_attention(batch_size) if attention is None else attention
+        self.step_attention, self.block_attention = split_attention(self.attention)
         self.model = model.eval()
         self.decoder = _decoder(model)
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

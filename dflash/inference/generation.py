@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.decode_layers import ATTENTION
 from dflash.inference.decode_state import SLACK
 from dflash.inference.decode_steps import DecodeSteps
 
@@ -139,7 +138,7 @@ class Generator(DecodeSteps):
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
-                 fuse: bool = True, attention: str = ATTENTION) -> None:
+                 fuse: bool = True, attention: Optional[str] = None) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
         super().__init__(model, layer_ids, max_len, batch_size=batch_size, drafter=drafter, compile=compile,

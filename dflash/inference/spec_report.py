@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from dflash.inference.acceptance import Walk, measured_per_position, offline_tau, walk_tau
-from dflash.inference.decode_layers import ATTENTION
 from dflash.inference.generation import Generation, Generator
 from dflash.inference.lossless import first_difference
 from dflash.inference.oracle import naive_greedy_decode
@@ -101,7 +100,7 @@ def default_length_bucket(compiled: bool) -> int:
 
 
 def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
-                     stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: str,
+                     stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: Optional[str],
                      length_bucket: int) -> tuple[dict[int, Generator], list[int], float]:
     """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run once
     both ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA).
@@ -232,7 +231,7 @@ def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: An
 @torch.no_grad()
 def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], *, max_new_tokens: int,
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
-                  labels: str = "target", attention: str = ATTENTION, length_bucket: Optional[int] = None
+                  labels: str = "target", attention: Optional[str] = None, length_bucket: Optional[int] = None
                   ) -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
@@ -247,7 +246,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
             walked, replay).
         labels: offline τ labels on the dataset conversations (training's ``drafter.labels``).
         attention: the fused target layers' attention spec
-            (:func:`dflash.inference.decode_layers.split_attention`).
+            (:func:`dflash.inference.decode_layers.split_attention`; ``None``: by batch size,
+            :func:`dflash.inference.decode_layers.default_attention`).
         length_bucket: prompts are decoded by a decoder sized to their length bucket
             (:func:`length_buckets`; 0 = one decoder sized for the longest), target-only and
             speculative alike; ``None``: :func:`default_length_bucket`.
@@ -272,7 +272,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
     ps, pt = _pooled(spec, groups), _pooled(base, groups)
     summary: dict[str, Any] = {
         "prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": b_sz, "batch": batch,
-        "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "attention": attention,
+        "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "attention": gen.attention,
         "decoder_lengths": sorted(gens),
         "device": str(gen.device),
         "identical": sum(r["result"] == "identical" for r in rows), "ties": sum(r["result"] == "tie" for r in rows),
@@ -297,7 +297,7 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     s, rows = report["summary"], report["prompts"]
     lines = [f"{s['prompts']} held-out prompts, max {s['max_new_tokens']} new tokens, B={s['block_size']}, "
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
-             f"attention {s.get('attention', ATTENTION)}, decoders of {s.get('decoder_lengths', '?')} positions",
+             f"attention {s.get('attention', '?')}, decoders of {s.get('decoder_lengths', '?')} positions",
              "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
     lines.append(f"{'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'result':>9} {'tau':>5} {'steps':>5} "
                  f"{'spec tok/s':>10} {'target tok/s':>12} {'off own':>7} {'walk':>5} {'replay':>7} {'off data':>8}")
