@@ -10,7 +10,8 @@ bf16 on GPUs, ``--decode-mode`` eager by default: the ablation compares τ, not 
 compile warm-up; ``--decode-batch`` prompts at a time, each row accepting its own drafts).
 
 Results: ``<out>/<variant>/result.json`` per variant and, after every variant, ``<out>/ablation.md``
-(one table row per variant) and ``<out>/ablation.json``. A variant whose ``result.json`` exists is
+(one table row per variant), ``<out>/ablation.json`` and ``<out>/recipe.json`` (the overrides of
+every variant that beat the baseline's decoding τ, stacked: :func:`stacked_recipe`). A variant whose ``result.json`` exists is
 not run again (if it was made with the same settings, else the script refuses to start); an
 interrupted one resumes from its newest checkpoint (``--resume``). Every
 variant's config is loaded and checked before anything runs, so a bad override fails at once.
@@ -151,6 +152,43 @@ def decode_summary(bench: dict[str, Any]) -> dict[str, Any]:
     return {"decode_tau": s["tau"], "decode_walk": s.get("offline_tau_own_walk", math.nan),
             "decode_check": f"{s['identical']}/{s['ties']}/{s['failures']}",
             "target_tok_s": s["target_tok_s"], "spec_tok_s": s["spec_tok_s"]}
+
+
+#: Decoding-τ gain over ``baseline`` a variant needs to enter the stacked recipe: 16 prompts × 96
+#: tokens measure τ to about this much between drafters of one recipe.
+GAIN_MARGIN = 0.02
+
+
+def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN) -> dict[str, Any]:
+    """The recipe the ablation suggests: the overrides of every decoded variant whose decoding τ
+    exceeds the baseline's by more than ``margin``, the largest gain first; a config key set by two
+    of them keeps the larger gain's value. Each gain was measured alone: whether they add up is for
+    a training run of the stacked recipe to show.
+
+    Args:
+        results: ``result.json`` contents (``variant``, ``overrides``, ``ok``, ``decode_tau``).
+        margin: τ gain needed (tokens a verification pass).
+
+    Returns:
+        ``{"baseline_tau", "margin", "variants": [names, largest gain first], "gains": {name: gain},
+        "overrides": [key=value, ...]}``.
+
+    Raises:
+        ValueError: no decoded ``baseline`` among ``results``.
+    """
+    ok = [r for r in results if r.get("ok") and "decode_tau" in r]
+    base = next((r for r in ok if r["variant"] == "baseline"), None)
+    if base is None:
+        raise ValueError("no decoded baseline variant: the recipe is measured against it")
+    gains = {r["variant"]: r["decode_tau"] - base["decode_tau"] for r in ok if r["variant"] != "baseline"}
+    better = sorted((n for n, g in gains.items() if g > margin), key=lambda n: -gains[n])
+    by_name = {r["variant"]: r for r in ok}
+    overrides: dict[str, str] = {}
+    for name in better:
+        for item in by_name[name]["overrides"]:
+            overrides.setdefault(item.split("=", 1)[0], item)
+    return {"baseline_tau": base["decode_tau"], "margin": margin, "variants": better,
+            "gains": {n: gains[n] for n in better}, "overrides": list(overrides.values())}
 
 
 def table(variants: list[Variant], meta: dict[str, Any]) -> str:
@@ -401,6 +439,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         (out / "ablation.json").write_text(json.dumps({"meta": meta, "variants": [v.result for v in variants if v.result]},
                                                       indent=1))
         (out / "ablation.md").write_text(table(variants, meta))
+        try:
+            (out / "recipe.json").write_text(json.dumps(stacked_recipe([v.result for v in variants if v.result]),
+                                                        indent=1))
+        except ValueError:  # no baseline decoded yet
+            pass
 
     todo: list[Variant] = []
     for v in variants:

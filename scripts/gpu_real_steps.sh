@@ -13,6 +13,7 @@
 #             GPU 1), tcp between them
 # train_regen configs/smollm2-135m-h200-regen.yaml on both GPUs (both roles on one, when only one) over regenerated data already there
 #             (/tmp/regen/turn1.jsonl or .gpu/regen-turn1.jsonl.xz) -> /tmp/run-regen
+# train_best  as train_regen, with the overrides of the ablation's /tmp/ablation/recipe.json -> /tmp/run-best
 # decode_regen decode_bench.py for /tmp/run-regen at 96 (bf16, fp32) and 512 (bf16) new tokens, one
 #             GPU each; its export -> $KEEP (15 MiB parts). ATTN: the target's attention (sdpa)
 #
@@ -104,17 +105,26 @@ multinode)
     echo "rc node 0 $rc0, node 1 $rc1"
     (( rc0 == 0 && rc1 == 0 ))
     ;;
-train_regen)
+train_regen|train_best)
     # the regeneration recipe on both GPUs (target on 0, drafter on 1), on regenerated data that is
-    # already there (/tmp/regen/turn1.jsonl, or .gpu/regen-turn1.jsonl.xz unpacked)
+    # already there (/tmp/regen/turn1.jsonl, or .gpu/regen-turn1.jsonl.xz unpacked) -> /tmp/run-regen;
+    # train_best: with the ablation's stacked recipe (/tmp/ablation/recipe.json) -> /tmp/run-best
     mkdir -p /tmp/regen
     [ -s /tmp/regen/turn1.jsonl ] || xz -dc .gpu/regen-turn1.jsonl.xz >/tmp/regen/turn1.jsonl || exit
+    run=/tmp/run-regen recipe=()
+    if [ "$step" = train_best ]; then
+        run=/tmp/run-best
+        [ -s /tmp/ablation/recipe.json ] || { echo "no /tmp/ablation/recipe.json: run the ablation step first"; exit 2; }
+        mapfile -t recipe < <($PY -c 'import json, sys; sys.stdout.write("".join(o + "\n" for o in json.load(open(sys.argv[1]))["overrides"]))' \
+            /tmp/ablation/recipe.json)
+        echo "stacked recipe: ${recipe[*]:-(none beat the baseline: the base config)}"
+    fi
     DFLASH_CACHE=/tmp/cacheA $PY -m launch.cluster train --config configs/smollm2-135m-h200-regen.yaml --overwrite \
-        "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl run_dir=/tmp/run-regen \
-        train.max_steps="${STEPS:-3000}" "${ONE_GPU[@]}" >"$OUT/train.log" 2>&1
+        "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl run_dir=$run \
+        train.max_steps="${STEPS:-3000}" "${ONE_GPU[@]}" "${recipe[@]}" >"$OUT/train.log" 2>&1
     rc=$?
-    cp /tmp/run-regen/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
-    cp /tmp/run-regen/config.yaml "$OUT/config.yaml" 2>/dev/null
+    cp $run/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
+    cp $run/config.yaml "$OUT/config.yaml" 2>/dev/null
     tail -n 4 "$OUT/train.log"
     exit $rc
     ;;
@@ -176,5 +186,5 @@ decode_one)
     [ -n "$ran" ] && { bench "$ran" 512 bfloat16 || rc=1; }
     exit $rc
     ;;
-*) echo "unknown step $step (regen, train_pair, decode_pair, multinode, train_regen, decode_regen, ablation, decode_one)"; exit 2 ;;
+*) echo "unknown step $step (regen, train_pair, decode_pair, multinode, train_regen, train_best, decode_regen, ablation, decode_one)"; exit 2 ;;
 esac

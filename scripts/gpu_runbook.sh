@@ -7,7 +7,7 @@
 # decode_speed (random SmolLM2-shaped decoding speed), decode (scripts/decode_bench.py: DECODE_TARGET = SmolLM2 HF dir,
 # DECODE_CHECKPOINT = drafter checkpoint or unset for a random drafter, DECODE_DATA = the ShareGPT file),
 # the real-target steps of scripts/gpu_real_steps.sh (regen, train_pair, decode_pair, multinode,
-# train_regen, decode_regen, ablation, decode_one), ckpt / ckpt_pipeline ($ANCHORS, default 512, anchors a row with drafter.gradient_checkpointing
+# train_regen, train_best, decode_regen, ablation, decode_one), ckpt / ckpt_pipeline ($ANCHORS, default 512, anchors a row with drafter.gradient_checkpointing
 # at the Qwen3-8B shape: one step, then the two-GPU pipeline) and flex (decode_speed with the attention
 # variants, prompts of 480 tokens).
 # Each step runs under `timeout` (its own limit, cut to what is left of BUDGET_S), writes into
@@ -79,6 +79,7 @@ for step in "$@"; do
     decode_pair) run_step decode_pair 300 bash scripts/gpu_real_steps.sh decode_pair ;;
     multinode) run_step multinode 240 bash scripts/gpu_real_steps.sh multinode ;;
     train_regen) run_step train_regen 960 bash scripts/gpu_real_steps.sh train_regen ;;
+    train_best) run_step train_best 960 bash scripts/gpu_real_steps.sh train_best ;;
     decode_regen) run_step decode_regen 420 bash scripts/gpu_real_steps.sh decode_regen ;;
     decode_one) run_step decode_one 900 bash scripts/gpu_real_steps.sh decode_one ;;
     ablation) run_step ablation 3600 bash scripts/gpu_real_steps.sh ablation ;;

@@ -124,3 +124,38 @@ def test_kept_results_are_reused_only_with_the_same_setup(ablation, tmp_path, ca
     with pytest.raises(SystemExit):
         ablation.parse_args(argv[:-3] + ["--out", str(tmp_path / "f")])
     assert "--out" in capsys.readouterr().err  # "is a file, not a directory"
+
+
+def test_stacked_recipe_against_a_naive_reading(ablation):
+    """Random results: the stacked recipe holds exactly the variants beating baseline by more than
+    the margin, largest gain first, and each key once, from the largest gain that sets it."""
+    rng = random.Random(7)
+    keys = ["drafter.loss_gamma", "train.lr", "drafter.num_layers", "train.warmup_ratio"]
+    for _ in range(200):
+        results = [{"variant": "baseline", "overrides": [], "ok": True, "decode_tau": rng.uniform(1.5, 2.5)}]
+        for i in range(rng.randint(0, 6)):
+            over = [f"{k}={rng.randint(1, 9)}" for k in rng.sample(keys, rng.randint(1, 2))]
+            r = {"variant": f"v{i}", "overrides": over, "ok": rng.random() > 0.2, "decode_tau": rng.uniform(1.5, 2.5)}
+            if rng.random() < 0.1:
+                del r["decode_tau"]
+            results.append(r)
+        rng.shuffle(results)
+        got = ablation.stacked_recipe(results, margin=0.05)
+        base = next(r["decode_tau"] for r in results if r["variant"] == "baseline")
+        winners = [r for r in results if r["variant"] != "baseline" and r["ok"] and "decode_tau" in r
+                   and r["decode_tau"] - base > 0.05]
+        winners.sort(key=lambda r: r["decode_tau"], reverse=True)
+        assert got["variants"] == [r["variant"] for r in winners]
+        want, seen = [], set()
+        for r in winners:  # naive: walk the winners, keep the first value of each key
+            for item in r["overrides"]:
+                key = item.split("=")[0]
+                if key not in seen:
+                    seen.add(key)
+                    want.append(item)
+        assert got["overrides"] == want
+        assert got["baseline_tau"] == base
+        for r in winners:
+            assert math.isclose(got["gains"][r["variant"]], r["decode_tau"] - base)
+    with pytest.raises(ValueError, match="baseline"):
+        ablation.stacked_recipe([{"variant": "v0", "overrides": [], "ok": True, "decode_tau": 2.0}])
