@@ -28,6 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also without an install
+
 import torch
 
 log = logging.getLogger("decode_bench")

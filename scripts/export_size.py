@@ -11,9 +11,12 @@ directory's files with their sizes in bytes and GiB.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also without an install
+
+import torch  # noqa: E402
 from torch import nn
 
 from dflash.inference.export import export_drafter

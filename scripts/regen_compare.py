@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also without an install
+
 import torch
 
 from dflash.data.batching import BatchPlan
