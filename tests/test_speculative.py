@@ -154,6 +154,22 @@ def test_static_greedy_equals_naive(target, prompts, references, batch):
             assert len(out.top2) == MAX_NEW and all(z1 >= z2 for z1, z2 in out.top2)
 
 
+def test_static_greedy_records_the_logit_spread(target, prompts, references):
+    """Each token's recorded spread equals ``max_v |z_v − mean(z)|`` of a full forward over the
+    prompt and the tokens before it, computed here with a plain loop over the vocabulary."""
+    gen = Generator(target.model, [], MAX_LEN, batch_size=2)
+    for prompt, out in zip(prompts[:2], gen.greedy(prompts[:2], 6)):
+        assert len(out.spread) == len(out.tokens) == 6
+        for j in range(6):
+            seq = torch.cat([prompt, torch.tensor(out.tokens[:j], dtype=torch.long)])
+            with torch.no_grad():
+                z = target.model(input_ids=seq[None]).logits[0, -1].float().tolist()
+            mean = sum(z) / len(z)
+            want = max(abs(v - mean) for v in z)
+            assert out.spread[j] == pytest.approx(want, rel=1e-4, abs=1e-4)
+            assert out.top2[j][0] == pytest.approx(max(z), rel=1e-4, abs=1e-4)
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 def test_lossless_with_dflash_drafter(target, prompts, references, trained_drafter, block_size):
     drafter = trained_drafter if block_size == 4 else make_drafter(target, block_size, num_layers=2, seed=block_size)
@@ -416,19 +432,25 @@ def test_tie_bound_values():
     assert tie_bound(-20.0, 30, torch.bfloat16) == tie_bound(20.0, 30, torch.bfloat16)
     assert tie_bound(0.1, 3, torch.bfloat16) == pytest.approx(2 ** -8 * 2.0)  # |z1| floored at 1
     assert tie_bound(20.0, 30, torch.float16) == pytest.approx(2 ** -11 * math.sqrt(31) * 20.0)
+    assert tie_bound(2.8, 30, torch.bfloat16, spread=20.0) == pytest.approx(2 ** -8 * math.sqrt(31) * 20.0)
+    assert tie_bound(25.0, 30, torch.bfloat16, spread=20.0) == tie_bound(25.0, 30, torch.bfloat16)
+    assert tie_bound(2.8, 30, torch.float32, spread=20.0) == 0.0
     with pytest.raises(ValueError):
         tie_bound(1.0, 0, torch.bfloat16)
 
 
-def _run(tokens: list[int], logits: list[list[float]]) -> Generation:
-    """A run whose top-2 per token comes from constructed logits; checks the tokens are their argmax."""
-    top2 = []
+def _run(tokens: list[int], logits: list[list[float]], spread: bool = True) -> Generation:
+    """A run whose top-2 (and, with ``spread``, spread) per token comes from constructed logits;
+    checks the tokens are their argmax."""
+    top2, spreads = [], []
     for tok, row in zip(tokens, logits):
         t = torch.tensor(row)
         assert int(t.argmax()) == tok
         v = t.topk(2).values.tolist()
         top2.append((v[0], v[1]))
-    return Generation(tokens=tokens, top2=top2)
+        mean = sum(row) / len(row)
+        spreads.append(max(abs(z - mean) for z in row))
+    return Generation(tokens=tokens, top2=top2, spread=spreads if spread else [])
 
 
 def test_margin_rule_on_constructed_logits():
@@ -458,6 +480,33 @@ def test_margin_rule_on_constructed_logits():
     # Equal tokens but one run is longer: never a tie.
     d = first_difference(_run([0], same), _run([0, 0], same * 2), n_layers, torch.bfloat16)
     assert d.position == 1 and not d.tie
+
+
+def test_margin_rule_ignores_a_common_shift_of_the_logits():
+    """Logits shifted far below zero (top logit near 0) keep the bound of their spread: a flip with
+    margins 0.17 / 0.016 (as seen in bf16 with z1 = 2.8, mean −15) is a tie, and shifting every
+    logit by the same constant changes nothing while |z1| stays under the spread. Without a
+    recorded spread the bound rests on |z1| and the same flip fails."""
+    n_layers = 30
+    tail = [-35.0, -30.0, -25.0, -20.0, -18.0, -16.0, -15.0]
+    spec_row = [2.8, 2.628] + tail        # token 0 wins by 0.172
+    base_row = [2.8, 2.816] + tail        # token 1 wins by 0.016
+    same = [[5.0, -3.0] + tail]
+    for shift in (0.0, -4.0, 3.0, 10.0):
+        s = [[z + shift for z in same[0]], [z + shift for z in spec_row]]
+        b = [[z + shift for z in same[0]], [z + shift for z in base_row]]
+        d = first_difference(_run([0, 0], s), _run([0, 1], b), n_layers, torch.bfloat16)
+        mean = sum(base_row) / len(base_row)
+        spread = max(max(abs(z - mean) for z in base_row), max(abs(z - sum(spec_row) / 9) for z in spec_row))
+        assert d.position == 1 and d.spread == pytest.approx(spread, rel=1e-5)
+        assert d.bound == pytest.approx(2 ** -8 * math.sqrt(31) * spread, rel=1e-5) and d.tie, shift
+    d = first_difference(_run([0, 0], [same[0], spec_row], spread=False),
+                         _run([0, 1], [same[0], base_row], spread=False), n_layers, torch.bfloat16)
+    assert d.bound == pytest.approx(tie_bound(2.816, n_layers, torch.bfloat16)) and not d.tie
+    # A margin well above the spread's bound still fails.
+    far = [2.8, 1.0] + tail
+    d = first_difference(_run([0, 0], [same[0], far]), _run([0, 1], [same[0], base_row]), n_layers, torch.bfloat16)
+    assert d.spec_margin == pytest.approx(1.8, rel=1e-5) and not d.tie
 
 
 # --------------------------------------------------------------------------- offline τ

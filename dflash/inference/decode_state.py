@@ -14,8 +14,8 @@ graphs (pytorch-labs/gpt-fast ``generate.py`` keeps its cache the same way).
 * ``features [b, T_max, L·D]``: the DFlash context features (``hidden_states[id + 1]`` of the
   target's layers ``layer_ids``, concatenated) of every position the target has run.
 * ``active [b]``, ``limit [b]``, ``stop_ids [S]``: which rows still generate, each row's last
-  position, the stop tokens; ``top2 [b, T_max, 2]``: the target's top-2 logits (fp32) of the
-  forward that produced each token; ``accepted [b, T_max]``: ``m + 1`` of the pass anchored at
+  position, the stop tokens; ``logit_stats [b, T_max, 3]``: the target's two largest logits and
+  their spread (fp32; :meth:`DecodeSteps.forward`) at the forward that produced each token; ``accepted [b, T_max]``: ``m + 1`` of the pass anchored at
   each position.
 
 Entries past ``anchor`` are stale (rejected drafts) and are never read: the target's attention mask
@@ -93,7 +93,7 @@ class DecodeState:
     active: Tensor      # [b] bool: rows still generating (others keep their anchor)
     features: Tensor    # [b, T_max, L·D] target dtype
     drafts: Tensor      # [b, B-1] int64 (speculative only; [b, 0] otherwise)
-    top2: Tensor        # [b, T_max, 2] fp32: the target's (z1, z2) at the forward that produced token j
+    logit_stats: Tensor  # [b, T_max, 3] fp32: the target's (z1, z2, spread) at the forward that produced token j
     accepted: Tensor    # [b, T_max] int64: m + 1 of the verification pass anchored at j (0 = none)
     limit: Tensor       # [b] int64: the last position a row may emit (prompt length + max_new_tokens − 1)
     stop_ids: Tensor    # [S] int64: stop tokens, padded with -1 (never an id)
@@ -119,11 +119,11 @@ class DecodeState:
             active=torch.zeros(b, dtype=torch.bool, device=dev),
             features=torch.zeros(b, max_len, feature_width, dtype=dtype, device=dev),
             drafts=torch.zeros(b, max(0, block_size - 1), dtype=torch.long, device=dev),
-            top2=torch.zeros(b, max_len, 2, dtype=torch.float32, device=dev),
+            logit_stats=torch.zeros(b, max_len, 3, dtype=torch.float32, device=dev),
             accepted=torch.zeros(b, max_len, dtype=torch.long, device=dev),
             limit=torch.zeros(b, dtype=torch.long, device=dev),
             stop_ids=torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev))
-        for t in (state.tokens, state.anchor, state.active, state.features, state.drafts, state.top2,
+        for t in (state.tokens, state.anchor, state.active, state.features, state.drafts, state.logit_stats,
                   state.accepted, state.limit, state.stop_ids):
             torch._dynamo.mark_static_address(t)
         return state

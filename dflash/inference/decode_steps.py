@@ -244,8 +244,10 @@ class DecodeSteps:
             attention: the fused layers' attention in this forward (default: the multi-token one).
 
         Returns:
-            ``(top2 values [b', T', 2] fp32, top2 ids [b', T', 2] int64, features [b', T, L·D] or None)``
-            with ``T' = 1`` when ``logits_at`` is given; ids ``[..., 0]`` is the argmax (ties to the lowest id).
+            ``(logit stats [b', T', 3] fp32, top-2 ids [b', T', 2] int64, features [b', T, L·D] or None)``
+            with ``T' = 1`` when ``logits_at`` is given. The stats are ``(z1, z2, spread)``: the two largest
+            logits and ``max_v |z_v − mean(z)|`` over the vocabulary (the logits' scale for the tie bound,
+            :func:`dflash.inference.lossless.tie_bound`); ids ``[..., 0]`` is the argmax (ties to the lowest id).
         """
         dec = self.decoder
         kv = self.state.kv
@@ -284,7 +286,8 @@ class DecodeSteps:
             hidden = hidden.gather(1, logits_at.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
         logits = self.model.get_output_embeddings()(hidden).float()
         top = logits.topk(2, dim=-1)
-        return top.values, top.indices, feats
+        spread = (logits - logits.mean(dim=-1, keepdim=True)).abs().amax(dim=-1, keepdim=True)
+        return torch.cat([top.values, spread], dim=-1), top.indices, feats
 
     # ----------------------------------------------------------------------- step functions
 
@@ -309,8 +312,8 @@ class DecodeSteps:
         nxt = torch.clamp(a + 1, max=self.max_len - 1)[:, None]  # [b, 1]
         act = active[:, None]
         st.tokens.scatter_(1, nxt, torch.where(act, tok, st.tokens.gather(1, nxt)))
-        at = nxt.unsqueeze(-1).expand(-1, -1, 2)
-        st.top2.scatter_(1, at, torch.where(act.unsqueeze(-1), vals, st.top2.gather(1, at)))
+        at = nxt.unsqueeze(-1).expand(-1, -1, 3)
+        st.logit_stats.scatter_(1, at, torch.where(act.unsqueeze(-1), vals, st.logit_stats.gather(1, at)))
         ends = self._ends(tok, nxt)[:, 0]
         st.anchor.copy_(torch.where(active, nxt[:, 0], a))
         st.active.copy_(active & ~ends)
@@ -356,8 +359,8 @@ class DecodeSteps:
         bonus = greedy.gather(1, m[:, None])
         st.tokens.scatter_(1, nxt, torch.where(act, bonus, st.tokens.gather(1, nxt)))
         emitted = torch.clamp(pos + 1, max=last)  # [b, B]: where g_k goes if accepted
-        at = emitted.unsqueeze(-1).expand(-1, -1, 2)
-        st.top2.scatter_(1, at, torch.where(act.unsqueeze(-1), vals, st.top2.gather(1, at)))
+        at = emitted.unsqueeze(-1).expand(-1, -1, 3)
+        st.logit_stats.scatter_(1, at, torch.where(act.unsqueeze(-1), vals, st.logit_stats.gather(1, at)))
         here = a[:, None]
         st.accepted.scatter_(1, here, torch.where(act, m[:, None] + 1, st.accepted.gather(1, here)))
         ends = (self._ends(greedy, emitted) & (offsets <= m[:, None])).any(dim=1)
@@ -402,11 +405,11 @@ class DecodeSteps:
                                                      logits_at=last)
             st.tokens[rows, :width] = ids
             st.tokens[rows, last + 1] = top[:, 0, 0]
-            st.top2[rows, last + 1] = vals[:, 0]
+            st.logit_stats[rows, last + 1] = vals[:, 0]
             if feats is not None:
                 st.features[rows, :width] = feats
             st.anchor[rows] = last + 1
             st.active[rows] = True
             firsts, z = top[:, 0, 0].tolist(), vals[:, 0].tolist()
-            out += [(int(t), (a, b)) for t, (a, b) in zip(firsts, z)]
+            out += [(int(t), (a, b)) for t, (a, b, _) in zip(firsts, z)]
         return out

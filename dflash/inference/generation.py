@@ -53,6 +53,8 @@ class Generation:
             ``max_new_tokens``.
         top2: per generated token, the target's two largest logits ``(z1, z2)`` (fp32 of the
             model-dtype logits) at the forward that produced it.
+        spread: per generated token, ``max_v |z_v − mean(z)|`` of those logits (the scale of
+            :func:`dflash.inference.lossless.tie_bound`); empty where a producer did not record it.
         accepted: per verification pass, ``m + 1`` (accepted drafts plus the bonus); empty for
             target-only decoding.
         anchors: per verification pass, the anchor's position.
@@ -63,6 +65,7 @@ class Generation:
 
     tokens: list[int] = field(default_factory=list)
     top2: list[tuple[float, float]] = field(default_factory=list)
+    spread: list[float] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     anchors: list[int] = field(default_factory=list)
     target_forwards: int = 0
@@ -211,14 +214,16 @@ class Generator(DecodeSteps):
         anchor = st.anchor[:n].tolist()
         end = max(anchor) + 1
         tokens = st.tokens[:n, :end].tolist()
-        top2 = st.top2[:n, :end].tolist()
+        stats = st.logit_stats[:n, :end].tolist()
         accepted = st.accepted[:n, :end].tolist() if passes else None
         for r, (g, prompt) in enumerate(zip(gens, prompts)):
             p = prompt.numel()
             out = tokens[r][p:anchor[r] + 1][:max_new_tokens]
             cut = next((i for i, t in enumerate(out) if t in self._stops), None)
             g.tokens = out if cut is None else out[:cut + 1]
-            g.top2 = [(z[0], z[1]) for z in top2[r][p:p + len(g.tokens)]]
+            mine = stats[r][p:p + len(g.tokens)]
+            g.top2 = [(z[0], z[1]) for z in mine]
+            g.spread = [z[2] for z in mine]
             if accepted is None:
                 g.target_forwards = len(g.tokens)
                 continue
