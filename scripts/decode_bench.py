@@ -14,7 +14,9 @@ Example (the H200, real SmolLM2, a trained drafter)::
     python scripts/decode_bench.py --target /path/to/smollm2-hf-dir --checkpoint runs/x/checkpoints/step-N \\
         --out /tmp/decode data.dataset=.gpu/sharegpt.jsonl
 
-Exit status: 1 when any run's outputs FAIL the margin rule, else 0.
+Exit status: 0 when every run's outputs are identical or differ at numerical ties, 1 when any run's
+outputs FAIL the margin rule, 2 on bad input (arguments, config, checkpoint, no usable prompt), 3 on
+any other error (its traceback is logged), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also without an install
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the repository root, also without an install
 
 import torch
 
@@ -41,27 +44,27 @@ MODES = ("eager", "compiled")
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default=None, help="a Hugging Face directory of the target (default: the config's)")
-    p.add_argument("--checkpoint", default=None, help="drafter checkpoint (default: a randomly initialised drafter)")
-    p.add_argument("--config", default="configs/smollm2-135m-cpu.yaml")
+    p.add_argument("--target", default=None, help="a Hugging Face directory of the target (unset: the config's)")
+    p.add_argument("--checkpoint", default=None, help="drafter checkpoint (unset: a randomly initialised drafter)")
+    p.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m-cpu.yaml"))
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="skip longer prompts (default: data.max_length - max_new_tokens)")
+                   help="skip longer prompts (unset: data.max_length - max_new_tokens)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
     p.add_argument("--modes", default=None,
-                   help=f"comma-separated, of {MODES} (default: both on CUDA, eager on CPU; compiled on CPU is "
+                   help=f"comma-separated, of {MODES} (unset: both on CUDA, eager on CPU; compiled on CPU is "
                         "torch.compile without CUDA graphs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--length-bucket", type=int, default=None,
                    help="decoders sized per length bucket of this many tokens (doubled until at most "
                         "dflash.inference.spec_report.MAX_BUCKETS remain), 0 = one sized for the longest "
-                        "prompt (default: dflash.inference.spec_report.default_length_bucket: "
+                        "prompt (unset: dflash.inference.spec_report.default_length_bucket: "
                         "256 eager, 0 compiled, since each compiled decoder compiles its own steps)")
     p.add_argument("--attention", default=None,
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
-                        "one-token step, Y in verification and prefill; default: reduce+sdpa at batch 1, sdpa "
+                        "one-token step, Y in verification and prefill; None: reduce+sdpa at batch 1, sdpa "
                         "above, dflash.inference.decode_layers.default_attention)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--out", default="decode-bench-out")
@@ -112,6 +115,19 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The benchmark; returns the exit status of the module docstring."""
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return 130
+    except Exception:  # noqa: BLE001 - exit 1 means "the lossless check failed": an error must not read so
+        log.exception("decode_bench stopped by an error")
+        return 3
+
+
+def _run(args: argparse.Namespace) -> int:
     from dflash.config import load_config
     from dflash.training.factory import build_drafter
     from dflash.logs import setup_logging
@@ -123,7 +139,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
-    args = parse_args(argv)
     setup_logging("decode_bench")
     overrides = list(args.overrides)
     if args.target:

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_runbook.sh BUDGET_S STEP [STEP ...]
 #
-# STEP is one of: gpu_tests (every test marked gpu), decode_tests (the GPU tests of decoding, masks and the drafter), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu,
+# STEP is one of: gpu_tests (the tests marked gpu in four files), decode_tests (the GPU tests of decoding, masks and the drafter), pytest, compile, compiled_pipeline, deep_target, threaded, checkpoints, single_gpu,
 # decode_speed (random SmolLM2-shaped decoding speed), decode (scripts/decode_bench.py: DECODE_TARGET = SmolLM2 HF dir,
 # DECODE_CHECKPOINT = drafter checkpoint or unset for a random drafter, DECODE_DATA = the ShareGPT file),
 # the real-target steps of scripts/gpu_real_steps.sh (regen, train_pair, decode_pair, multinode,

@@ -315,7 +315,7 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
         for n in (1, 2, 5, 8, 64):
             gen.sync_every = n
             scripted.calls = 0
-            outs[n] = [(g.tokens, g.top2, g.accepted, g.anchors, g.target_forwards)
+            outs[n] = [(g.tokens, g.top2, g.accepted, g.anchors, g.target_forwards, g.spread)
                        for g in run(rows, MAX_NEW, sorted(stops))]
         assert all(out == outs[1] for out in outs.values()), f"stops {sorted(stops)}"
         assert [o[0] for o in outs[1]] == [_cut(r, stops, MAX_NEW) for r in refs]
@@ -328,11 +328,14 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
             assert anchor == last
             continue
         assert all(x <= a < x + b for x, a in zip(last, anchor))
-        assert all(f == len(a) + 1 for _, _, a, _, f in outs[1])
-        # The top-2 logits land at the tokens they produced: a block forward's equal a one-token one's.
+        assert all(f == len(a) + 1 for _, _, a, _, f, _ in outs[1])
+        # The top-2 logits and their spread land at the tokens they produced: a block forward's
+        # equal a one-token one's.
         for got, want in zip(outs[1], base.greedy(rows, MAX_NEW, sorted(stops))):
             assert got[0] == want.tokens
             torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want.top2), atol=1e-4, rtol=1e-4)
+            assert len(got[5]) == len(got[0])
+            torch.testing.assert_close(torch.tensor(got[5]), torch.tensor(want.spread), atol=1e-4, rtol=1e-4)
     assert any(len(_cut(r, c, MAX_NEW)) < MAX_NEW for c in cases for r in refs)  # stops really cut
 
 
@@ -975,6 +978,7 @@ def test_step_functions_trace_whole_and_decode_like_eager(target):
     for got, want in zip(outs[True], outs[False]):
         assert (got.tokens, got.accepted, got.anchors) == (want.tokens, want.accepted, want.anchors)
         torch.testing.assert_close(torch.tensor(got.top2), torch.tensor(want.top2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(got.spread), torch.tensor(want.spread), atol=1e-5, rtol=1e-5)
     assert outs[False][1].tokens == _cut(ref, set(stop), 16) and len(outs[False][1].tokens) < 16
 
 
@@ -1000,6 +1004,7 @@ def test_compiled_prefill_traces_once_for_every_width(target):
             for a, b in zip(got, want):
                 assert (a.tokens, a.accepted, a.anchors) == (b.tokens, b.accepted, b.anchors)
                 torch.testing.assert_close(torch.tensor(a.top2), torch.tensor(b.top2), atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(torch.tensor(a.spread), torch.tensor(b.spread), atol=1e-5, rtol=1e-5)
         assert traced._prefill_forward is not traced.forward  # compiled, not fallen back
     finally:
         torch._dynamo.reset()

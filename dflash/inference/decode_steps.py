@@ -244,10 +244,12 @@ class DecodeSteps:
             attention: the fused layers' attention in this forward (default: the multi-token one).
 
         Returns:
-            ``(logit stats [b', T', 3] fp32, top-2 ids [b', T', 2] int64, features [b', T, L·D] or None)``
+            ``(logit stats [b', T', 3] fp32, argmax ids [b', T', 1] int64, features [b', T, L·D] or None)``
             with ``T' = 1`` when ``logits_at`` is given. The stats are ``(z1, z2, spread)``: the two largest
             logits and ``max_v |z_v − mean(z)|`` over the vocabulary (the logits' scale for the tie bound,
-            :func:`dflash.inference.lossless.tie_bound`); ids ``[..., 0]`` is the argmax (ties to the lowest id).
+            :func:`dflash.inference.lossless.tie_bound`). The argmax takes the lowest id of tied logits
+            (``torch.argmax``, as the oracle and the drafter's proposals do; ``topk``'s order of ties
+            differs by device).
         """
         dec = self.decoder
         kv = self.state.kv
@@ -287,7 +289,7 @@ class DecodeSteps:
         logits = self.model.get_output_embeddings()(hidden).float()
         top = logits.topk(2, dim=-1)
         spread = (logits - logits.mean(dim=-1, keepdim=True)).abs().amax(dim=-1, keepdim=True)
-        return torch.cat([top.values, spread], dim=-1), top.indices, feats
+        return torch.cat([top.values, spread], dim=-1), logits.argmax(dim=-1, keepdim=True), feats
 
     # ----------------------------------------------------------------------- step functions
 

@@ -166,8 +166,9 @@ def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int,
     if diff is not None:
         (log.warning if diff.tie else log.error)(
             "prompt %d: speculative output differs from target-only greedy at token %d (%d vs %d): margins "
-            "z1-z2 %.4f (speculative) / %.4f (target-only), tie bound %.4f: %s", case.index, diff.position,
-            diff.spec_token, diff.target_token, diff.spec_margin, diff.target_margin, diff.bound,
+            "z1-z2 %.4f (speculative) / %.4f (target-only), tie bound %.4f (logit spread %.2f): %s", case.index,
+            diff.position, diff.spec_token, diff.target_token, diff.spec_margin, diff.target_margin, diff.bound,
+            diff.spread,
             "a numerical tie" if diff.tie else "NOT a tie")
     return row
 
