@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Callable
 
-__all__ = ["setup_logging", "worker_name"]
+__all__ = ["setup_logging", "worker_name", "run_logged", "EXIT_ERROR", "EXIT_INTERRUPTED"]
 
 _FORMAT = "%(asctime)s %(levelname).1s [%(worker)s] %(name)s: %(message)s"
 _DATEFMT = "%H:%M:%S"
@@ -51,3 +52,23 @@ def setup_logging(name: str | None = None, level: str | int = "INFO") -> logging
     for noisy in ("urllib3", "filelock", "wandb", "torch._dynamo", "torch._inductor"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     return logging.getLogger("dflash")
+
+
+#: Exit status of a command stopped by an unexpected error (its traceback is logged).
+EXIT_ERROR = 3
+#: Exit status of a command stopped by Ctrl-C.
+EXIT_INTERRUPTED = 130
+
+
+def run_logged(run: Callable[[], int], log: logging.Logger, what: str) -> int:
+    """``run()``'s exit status; :data:`EXIT_INTERRUPTED` on Ctrl-C and :data:`EXIT_ERROR` (traceback
+    logged) on any other exception, so an error never reads as one of the command's own statuses
+    (the decoding commands use 1 for a failed lossless check)."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception:  # noqa: BLE001 - every error becomes EXIT_ERROR
+        log.exception("%s stopped by an error", what)
+        return EXIT_ERROR

@@ -116,15 +116,10 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """The benchmark; returns the exit status of the module docstring."""
+    from dflash.logs import run_logged
+
     args = parse_args(argv)
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        log.error("interrupted")
-        return 130
-    except Exception:  # noqa: BLE001 - exit 1 means "the lossless check failed": an error must not read so
-        log.exception("decode_bench stopped by an error")
-        return 3
+    return run_logged(lambda: _run(args), log, "decode_bench")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -112,18 +112,11 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
         :func:`dflash.training.checkpoint_identity.check_fits`), 3 on any other error (its traceback is
         logged), 130 when interrupted.
     """
-    from dflash.logs import setup_logging
+    from dflash.logs import run_logged, setup_logging
 
     args = _parse_args(argv, prog)
     setup_logging("speculative")
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        log.error("interrupted")
-        return 130
-    except Exception:  # noqa: BLE001 - exit 1 means "the lossless check failed": an error must not read so
-        log.exception("speculative decoding stopped by an error")
-        return 3
+    return run_logged(lambda: _run(args), log, "speculative decoding")
 
 
 def _run(args: argparse.Namespace) -> int:
