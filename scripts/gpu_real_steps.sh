@@ -28,7 +28,8 @@
 # Needs /tmp/smollm2.gguf and /tmp/sharegpt.jsonl (scripts/gpu_runbook.sh's set-up does not make
 # them: see docs/gpu-runbook.md). Step output goes to $OUT (the runbook gives each step its own).
 # Env: STEPS (train_pair's train.max_steps, default 3500), KEEP (folder for files to bring back,
-# default $OUT).
+# default $OUT), REGEN_NEW (regen's --max-new-tokens; default the config's 512), TRAIN_OVERRIDES
+# (train_regen / train_best: more config overrides, space-separated).
 set -u
 step=$1
 PY=${PY:-python3}
@@ -44,7 +45,8 @@ trap 'for p in "${children[@]}"; do kill "$p" 2>/dev/null; done' EXIT TERM INT
 case $step in
 regen)
     DFLASH_CACHE=/tmp/cacheA $PY -m dflash.inference.regenerate --config configs/smollm2-135m-h200-regen.yaml \
-        --output /tmp/regen/turn1.jsonl --gpus "$(gpu_ids)" --batch-size "${REGEN_BATCH:-512}" "${REAL[@]}" "${ONE_GPU[@]}" \
+        --output /tmp/regen/turn1.jsonl --gpus "$(gpu_ids)" --batch-size "${REGEN_BATCH:-512}" \
+        ${REGEN_NEW:+--max-new-tokens "$REGEN_NEW"} "${REAL[@]}" "${ONE_GPU[@]}" \
         data.dataset=/tmp/sharegpt.jsonl || exit
     xz -T16 -6 -c /tmp/regen/turn1.jsonl >"$KEEP/regen-turn1.jsonl.xz"
     ls -l /tmp/regen "$KEEP"
@@ -121,7 +123,7 @@ train_regen|train_best)
     fi
     DFLASH_CACHE=/tmp/cacheA $PY -m launch.cluster train --config configs/smollm2-135m-h200-regen.yaml --overwrite \
         "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl run_dir=$run \
-        train.max_steps="${STEPS:-3000}" "${ONE_GPU[@]}" "${recipe[@]}" >"$OUT/train.log" 2>&1
+        train.max_steps="${STEPS:-3000}" "${ONE_GPU[@]}" "${recipe[@]}" ${TRAIN_OVERRIDES:-} >"$OUT/train.log" 2>&1
     rc=$?
     cp $run/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
     cp $run/config.yaml "$OUT/config.yaml" 2>/dev/null
