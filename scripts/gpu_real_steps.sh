@@ -29,7 +29,8 @@
 # them: see docs/gpu-runbook.md). Step output goes to $OUT (the runbook gives each step its own).
 # Env: STEPS (train_pair's train.max_steps, default 3500), KEEP (folder for files to bring back,
 # default $OUT), REGEN_NEW (regen's --max-new-tokens; default the config's 512), TRAIN_OVERRIDES
-# (train_regen / train_best: more config overrides, space-separated).
+# (train_regen / train_best: more config overrides, space-separated), DECODE_LONG (decode_one: 0 skips
+# the 512-token bench).
 set -u
 step=$1
 PY=${PY:-python3}
@@ -185,7 +186,7 @@ decode_one)
         if bench "$a" 96 $dtypes; then ran=${ran:-$a}; else rc=1; fi
         dtypes=bfloat16
     done
-    [ -n "$ran" ] && { bench "$ran" 512 bfloat16 || rc=1; }
+    [ -n "$ran" ] && [ "${DECODE_LONG:-1}" != 0 ] && { bench "$ran" 512 bfloat16 || rc=1; }
     exit $rc
     ;;
 *) echo "unknown step $step (regen, train_pair, decode_pair, multinode, train_regen, train_best, decode_regen, ablation, decode_one)"; exit 2 ;;
