@@ -46,7 +46,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=None, help="a Hugging Face directory of the target (unset: the config's)")
     p.add_argument("--checkpoint", default=None, help="drafter checkpoint (unset: a randomly initialised drafter)")
-    p.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m-cpu.yaml"))
+    p.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m-cpu.yaml"), help="run config")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -67,6 +67,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "one-token step, Y in verification and prefill; None: reduce+sdpa at batch 1, sdpa "
                         "above, dflash.inference.decode_layers.default_attention)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
+    p.add_argument("--force", action="store_true",
+                   help="use a checkpoint trained with another tokenizer, chat template or thinking mode")
     p.add_argument("--out", default="decode-bench-out")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
@@ -133,6 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     from dflash.inference.spec_report import decode_report, format_report
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
+    from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
 
     setup_logging("decode_bench")
     overrides = list(args.overrides)
@@ -155,6 +158,13 @@ def _run(args: argparse.Namespace) -> int:
             log.error("--checkpoint %s: %s", args.checkpoint, exc)
             return 2
     tokenizer = load_tokenizer(cfg.target)
+    if drafter_dir is not None:  # another tokenizer, template or thinking mode is refused by name
+        try:
+            check_fits(drafter_dir, run_identity(tokenizer, None, list(dcfg.target_layer_ids),
+                                                 cfg.data.enable_thinking), force=args.force)
+        except CheckpointMismatch as exc:
+            log.error("%s", exc)
+            return 2
     cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
     if not cases:
         return 2
@@ -172,6 +182,10 @@ def _run(args: argparse.Namespace) -> int:
             target_cfg = replace(target_cfg, layer_ids=list(dcfg.target_layer_ids))
         target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers if dcfg else
                              cfg.drafter.num_layers)
+        if dcfg is not None and (target.num_layers != dcfg.num_target_layers or target.hidden_size != dcfg.hidden_size):
+            log.error("%s: drafter for a %d-layer, D=%d target; this target has %d layers, D=%d", drafter_dir,
+                      dcfg.num_target_layers, dcfg.hidden_size, target.num_layers, target.hidden_size)
+            return 2
         if drafter_dir is not None:
             drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head,
                                                        attention="sdpa", device=device)

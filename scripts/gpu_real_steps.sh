@@ -27,7 +27,7 @@
 #
 # Needs /tmp/smollm2.gguf and /tmp/sharegpt.jsonl (scripts/gpu_runbook.sh's set-up does not make
 # them: see docs/gpu-runbook.md). Step output goes to $OUT (the runbook gives each step its own).
-# Env: STEPS (train_pair's train.max_steps, default 3500), KEEP (folder for files to bring back,
+# Env: STEPS (train.max_steps of train_pair, default 3500, and of train_regen / train_best, default 3000), KEEP (folder for files to bring back,
 # default $OUT), REGEN_NEW (regen's --max-new-tokens; default the config's 512), TRAIN_OVERRIDES
 # (train_regen / train_best: more config overrides, space-separated), DECODE_LONG (decode_one: 0 skips
 # the 512-token bench).
@@ -35,6 +35,7 @@ set -u
 step=$1
 PY=${PY:-python3}
 KEEP=${KEEP:-$OUT}
+mkdir -p "$KEEP"
 REAL=(target.path=/tmp/smollm2.gguf)
 children=()
 gpu_ids() { nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,; }
@@ -42,6 +43,27 @@ gpu_ids() { nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,; }
 ONE_GPU=()
 [ "$(gpu_ids)" = 0 ] && ONE_GPU=("cluster.drafters=[0]" cluster.allow_shared_gpu=true)
 trap 'for p in "${children[@]}"; do kill "$p" 2>/dev/null; done' EXIT TERM INT
+# The regenerated data for training: /tmp/regen/turn1.jsonl, else .gpu/regen-turn1.jsonl.xz unpacked,
+# else the complete rows of a cut-off regeneration's shards (-> /tmp/regen/partial.jsonl); sets REGEN_DATA.
+regen_data() {
+    mkdir -p /tmp/regen
+    REGEN_DATA=/tmp/regen/turn1.jsonl
+    [ -s $REGEN_DATA ] && return 0
+    [ -f .gpu/regen-turn1.jsonl.xz ] && { xz -dc .gpu/regen-turn1.jsonl.xz >$REGEN_DATA; return; }
+    REGEN_DATA=/tmp/regen/partial.jsonl
+    $PY - /tmp/regen/turn1.jsonl.rank* >$REGEN_DATA <<'EOF'
+import json, re, sys
+for path in (p for p in sys.argv[1:] if re.search(r"\.rank[0-9]+$", p)):
+    for line in open(path, encoding="utf-8"):
+        try:
+            json.loads(line)
+        except ValueError:
+            continue  # a row cut mid-write
+        sys.stdout.write(line if line.endswith("\n") else line + "\n")
+EOF
+    [ -s $REGEN_DATA ] || { echo "no regenerated data: run the regen step first"; return 1; }
+    echo "regeneration incomplete: training on the $(wc -l <$REGEN_DATA) rows its shards hold"
+}
 
 case $step in
 regen)
@@ -112,8 +134,7 @@ train_regen|train_best)
     # the regeneration recipe on both GPUs (target on 0, drafter on 1), on regenerated data that is
     # already there (/tmp/regen/turn1.jsonl, or .gpu/regen-turn1.jsonl.xz unpacked) -> /tmp/run-regen;
     # train_best: with the ablation's stacked recipe (/tmp/ablation/recipe.json) -> /tmp/run-best
-    mkdir -p /tmp/regen
-    [ -s /tmp/regen/turn1.jsonl ] || xz -dc .gpu/regen-turn1.jsonl.xz >/tmp/regen/turn1.jsonl || exit
+    regen_data || exit
     run=/tmp/run-regen recipe=()
     if [ "$step" = train_best ]; then
         run=/tmp/run-best
@@ -123,7 +144,7 @@ train_regen|train_best)
         echo "stacked recipe: ${recipe[*]:-(none beat the baseline: the base config)}"
     fi
     DFLASH_CACHE=/tmp/cacheA $PY -m launch.cluster train --config configs/smollm2-135m-h200-regen.yaml --overwrite \
-        "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl run_dir=$run \
+        "${REAL[@]}" regenerate.enabled=false data.dataset=$REGEN_DATA run_dir=$run \
         train.max_steps="${STEPS:-3000}" "${ONE_GPU[@]}" "${recipe[@]}" ${TRAIN_OVERRIDES:-} >"$OUT/train.log" 2>&1
     rc=$?
     cp $run/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
@@ -150,13 +171,12 @@ decode_regen)
     (( rc_a == 0 && rc_b == 0 ))
     ;;
 ablation)
-    mkdir -p /tmp/regen
-    [ -s /tmp/regen/turn1.jsonl ] || xz -dc .gpu/regen-turn1.jsonl.xz >/tmp/regen/turn1.jsonl || exit
+    regen_data || exit
     gpus=$(gpu_ids)
     raw=(); [ -s /tmp/sharegpt.jsonl ] && raw=(--variant raw-sharegpt=data.dataset=/tmp/sharegpt.jsonl)
     DFLASH_CACHE=/tmp/cacheA $PY scripts/ablation.py --gpus "$gpus" --per-gpu "${ABL_PER_GPU:-1}" --steps "${ABL_STEPS:-1000}" \
         ${ABL_VARIANTS:+--variants "$ABL_VARIANTS"} "${raw[@]}" --out /tmp/ablation --work /tmp/ablation-runs \
-        "${REAL[@]}" regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl
+        "${REAL[@]}" regenerate.enabled=false data.dataset=$REGEN_DATA
     rc=$?
     cp /tmp/ablation/ablation.md /tmp/ablation/ablation.json "$KEEP/" 2>/dev/null
     cat /tmp/ablation/ablation.md

@@ -302,7 +302,7 @@ class DecodeSteps:
     def _greedy_step_impl(self) -> None:
         """One target-only token per active row, entirely on the device (no output, no host sync).
 
-        The argmax at ``anchor`` is written at ``anchor + 1`` with its top-2 logits, the anchor
+        The argmax at ``anchor`` is written at ``anchor + 1`` with its logit stats, the anchor
         moves there, and the row turns inactive when that token is a stop token or sits at the
         row's last position. Inactive rows run the forward too (fixed shapes) but change nothing.
         """
@@ -334,7 +334,7 @@ class DecodeSteps:
         The target runs ``[anchor token, d_1 … d_{B−1}]`` at ``anchor … anchor+B−1``; ``m`` = the
         leading drafts equal to the target's tokens ``g_0 … g_{B−2}``; the block's tokens and
         features are written at its positions, the bonus ``g_m`` at ``anchor + m + 1`` (the new
-        anchor), the top-2 logits of ``g_k`` at ``anchor + 1 + k``, and ``m + 1`` in
+        anchor), the logit stats of ``g_k`` at ``anchor + 1 + k``, and ``m + 1`` in
         :attr:`DecodeState.accepted` at the pass's anchor. The row turns inactive when one of
         ``g_0 … g_m`` is a stop token or reaches its last position (the host trims the tokens
         after it). Inactive rows run the forward too but change nothing.
@@ -378,7 +378,7 @@ class DecodeSteps:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Tensor]) -> list[tuple[int, tuple[float, float]]]:
         """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
-        ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its top-2 logits
+        ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its logit stats
         too) and becomes its anchor. Compiled with dynamic shapes where the steps are compiled on
         CUDA (:meth:`compile_prefill`), else eager; the prompts go right-padded to the longest in as few
         forwards as :attr:`PREFILL_CHUNK_ELEMENTS` allows. A padded row writes keys/values past its

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 #: Default CLI settings.
 DEFAULT_PROMPTS = 8
 DEFAULT_MAX_NEW_TOKENS = 96
-DEFAULT_CONFIG = "configs/smollm2-135m-cpu.yaml"
+#: The embedded default config, from the checkout this package runs from (any working directory).
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-cpu.yaml")
 
 
 def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argparse.Namespace:
