@@ -64,7 +64,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "256 eager, 0 compiled, since each compiled decoder compiles its own steps)")
     p.add_argument("--attention", default=None,
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
-                        "one-token step, Y in verification and prefill; None: reduce+sdpa at batch 1, sdpa "
+                        "one-token step, Y in verification and prefill; unset: reduce+sdpa at batch 1, sdpa "
                         "above, dflash.inference.decode_layers.default_attention)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--force", action="store_true",
@@ -129,13 +129,12 @@ def _run(args: argparse.Namespace) -> int:
     from dflash.training.factory import build_drafter
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
-    from dflash.inference.drafter_checkpoint import open_checkpoint
+    from dflash.inference.drafter_checkpoint import fit_problem, open_checkpoint, target_shape_problem
     from dflash.data.render import stop_token_ids
     from dflash.inference.prompts import heldout_prompts
     from dflash.inference.spec_report import decode_report, format_report
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
-    from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
 
     setup_logging("decode_bench")
     overrides = list(args.overrides)
@@ -158,13 +157,10 @@ def _run(args: argparse.Namespace) -> int:
             log.error("--checkpoint %s: %s", args.checkpoint, exc)
             return 2
     tokenizer = load_tokenizer(cfg.target)
-    if drafter_dir is not None:  # another tokenizer, template or thinking mode is refused by name
-        try:
-            check_fits(drafter_dir, run_identity(tokenizer, None, list(dcfg.target_layer_ids),
-                                                 cfg.data.enable_thinking), force=args.force)
-        except CheckpointMismatch as exc:
-            log.error("%s", exc)
-            return 2
+    problem = drafter_dir and fit_problem(drafter_dir, dcfg, tokenizer, cfg.data.enable_thinking, force=args.force)
+    if problem:  # another tokenizer, template or thinking mode, refused by name
+        log.error("%s", problem)
+        return 2
     cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
     if not cases:
         return 2
@@ -182,9 +178,9 @@ def _run(args: argparse.Namespace) -> int:
             target_cfg = replace(target_cfg, layer_ids=list(dcfg.target_layer_ids))
         target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers if dcfg else
                              cfg.drafter.num_layers)
-        if dcfg is not None and (target.num_layers != dcfg.num_target_layers or target.hidden_size != dcfg.hidden_size):
-            log.error("%s: drafter for a %d-layer, D=%d target; this target has %d layers, D=%d", drafter_dir,
-                      dcfg.num_target_layers, dcfg.hidden_size, target.num_layers, target.hidden_size)
+        problem = drafter_dir and target_shape_problem(drafter_dir, dcfg, target)
+        if problem:
+            log.error("%s", problem)
             return 2
         if drafter_dir is not None:
             drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head,

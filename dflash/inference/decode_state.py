@@ -15,8 +15,8 @@ graphs (pytorch-labs/gpt-fast ``generate.py`` keeps its cache the same way).
   target's layers ``layer_ids``, concatenated) of every position the target has run.
 * ``active [b]``, ``limit [b]``, ``stop_ids [S]``: which rows still generate, each row's last
   position, the stop tokens; ``logit_stats [b, T_max, 3]``: the target's two largest logits and
-  their spread (fp32; :meth:`DecodeSteps.forward`) at the forward that produced each token; ``accepted [b, T_max]``: ``m + 1`` of the pass anchored at
-  each position.
+  their spread (fp32; :meth:`DecodeSteps.forward`) at the forward that produced each token;
+  ``accepted [b, T_max]``: ``m + 1`` of the pass anchored at each position.
 
 Entries past ``anchor`` are stale (rejected drafts) and are never read: the target's attention mask
 hides cache slots beyond each query's position, and the drafter sees context ``j < anchor`` only.

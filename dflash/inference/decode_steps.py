@@ -376,7 +376,7 @@ class DecodeSteps:
     PREFILL_CHUNK_ELEMENTS = 1 << 28
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[Tensor]) -> list[tuple[int, tuple[float, float]]]:
+    def prefill(self, prompts: Sequence[Tensor]) -> list[int]:
         """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
         ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its logit stats
         too) and becomes its anchor. Compiled with dynamic shapes where the steps are compiled on
@@ -386,14 +386,14 @@ class DecodeSteps:
         query at ``p`` reads slots ``≤ p``, and the forward at ``p`` writes slot ``p`` first).
 
         Returns:
-            per row, ``(first token, (z1, z2))``.
+            per row, its first generated token.
         """
         st = self.state
         lens = [p.numel() for p in prompts]
         width = max(lens)
         per_row = max(1, self.group * width * self.max_len)
         chunk = max(1, self.PREFILL_CHUNK_ELEMENTS // per_row)
-        out: list[tuple[int, tuple[float, float]]] = []
+        out: list[int] = []
         for start in range(0, len(prompts), chunk):
             part = list(range(start, min(len(prompts), start + chunk)))
             ids = torch.zeros(len(part), width, dtype=torch.long)
@@ -412,6 +412,5 @@ class DecodeSteps:
                 st.features[rows, :width] = feats
             st.anchor[rows] = last + 1
             st.active[rows] = True
-            firsts, z = top[:, 0, 0].tolist(), vals[:, 0].tolist()
-            out += [(int(t), (a, b)) for t, (a, b, _) in zip(firsts, z)]
+            out += top[:, 0, 0].tolist()
         return out

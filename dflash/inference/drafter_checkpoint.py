@@ -10,7 +10,8 @@ from typing import Any, NamedTuple, Optional, Union
 
 from dflash.training.ledger_file import read_jsonl_rows
 
-__all__ = ["EvalTau", "resolve_checkpoint", "open_checkpoint", "last_eval_tau", "checkpoint_step"]
+__all__ = ["EvalTau", "resolve_checkpoint", "open_checkpoint", "last_eval_tau", "checkpoint_step", "fit_problem",
+           "target_shape_problem"]
 
 
 def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
@@ -104,3 +105,28 @@ def checkpoint_step(drafter_dir: Path) -> Optional[int]:
         return int(read_state(ckpt)["step"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
+
+
+def fit_problem(drafter_dir: Path, dcfg: Any, tokenizer: Any, enable_thinking: Optional[bool],
+                force: bool = False) -> Optional[str]:
+    """Why the drafter at ``drafter_dir`` (config ``dcfg``) must not be used with ``tokenizer`` and
+    this thinking mode, or ``None``: another tokenizer, chat template or thinking mode than it was
+    trained with (:func:`dflash.training.checkpoint_identity.check_fits`; ``force`` accepts those).
+    Loads no model, so a decoding command can refuse before the target loads."""
+    from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
+
+    try:
+        check_fits(drafter_dir, run_identity(tokenizer, None, list(dcfg.target_layer_ids), enable_thinking),
+                   force=force)
+    except CheckpointMismatch as exc:
+        return str(exc)
+    return None
+
+
+def target_shape_problem(drafter_dir: Path, dcfg: Any, target: Any) -> Optional[str]:
+    """Why the drafter (config ``dcfg``) cannot run on the loaded ``target``
+    (:class:`dflash.models.target.TargetModel`), or ``None``: another layer count or hidden size."""
+    if target.num_layers == dcfg.num_target_layers and target.hidden_size == dcfg.hidden_size:
+        return None
+    return (f"{drafter_dir}: drafter for a {dcfg.num_target_layers}-layer, D={dcfg.hidden_size} target; "
+            f"this target has {target.num_layers} layers, D={target.hidden_size}")

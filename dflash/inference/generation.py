@@ -186,7 +186,7 @@ class Generator(DecodeSteps):
         if max_new_tokens < 1:
             return [False] * len(prompts)
         self._set_stops(stops)
-        active = [tok not in self._stops and max_new_tokens > 1 for tok, _ in self.prefill(prompts)]
+        active = [tok not in self._stops and max_new_tokens > 1 for tok in self.prefill(prompts)]
         pad = [False] * (self.batch_size - len(prompts))
         st.active.copy_(torch.tensor(active + pad))
         limits = [p.numel() + max_new_tokens - 1 for p in prompts] + [0] * len(pad)

@@ -103,8 +103,9 @@ def first_difference(spec: Generation, target: Generation, num_layers: int, dtyp
         if a != b:
             s1, s2 = spec.top2[i]
             t1, t2 = target.top2[i]
-            spread = max((g.spread[i] for g in (spec, target) if i < len(g.spread)), default=math.nan)
-            bound = tie_bound(max(abs(s1), abs(t1)), num_layers, dtype, 0.0 if math.isnan(spread) else spread)
+            known = [g.spread[i] for g in (spec, target) if i < len(g.spread)]
+            bound = tie_bound(max(abs(s1), abs(t1)), num_layers, dtype, max(known, default=0.0))
+            spread = max(known, default=math.nan)
             ms, mt = s1 - s2, t1 - t2
             return Difference(i, a, b, ms, mt, bound, bool(ms <= bound and mt <= bound), spread)
     if len(spec.tokens) == len(target.tokens):

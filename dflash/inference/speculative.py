@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, open_checkpoint
+from dflash.inference.drafter_checkpoint import (checkpoint_step, fit_problem, last_eval_tau, open_checkpoint,
+                                                target_shape_problem)
 from dflash.data.render import stop_token_ids
 from dflash.inference.prompts import heldout_prompts
 from dflash.inference.spec_report import LENGTH_BUCKET, MAX_BUCKETS, decode_report, format_report
@@ -121,7 +122,6 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dflash.training.checkpoint_identity import CheckpointMismatch, check_fits, run_identity
     from dflash.config import load_config
     from dflash.models.drafter import DFlashDraftModel
     from dflash.models.target_loader import load_target
@@ -146,18 +146,17 @@ def _run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if cfg.cluster.device != "cpu" and torch.cuda.is_available()
                                           else "cpu"))
     tokenizer = load_tokenizer(cfg.target)
-    try:  # before any model loads; the target's shape is compared once it is loaded
-        check_fits(drafter_dir, run_identity(tokenizer, None, list(dcfg.target_layer_ids), cfg.data.enable_thinking),
-                   force=args.force)  # logs what --force accepts
-    except CheckpointMismatch as exc:
-        log.error("%s", exc)
+    # before any model loads (check_fits logs what --force accepts); the target's shape once it is loaded
+    problem = fit_problem(drafter_dir, dcfg, tokenizer, cfg.data.enable_thinking, force=args.force)
+    if problem:
+        log.error("%s", problem)
         return 2
     # The drafter's checkpoint decides which target layers feed it.
     target_cfg = replace(cfg.target, layer_ids=list(dcfg.target_layer_ids))
     target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers)
-    if target.num_layers != dcfg.num_target_layers or target.hidden_size != dcfg.hidden_size:
-        log.error("%s: drafter for a %d-layer, D=%d target; this target has %d layers, D=%d", drafter_dir,
-                  dcfg.num_target_layers, dcfg.hidden_size, target.num_layers, target.hidden_size)
+    problem = target_shape_problem(drafter_dir, dcfg, target)
+    if problem:
+        log.error("%s", problem)
         return 2
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head, attention="sdpa",
                                                device=device).eval()
