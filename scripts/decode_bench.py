@@ -96,7 +96,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def table(runs: list[dict[str, Any]]) -> str:
     """Markdown table, one row per run."""
     head = ("| dtype | mode, attention | batch | outputs (same / tie / FAIL) | τ measured | τ offline, own text | "
-            "τ offline walk, own text | τ replay | "
+            "τ offline walk, own text | τ replay | τ per response, measured / own text | "
             "τ offline, dataset | target-only tok/s | speculative tok/s | speedup | draft / verify / host s | "
             "warm-up s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -110,6 +110,7 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'}, {s.get('attention', 'sdpa')} | {s['batch']} | "
             f"{s['identical']} / {s['ties']} / {s['failures']} | {f(s['tau'])} | {f(s.get('offline_tau_own'))} | "
             f"{f(s.get('offline_tau_own_walk'))} | {f(s.get('offline_tau_replay'))} | "
+            f"{f(s.get('tau_per_response'))} / {f(s.get('offline_tau_own_per_response'))} | "
             f"{f(s.get('offline_tau_dataset'))} | {f(s['target_tok_s'], 1)} | "
             f"{f(s['spec_tok_s'], 1)} | {f(s['speedup'], 2)}× | {f(s['draft_s'])} / {f(s['verify_s'])} / "
             f"{f(s['host_s'])} | {f(s['warmup_s'], 1)} |")

@@ -672,8 +672,19 @@ def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, reference
         assert s["offline_walk_steps"] == s["verification_steps"]
         assert s["offline_tau_own_walk"] == pytest.approx(s["tau"], abs=1e-12)
         assert s["measured_over_offline_walk"] == pytest.approx(1.0, abs=1e-12)
+        # per response (the reference benchmark's average): each prompt's τ, then the plain mean
+        for key, row_key in (("tau_per_response", "tau"), ("offline_tau_own_per_response", "offline_tau_own"),
+                             ("offline_tau_own_walk_per_response", "offline_tau_own_walk")):
+            total = 0.0
+            for row in rows:
+                total += row[row_key]
+            assert s[key] == pytest.approx(total / len(rows), abs=1e-12)
+        assert s["offline_tau_own_walk_per_response"] == pytest.approx(s["tau_per_response"], abs=1e-12)
+        assert s["measured_over_offline_own_per_response"] == pytest.approx(
+            s["tau_per_response"] / s["offline_tau_own_per_response"], abs=1e-12)
         text = format_report(report)
         assert "walked" in text and f"{s['offline_tau_own_walk']:.3f}" in text
+        assert "per response" in text and f"{s['tau_per_response']:.3f}" in text
 
 
 def test_length_buckets_round_up_and_stay_few():

@@ -55,6 +55,14 @@ def _pooled(gens: Sequence[Generation], groups: Sequence[Sequence[int]]) -> dict
             "draft_s": draft, "verify_s": verify, "host_s": max(0.0, seconds - draft - verify)}
 
 
+def _per_response(rows: Sequence[dict[str, Any]], key: str) -> float:
+    """Mean over responses of ``row[key]`` (rows without a value, or with NaN, skipped; NaN when none
+    has one): the reference benchmark's average, each response's τ first, then their mean
+    (z-lab/dflash ``dflash/benchmark.py``, ``_print_decode_summary``), where the pooled τ weights every pass alike."""
+    vals = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
 def _continuation(case: PromptCase, gen: Generation) -> tuple[Tensor, Tensor]:
     """``(input_ids [P + N], loss_mask [P + N])``: the prompt followed by a decode's ``N`` tokens,
     the loss mask on the decoded tokens only."""
@@ -227,6 +235,10 @@ def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: An
                    measured_over_offline_own=tau / own.tau if own.tau else float("nan"),
                    offline_tau_own_walk=walk, offline_walk_steps=walk_passes,
                    measured_over_offline_walk=tau / walk if walk_passes else float("nan"))
+    own_resp = _per_response(rows, "offline_tau_own")
+    summary.update(offline_tau_own_per_response=own_resp,
+                   offline_tau_own_walk_per_response=_per_response(rows, "offline_tau_own_walk"),
+                   measured_over_offline_own_per_response=summary["tau_per_response"] / own_resp)
 
 
 @torch.no_grad()
@@ -278,7 +290,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         "device": str(gen.device),
         "identical": sum(r["result"] == "identical" for r in rows), "ties": sum(r["result"] == "tie" for r in rows),
         "failures": sum(r["result"] == "FAIL" for r in rows),
-        "tau": tau, "verification_steps": steps, "new_tokens": ps["tokens"],
+        "tau": tau, "tau_per_response": _per_response(rows, "tau"), "verification_steps": steps,
+        "new_tokens": ps["tokens"],
         "spec_tok_s": ps["tok_s"], "target_tok_s": pt["tok_s"],
         "speedup": pt["seconds"] / ps["seconds"] if ps["seconds"] else float("nan"),
         "spec_s": ps["seconds"], "target_s": pt["seconds"], "draft_s": ps["draft_s"], "verify_s": ps["verify_s"],
@@ -332,7 +345,13 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                   f"offline tau: at decoding's anchors (replay) "
                   f"{_fmt(s['offline_tau_replay'], 3)} ({s['offline_blocks_replay']} blocks); dataset conversations "
                   f"{_fmt(s['offline_tau_dataset'], 3)} (first turn {_fmt(s['offline_tau_dataset_first_turn'], 3)}); "
-                  f"measured / own = {_fmt(s['measured_over_offline_own'], 3)}"]
+                  f"measured / own = {_fmt(s['measured_over_offline_own'], 3)}",
+                  f"per response (each response's tau, then their mean, as the reference benchmark averages): "
+                  f"measured {_fmt(s['tau_per_response'], 3)}, own continuation every anchor "
+                  f"{_fmt(s['offline_tau_own_per_response'], 3)}, walked "
+                  f"{_fmt(s['offline_tau_own_walk_per_response'], 3)}; measured / own = "
+                  f"{_fmt(s['measured_over_offline_own_per_response'], 3)} (pooled tau weights every pass or "
+                  "block alike, so one response looping in a repetition counts for many blocks)"]
     if "offline_tau_training_eval" in s and s["offline_tau_training_eval"] is not None:
         lines.append(f"offline tau, training eval (step {s['training_eval_step']}): "
                      f"{_fmt(s['offline_tau_training_eval'], 3)} (every anchor of whole responses)"
