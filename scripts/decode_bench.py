@@ -130,7 +130,8 @@ def _run(args: argparse.Namespace) -> int:
     from dflash.training.factory import build_drafter
     from dflash.logs import setup_logging
     from dflash.models.drafter import DFlashDraftModel
-    from dflash.inference.drafter_checkpoint import fit_problem, open_checkpoint, target_shape_problem
+    from dflash.inference.drafter_checkpoint import (fit_problem, open_checkpoint, target_shape_problem,
+                                                    training_eval_summary)
     from dflash.data.render import stop_token_ids
     from dflash.inference.prompts import heldout_prompts
     from dflash.inference.spec_report import decode_report, format_report
@@ -151,9 +152,11 @@ def _run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dcfg = None
     drafter_dir = None
+    trained: dict[str, Any] = {}
     if args.checkpoint:
         try:
-            drafter_dir, _, dcfg = open_checkpoint(args.checkpoint)
+            drafter_dir, run_dir, dcfg = open_checkpoint(args.checkpoint)
+            trained = training_eval_summary(drafter_dir, run_dir)
         except (OSError, ValueError) as exc:
             log.error("--checkpoint %s: %s", args.checkpoint, exc)
             return 2
@@ -198,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
                                    batch=args.batch, compile=mode == "compiled", offline=not args.no_offline,
                                    labels=cfg.drafter.labels, attention=args.attention,
                                    length_bucket=args.length_bucket)
-            report["summary"]["run_s"] = time.perf_counter() - t0
+            report["summary"].update(run_s=time.perf_counter() - t0, **trained)
             print(f"\n== {dtype}, {mode}\n{format_report(report)}", flush=True)
             failed |= report["summary"]["failures"] > 0
             runs.append(report)

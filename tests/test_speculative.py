@@ -24,7 +24,8 @@ from dflash.inference.oracle import naive_greedy_decode
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DFlashConfig
 from dflash.inference.acceptance import measured_per_position, offline_tau, walk_tau
-from dflash.inference.drafter_checkpoint import checkpoint_step, last_eval_tau, resolve_checkpoint
+from dflash.inference.drafter_checkpoint import (checkpoint_step, last_eval_tau, resolve_checkpoint,
+                                                training_eval_summary)
 from dflash.inference.lossless import first_difference, tie_bound
 from dflash.inference.prompts import prompts_from_corpus
 from dflash.models.target import TargetModel
@@ -685,6 +686,17 @@ def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, reference
         text = format_report(report)
         assert "walked" in text and f"{s['offline_tau_own_walk']:.3f}" in text
         assert "per response" in text and f"{s['tau_per_response']:.3f}" in text
+        # training's evaluation beside decoding: its walked heads, and its acceptance per position
+        s.update(training_eval_step=7, offline_tau_training_eval=2.5, offline_tau_training_eval_head=2.25,
+                 offline_tau_training_eval_walk=2.0, offline_tau_training_eval_walk_head=1.75,
+                 per_position_training_eval=[0.625])
+        text = format_report(report)
+        assert "(step 7): every anchor 2.500, response heads 2.250, walked 2.000, walked over the heads 1.750" in text
+        assert f"measured / walked heads = {s['tau'] / 1.75:.3f}" in text
+        table = text[text.index("acceptance per block position"):].splitlines()
+        assert table[1].split()[-1] == "training"
+        assert table[2].split()[-1] == "0.625" and table[3].split()[-1] == "–"
+        assert len(table) == 2 + block_size - 1
 
 
 def test_length_buckets_round_up_and_stay_few():
@@ -877,14 +889,27 @@ def test_training_eval_tau_of_the_checkpoint_step(tmp_path):
     (run / "checkpoints" / "step-00000150" / "drafter").mkdir(parents=True)
     (run / "checkpoints" / "step-00000150" / "state.json").write_text('{"step": 150, "epoch": 0}')
     lines = ['{"step": 0, "eval/tau": 1.0}', '{"step": 50, "train/tau": 1.5}', "not json",
-             '{"step": 100, "eval/tau": 1.25}', '{"step": 200, "eval/tau": 1.75, "eval/tau_head": 1.5}']
+             '{"step": 100, "eval/tau": 1.25}',
+             '{"step": 200, "eval/tau": 1.75, "eval/tau_head": 1.5, "eval/tau_walk": 1.4, "eval/tau_walk_head": 1.3, '
+             '"eval/acc_block_pos_1": 0.5, "eval/acc_block_pos_2": 0.25, "eval/acc_block_pos_4": 0.1}']
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    step = checkpoint_step(run / "checkpoints" / "step-00000150" / "drafter")
+    drafter = run / "checkpoints" / "step-00000150" / "drafter"
+    step = checkpoint_step(drafter)
     assert step == 150
-    assert last_eval_tau(run, max_step=step) == (100, 1.25, None)
-    assert last_eval_tau(run) == (200, 1.75, 1.5)
+    assert last_eval_tau(run, max_step=step) == (100, 1.25, None, None, None, ())
+    # positions are read while consecutive (k = 3 is missing: k = 4 is not taken)
+    assert last_eval_tau(run) == (200, 1.75, 1.5, 1.4, 1.3, (0.5, 0.25))
     assert last_eval_tau(tmp_path / "none") is None and last_eval_tau(None) is None
     assert checkpoint_step(tmp_path) is None
+    assert training_eval_summary(drafter, run) == {
+        "checkpoint_step": 150, "training_eval_step": 100, "offline_tau_training_eval": 1.25,
+        "offline_tau_training_eval_head": None, "offline_tau_training_eval_walk": None,
+        "offline_tau_training_eval_walk_head": None, "per_position_training_eval": []}
+    (run / "checkpoints" / "step-00000150" / "state.json").write_text('{"step": 250, "epoch": 1}')
+    summary = training_eval_summary(drafter, run)
+    assert summary["training_eval_step"] == 200 and summary["offline_tau_training_eval_walk_head"] == 1.3
+    assert summary["per_position_training_eval"] == [0.5, 0.25]
+    assert training_eval_summary(drafter, None)["offline_tau_training_eval"] is None
 
 
 # --------------------------------------------------------------------------- real SmolLM2

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple, Optional, Union
 
 from dflash.training.ledger_file import read_jsonl_rows
 
-__all__ = ["EvalTau", "resolve_checkpoint", "open_checkpoint", "last_eval_tau", "checkpoint_step", "fit_problem",
-           "target_shape_problem"]
+__all__ = ["EvalTau", "resolve_checkpoint", "open_checkpoint", "last_eval_tau", "training_eval_summary",
+           "checkpoint_step", "fit_problem", "target_shape_problem"]
 
 
 def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
@@ -61,17 +61,31 @@ def open_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path], Any]:
 
 
 class EvalTau(NamedTuple):
-    """A held-out evaluation's τ: every anchor (``eval/tau``) and the response heads
-    (``eval/tau_head``: anchors within ``train.eval_head_tokens`` of their response's start; ``None``
-    in runs that did not record it)."""
+    """A held-out evaluation of training (``metrics.jsonl``), the values a decoding run is compared with.
+
+    Fields: ``step`` (optimizer step); ``tau`` (``eval/tau``: every anchor of whole responses);
+    ``tau_head`` (``eval/tau_head``: anchors within ``train.eval_head_tokens`` of their response's
+    start); ``tau_walk`` / ``tau_walk_head`` (``eval/tau_walk`` / ``eval/tau_walk_head``: the anchors
+    decoding would visit, walked over whole responses / over their first ``train.eval_head_tokens``
+    tokens: training's prediction of decoding τ); ``per_position`` (``eval/acc_block_pos_k`` for
+    k = 1, 2, …: the fraction of blocks whose first k drafts are all right). A value the run did not
+    record is ``None`` (``per_position``: empty).
+    """
 
     step: int
     tau: float
-    tau_head: Optional[float]
+    tau_head: Optional[float] = None
+    tau_walk: Optional[float] = None
+    tau_walk_head: Optional[float] = None
+    per_position: tuple[float, ...] = ()
+
+
+def _number(value: Any) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Optional[EvalTau]:
-    """The τ values (:class:`EvalTau`) of the last held-out evaluation in ``run_dir/metrics.jsonl``.
+    """The last held-out evaluation (:class:`EvalTau`) in ``run_dir/metrics.jsonl``.
 
     Args:
         run_dir: the run directory (``None`` = no run).
@@ -89,9 +103,30 @@ def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Op
             continue
         step = int(rec.get("step", -1))
         if max_step is None or step <= max_step:
-            head = rec.get("eval/tau_head")
-            found = EvalTau(step, float(rec["eval/tau"]), float(head) if isinstance(head, (int, float)) else None)
+            per_position = []
+            while _number(rec.get(f"eval/acc_block_pos_{len(per_position) + 1}")) is not None:
+                per_position.append(_number(rec[f"eval/acc_block_pos_{len(per_position) + 1}"]))
+            found = EvalTau(step, float(rec["eval/tau"]), _number(rec.get("eval/tau_head")),
+                            _number(rec.get("eval/tau_walk")), _number(rec.get("eval/tau_walk_head")),
+                            tuple(per_position))
     return found
+
+
+def training_eval_summary(drafter_dir: Path, run_dir: Optional[Path]) -> dict[str, Any]:
+    """The keys a decoding report's summary takes from training (:func:`last_eval_tau` at the
+    checkpoint's own step or before): ``checkpoint_step``, ``training_eval_step``,
+    ``offline_tau_training_eval`` (every anchor), ``offline_tau_training_eval_head``,
+    ``offline_tau_training_eval_walk``, ``offline_tau_training_eval_walk_head`` and
+    ``per_position_training_eval``; ``None`` (a list: empty) where the run has no such value or no
+    run is known (a drafter directory on its own)."""
+    step = checkpoint_step(drafter_dir)
+    ev = last_eval_tau(run_dir, max_step=step)
+    return {"checkpoint_step": step, "training_eval_step": ev.step if ev else None,
+            "offline_tau_training_eval": ev.tau if ev else None,
+            "offline_tau_training_eval_head": ev.tau_head if ev else None,
+            "offline_tau_training_eval_walk": ev.tau_walk if ev else None,
+            "offline_tau_training_eval_walk_head": ev.tau_walk_head if ev else None,
+            "per_position_training_eval": list(ev.per_position) if ev else []}
 
 
 def checkpoint_step(drafter_dir: Path) -> Optional[int]:

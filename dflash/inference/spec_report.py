@@ -352,23 +352,30 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                   f"{_fmt(s['offline_tau_own_walk_per_response'], 3)}; measured / own = "
                   f"{_fmt(s['measured_over_offline_own_per_response'], 3)} (pooled tau weights every pass or "
                   "block alike, so one response looping in a repetition counts for many blocks)"]
-    if "offline_tau_training_eval" in s and s["offline_tau_training_eval"] is not None:
-        lines.append(f"offline tau, training eval (step {s['training_eval_step']}): "
-                     f"{_fmt(s['offline_tau_training_eval'], 3)} (every anchor of whole responses)"
-                     + (f", {_fmt(s['offline_tau_training_eval_head'], 3)} (anchors within train.eval_head_tokens "
-                        "of a response's start: compare this one with decoding's tau over as many new tokens)"
-                        if s.get("offline_tau_training_eval_head") is not None else ""))
+    if s.get("offline_tau_training_eval") is not None:
+        walk_head = s.get("offline_tau_training_eval_walk_head")
+        lines.append(f"training's held-out evaluation (step {s['training_eval_step']}): every anchor "
+                     f"{_fmt(s['offline_tau_training_eval'], 3)}, response heads "
+                     f"{_fmt(s.get('offline_tau_training_eval_head'), 3)}, walked "
+                     f"{_fmt(s.get('offline_tau_training_eval_walk'), 3)}, walked over the heads "
+                     f"{_fmt(walk_head, 3)} (heads: the first train.eval_head_tokens tokens of each response; "
+                     "the walked heads predict decoding tau over as many new tokens)"
+                     + (f"; measured / walked heads = {_fmt(s['tau'] / walk_head, 3)}" if walk_head else ""))
     if s["batch"] > 1:
         lines.append(f"per prompt, tok/s is the row's tokens over its batch's time (rows of a batch of {s['batch']} "
                      "share it); the pooled lines count each batch's time once")
+    trained = s.get("per_position_training_eval") or []
     lines += ["", "acceptance per block position k (fraction of passes / blocks with m >= k):",
               f"{'k':>3} {'decoding':>9}" + (f" {'replay':>7} {'own':>7} {'dataset':>7}"
-                                             if "per_position_offline_own" in s else "")]
+                                             if "per_position_offline_own" in s else "")
+              + (f" {'training':>8}" if trained else "")]
     for k, meas in enumerate(s["per_position_measured"], start=1):
         extra = ""
         if "per_position_offline_own" in s:
             extra = (f" {_fmt(s['per_position_offline_replay'][k - 1], 3):>7} "
                      f"{_fmt(s['per_position_offline_own'][k - 1], 3):>7} "
                      f"{_fmt(s['per_position_offline_dataset'][k - 1], 3):>7}")
+        if trained:
+            extra += f" {_fmt(trained[k - 1] if k <= len(trained) else None, 3):>8}"
         lines.append(f"{k:>3} {_fmt(meas, 3):>9}{extra}")
     return "\n".join(lines)

@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from dflash.inference.drafter_checkpoint import (checkpoint_step, fit_problem, last_eval_tau, open_checkpoint,
-                                                target_shape_problem)
+from dflash.inference.drafter_checkpoint import (fit_problem, open_checkpoint, target_shape_problem,
+                                                training_eval_summary)
 from dflash.data.render import stop_token_ids
 from dflash.inference.prompts import heldout_prompts
 from dflash.inference.spec_report import LENGTH_BUCKET, MAX_BUCKETS, decode_report, format_report
@@ -174,12 +174,8 @@ def _run(args: argparse.Namespace) -> int:
     report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,
                            batch=args.batch, compile=compile_flag(args.compile), offline=not args.no_offline,
                            labels=cfg.drafter.labels, length_bucket=args.length_bucket)
-    step = checkpoint_step(drafter_dir)
-    trained = last_eval_tau(run_dir, max_step=step)
-    report["summary"].update(checkpoint=str(args.checkpoint), checkpoint_step=step,
-                             offline_tau_training_eval=trained.tau if trained else None,
-                             offline_tau_training_eval_head=trained.tau_head if trained else None,
-                             training_eval_step=trained.step if trained else None, threads=torch.get_num_threads())
+    report["summary"].update(checkpoint=str(args.checkpoint), threads=torch.get_num_threads(),
+                             **training_eval_summary(drafter_dir, run_dir))
     if args.show_text:
         for row in report["prompts"]:
             row["text"] = tokenizer.decode(row["target_tokens"])
