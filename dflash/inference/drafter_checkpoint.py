@@ -103,9 +103,9 @@ def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Op
             continue
         step = int(rec.get("step", -1))
         if max_step is None or step <= max_step:
-            per_position = []
-            while _number(rec.get(f"eval/acc_block_pos_{len(per_position) + 1}")) is not None:
-                per_position.append(_number(rec[f"eval/acc_block_pos_{len(per_position) + 1}"]))
+            per_position: list[float] = []
+            while (acc := _number(rec.get(f"eval/acc_block_pos_{len(per_position) + 1}"))) is not None:
+                per_position.append(acc)
             found = EvalTau(step, float(rec["eval/tau"]), _number(rec.get("eval/tau_head")),
                             _number(rec.get("eval/tau_walk")), _number(rec.get("eval/tau_walk_head")),
                             tuple(per_position))

@@ -110,17 +110,22 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
     p.add_argument("--config", required=True, help="YAML config (target, data, cluster sections are used)")
     p.add_argument("--output", type=Path, default=None, help="output JSONL (ShareGPT form; default regenerate.output)")
     # Defaults of the options below: the config's regenerate section (dflash.config.RegenerateConfig).
-    p.add_argument("--max-new-tokens", type=int, default=None, help="per assistant turn (default regenerate.max_new_tokens: 256 unless the config says)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="per assistant turn (default regenerate.max_new_tokens: 256 unless the config says)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default regenerate.temperature: 0)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, 1 = off (default regenerate.top_p: 1)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed, per row and turn (default regenerate.seed: 0)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass, 1 = off (default regenerate.top_p: 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, per row and turn (default regenerate.seed: 0)")
     p.add_argument("--limit", type=int, default=None,
                    help="read at most this many rows (default regenerate.limit, else data.max_conversations)")
-    p.add_argument("--batch-size", type=int, default=None, help="conversations per generation batch (default regenerate.batch_size: 16 unless the config says)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="conversations per generation batch (default regenerate.batch_size: 16 unless the config says)")
     p.add_argument("--max-turns", type=int, default=None,
                    help="regenerate at most this many assistant turns (default regenerate.max_turns: all)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="stop a conversation before a prompt this long (default regenerate.max_prompt_tokens, else data.max_length)")
+                   help="stop a conversation before a prompt this long "
+                        "(default regenerate.max_prompt_tokens, else data.max_length)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing output and its shards first")
     p.add_argument("--gpus", type=_gpu_list, default=None,
                    help="comma-separated GPU ids, one worker each (default cluster.targets; on CPU: the worker count)")

@@ -58,7 +58,8 @@ def _pooled(gens: Sequence[Generation], groups: Sequence[Sequence[int]]) -> dict
 def _per_response(rows: Sequence[dict[str, Any]], key: str) -> float:
     """Mean over responses of ``row[key]`` (rows without a value, or with NaN, skipped; NaN when none
     has one): the reference benchmark's average, each response's τ first, then their mean
-    (z-lab/dflash ``dflash/benchmark.py``, ``_print_decode_summary``), where the pooled τ weights every pass alike."""
+    (z-lab/dflash ``dflash/benchmark.py``, ``_print_decode_summary``), where the pooled τ weights
+    every pass alike."""
     vals = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
     return sum(vals) / len(vals) if vals else float("nan")
 
