@@ -134,6 +134,73 @@ def test_gguf_tokenizer_is_cached(tmp_path, monkeypatch, smollm2):
     assert second(SAMPLES[0])["input_ids"] == smollm2(SAMPLES[0])["input_ids"]
 
 
+def _metadata_ids_by_scan(path) -> dict[str, int]:
+    """The GGUF header's special token ids, read field by field with the format's own layout
+    (little-endian: magic, version, tensor count, field count, then key / type / value), stopping
+    at the tokens array: an independent reader of what :func:`gguf_special_token_ids` returns."""
+    import struct
+
+    wanted = {"tokenizer.ggml.bos_token_id": "bos_token", "tokenizer.ggml.eos_token_id": "eos_token",
+              "tokenizer.ggml.unknown_token_id": "unk_token", "tokenizer.ggml.padding_token_id": "pad_token"}
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    out = {}
+    with open(path, "rb") as f:
+        magic, _version, _tensors, nfields = struct.unpack("<4sIQQ", f.read(24))
+        assert magic == b"GGUF"
+
+        def value(kind):
+            if kind in scalar:
+                fmt = "<" + scalar[kind]
+                return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+            if kind == 8:  # string
+                (n,) = struct.unpack("<Q", f.read(8))
+                return f.read(n).decode("utf-8", "replace")
+            assert kind == 9  # array
+            inner, n = struct.unpack("<IQ", f.read(12))
+            return [value(inner) for _ in range(n)]
+
+        for _ in range(nfields):
+            (n,) = struct.unpack("<Q", f.read(8))
+            key = f.read(n).decode()
+            (kind,) = struct.unpack("<I", f.read(4))
+            v = value(kind)
+            if key in wanted:
+                out[wanted[key]] = int(v)
+    return out
+
+
+def test_gguf_special_tokens_come_from_its_metadata(tmp_path, monkeypatch):
+    """The GGUF's own bos / eos / unk / pad ids win over whatever transformers' conversion set
+    (one transformers version gives the SmolLM2 GGUF eos 1 and no pad), so the same file gives
+    the same tokenizer and fingerprint under every version."""
+    from transformers import AutoTokenizer
+
+    from dflash.data.tokenizer import gguf_special_token_ids
+
+    path = assets.smollm2_gguf_path()
+    declared = _metadata_ids_by_scan(path)
+    assert declared == {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
+    assert gguf_special_token_ids(path) == declared
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "right"))
+    right = load_tokenizer(TargetConfig(kind="gguf"))
+    real = AutoTokenizer.from_pretrained
+
+    def miss_converted(*args, **kwargs):  # the older GGUF conversion's specials
+        tok = real(*args, **kwargs)
+        if "gguf_file" in kwargs:
+            tok.eos_token = "<|im_start|>"
+            tok.pad_token = None
+        return tok
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", miss_converted)
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "wrong"))
+    fixed = load_tokenizer(TargetConfig(kind="gguf"))
+    for tok in (right, fixed):
+        for name, tid in declared.items():
+            assert getattr(tok, f"{name}_id") == tid, name
+    assert tokenizer_fingerprint(fixed) == tokenizer_fingerprint(right)
+
+
 def test_fingerprint_tracks_template(qwen3, qwen36, smollm2):
     fingerprints = {tokenizer_fingerprint(t) for t in (qwen3, qwen36, smollm2)}
     assert len(fingerprints) == 3

@@ -39,7 +39,7 @@ __all__ = ["load_tokenizer", "tokenizer_fingerprint"]
 log = logging.getLogger(__name__)
 
 #: Bump when the way tokenizers are built or cached changes (invalidates ``cache_root()/tokenizers``).
-TOKENIZER_CACHE_VERSION = 1
+TOKENIZER_CACHE_VERSION = 2
 #: Sub-directory of :func:`dflash.data.assets.cache_root` holding saved tokenizers.
 TOKENIZER_CACHE_DIR = "tokenizers"
 #: Length of the hexadecimal cache key (a sha256 prefix).
@@ -113,7 +113,43 @@ def _load_named(name: str) -> PreTrainedTokenizerBase:
 
 def _load_gguf(path: Path) -> PreTrainedTokenizerBase:
     key = _cache_key(["gguf", _file_identity(path)])
-    return _cached(key, lambda: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    return _cached(key, lambda: _gguf_tokenizer(path))
+
+
+#: The GGUF metadata keys of the special tokens, by the tokenizer attribute they set.
+GGUF_SPECIAL_KEYS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                     "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_token_ids(path: Path) -> dict[str, int]:
+    """The special token ids a GGUF file declares (``tokenizer.ggml.*_token_id``), keyed by the
+    tokenizer attribute they set (:data:`GGUF_SPECIAL_KEYS`); keys the file lacks are left out.
+    Reads the metadata only (the tensors are memory-mapped, not read)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    out = {}
+    for name, key in GGUF_SPECIAL_KEYS.items():
+        field = fields.get(key)
+        if field is not None and field.data:
+            out[name] = int(field.parts[field.data[0]][0])
+    return out
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer of a GGUF file, its special tokens set from the file's own metadata.
+
+    transformers' GGUF conversion does not set them alike in every version: for the SmolLM2-135M-Instruct
+    GGUF (bos 1, eos 2, pad 2 in its metadata) transformers 5.17 gives eos 1 and no pad, 5.24
+    eos 2 and pad 2. The same file must give the same tokenizer (and fingerprint) everywhere.
+    """
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for name, tid in gguf_special_token_ids(path).items():
+        if 0 <= tid < len(tok) and getattr(tok, f"{name}_id", None) != tid:
+            log.info("%s: %s = %r (id %d) from the GGUF metadata (transformers gave %r)", path.name, name,
+                     tok.convert_ids_to_tokens(tid), tid, getattr(tok, name, None))
+            setattr(tok, name, tok.convert_ids_to_tokens(tid))
+    return tok
 
 
 # --------------------------------------------------------------------------- on-disk cache
