@@ -102,7 +102,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def f(x: Any, d: int = 3) -> str:
-        return "–" if x is None else f"{x:.{d}f}"
+        return "–" if x is None or x != x else f"{x:.{d}f}"  # x != x: NaN
 
     for r in runs:
         s = r["summary"]
@@ -147,8 +147,6 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
         log.error("%s", exc)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     dcfg = None
     drafter_dir = None
@@ -168,6 +166,8 @@ def _run(args: argparse.Namespace) -> int:
     cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
     if not cases:
         return 2
+    out = Path(args.out)  # made once the input is known to be good
+    out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,
             "drafter": "checkpoint" if args.checkpoint else "random (tau ~ 1: speculative numbers are not meaningful)",

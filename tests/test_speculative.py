@@ -699,6 +699,39 @@ def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, reference
         assert len(table) == 2 + block_size - 1
 
 
+def test_decode_report_survives_a_one_token_response(target, prompts, references, trained_drafter, monkeypatch):
+    """A response that stops at its first token (the prefill's) has no verification pass and no
+    anchor: its τ values are NaN, left out of the per-response means, and nothing crashes
+    (offline τ of a sequence without anchors, the text report, decode_bench's table)."""
+    from pathlib import Path
+
+    from dflash.inference.prompts import PromptCase
+    from dflash.inference.spec_report import decode_report, format_report
+
+    stop = references[0][0]
+    cases = []
+    for i, prompt in enumerate(prompts[:2]):
+        ids = torch.cat([prompt, torch.tensor(references[i][:MAX_NEW])])
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        mask[prompt.numel():] = True
+        cases.append(PromptCase(i, i, prompt, ids, mask))
+    report = decode_report(target, trained_drafter, cases, max_new_tokens=MAX_NEW, stop_ids=[stop], compile=False)
+    s, rows = report["summary"], report["prompts"]
+    assert rows[0]["new_tokens"] == 1 and rows[0]["steps"] == 0 and rows[0]["result"] == "identical"
+    assert math.isnan(rows[0]["tau"]) and math.isnan(rows[0]["offline_tau_own"])
+    assert rows[1]["steps"] > 0
+    for key, row_key in (("tau_per_response", "tau"), ("offline_tau_own_per_response", "offline_tau_own")):
+        kept = [r[row_key] for r in rows if not math.isnan(r[row_key])]
+        assert len(kept) == 1 and s[key] == pytest.approx(kept[0], abs=1e-12)
+    text = format_report(report)
+    assert "nan" not in text
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    import decode_bench
+
+    s["warmup_s"] = 1.5
+    assert "nan" not in decode_bench.table([report])
+
+
 def test_length_buckets_round_up_and_stay_few():
     from dflash.inference.spec_report import length_buckets
 

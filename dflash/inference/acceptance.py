@@ -134,7 +134,8 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
             valid = valid & chosen
         anchor_pos = torch.nonzero(valid).flatten()
         taus = []
-        for chunk in torch.split(anchor_pos, anchors_per_chunk):
+        # torch.split of no anchors still yields one (empty) chunk: a response of one token has none
+        for chunk in torch.split(anchor_pos, anchors_per_chunk) if anchor_pos.numel() else ():
             anc = chunk.view(1, -1)
             keep = torch.ones_like(anc, dtype=torch.bool)
             lab, ok = build_block_labels(ids_r, tgt_tokens, mask_r, doc, anc, keep, b, labels)

@@ -332,7 +332,9 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
                   f"{s['failures']} FAIL (of {s['prompts']})",
               f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes "
-              f"({s['new_tokens']} new tokens: the passes' and each prompt's first, from the prefill)",
+              f"({s['new_tokens']} new tokens: the passes' and each prompt's first, from the prefill); per "
+              f"response {_fmt(s['tau_per_response'], 3)} (each response's tau, then their mean, as the reference "
+              "benchmark averages)",
               f"tokens/s: speculative {_fmt(s['spec_tok_s'], 1)}, target-only {_fmt(s['target_tok_s'], 1)} "
               f"(speedup {_fmt(s['speedup'], 2)}x)",
               f"speculative time: {_fmt(s['spec_s'], 3)} s = draft {_fmt(s['draft_s'], 3)} + verify "
@@ -347,12 +349,12 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                   f"{_fmt(s['offline_tau_replay'], 3)} ({s['offline_blocks_replay']} blocks); dataset conversations "
                   f"{_fmt(s['offline_tau_dataset'], 3)} (first turn {_fmt(s['offline_tau_dataset_first_turn'], 3)}); "
                   f"measured / own = {_fmt(s['measured_over_offline_own'], 3)}",
-                  f"per response (each response's tau, then their mean, as the reference benchmark averages): "
-                  f"measured {_fmt(s['tau_per_response'], 3)}, own continuation every anchor "
+                  f"per response: measured {_fmt(s['tau_per_response'], 3)}, own continuation every anchor "
                   f"{_fmt(s['offline_tau_own_per_response'], 3)}, walked "
                   f"{_fmt(s['offline_tau_own_walk_per_response'], 3)}; measured / own = "
-                  f"{_fmt(s['measured_over_offline_own_per_response'], 3)} (pooled tau weights every pass or "
-                  "block alike, so one response looping in a repetition counts for many blocks)"]
+                  f"{_fmt(s['measured_over_offline_own_per_response'], 3)} (compare like with like: pooled values "
+                  "weight each pass or block alike, per-response means each response alike, so a response "
+                  "caught in a repetition loop lifts pooled every-anchor tau most and per-response means both)"]
     if s.get("offline_tau_training_eval") is not None:
         walk_head = s.get("offline_tau_training_eval_walk_head")
         lines.append(f"training's held-out evaluation (step {s['training_eval_step']}): every anchor "
