@@ -172,9 +172,13 @@ class Progress:
     def write(self, line: str) -> None:
         """Write a log line without breaking the live line."""
         if self.bar is not None:
-            self.bar.write(line, file=self.stream)
+            self.bar.write(line, file=self.stream)  # tqdm serialises its writes
         else:
-            print(line, file=self.stream, flush=True)
+            # one write a line, under the lock: the launcher's reader threads (one per worker pipe)
+            # call this at once, and print() writes the text and its newline separately
+            with self._lock:
+                self.stream.write(line + "\n")
+                self.stream.flush()
 
     def _beat(self) -> None:
         while not self._closed.wait(HEARTBEAT_POLL_S):

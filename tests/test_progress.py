@@ -85,3 +85,35 @@ def test_bad_arguments():
         Progress(3, interval_s=0, live=False, heartbeat=False)
     with pytest.raises(ValueError, match="total"):
         Progress(-1, live=False, heartbeat=False)
+
+
+def test_lines_from_many_threads_stay_whole():
+    """The launcher's reader threads (one per worker pipe) write through one Progress at once:
+    every write is one whole line, so no two workers' lines run together."""
+    import threading
+
+    class Recording(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, s):
+            self.calls.append(s)
+            return super().write(s)
+
+    stream = Recording()
+    p = Progress(3, stream=stream, live=False, heartbeat=False)
+    lines = {f"[worker.{w}] line {i}" for w in range(4) for i in range(200)}
+
+    def pump(w):
+        for i in range(200):
+            p.write(f"[worker.{w}] line {i}")
+
+    threads = [threading.Thread(target=pump, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(not t.is_alive() for t in threads)
+    assert all(c.endswith("\n") and c.count("\n") == 1 for c in stream.calls)
+    assert set(stream.getvalue().splitlines()) == lines and len(stream.getvalue().splitlines()) == len(lines)
