@@ -445,9 +445,9 @@ class Coordinator(SupervisionMixin, StopMixin):
         walked = (f"; walked as decoding (its prediction of decoding τ): τ {ev['eval/tau_walk']:.3f} over "
                   f"{ev['eval/walk_blocks']} blocks, {ev['eval/tau_walk_head']:.3f} over the "
                   f"{ev['eval/walk_head_blocks']} within train.eval_head_tokens" if "eval/tau_walk" in ev else "")
-        log.info("held-out eval %d%s at step %d: loss %.4f, τ %.3f over %d blocks, τ %.3f over the %d within "
-                 "train.eval_head_tokens of their response's start%s", item.index,
-                 " (off-schedule baseline)" if item.index < 0 else "", item.at_step,
+        log.info("held-out eval %s at step %d: loss %.4f, τ %.3f over %d blocks, τ %.3f over the %d within "
+                 "train.eval_head_tokens of their response's start%s",
+                 "(the resumed run's baseline)" if item.index < 0 else f"round {item.index}", item.at_step,
                  ev.get("eval/loss", float("nan")), ev.get("eval/tau", float("nan")), ev.get("eval/blocks", 0),
                  ev.get("eval/tau_head", float("nan")), ev.get("eval/head_blocks", 0), walked)
         if self.result.first_eval is None:
