@@ -64,6 +64,8 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     if device == "cuda":
         _check_cluster_gpus(cfg.cluster, _visible_gpus() if gpu_count is None else gpu_count)
     _check_transport(cfg.transport, device)
+    _need(cfg.target.linear_attention != "fla" or device == "cuda", "target.linear_attention",
+          "fla runs on CUDA devices only (use auto or torch on CPU)")
     _need(cfg.log.every >= 1, "log.every", "must be >= 1")
     _need(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
     _need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")

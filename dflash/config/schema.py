@@ -59,8 +59,19 @@ class TargetConfig:
     layer_ids: Optional[list[int]] = None
     #: ``auto`` = bf16 on GPU, fp32 on CPU.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    #: ``torch.compile(mode="reduce-overhead")`` the target forward (GPU only; ignored on CPU).
+    #: ``torch.compile`` the target forward (GPU only; ignored on CPU), as ``compile_scope`` says.
     compile: bool = True
+    #: What ``compile`` compiles: ``forward`` = the whole forward with CUDA graphs
+    #: (``mode="reduce-overhead"``); ``layer`` = one decoder layer of each type, reused for every
+    #: layer (no CUDA graphs: warms up in a fraction of the time at 64 layers, and
+    #: flash-linear-attention's varlen kernels read their offsets on the host); ``auto`` = ``layer``
+    #: for targets with linear-attention layers, ``forward`` otherwise.
+    compile_scope: Literal["auto", "forward", "layer"] = "auto"
+    #: Linear-attention (Gated-DeltaNet) layers of hybrid targets, each conversation of a packed
+    #: row from a zero state (``dflash.models.linear_attention``): ``fla`` = flash-linear-attention's
+    #: varlen kernels (CUDA), ``torch`` = the project's own exact torch path (any device, slower),
+    #: ``auto`` = ``fla`` on CUDA where it imports, else ``torch``.
+    linear_attention: Literal["auto", "fla", "torch"] = "auto"
     seed: int = 0
 
 

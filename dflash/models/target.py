@@ -21,6 +21,12 @@ import torch
 from torch import nn
 
 from dflash.models.layer_ids import check_layer_ids
+from dflash.models.linear_attention import (
+    check_gated_deltanet,
+    conversation_starts,
+    gated_deltanet_forward,
+    resolve_backend,
+)
 
 __all__ = [
     "TargetInfo",
@@ -114,7 +120,7 @@ class TargetModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], *, model_dir: Optional[Path] = None,
-                 lm_head_chunk_tokens: Optional[int] = None) -> None:
+                 lm_head_chunk_tokens: Optional[int] = None, linear_attention: str = "auto") -> None:
         super().__init__()
         self.model = model
         self.config = text_config(model.config)
@@ -135,12 +141,18 @@ class TargetModel(nn.Module):
             raise ValueError(f"{type(model).__name__}: layer types {unknown} are not supported")
         self.layer_types = types
         self.sliding_window = getattr(self.config, "sliding_window", None)
+        #: ``fla`` / ``torch`` for the linear-attention layers (``None``: the target has none).
+        self.linear_attention: Optional[str] = None
         if LINEAR in types:
-            logger.warning(
-                "%s has %d linear-attention layers: their recurrent state runs across document "
-                "boundaries of a packed row (only the %d full-attention layers are masked per document); "
-                "fine for performance runs, not for training on real weights with several conversations per row",
-                type(model).__name__, types.count(LINEAR), types.count(FULL))
+            for i, layer in enumerate(self._decoder[0].layers):
+                if types[i] == LINEAR:
+                    _check_linear_decoder_layer(layer, f"{type(model).__name__} layer {i}")
+            self.linear_attention = resolve_backend(linear_attention, self.device)
+            logger.info("%s: %d linear-attention layers, each conversation of a packed row from a zero "
+                        "state (%s backend)", type(model).__name__, types.count(LINEAR), self.linear_attention)
+        self._run_linear = _linear_layer
+        self._run_attention = _attention_layer
+        self.compiled_layers = False
         self._slot_of: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.layer_ids):
             self._slot_of.setdefault(layer, []).append(slot)
@@ -187,6 +199,18 @@ class TargetModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
+    def compile_layers(self) -> None:
+        """``torch.compile`` one decoder layer of each kind (attention, linear attention), reused
+        for every layer of that kind, as torchtitan compiles per block: dynamo traces one layer
+        instead of all N, so warm-up takes one layer's compile, and the weights are graph inputs
+        (a layer of the same kind does not recompile). No CUDA graphs (flash-linear-attention's
+        varlen kernels read their segment offsets on the host; they run as opaque custom ops
+        inside the compiled layer). The embedding, rotary embedding, masks and the chunked LM-head
+        argmax stay eager."""
+        self._run_linear = torch.compile(_linear_layer, dynamic=False)
+        self._run_attention = torch.compile(_attention_layer, dynamic=False)
+        self.compiled_layers = True
+
     def attention_masks(self, doc_ids: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
         """The mask each layer type gets: ``[R, 1, S, S]`` bool (sdpa) or additive in ``dtype`` (eager);
         ``None`` for linear-attention layers (they take only a 2D padding mask, which we do not use)."""
@@ -220,14 +244,18 @@ class TargetModel(nn.Module):
         """Context features and greedy target tokens for a packed batch (docs/ARCHITECTURE.md).
 
         Runs the decoder layer by layer (embedding, rotary embedding from ``position_ids``, each
-        layer with the per-document mask of its type, final norm) and copies the output of every
-        layer in ``layer_ids`` into its slice of the feature buffer as soon as it exists, so only L
-        hidden states are kept. "Output of layer id" is transformers' ``hidden_states[id + 1]``;
-        for id = N-1 that tuple holds the *final-normed* state, and so do we.
+        attention layer with the per-document mask of its type, each linear-attention layer with
+        every conversation from a zero state, final norm) and copies the output of every layer in
+        ``layer_ids`` into its slice of the feature buffer as soon as it exists, so only L hidden
+        states are kept. "Output of layer id" is transformers' ``hidden_states[id + 1]``; for
+        id = N-1 that tuple holds the *final-normed* state, and so do we. Every conversation's
+        features are those of the conversation computed alone.
 
-        Shapes are fixed and nothing syncs with the host (no ``.item()``/``nonzero``), so the method
-        can be wrapped in ``torch.compile(mode="reduce-overhead")``. Runs under ``torch.no_grad()``
-        (not inference mode: results may later meet autograd).
+        Shapes are fixed and, unless the fla backend runs linear-attention layers (its varlen
+        kernels read segment offsets on the host), nothing syncs with the host, so the method can
+        be wrapped in ``torch.compile(mode="reduce-overhead")``; :meth:`compile_layers` is the
+        alternative that compiles per layer. Runs under ``torch.no_grad()`` (not inference mode:
+        results may later meet autograd).
 
         Args:
             input_ids: ``[R, S]`` int64 tokens.
@@ -252,11 +280,16 @@ class TargetModel(nn.Module):
                 rope_positions = position_ids.unsqueeze(0).expand(3, -1, -1)
             rotary = decoder.rotary_emb(hidden, rope_positions)
             masks = self.attention_masks(doc_ids)
+            if self.linear_attention is not None:
+                starts = conversation_starts(doc_ids)
+                segments = starts.cumsum(dim=-1)
             last = self.num_layers - 1
             for i, layer in enumerate(decoder.layers):
-                out = layer(hidden, attention_mask=masks[self.layer_types[i]], position_ids=position_ids,
-                            position_embeddings=rotary)
-                hidden = out[0] if isinstance(out, tuple) else out
+                kind = self.layer_types[i]
+                if kind == LINEAR:
+                    hidden = self._run_linear(layer, hidden, starts, segments, self.linear_attention)
+                else:
+                    hidden = self._run_attention(layer, hidden, masks[kind], position_ids, rotary)
                 if i != last:
                     for slot in self._slot_of.get(i, ()):
                         features[..., slot * width:(slot + 1) * width] = hidden
@@ -267,3 +300,39 @@ class TargetModel(nn.Module):
         return features, tokens
 
     forward = forward_features
+
+
+# --------------------------------------------------------------------------- one decoder layer
+
+#: The submodules of a hybrid decoder layer that :func:`_linear_layer` runs (transformers'
+#: ``Qwen3_5DecoderLayer``: pre-norm token mixer, residual, pre-norm MLP, residual).
+_LINEAR_DECODER_PARTS = ("input_layernorm", "linear_attn", "post_attention_layernorm", "mlp")
+
+
+def _check_linear_decoder_layer(layer: nn.Module, where: str) -> None:
+    """Refuse a linear-attention decoder layer whose layout :func:`_linear_layer` does not know.
+
+    Raises:
+        TypeError: naming ``where`` and what is missing.
+    """
+    missing = [p for p in _LINEAR_DECODER_PARTS if not hasattr(layer, p)]
+    if missing:
+        raise TypeError(f"{where}: {type(layer).__name__} has no {', '.join(missing)}: not the Qwen3.5 "
+                        "hybrid layer layout, so its packed rows cannot be kept apart exactly")
+    check_gated_deltanet(layer.linear_attn, where)
+
+
+def _linear_layer(layer: nn.Module, hidden: torch.Tensor, starts: torch.Tensor, segments: torch.Tensor,
+                  backend: str) -> torch.Tensor:
+    """One hybrid decoder layer with a Gated-DeltaNet token mixer, every conversation of the packed
+    rows alone (:func:`dflash.models.linear_attention.gated_deltanet_forward`); ``[R, S, D]`` in and out."""
+    mixed = gated_deltanet_forward(layer.linear_attn, layer.input_layernorm(hidden), starts, segments, backend)
+    hidden = hidden + mixed
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _attention_layer(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                     rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One attention decoder layer as transformers runs it, with the per-document ``mask``."""
+    out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
+    return out[0] if isinstance(out, tuple) else out

@@ -27,6 +27,7 @@ from dflash.config import ConfigError, DrafterConfig, TargetConfig
 from dflash.data import assets
 from dflash.models.gguf_cache import gguf_dims, gguf_hf_dir, resolve_gguf_path
 from dflash.models.layer_ids import resolve_layer_ids
+from dflash.models.linear_attention import resolve_backend
 from dflash.models.random_target import build_random_config, build_random_model, random_embedding_and_head
 from dflash.models.target import TargetInfo, TargetModel, _decoder, text_config
 
@@ -182,13 +183,19 @@ def load_target(cfg: TargetConfig, device: torch.device | str, dtype: Optional[t
         num_drafter_layers: L for the DFlash layer rule when ``cfg.layer_ids`` is not set.
 
     Raises:
-        ConfigError: bad ``target.kind``/``arch``/``arch_overrides``/``layer_ids``.
+        ConfigError: bad ``target.kind``/``arch``/``arch_overrides``/``layer_ids``, or
+            ``target.linear_attention: fla`` where fla cannot run.
         FileNotFoundError: missing GGUF file or HF directory.
     """
     device = torch.device(device)
     dtype = dtype or resolve_dtype(cfg.dtype, device)
     start = time.perf_counter()
     _check_source(cfg)
+    if cfg.linear_attention == "fla":  # before any weight is read; only hybrid targets use it
+        try:
+            resolve_backend("fla", device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     model_dir: Optional[Path] = None
     if cfg.kind == "gguf":
         model_dir = gguf_hf_dir(cfg.path)
@@ -203,7 +210,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str, dtype: Optional[t
         source = f"random {cfg.arch} ({type(model).__name__}, seed {cfg.seed})"
     num_layers = len(_decoder(model).layers)
     ids = resolve_layer_ids(cfg.layer_ids, num_layers, num_drafter_layers)
-    target = TargetModel(model, ids, model_dir=model_dir)
+    target = TargetModel(model, ids, model_dir=model_dir, linear_attention=cfg.linear_attention)
     logger.info("target %s: %s, %.1fM params, N=%d D=%d V=%d, layer_ids=%s, %s on %s, loaded in %.1f s",
                 source, type(model).__name__, target.num_parameters() / 1e6, target.num_layers,
                 target.hidden_size, target.vocab_size, ids, str(dtype).replace("torch.", ""), device,
