@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  $(PY) -m pip install -q 'torch>=2.11'; \
+	  $(PY) -m pip install -q 'torch>=2.11' 'flash-linear-attention==0.6.0'; \
 	else \
 	  $(PY) -m pip install -q 'torch==2.13.0'; \
 	fi

@@ -298,11 +298,15 @@ def test_flex_matches_sdpa_on_gpu() -> None:
 
 def test_gradient_checkpointing_gives_the_same_gradients() -> None:
     x = tiny_inputs()
-    grads = []
-    for ckpt in (False, True):
+    grads, outs = [], []
+    for ckpt, chunks in ((False, 1), (True, 1), (True, 3)):
         model = tiny_model().train()
-        model.gradient_checkpointing = ckpt
-        model(**x).pow(2).mean().backward()
+        model.gradient_checkpointing, model.mlp_chunks = ckpt, chunks
+        out = model(**x)
+        out.pow(2).mean().backward()
+        outs.append(out.detach())
         grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    for other in range(1, len(grads)):
+        torch.testing.assert_close(outs[other], outs[0], atol=1e-6, rtol=1e-5)
+        for a, b in zip(grads[0], grads[other]):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)

@@ -80,6 +80,7 @@ def _need(ok: bool, key: str, msg: str) -> None:
 
 
 def _check_drafter(d: DrafterConfig) -> None:
+    _need(d.mlp_chunks >= 1, "drafter.mlp_chunks", f"must be >= 1, got {d.mlp_chunks}")
     """The ``drafter`` section: sizes, and options that apply only with a given sampling or weighting."""
     _need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (an anchor plus at least one predicted token), got {d.block_size}")
     _need(d.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {d.num_layers}")

@@ -117,6 +117,10 @@ class DrafterConfig:
     #: activations of one layer (and each layer's input) instead of all, for ~1/3 more drafter
     #: compute (one more forward of the layers); works eager and with ``compile``.
     gradient_checkpointing: bool = False
+    #: With ``gradient_checkpointing``: each layer is recomputed as its attention sub-layer and its
+    #: MLP in this many slices of the block tokens, each its own checkpoint region (the same
+    #: FLOPs; the backward holds one slice's ``[R, Q/n, intermediate]`` MLP activations at a time).
+    mlp_chunks: int = 1
 
 
 @dataclass

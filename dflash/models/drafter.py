@@ -59,21 +59,28 @@ class DFlashDraftModel(nn.Module):
         gradient_checkpointing: recompute each decoder layer in the backward pass instead of
             keeping its activations (gigabytes per packed row and layer at A = 512, B = 16 for a
             Qwen3-8B-sized drafter), at the cost of one more forward pass of the layers.
-            Settable later as an attribute.
+            Settable later as an attribute. Each layer is recomputed as its attention sub-layer
+            and its MLP sub-layer in ``mlp_chunks`` slices of the block tokens
+            (:meth:`_checkpointed_layer`).
+        mlp_chunks: slices of the MLP's recomputation under gradient checkpointing (>= 1).
 
     Both shared modules get ``requires_grad_(False)`` and are stored outside the module tree, so
     ``model.to(...)`` does not move or cast them (they may be the target's own modules): put them
     on the drafter's device yourself.
 
     Raises:
-        ValueError: the embedding width is not ``config.hidden_size``, or ``attention`` is unknown.
+        ValueError: the embedding width is not ``config.hidden_size``, ``attention`` is unknown or
+            ``mlp_chunks < 1``.
     """
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Module, lm_head: nn.Module,
-                 attention: str = "auto", gradient_checkpointing: bool = False) -> None:
+                 attention: str = "auto", gradient_checkpointing: bool = False, mlp_chunks: int = 1) -> None:
         super().__init__()
         if attention not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention: must be auto, flex or sdpa, got {attention!r}")
+        if mlp_chunks < 1:
+            raise ValueError(f"mlp_chunks: must be >= 1, got {mlp_chunks}")
+        self.mlp_chunks = mlp_chunks
         emb_weight = embed_tokens.weight
         if emb_weight.shape[1] != config.hidden_size:
             raise ValueError(f"embed_tokens width {emb_weight.shape[1]} != config.hidden_size {config.hidden_size}")
@@ -190,10 +197,26 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             mask = attn_masks[layer.layer_type]
             if checkpointing:
-                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_q, rope_kv, mask, use_reentrant=False)
+                x = self._checkpointed_layer(layer, x, ctx, rope_q, rope_kv, mask)
             else:
                 x = layer(x, ctx, rope_q, rope_kv, mask)
         return self.norm(x).reshape(r, num_anchors, b, -1)
+
+    def _checkpointed_layer(self, layer: DFlashDecoderLayer, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor],
+                            rope_kv: tuple[Tensor, Tensor], mask: AttentionMask) -> Tensor:
+        """One decoder layer as ``1 + mlp_chunks`` checkpoint regions: the attention sub-layer,
+        then the MLP sub-layer over ``mlp_chunks`` equal slices of the block tokens (the MLP is
+        token-wise). Each region is recomputed once in the backward, as one region per layer
+        would be, so the FLOPs are the same; what the backward holds at once is the larger of
+        the attention's activations and one slice's MLP activations (``[R, Q/mlp_chunks, I]``
+        gate, up and product), instead of both sub-layers' together. The price is the
+        sub-layers' boundary ``[R, Q, D]`` kept per layer."""
+        x = torch.utils.checkpoint.checkpoint(layer.attention_block, x, ctx, rope_q, rope_kv, mask,
+                                              use_reentrant=False)
+        if self.mlp_chunks == 1:
+            return torch.utils.checkpoint.checkpoint(layer.mlp_block, x, use_reentrant=False)
+        return torch.cat([torch.utils.checkpoint.checkpoint(layer.mlp_block, part, use_reentrant=False)
+                          for part in x.chunk(self.mlp_chunks, dim=1)], dim=1)
 
     # ----------------------------------------------------------------------- checkpoint
 

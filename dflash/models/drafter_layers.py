@@ -139,7 +139,16 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_kv: tuple[Tensor, Tensor],
                 mask: AttentionMask) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
+        return self.mlp_block(self.attention_block(x, ctx, rope_q, rope_kv, mask))
+
+    def attention_block(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor],
+                        rope_kv: tuple[Tensor, Tensor], mask: AttentionMask) -> Tensor:
+        """``x + attn(norm(x), ctx)``: ``[R, Q, D]`` in and out."""
+        return x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
+
+    def mlp_block(self, x: Tensor) -> Tensor:
+        """``x + mlp(norm(x))``: ``[..., D]`` in and out, token by token (so it may run on any
+        slice of the block tokens)."""
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

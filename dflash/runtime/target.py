@@ -1,8 +1,9 @@
 """Target worker: one process per target GPU (or CPU process). One loop.
 
 Start-up: build the batch plans (from the launcher's tokenised-data cache), load the target, compile and
-warm up the forward in this main thread (``torch.compile(mode="reduce-overhead")`` on GPU when
-``target.compile``), export the slot ring, say READY with the ring's endpoint.
+warm up the forward in this main thread (on GPU when ``target.compile``: the whole forward with
+CUDA graphs, ``torch.compile(mode="reduce-overhead")``, or one decoder layer of each kind,
+``target.compile_scope``), export the slot ring, say READY with the ring's endpoint.
 
 Loop: take ``produce {split, data epoch, batch id, drafter, job key}`` commands in order; for
 each, build the batch (a deterministic function of its ids), copy it into the static input
@@ -59,6 +60,14 @@ def _stall_hook() -> tuple[str, float]:
     return key, value
 
 
+def compile_scope(cfg: Any, target: Any) -> str:
+    """``forward`` or ``layer`` for ``target.compile_scope`` (``auto``: ``layer`` when the target
+    has linear-attention layers, whose fla kernels cannot be captured in a CUDA graph)."""
+    if cfg.compile_scope != "auto":
+        return cfg.compile_scope
+    return "layer" if target.linear_attention is not None else "forward"
+
+
 class TargetWorker:
     def __init__(self, ctx: WorkerContext):
         from dflash.models.target_loader import load_target
@@ -75,8 +84,14 @@ class TargetWorker:
                        for k, (shape, dtype) in self.spec.items() if k not in ("features", "target_tokens")}
         self.forward: Callable[..., Any] = self.target.forward_features
         self.compiled = bool(cfg.target.compile and self.device.type == "cuda")
+        #: CUDA graphs of the whole forward (``compile_scope: forward``); per-layer compile has none.
+        self.graphs = False
         if self.compiled:
-            self.forward = torch.compile(self.target.forward_features, mode="reduce-overhead", dynamic=False)
+            if compile_scope(cfg.target, self.target) == "layer":
+                self.target.compile_layers()
+            else:
+                self.forward = torch.compile(self.target.forward_features, mode="reduce-overhead", dynamic=False)
+                self.graphs = True
         self.warmup_s = self._warm_up()
         self.watch = CompileWatch("target forward")
         warm = self.watch.arm()
@@ -90,7 +105,7 @@ class TargetWorker:
         self.stats.update(produced=0, busy_s=0.0, wait_slot_s=0.0)
 
     def _run_forward(self):
-        if self.compiled:
+        if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         return self.forward(self.inputs["input_ids"], self.inputs["position_ids"], self.inputs["doc_ids"])
 
@@ -103,7 +118,8 @@ class TargetWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
-        log.info("forward warmed up in %.1f s (%s)", seconds, "compiled, graphs captured" if self.compiled else "eager")
+        how = "eager" if not self.compiled else "compiled, graphs captured" if self.graphs else "compiled per layer"
+        log.info("forward warmed up in %.1f s (%s)", seconds, how)
         return seconds
 
     def _load_inputs(self, batch: Any) -> None:

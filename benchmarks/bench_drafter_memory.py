@@ -1,0 +1,189 @@
+"""Where a drafter train step's GPU memory goes, and what it costs in time.
+
+Builds the drafter for a random target's shape (default: Qwen3.6-27B, 5 layers = 4 sliding-window
++ 1 full, B = 16, mask token 248070) around that target's frozen embedding and LM head, feeds it
+random context features for ``[rows, seq]`` packed rows with ``--anchors`` anchors a row, and runs
+``--steps`` train steps (forward, chunked LM-head loss, backward, AdamW), eager or compiled
+(``drafter.compile``: ``torch.compile(mode="reduce-overhead")``). Reports the median step
+seconds, the peak allocated and reserved GiB, and, with ``--snapshot``, the tensors alive at the
+peak of one steady-state step, summed by the line of the project's code that allocated them
+(``torch.cuda.memory._record_memory_history``; allocations made before the recorded step, such as
+parameters and optimizer states, are one "before the step" line).
+
+``--memory-fraction F`` caps this process at ``F`` of the card
+(``torch.cuda.set_per_process_memory_fraction``): a run that completes under the cap fits a card
+of that size. One configuration per process; loop over configurations in the shell.
+
+    python -m benchmarks.bench_drafter_memory --compile --gradient-checkpointing --mlp-chunks 4 \\
+        --memory-fraction 0.57 --snapshot --out runs/bench-drafter-memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+#: Reference drafter layer types (the public Qwen3.6-27B drafter: 4 sliding-window layers, then 1 full).
+REFERENCE_LAYER_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
+
+
+def synthetic_batch(rows: int, seq: int, vocab: int, feature_size: int, gen: torch.Generator,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Packed rows of random conversations (64 … seq/2 tokens, the last two thirds of each in the
+    loss) with random context features ``[rows, seq, feature_size]`` (bf16 on CUDA, fp32 on CPU)
+    and target tokens."""
+    input_ids = torch.randint(0, vocab, (rows, seq), generator=gen)
+    position_ids = torch.zeros(rows, seq, dtype=torch.int64)
+    doc_ids = torch.zeros(rows, seq, dtype=torch.int32)
+    loss_mask = torch.zeros(rows, seq, dtype=torch.bool)
+    for r in range(rows):
+        at, doc = 0, 1
+        while at < seq - 16:
+            n = min(int(torch.randint(64, max(65, seq // 2), (1,), generator=gen)), seq - at)
+            position_ids[r, at:at + n] = torch.arange(n)
+            doc_ids[r, at:at + n] = doc
+            loss_mask[r, at + n // 3:at + n] = True
+            at, doc = at + n, doc + 1
+    batch = dict(input_ids=input_ids, position_ids=position_ids, doc_ids=doc_ids, loss_mask=loss_mask,
+                 target_tokens=torch.randint(0, vocab, (rows, seq), generator=gen))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch["features"] = torch.randn(rows, seq, feature_size, device=device, dtype=dtype)
+    return batch
+
+
+def live_at_peak(snapshot: dict, baseline: int, top: int = 15) -> dict:
+    """The allocations alive at the peak of a recorded trace, summed by allocating site.
+
+    Args:
+        snapshot: ``torch.cuda.memory._snapshot()`` with a recorded history.
+        baseline: bytes allocated when the recording started (reported as one line).
+
+    Returns:
+        ``{"peak_gib": ..., "sites": [{"site": "file:line function", "gib": ...}, ...]}``.
+    """
+    trace = [e for dev in snapshot.get("device_traces", []) for e in dev]
+    live, total, peak, peak_at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])
+    sites: dict = collections.Counter()
+    alive: dict = {}
+    for e in trace[:peak_at + 1]:
+        if e["action"] == "alloc":
+            alive[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            alive.pop(e["addr"], None)
+    for e in alive.values():
+        frames = [f for f in e.get("frames", []) if "/dflash/" in f.get("filename", "")]
+        frame = frames[0] if frames else (e.get("frames") or [{"filename": "?", "line": 0, "name": "?"}])[0]
+        sites[f"{frame['filename'].split('/dflash/')[-1]}:{frame['line']} {frame['name']}"] += e["size"]
+    rows = [{"site": "before the step (parameters, optimizer states, batch)", "gib": baseline / 2**30}]
+    rows += [{"site": s, "gib": b / 2**30} for s, b in sites.most_common(top)]
+    return {"peak_gib": (baseline + peak) / 2**30, "sites": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", default="qwen3.6-27b")
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--seq", type=int, default=3072)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--mask-token-id", type=int, default=248070)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--compile", action="store_true", help="drafter.compile=true")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--mlp-chunks", type=int, default=1)
+    p.add_argument("--memory-fraction", type=float, default=None)
+    p.add_argument("--snapshot", action="store_true", help="the tensors alive at one step's peak, by site")
+    p.add_argument("--out", type=Path, default=None, help="directory for bench_drafter_memory.json")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no memory figures)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_drafter_memory: needs a CUDA device (--device cpu for a smoke test)", file=sys.stderr)
+        return 2
+    on_gpu = args.device == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    from dflash.config import config_from_dict
+    from dflash.models.target_loader import describe_target, load_embedding_and_head
+    from dflash.training.factory import build_drafter
+    from dflash.training.trainer import DrafterTrainer, metrics_to_host
+
+    dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    if args.memory_fraction is not None and on_gpu:
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, dev)
+    layer_types = REFERENCE_LAYER_TYPES if args.drafter_layers == 5 else None
+    cfg = config_from_dict({
+        "target": {"kind": "random", "arch": args.arch, "tokenizer": "qwen3.6"},
+        "drafter": {"num_layers": args.drafter_layers, "block_size": args.block, "anchors_per_row": args.anchors,
+                    "mask_token_id": args.mask_token_id, "layer_types": layer_types,
+                    "gradient_checkpointing": args.gradient_checkpointing, "mlp_chunks": args.mlp_chunks,
+                    "compile": args.compile},
+        "data": {"max_length": args.seq, "token_budget": args.rows * args.seq},
+        "train": {"max_steps": args.steps},
+    })
+    info = describe_target(cfg.target, args.drafter_layers)
+    embed, head = load_embedding_and_head(cfg.target, dev)
+    model = build_drafter(cfg, embed, head, args.mask_token_id, dev)
+    trainer = DrafterTrainer(model, cfg.train, cfg.drafter, args.steps, dev)
+    batch = synthetic_batch(args.rows, args.seq, info.vocab_size, info.feature_size, torch.Generator().manual_seed(0), dev)
+    cap = torch.cuda.get_device_properties(dev).total_memory * (args.memory_fraction or 1.0) if on_gpu else 0
+    res: dict = {"args": {k: str(v) for k, v in vars(args).items()},
+                 "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+                 "torch": torch.__version__, "drafter_params_M": model.num_trainable_params() / 1e6,
+                 "cap_gib": cap / 2**30}
+    times, losses = [], []
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        for step in range(args.steps):
+            record = args.snapshot and on_gpu and step == args.steps - 1
+            if record:
+                sync()
+                baseline = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            sync()
+            t0 = time.perf_counter()
+            m = trainer.step(batch, 0, step)
+            sync()
+            times.append(time.perf_counter() - t0)
+            losses.append(metrics_to_host({"loss": m["loss"]})["loss"])
+            if record:
+                res["live_at_peak"] = live_at_peak(torch.cuda.memory._snapshot(), baseline)
+                torch.cuda.memory._record_memory_history(enabled=None)
+    except torch.cuda.OutOfMemoryError as exc:
+        res["oom"] = str(exc).splitlines()[0]
+    steady = sorted(times[2:]) or times
+    res.update(steps_run=len(times), first_step_s=times[0] if times else None,
+               s_per_step=steady[len(steady) // 2] if steady else None, losses=losses,
+               peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0,
+               peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if on_gpu else 0.0)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"drafter_memory_{'compiled' if args.compile else 'eager'}_c{args.mlp_chunks}.json"
+        (args.out / name).write_text(json.dumps(res, indent=1))
+    mode = "compiled" if args.compile else "eager"
+    print(f"| {mode} | ckpt {'on' if args.gradient_checkpointing else 'off'} | mlp_chunks {args.mlp_chunks} | "
+          f"{res['s_per_step'] or float('nan'):.2f} s/step | peak {res['peak_allocated_gib']:.1f} GiB allocated, "
+          f"{res['peak_reserved_gib']:.1f} reserved | cap {res['cap_gib']:.1f} | "
+          f"{'OOM' if 'oom' in res else 'ok'} | losses {', '.join(f'{x:.3f}' for x in losses)} |")
+    for row in res.get("live_at_peak", {}).get("sites", []):
+        print(f"    {row['gib']:7.2f} GiB  {row['site']}")
+    return 1 if "oom" in res else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
