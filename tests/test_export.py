@@ -287,11 +287,69 @@ def test_export_serves_what_was_trained(tmp_path, monkeypatch, free_row, layer_t
             assert head(ours).abs().max() > 0.1
 
 
+class ListCache:
+    """The part of ``transformers.DynamicCache``'s contract the drafter uses: ``update(k, v, i)``
+    appends ``[b, H_kv, T, hd]`` keys / values of layer ``i`` along ``T`` and returns all of them."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx in self.kv:
+            k = torch.cat([self.kv[layer_idx][0], k], dim=2)
+            v = torch.cat([self.kv[layer_idx][1], v], dim=2)
+        self.kv[layer_idx] = (k, v)
+        return k, v
+
+    def keep(self, length: int) -> None:
+        """Drop every position from ``length`` on (the decoding loop drops the last block's keys)."""
+        self.kv = {i: (k[:, :, :length], v[:, :, :length]) for i, (k, v) in self.kv.items()}
+
+
+@pytest.mark.parametrize("layer_types", [["sliding_attention", "full_attention"], ["sliding_attention"] * 2],
+                         ids=["mixed", "sliding"])
+def test_export_decodes_with_a_context_cache(tmp_path, monkeypatch, layer_types):
+    """The exported AutoModel with earlier context in ``past_key_values`` (the reference decoding
+    loop: context cached chunk by chunk, each block's keys dropped after drafting) gives the
+    training drafter's logits to 1e-5, the sliding rule counted over cached keys too; a
+    ``transformers.DynamicCache`` is accepted as the cache."""
+    from transformers import AutoModel, DynamicCache
+
+    from dflash.inference.export import export_drafter
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    _, model = serving_drafter(tmp_path, True, layer_types)
+    export_drafter(tmp_path / "run", tmp_path / "serve", dtype="float32")
+    served = AutoModel.from_pretrained(tmp_path / "serve", trust_remote_code=True, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    s = 16
+    feats = torch.randn(1, s, 2 * SERVE_D, generator=g)
+    ids = torch.randint(3, SERVE_V, (1, s), generator=g)
+    cache, cached = ListCache(), 0
+    head = model.lm_head
+    with torch.no_grad():
+        for anchor in (2, 7, 8, 13):  # context grows by 2, 5, 1 and 5 positions
+            ours = model(feats, ids, torch.arange(s).view(1, s), torch.ones(1, s, dtype=torch.int32),
+                         torch.tensor([[anchor]]), torch.tensor([[True]]))[0, 0]
+            block = torch.tensor([int(ids[0, anchor])] + [served.mask_token_id] * (BLOCK - 1))
+            embeds = model.embed_tokens(block)[None]
+            theirs = served(position_ids=torch.arange(cached, anchor + BLOCK).view(1, -1), noise_embedding=embeds,
+                            target_hidden=feats[:, cached:anchor], past_key_values=cache)[0]
+            cache.keep(anchor)
+            cached = anchor
+            assert (head(ours) - head(theirs)).abs().max() <= 1e-5
+            assert head(ours).abs().max() > 0.1
+            whole = served(position_ids=torch.arange(anchor + BLOCK).view(1, -1), noise_embedding=embeds,
+                           target_hidden=feats[:, :anchor], past_key_values=DynamicCache())[0]
+            assert (head(ours) - head(whole)).abs().max() <= 1e-5
+
+
 def test_export_is_bf16_with_the_engine_fields(tmp_path, monkeypatch, capsys):
     from safetensors import safe_open
     from transformers import AutoModel
 
     from dflash.inference import export
+    from dflash.models.drafter_io import modeling_source
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     src, model = serving_drafter(tmp_path, False, ["sliding_attention", "full_attention"], window=2048)
@@ -301,6 +359,7 @@ def test_export_is_bf16_with_the_engine_fields(tmp_path, monkeypatch, capsys):
     assert export.main(["--checkpoint", str(src), "--out", str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
     out = tmp_path / "bf16"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
+    assert (out / "modeling_dflash.py").read_text() == modeling_source()  # the training layers' own file
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["dflash_config"]["mask_token_id"] == 0 and type(cfg["dflash_config"]["mask_token_id"]) is int
     assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
@@ -429,3 +488,80 @@ def test_qwen3_8b_shaped_export_is_half_the_fp32_size():
     fp32, bf16 = 4 * params, 2 * params
     assert params == 1_048_626_432  # 4.19 GB (3.91 GiB) in fp32, 2.10 GB (1.95 GiB) in bf16
     assert bf16 / fp32 == 0.5 and round(fp32 / 2**30, 2) == 3.91 and round(bf16 / 2**30, 2) == 1.95
+
+
+# --------------------------------------------------------------------------- the shipped modeling file
+
+DFLASH_PACKAGE = Path(__file__).resolve().parents[1] / "dflash"
+#: What the layer module defines for training, decoding and serving alike.
+LAYER_NAMES = ("RMSNorm", "RotaryEmbedding", "rotate_half", "apply_rope", "sliding_window_mask", "DFlashAttention",
+               "SwiGLU", "DFlashDecoderLayer")
+
+
+def test_the_training_layers_are_the_shipped_file():
+    """Every layer module of the training drafter is defined in the file the export ships."""
+    import inspect
+
+    from dflash.models import modeling_dflash
+    from dflash.models.drafter_config import DFlashConfig
+    from dflash.models.drafter_io import MODELING_FILE, modeling_source
+
+    cfg = DFlashConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                       vocab_size=16, num_hidden_layers=2, num_target_layers=4, target_layer_ids=[1, 2],
+                       mask_token_id=3, layer_types=["sliding_attention", "full_attention"])
+    model = DFlashDraftModel(cfg, torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False), attention="sdpa")
+    shipped = Path(modeling_dflash.__file__)
+    assert shipped.name == MODELING_FILE and shipped.read_text() == modeling_source()
+    classes = {type(m) for m in model.modules()} - {DFlashDraftModel, torch.nn.Linear, torch.nn.ModuleList}
+    assert {c.__name__ for c in classes} == {"RMSNorm", "RotaryEmbedding", "DFlashDecoderLayer", "DFlashAttention",
+                                             "SwiGLU"}
+    for cls in classes:
+        assert Path(inspect.getsourcefile(cls)) == shipped, cls
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [cfg.sliding_window, None]
+
+
+def test_the_shipped_file_imports_only_torch_and_transformers():
+    """Engines load the file alone from the export directory: no relative import, no project
+    import, anywhere in it (imports inside functions included)."""
+    import ast
+    import sys
+
+    from dflash.models.drafter_io import modeling_source
+
+    tops = set()
+    for node in ast.walk(ast.parse(modeling_source())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"relative import at line {node.lineno}"
+            tops.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            tops.update(alias.name.split(".")[0] for alias in node.names)
+    assert {"torch", "transformers"} <= tops
+    assert tops - {"torch", "transformers"} <= set(sys.stdlib_module_names), tops
+
+
+def test_each_layer_is_defined_once_in_the_package():
+    """``rotate_half`` and the other layer functions / classes have one definition under ``dflash/``:
+    the shipped file's (no private copy under another spelling either)."""
+    import ast
+
+    where: dict[str, list[str]] = {}
+    for path in sorted(DFLASH_PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                name = node.name.lstrip("_").lower()
+                if any(name == n.lower() or name.endswith(n.lower()) for n in LAYER_NAMES):
+                    where.setdefault(name, []).append(f"{path.relative_to(DFLASH_PACKAGE)}:{node.lineno}")
+    assert sorted(where) == sorted(n.lower() for n in LAYER_NAMES)
+    for name, places in where.items():
+        assert len(places) == 1 and places[0].startswith("models/modeling_dflash.py:"), (name, places)
+
+
+def test_a_sliding_layer_needs_a_window():
+    from transformers import Qwen3Config
+
+    from dflash.models.modeling_dflash import DFlashAttention
+
+    cfg = Qwen3Config(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, sliding_window=None)
+    with pytest.raises(ValueError, match="sliding_window"):
+        DFlashAttention(cfg, "sliding_attention", 0)
+    assert DFlashAttention(cfg, "full_attention", 0).sliding_window is None

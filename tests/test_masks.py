@@ -253,7 +253,7 @@ def test_mask_tiles_cover_the_dense_mask(window: int | None, bs: int) -> None:
 @pytest.mark.parametrize("bs", [4, 16])
 def test_compiled_flex_matches_dense_on_gpu(window: int | None, bs: int) -> None:
     """On CUDA, compiled flex_attention with our BlockMask == SDPA with the dense mask (engines' rule)."""
-    from dflash.models.drafter_layers import _flex_attention
+    from dflash.models.modeling_dflash import _flex_attention
 
     b = {k: v.cuda() for k, v in packed_batch(r=2, s=300, seed=4).items()}
     anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 24, anchor_generator(0, 0, 7, "cuda"))

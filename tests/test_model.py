@@ -1,4 +1,4 @@
-"""The DFlash drafter (dflash/models/drafter.py, drafter_config.py, drafter_layers.py, drafter_io.py): shapes, no-leak attention, mask token, checkpoint format."""
+"""The DFlash drafter (dflash/models/drafter.py, drafter_config.py, modeling_dflash.py, drafter_io.py): shapes, no-leak attention, mask token, checkpoint format."""
 
 from __future__ import annotations
 

@@ -43,8 +43,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 
+from dflash.models.modeling_dflash import apply_rope
+
 __all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FusedDecoderLayer", "REDUCE_MAX_BATCH", "decode_score_mod",
-           "default_attention", "fusable", "fuse_layers", "reduce_attention", "rotate_half", "split_attention"]
+           "default_attention", "fusable", "fuse_layers", "reduce_attention", "split_attention"]
 
 #: Decoding's default attention spec (:func:`split_attention`): ``"reduce"`` in the one-token step,
 #: SDPA in verification and prefill; the fastest measured on an H200 (SmolLM2-135M, bf16, batch 1,
@@ -122,13 +124,6 @@ def fusable(layer: nn.Module, config: object) -> Optional[str]:
     if set_attrs:
         return f"unsupported config {set_attrs}"
     return None
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """``[x1, x2] → [−x2, x1]`` over the last dimension (the rotary embedding's pairing of
-    transformers' Llama, ``apply_rotary_pos_emb``)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def decode_score_mod(positions: Tensor, window: Optional[int] = None) -> Callable[..., Tensor]:
@@ -307,8 +302,7 @@ class FusedDecoderLayer(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # [b', T, 1, hd]
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
         row_ix = torch.arange(k_buf.shape[0], device=hidden.device) if rows is None else rows
         row_ix = row_ix.unsqueeze(1)  # [b', 1]
         k_buf[row_ix, :, positions] = k.to(k_buf.dtype)  # [b', T, H_kv, hd] at [b', T]

@@ -2,7 +2,8 @@
 
 ``PATH`` is a run directory (its newest checkpoint), a checkpoint ``step-XXXXXXXX`` or a drafter
 directory. ``DIR`` gets ``config.json``, ``model.safetensors`` (bfloat16 by default, ``--dtype
-float32`` on request), ``modeling_dflash.py`` with ``auto_map`` and, when the checkpoint records it,
+float32`` on request), ``modeling_dflash.py`` (:mod:`dflash.models.modeling_dflash`, the layers training
+ran, copied unchanged) with ``auto_map`` and, when the checkpoint records it,
 ``trained_with.json`` (the tokenizer, chat template and thinking mode it was trained with, which
 the decoding check compares as for a checkpoint; engines ignore the file), so that
 

@@ -18,7 +18,7 @@ What is trained (docs/DFLASH.md; DFlash paper, arXiv 2602.06036, §3):
   attributes, *not* registered sub-modules: they never appear in ``parameters()``,
   ``state_dict()``, the optimizer, DDP's buckets or the checkpoint.
 
-Its configuration is :mod:`dflash.models.drafter_config`, its layers :mod:`dflash.models.drafter_layers`,
+Its configuration is :mod:`dflash.models.drafter_config`, its layers :mod:`dflash.models.modeling_dflash`,
 its saved form :mod:`dflash.models.drafter_io`.
 """
 
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from dflash.models.drafter_config import DFlashConfig
 from dflash.models.drafter_io import read_drafter_config, read_drafter_weights, write_drafter_directory
-from dflash.models.drafter_layers import DFlashDecoderLayer, RMSNorm, RotaryEmbedding
+from dflash.models.modeling_dflash import DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 from dflash.models.masks import AttentionMask, drafter_attention_masks
 
 __all__ = ["DFlashDraftModel"]

@@ -52,7 +52,9 @@ LEARNED_MASK_MESSAGE = (
 
 
 def modeling_source() -> str:
-    """The text of the self-contained modeling file shipped with an export (:data:`MODELING_FILE`)."""
+    """The text shipped with an export as :data:`MODELING_FILE`: the source of
+    :mod:`dflash.models.modeling_dflash`, the module the training drafter's layers come from,
+    unchanged (it imports torch and transformers only)."""
     return (Path(__file__).with_name(MODELING_FILE)).read_text()
 
 
