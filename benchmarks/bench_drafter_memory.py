@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             times.append(time.perf_counter() - t0)
             losses.append(metrics_to_host({"loss": m["loss"]})["loss"])
+            peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0
+            print(f"step {step}: {times[-1]:.2f} s, loss {losses[-1]:.4f}, peak so far {peak:.1f} GiB", flush=True)
             if record:
                 res["live_at_peak"] = live_at_peak(torch.cuda.memory._snapshot(), baseline)
                 torch.cuda.memory._record_memory_history(enabled=None)

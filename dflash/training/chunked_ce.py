@@ -17,10 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSS_CHUNK_ROWS", "linear_ce_chunk", "compiled_linear_ce_chunk", "chunked_linear_ce"]
+__all__ = ["LOSS_CHUNK_ROWS", "LOSS_CHUNK_ELEMENTS", "loss_chunk_rows", "linear_ce_chunk", "compiled_linear_ce_chunk", "chunked_linear_ce"]
 
-#: Rows of ``hidden @ lm_head.T`` computed at once (2,048 × 151,936 fp32 logits ≈ 1.2 GiB).
+#: Most rows of ``hidden @ lm_head.T`` computed at once.
 LOSS_CHUNK_ROWS = 2048
+#: Most fp32 logits of one chunk (2**28 = 1 GiB): fewer rows for large vocabularies
+#: (1,081 at Qwen3.6's 248,320 tokens), so a chunk's logits, probabilities and their bf16 copy
+#: stay a few GiB whatever the vocabulary (:func:`loss_chunk_rows`).
+LOSS_CHUNK_ELEMENTS = 1 << 28
+
+
+def loss_chunk_rows(vocab_size: int) -> int:
+    """Rows per LM-head loss chunk for a vocabulary of ``vocab_size``:
+    ``min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // vocab_size)``, at least 1."""
+    return max(1, min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // vocab_size))
 
 
 def linear_ce_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, w: Tensor,

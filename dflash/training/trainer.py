@@ -43,7 +43,7 @@ from dflash.config import default_gamma
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.masks import AttentionMask, drafter_attention_masks, restage_attention_mask
 from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets
-from dflash.training.chunked_ce import LOSS_CHUNK_ROWS, compiled_linear_ce_chunk
+from dflash.training.chunked_ce import compiled_linear_ce_chunk, loss_chunk_rows
 from dflash.training.evaluation import EvalOutput, position_tau, walked_tau_sums
 from dflash.training.objective import DPACE_ALPHA, LossOutput, build_block_labels, dflash_loss, loss_denominator
 from dflash.training.optim import LRSchedule, build_optimizer, build_scheduler
@@ -106,7 +106,8 @@ class DrafterTrainer:
         grad_sync: sums the trainable parameters' ``.grad`` over ranks in place; ``None`` = none.
         grads_averaged_over: ``N`` when gradients are *averaged* over ``N`` ranks by someone
             else (DDP); the local objective is multiplied by it.
-        loss_chunk: rows of logits per LM-head chunk.
+        loss_chunk: rows of logits per LM-head chunk; ``None`` = :func:`dflash.training.chunked_ce.loss_chunk_rows`
+            of the drafter's vocabulary.
         autocast_dtype: ``"auto"`` = bf16 autocast on CUDA, none on CPU; or a dtype / ``None``.
         compile_mode: ``torch.compile`` mode of the drafter forward (and so its backward) when
             ``drafter_cfg.compile`` and on CUDA (ignored on CPU).
@@ -120,7 +121,7 @@ class DrafterTrainer:
     def __init__(self, model: nn.Module, train_cfg: Any, drafter_cfg: Any, total_steps: int,
                  device: Union[str, torch.device], seed: Optional[int] = None, *,
                  weight_sum_reduce: Optional[WeightSumReduce] = None, grad_sync: Optional[GradSync] = None,
-                 grads_averaged_over: int = 1, loss_chunk: int = LOSS_CHUNK_ROWS,
+                 grads_averaged_over: int = 1, loss_chunk: Optional[int] = None,
                  autocast_dtype: Union[str, torch.dtype, None] = "auto",
                  compile_mode: Optional[str] = "reduce-overhead", schedule: Optional[LRSchedule] = None) -> None:
         self.model = model
@@ -148,7 +149,7 @@ class DrafterTrainer:
         self.eval_head_tokens = train_cfg.eval_head_tokens
         #: evaluation also walks decoding's anchors over every held-out response (eval/tau_walk)
         self.eval_walk = bool(train_cfg.eval_walk)
-        self.loss_chunk = loss_chunk
+        self.loss_chunk = loss_chunk if loss_chunk is not None else loss_chunk_rows(self.module.config.vocab_size)
         self.weight_sum_reduce = weight_sum_reduce
         self.grad_sync = grad_sync
         self.grads_averaged_over = grads_averaged_over
