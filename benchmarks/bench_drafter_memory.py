@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mask-token-id", type=int, default=248070)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compile", action="store_true", help="drafter.compile=true")
+    p.add_argument("--compile-mode", default="reduce-overhead", choices=["reduce-overhead", "default"])
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--mlp-chunks", type=int, default=1)
     p.add_argument("--memory-fraction", type=float, default=None)
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "drafter": {"num_layers": args.drafter_layers, "block_size": args.block, "anchors_per_row": args.anchors,
                     "mask_token_id": args.mask_token_id, "layer_types": layer_types,
                     "gradient_checkpointing": args.gradient_checkpointing, "mlp_chunks": args.mlp_chunks,
-                    "compile": args.compile},
+                    "compile": args.compile, "compile_mode": args.compile_mode},
         "data": {"max_length": args.seq, "token_budget": args.rows * args.seq},
         "train": {"max_steps": args.steps},
     })
@@ -175,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if on_gpu else 0.0)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"drafter_memory_{'compiled' if args.compile else 'eager'}_c{args.mlp_chunks}.json"
+        name = f"drafter_memory_{args.compile_mode if args.compile else 'eager'}_c{args.mlp_chunks}.json"
         (args.out / name).write_text(json.dumps(res, indent=1))
-    mode = "compiled" if args.compile else "eager"
+    mode = f"compiled {args.compile_mode}" if args.compile else "eager"
     print(f"| {mode} | ckpt {'on' if args.gradient_checkpointing else 'off'} | mlp_chunks {args.mlp_chunks} | "
           f"{res['s_per_step'] or float('nan'):.2f} s/step | peak {res['peak_allocated_gib']:.1f} GiB allocated, "
           f"{res['peak_reserved_gib']:.1f} reserved | cap {res['cap_gib']:.1f} | "

@@ -110,6 +110,8 @@ class DrafterTrainer:
             of the drafter's vocabulary.
         autocast_dtype: ``"auto"`` = bf16 autocast on CUDA, none on CPU; or a dtype / ``None``.
         compile_mode: ``torch.compile`` mode of the drafter forward (and so its backward) when
+            ``drafter_cfg.compile`` and on CUDA (ignored on CPU); ``"config"`` = ``drafter.compile_mode``;
+            ``None`` = eager.
             ``drafter_cfg.compile`` and on CUDA (ignored on CPU).
         schedule: the learning rate of every step (:class:`dflash.training.optim.LRSchedule`); ``None`` =
             the recipe's curve over ``total_steps``.
@@ -123,7 +125,7 @@ class DrafterTrainer:
                  weight_sum_reduce: Optional[WeightSumReduce] = None, grad_sync: Optional[GradSync] = None,
                  grads_averaged_over: int = 1, loss_chunk: Optional[int] = None,
                  autocast_dtype: Union[str, torch.dtype, None] = "auto",
-                 compile_mode: Optional[str] = "reduce-overhead", schedule: Optional[LRSchedule] = None) -> None:
+                 compile_mode: Optional[str] = "config", schedule: Optional[LRSchedule] = None) -> None:
         self.model = model
         self.module: DFlashDraftModel = getattr(model, "module", model)
         if not isinstance(self.module, DFlashDraftModel):
@@ -166,7 +168,11 @@ class DrafterTrainer:
         self._forward = self._hidden
         self._staging: dict[Any, Tensor] = {}
         #: whether the drafter forward (and the LM-head loss chunks) run compiled.
+        if compile_mode == "config":
+            compile_mode = drafter_cfg.compile_mode
         self.compiled = bool(drafter_cfg.compile and self.device.type == "cuda" and compile_mode is not None)
+        #: the compiled forward replays CUDA graphs (its inputs must keep their addresses: staged)
+        self.graphs = self.compiled and compile_mode == "reduce-overhead"
         if drafter_cfg.compile and self.device.type != "cuda":
             logger.info("drafter.compile: ignored on %s (CUDA graphs need a GPU); the drafter runs eager",
                         self.device.type)
@@ -269,7 +275,7 @@ class DrafterTrainer:
         """
         t = prepared.tensors
         args = (t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors, prepared.anchor_keep)
-        if compiled and self.compiled:
+        if compiled and self.graphs:
             # Every tensor the compiled forward reads lives in a persistent buffer (CUDA graphs
             # re-record when an input they treat as static moves), masks included.
             staged = [self._stage(("input", i), x) for i, x in enumerate(args)]
@@ -278,6 +284,8 @@ class DrafterTrainer:
             # hidden states, and gradients, dropped by ``zero_grad(set_to_none=True)``) are dead.
             torch.compiler.cudagraph_mark_step_begin()
             hidden = self._forward(*staged, masks)
+        elif compiled and self.compiled:
+            hidden = self._forward(*args, prepared.attn_masks)
         else:
             hidden = self._hidden(*args, prepared.attn_masks)
         # Compiled runs also compile the LM-head loss chunks (fused fp32 softmax passes); the
