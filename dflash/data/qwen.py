@@ -3,8 +3,8 @@
 (:data:`dflash.data.chat_templates.QWEN3_CHAT_TEMPLATE`; the package ships none).
 
 Qwen3.6 (the Qwen3.5 family) ships a different template that is not available offline: ``qwen3.6``
-gets Qwen3's, so a run that serves Qwen3.6 should point ``target.tokenizer`` at the model's own
-tokenizer directory, which carries its template. Building the BPE merges takes seconds;
+gets Qwen3's, so a run that serves Qwen3.6 should take the model's own tokenizer directory, which
+carries its template (``target.kind: hf`` with ``target.tokenizer: null`` does). Building the BPE merges takes seconds;
 :func:`dflash.data.tokenizer.load_tokenizer` saves the result once and reloads it afterwards.
 """
 

