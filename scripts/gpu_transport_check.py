@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """GPU check of the transport (CUDA IPC carrier): self-checking, a compact table, a JSON file.
 
-Run from the repository root on the GPU machine (torch 2.11, no pyzmq: install the carried wheel):
+Run from the repository root on a GPU machine (``docs/gpu-runbook.md``, Set-up, for one without
+network access):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-    python3 scripts/gpu_transport_check.py            # ~2-4 min; --quick for a shorter run
+    python -m scripts.gpu_transport_check --out results     # ~2-4 min; --quick for a shorter run
 
 Placements: ``same-gpu`` (producer and consumer processes on cuda:0) always; ``cross-gpu``
 (producer cuda:0, consumer cuda:1, peer-to-peer copy) when two GPUs are visible. Per placement:
@@ -21,8 +20,9 @@ Placements: ``same-gpu`` (producer and consumer processes on cuda:0) always; ``c
    size (``benchmarks/bench_transport.py``); at 1 GiB the handoff / raw-copy time ratio
    (target ≤ 1.1) is checked for the best consumer mode.
 
-Exit status 0 when every check passes. Writes ``$OUT/transport.json`` when ``$OUT`` is set.
-Only ``dflash/transport`` (and the helper scripts next to the tests / benchmarks) is imported.
+Exit status 0 when every check passes. With ``--out DIR``: writes ``DIR/transport.json``.
+``--budget-s`` bounds the whole run (unbounded by default). Only ``dflash/transport`` (and the
+transport helpers in ``benchmarks/``) is imported.
 """
 
 from __future__ import annotations
@@ -39,16 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for sub in ("", "tests", "benchmarks"):
-    path = str(REPO / sub) if sub else str(REPO)
-    if path not in sys.path:
-        sys.path.insert(0, path)
+import torch
 
-import torch  # noqa: E402
-
-from bench_transport import format_table, run_bench  # noqa: E402
-from transport_peer import PeerProcess, peer_args, spec_to_json  # noqa: E402
+from benchmarks.bench_transport import format_table, run_bench
+from benchmarks.transport_peer import PeerProcess, peer_args, spec_to_json
 
 #: The slot of the checks: a realistic mix (bf16 features [R, S, L·D] + per-token tensors), 16 MiB.
 CHECK_SPEC = {
@@ -72,8 +66,6 @@ RATIO_TARGET = 1.1
 #: Memory growth allowed between the first and the last snapshot (MiB).
 FLAT_LIMITS_MIB = {"rss_mib": 32.0, "allocated_mib": 1.0, "reserved_mib": 2.0, "device_used_mib": 16.0}
 PEER_WAIT_S = 180.0
-#: Whole-run budget (s): waits are cut to what is left; steps that cannot start are reported skipped.
-BUDGET_S = 290.0
 #: A step is not started with less than this left (s).
 MIN_STEP_S = 40.0
 _DEADLINE = [float("inf")]
@@ -219,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer handoffs, two bench sizes")
     parser.add_argument("--sizes", default="16,64,256,1024", help="bench slot sizes (MiB)")
     parser.add_argument("--no-bench", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="whole-run time budget (s)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="whole-run time budget (s): waits are cut to what is left, steps that cannot start "
+                             "are reported skipped (default: none)")
+    parser.add_argument("--out", default=None, help="folder for transport.json")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the same orchestration with CPU peers (shm): tests this script without a GPU")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
-    _DEADLINE[0] = t0 + args.budget_s
+    _DEADLINE[0] = t0 + args.budget_s if args.budget_s is not None else float("inf")
     if args.cpu_dry_run:
         placements = [("cpu", "cpu", "cpu")]
     elif not torch.cuda.is_available():
@@ -270,10 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     results["seconds"] = time.monotonic() - t0
     results["ok"] = all(c["ok"] for c in results["checks"]) and all(r["ok"] for r in results["ratios"])
     print(summary(results))
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "transport.json").write_text(json.dumps(results, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "transport.json").write_text(json.dumps(results, indent=1))
     return 0 if results["ok"] else 1
 
 
