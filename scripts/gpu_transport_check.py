@@ -14,7 +14,7 @@ Placements: ``same-gpu`` (producer and consumer processes on cuda:0) always; ``c
    imported once; memory (RSS, CUDA allocated / reserved / device used) flat on **both** sides
    between handoff 1,000 and 10,000.
 2. **restart**: the producer is SIGKILLed mid-stream and restarted; the consumer continues with
-   the new epoch: 0 wrong, never an old-epoch batch after a new-epoch one, one import alive;
+   the new incarnation: 0 wrong, never an old-incarnation batch after a new one, one import alive;
    torch's ``/dev/shm/torch_<pid>_*`` ref-counter file of the dead producer is removed.
 3. **bench**: handoff latency and GiB/s for 16 MiB … 1 GiB slots beside the raw copy of the same
    size (``benchmarks/bench_transport.py``); at 1 GiB the handoff / raw-copy time ratio
@@ -139,7 +139,7 @@ def check_restart(placement: str, prod_dev: str, cons_dev: str, run_dir: str, be
     first = PeerProcess("producer", *prod_args, "--first-batch", "0")
     second = consumer = None
     try:
-        first_epoch = first.next_event("started", _wait_s())["epoch"]
+        first_incarnation = first.next_event("started", _wait_s())["incarnation"]
         consumer = PeerProcess("consumer", "--name", "drafter.0", "--producers", f"target.0={endpoint}",
                                "--device", cons_dev, "--count", str(total), "--progress-every", "10",
                                "--max-seconds", str(_wait_s()), *common)
@@ -148,7 +148,7 @@ def check_restart(placement: str, prod_dev: str, cons_dev: str, run_dir: str, be
         first.kill(signal.SIGKILL)  # mid-stream: slots in flight, READYs pending, fills running
         dead_pid = first.pid
         second = PeerProcess("producer", *prod_args, "--first-batch", "100000")
-        second_epoch = second.next_event("started", _wait_s())["epoch"]
+        second_incarnation = second.next_event("started", _wait_s())["incarnation"]
         done = consumer.next_event("done", _wait_s())
         consumer.finish(_wait_s())
         second.kill(signal.SIGTERM)
@@ -159,16 +159,16 @@ def check_restart(placement: str, prod_dev: str, cons_dev: str, run_dir: str, be
         for peer in (first, second, consumer):
             if peer is not None:
                 peer.close()
-    epochs = done["epochs"].get("target.0", [])
+    incarnations = done["incarnations"].get("target.0", [])
     new_batches = [b for b in done["batches"] if b >= 100000]
     first_new = next((i for i, b in enumerate(done["batches"]) if b >= 100000), len(done["batches"]))
     no_stale = all(b >= 100000 for b in done["batches"][first_new:])
     left = _shm_torch_files(dead_pid)
-    ok = (done["received"] == total and done["wrong"] == 0 and epochs == [first_epoch, second_epoch] and no_stale
-          and done["imports"] == 1 and done["stats"].get("imports") == 2 and len(new_batches) >= after_kill // 2
+    ok = (done["received"] == total and done["wrong"] == 0 and no_stale
+          and incarnations == [first_incarnation, second_incarnation] and done["imports"] == 1 and done["stats"].get("imports") == 2 and len(new_batches) >= after_kill // 2
           and not left)
     return {"name": "restart", "placement": placement, "ok": ok, "received": done["received"], "wrong": done["wrong"],
-            "epochs_seen": len(epochs), "old_after_new": not no_stale, "imports_alive": done["imports"],
+            "incarnations_seen": len(incarnations), "old_after_new": not no_stale, "imports_alive": done["imports"],
             "imports_total": done["stats"].get("imports"), "dropped_pending": done["stats"].get("dropped", 0),
             "torch_shm_left_by_dead_producer": left,
             "swept_refcounter_file": "left by dead producer" in consumer_log}
@@ -191,7 +191,7 @@ def summary(results: dict) -> str:
             details = (f"{c['received']} handoffs, {c['wrong']} wrong, {c['imports']} import, {c['seconds']} s; "
                        f"growth cons {c['consumer_growth_mib']} prod {c['producer_growth_mib']}")
         elif c["name"] == "restart":
-            details = (f"{c['received']} received, {c['wrong']} wrong, epochs {c['epochs_seen']}, old-after-new "
+            details = (f"{c['received']} received, {c['wrong']} wrong, incarnations {c['incarnations_seen']}, old-after-new "
                        f"{c['old_after_new']}, imports {c['imports_alive']} alive/{c['imports_total']} total, "
                        f"/dev/shm left {c['torch_shm_left_by_dead_producer']}")
         else:

@@ -28,19 +28,19 @@ def test_dry_run_prints_commands_and_skips_by_gpus_inputs_and_budget(tmp_path, c
     monkeypatch.setattr(gc, "packaged_gguf", lambda: None)  # as without the PyPI model package
     out = tmp_path / "out"
     rc = gc.main(["compile", "decode_tests", "limits", "compiled_pipeline", "regen", "--out", str(out),
-                  "--budget-s", "1000", "--gpus", "1", "--dry-run"])
+                  "--budget-s", "800", "--gpus", "1", "--dry-run"])
     text = capsys.readouterr().out
     assert rc == 0
     assert not out.exists()  # a dry run writes nothing
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| check")}
-    # compile (600 s) fits 1000 s; decode_tests (900 s) does not fit the 400 s left; limits (300 s) does
+    # compile (330 s) fits 800 s; decode_tests (600 s) does not fit the 470 s left; limits (300 s) does
     assert rows["compile"][0] == "would run" and rows["limits"][0] == "would run"
-    assert rows["decode_tests"][0] == "skipped" and "400 s of the budget left" in rows["decode_tests"][-1]
+    assert rows["decode_tests"][0] == "skipped" and "470 s of the budget left" in rows["decode_tests"][-1]
     assert rows["compiled_pipeline"][0] == "skipped" and "needs 2 GPU(s), 1 visible" in rows["compiled_pipeline"][-1]
     assert rows["regen"][0] == "skipped" and "--gguf" in rows["regen"][-1]
     assert "-m benchmarks.bench_compile --arch qwen3-8b" in text and f"--out {out / 'compile'}" in text
-    assert "limit 600 s" in text
+    assert "limit 330 s" in text
 
 
 def test_budget_counts_each_run_check(tmp_path):
