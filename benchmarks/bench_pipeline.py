@@ -32,7 +32,7 @@ on cuda:0 (sharing the embedding and LM head). Without CUDA everything runs on t
 (``cluster.device=cpu transport.carrier=auto`` are added before the overrides; ``--compile`` is
 then ignored, as the workers ignore it on CPU).
 
-Measured per pipeline run (JSON ``$OUT/bench_pipeline_<run>.json`` when ``$OUT`` is set, or
+Measured per pipeline run (JSON ``DIR/bench_pipeline_<run>.json`` with ``--out DIR``, or
 ``--json PATH``; one markdown row on stdout):
 
 * ``steps`` (= batches; the first ``warmup_steps`` excluded from every steady-state number),
@@ -75,17 +75,17 @@ per multiply-add):
   drafter FLOPs / mean drafter step s / peak; ``mfu.pipeline`` = (target + drafter FLOPs) /
   steady s per step / (peak × number of distinct devices).
 
-Commands (the GPU machine: ``.gpu/`` holds a saved Qwen3 tokenizer and a ShareGPT JSONL)::
+Commands (``.gpu/`` holds a saved Qwen3 tokenizer and a ShareGPT JSONL: ``docs/gpu-runbook.md``, Set-up)::
 
     # everything, 2 GPUs (h200-2gpu: target cuda:0, drafter cuda:1); ~6-7 min on 2×H200, most of it
     # the two compiled runs' warm-ups (128 anchors/row: ~63 GiB drafter peak; the config's 512 likely will not fit)
-    python benchmarks/bench_pipeline.py --mode all --config configs/h200-2gpu.yaml --steps 6 \\
+    python -m benchmarks.bench_pipeline --mode all --config configs/h200-2gpu.yaml --steps 6 --out results \\
         target.tokenizer=.gpu/tokenizer-qwen3 data.dataset=.gpu/sharegpt.jsonl drafter.anchors_per_row=128
     # one run
-    python benchmarks/bench_pipeline.py --mode threaded --compile --config configs/h200-2gpu.yaml --steps 8 ...
-    python benchmarks/bench_pipeline.py --mode limits
+    python -m benchmarks.bench_pipeline --mode threaded --compile --config configs/h200-2gpu.yaml --steps 8 ...
+    python -m benchmarks.bench_pipeline --mode limits
     # CPU smoke (tiny random target; < 1 min on 2 cores)
-    OMP_NUM_THREADS=1 python benchmarks/bench_pipeline.py --mode sequential,threaded --steps 4 \\
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_pipeline --mode sequential,threaded --steps 4 \\
         --config configs/h200-2gpu.yaml target.arch=tiny-qwen3 'target.arch_overrides={vocab_size: 151936}' \\
         target.tokenizer=qwen3 data.dataset=.gpu/sharegpt.jsonl data.max_conversations=200 data.max_length=256 \\
         data.token_budget=512 data.heldout_conversations=8 drafter.num_layers=1 drafter.block_size=8 \\
@@ -93,6 +93,7 @@ Commands (the GPU machine: ``.gpu/`` holds a saved Qwen3 tokenizer and a ShareGP
 
 Exit status: 0 (also for the expected ``compile_failed`` of ``--mode threaded --compile``), 1 error,
 3 out of memory (the JSON says where and what to lower), 124 the run passed ``--timeout-s``.
+``--timeout-s``, ``--run-timeout-s`` and ``--budget-s`` are unbounded unless given.
 """
 
 from __future__ import annotations
@@ -113,9 +114,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -124,6 +122,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.gpu_busy import GpuBusySampler, smi_index  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench_pipeline")
 
@@ -167,11 +167,11 @@ def memory_report(devices: list[torch.device]) -> dict:
     return out
 
 
-def out_path(run: str, explicit: Optional[str]) -> Optional[Path]:
+def out_path(run: str, explicit: Optional[str], out_dir: Optional[str]) -> Optional[Path]:
+    """Where run ``run`` writes its JSON: ``explicit`` (``--json``), else ``out_dir`` (``--out``), else nowhere."""
     if explicit:
         return Path(explicit)
-    out = os.environ.get("OUT")
-    return Path(out) / f"bench_pipeline_{run.replace('-', '_')}.json" if out else None
+    return Path(out_dir) / f"bench_pipeline_{run.replace('-', '_')}.json" if out_dir else None
 
 
 def write_result(path: Optional[Path]) -> None:
@@ -846,11 +846,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--copy-gib", type=float, default=1.0)
     p.add_argument("--copy-mib-cpu", type=float, default=64.0)
     p.add_argument("--busy-interval-ms", type=int, default=100)
-    p.add_argument("--timeout-s", type=float, default=540.0, help="one run: write the JSON and exit 124 after this")
-    p.add_argument("--run-timeout-s", type=float, default=300.0, help="several runs: kill a child after this")
-    p.add_argument("--budget-s", type=float, default=570.0, help="several runs: stop starting runs after this in total")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="one run: write the JSON and exit 124 after this (default: no limit)")
+    p.add_argument("--run-timeout-s", type=float, default=None,
+                   help="several runs: kill a child after this (default: no limit)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="several runs: stop starting runs after this in total (default: no limit)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU")
-    p.add_argument("--json", default=None, help="result path (default $OUT/bench_pipeline_<run>.json)")
+    p.add_argument("--out", default=None, help="folder for the JSON of each run (bench_pipeline_<run>.json)")
+    p.add_argument("--json", default=None, help="result path of one run (default: DIR/bench_pipeline_<run>.json "
+                                                "with --out DIR)")
     p.add_argument("--fail-in", choices=("target", "drafter"), default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_args(argv)
@@ -889,20 +894,23 @@ def run_many(args: argparse.Namespace, argv: list[str], runs: list[str]) -> int:
             continue
         base.append(tok)
     tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
+    budget = float("inf") if args.budget_s is None else args.budget_s
+    run_timeout = float("inf") if args.run_timeout_s is None else args.run_timeout_s
     for run in runs:
-        left = args.budget_s - (time.monotonic() - started)
+        left = budget - (time.monotonic() - started)
         if left < 30:
             results.append({"run": run, "mode": run.split("-")[0], "status": "skipped",
-                            "error": {"type": "Budget", "message": f"--budget-s {args.budget_s:.0f} spent"}})
+                            "error": {"type": "Budget", "message": f"--budget-s {budget:.0f} spent"}})
             continue
         mode, compiled = run.split("-")[0], run.endswith("-compile")
-        path = out_path(run, None) or tmp / f"{run}.json"
+        path = out_path(run, None, args.out) or tmp / f"{run}.json"
         if path.exists():
             path.unlink()
-        limit = min(args.run_timeout_s, left - 5)
+        limit = min(run_timeout, left - 5)
         # the child's own watchdog fires first and writes its partial JSON (phase, thread errors so far)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--json", str(path),
-               "--timeout-s", f"{max(10.0, limit - 10):.0f}"] + base
+        cmd = [sys.executable, "-m", "benchmarks.bench_pipeline", "--mode", mode, "--json", str(path)] + base
+        if limit != float("inf"):
+            cmd += ["--timeout-s", f"{max(10.0, limit - 10):.0f}"]
         if compiled:
             cmd.append("--compile")
         if peak is not None and mode != "limits":
@@ -911,7 +919,7 @@ def run_many(args: argparse.Namespace, argv: list[str], runs: list[str]) -> int:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, start_new_session=True)
         try:
-            rc = proc.wait(timeout=limit)
+            rc = proc.wait(timeout=None if limit == float("inf") else limit)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             rc = proc.wait()
@@ -922,9 +930,9 @@ def run_many(args: argparse.Namespace, argv: list[str], runs: list[str]) -> int:
         if mode == "limits" and r.get("matmul_tflops") and peak is None:
             peak = r["matmul_tflops"]
     summary = {"runs": results, "total_s": round(time.monotonic() - started, 1), "peak_tflops": peak}
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "bench_pipeline_all.json").write_text(json.dumps(summary, indent=1, default=str))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "bench_pipeline_all.json").write_text(json.dumps(summary, indent=1, default=str))
     print("\n" + LIMITS_HEADER)
     for r in results:
         if r.get("mode") == "limits":
@@ -960,7 +968,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.compile = args.compile or runs[0].endswith("-compile")
     args.mode = mode
     run = run_name(mode, args.compile)
-    path = out_path(run, args.json)
+    path = out_path(run, args.json, args.out)
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     import transformers
@@ -973,7 +981,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   torch=torch.__version__, transformers=transformers.__version__,
                   cuda_devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                   if torch.cuda.is_available() else [])
-    start_watchdog(args.timeout_s, path)
+    if args.timeout_s is not None:
+        start_watchdog(args.timeout_s, path)
     t_start = time.perf_counter()
     overrides = list(args.overrides)
     if not torch.cuda.is_available():

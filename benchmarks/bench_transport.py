@@ -1,8 +1,8 @@
 """Slot handoff benchmark: latency and GiB/s per slot size, beside a raw copy of the same size.
 
-    python benchmarks/bench_transport.py                       # CPU: shm carrier
-    python benchmarks/bench_transport.py --device cuda:0 --consumer-device cuda:1
-    python benchmarks/bench_transport.py --sizes 16,64 --json out.json
+    python -m benchmarks.bench_transport                       # CPU: shm carrier
+    python -m benchmarks.bench_transport --device cuda:0 --consumer-device cuda:1
+    python -m benchmarks.bench_transport --sizes 16,64 --out results   # results/bench_transport.json
 
 This process is the consumer (and the orchestrator); it starts itself once more as the producer
 (``--role producer``), a separate process, which serves every size in turn. Per size and per
@@ -39,11 +39,9 @@ from typing import Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from dflash.transport import Consumer, Producer, SlotLayout
 
-from dflash.transport import Consumer, Producer, SlotLayout  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench_transport")
 
@@ -225,11 +223,10 @@ def run_bench(sizes_mib: list[int], device: str = "cpu", consumer_device: Option
     rows = []
     with tempfile.TemporaryDirectory(prefix="dfb-") as run_dir:
         endpoint = f"ipc://{run_dir}/p"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "producer", "--device", str(prod_dev),
+        cmd = [sys.executable, "-m", "benchmarks.bench_transport", "--role", "producer", "--device", str(prod_dev),
                "--sizes", ",".join(map(str, sizes_mib)), "--endpoint", endpoint, "--carrier", carrier,
                "--rounds", str(len(rounds))]
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=REPO)
         follow = _Follower(proc)
         try:
             for size_mib in sizes_mib:
@@ -297,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--carrier", default="auto")
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--out", default=None, help="folder for bench_transport.json (the rows)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname).1s [bench.{args.role}] %(name)s: %(message)s")
@@ -305,8 +302,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return run_producer(args)
     rows = run_bench([int(s) for s in args.sizes.split(",")], args.device, args.consumer_device, args.carrier)
     print(format_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "bench_transport.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 

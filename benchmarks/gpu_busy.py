@@ -23,7 +23,7 @@ Samples are time-stamped by ``nvidia-smi`` itself (``timestamp`` column, wall cl
 milliseconds), so pipe buffering does not shift them. nvidia-smi numbers GPUs by PCI bus order,
 ignoring ``CUDA_VISIBLE_DEVICES``; :func:`smi_index` maps a torch device ordinal to that index.
 
-Run directly for a quick look: ``python benchmarks/gpu_busy.py [seconds]``.
+Run as a module for a quick look: ``python -m benchmarks.gpu_busy [seconds]``.
 """
 
 from __future__ import annotations

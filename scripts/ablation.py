@@ -16,10 +16,11 @@ not run again (if it was made with the same settings, else the script refuses to
 interrupted one resumes from its newest checkpoint (``--resume``). Every
 variant's config is loaded and checked before anything runs, so a bad override fails at once.
 
-Example (``nvidia-h200-x2``, regenerated data already at ``/tmp/regen/turn1.jsonl``)::
+Example (two GPUs, the SmolLM2 GGUF at ``models/smollm2.gguf`` and regenerated data already at
+``runs/regen/turn1.jsonl``)::
 
-    python scripts/ablation.py --gpus 0,1 --steps 1000 --out /tmp/ablation \\
-        target.path=/tmp/smollm2.gguf regenerate.enabled=false data.dataset=/tmp/regen/turn1.jsonl
+    python -m scripts.ablation --gpus 0,1 --steps 1000 --out runs/ablation \\
+        target.path=models/smollm2.gguf regenerate.enabled=false data.dataset=runs/regen/turn1.jsonl
 
 Exit status: 0 when every variant trained and decoded, 1 when one failed (the others still run),
 2 on bad arguments or a config error.
@@ -43,8 +44,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 #: The built-in variants: name -> (overrides, what changes). ``baseline`` is the base config as is.
 VARIANTS: dict[str, tuple[list[str], str]] = {
@@ -348,7 +347,7 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
         return result
     log(f"{v.name}: trained in {result['train_s']:.0f} s, eval/tau {result.get('eval/tau', math.nan):.3f}; decoding")
     device = "cuda" if gpu is not None else "cpu"
-    cmd = [sys.executable, "scripts/decode_bench.py", "--config", str(run_dir / "config.yaml"), "--checkpoint",
+    cmd = [sys.executable, "-m", "scripts.decode_bench", "--config", str(run_dir / "config.yaml"), "--checkpoint",
            str(run_dir), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
            "--dtypes", args.decode_dtype, "--modes", args.decode_mode, "--batch", str(args.decode_batch),
            "--device", device, "--out", str(vdir / "decode")]

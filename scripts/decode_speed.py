@@ -14,7 +14,7 @@ layers). ``--profile`` also counts the GPU kernels of one compiled target-only t
 costliest (torch.profiler). A mode that fails (a kernel inductor cannot lower on this machine) is
 logged with its error and the others still run; the exit status is then 1.
 
-    python scripts/decode_speed.py --out /tmp/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
+    python -m scripts.decode_speed --out results/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
         [--modes eager,compiled,compiled-matmul,compiled-flex,compiled-flex+sdpa,compiled-plain] [--profile]
 """
 
@@ -27,8 +27,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also without an install
 
 import torch
 

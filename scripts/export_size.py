@@ -5,18 +5,15 @@ of 128, vocabulary 151,936) on the given device, writes its checkpoint form (``d
 exports it with :func:`dflash.inference.export.export_drafter` in bfloat16 and float32, and prints each
 directory's files with their sizes in bytes and GiB.
 
-    python scripts/export_size.py --out /tmp/export-size [--device cuda]
+    python -m scripts.export_size --out results/export-size [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also without an install
-
-import torch  # noqa: E402
+import torch
 from torch import nn
 
 from dflash.inference.export import export_drafter

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Why does the compiled drafter step not learn at the Qwen3-8B shape? Eager vs compiled variants.
 
 From the same initial weights and the same batch (and the same anchors at every step, so the loss
@@ -14,10 +13,10 @@ before the optimizer step); ``ro-sdpa`` (SDPA with a dense mask instead of flex_
 region: on CUDA, torch 2.11, their gradients are ~500× off eager (docs/benchmarks.md); the
 trainer builds them eagerly, :meth:`dflash.training.trainer.DrafterTrainer.attention_masks`).
 
-    python3 scripts/gpu_compile_diag.py --layers 2 --rows 4 --anchors 128     # GPU, ~3-4 min
-    python3 scripts/gpu_compile_diag.py --cpu-smoke                            # CPU, tiny shapes
+    python -m scripts.gpu_compile_diag --layers 2 --rows 4 --anchors 128     # GPU, ~3-4 min
+    python -m scripts.gpu_compile_diag --cpu-smoke                            # CPU, tiny shapes
 
-Writes ``$OUT/compile_diag.json`` when ``$OUT`` is set.
+With ``--out DIR``: writes ``DIR/compile_diag.json``.
 """
 
 from __future__ import annotations
@@ -25,22 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from bench_compile import synthetic_batch  # noqa: E402
-from dflash.config import config_from_dict  # noqa: E402
-from dflash.training.factory import build_drafter, target_hf_config  # noqa: E402
-from dflash.models.masks import flex_block_mask  # noqa: E402
-from dflash.training.anchors import anchor_generator, sample_anchors  # noqa: E402
-from dflash.training.trainer import DrafterTrainer  # noqa: E402
+from benchmarks.bench_compile import synthetic_batch
+from dflash.config import config_from_dict
+from dflash.training.factory import build_drafter, target_hf_config
+from dflash.models.masks import flex_block_mask
+from dflash.training.anchors import anchor_generator, sample_anchors
+from dflash.training.trainer import DrafterTrainer
 
 
 def main() -> int:
@@ -57,6 +53,7 @@ def main() -> int:
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"],
                    help="drafter attention backend of every variant but ro-sdpa")
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--out", default=None, help="folder for compile_diag.json")
     args = p.parse_args()
     if args.cpu_smoke:
         args.arch, args.seq, args.rows, args.anchors, args.layers = "tiny-qwen3", 256, 2, 8, 1
@@ -146,9 +143,9 @@ def main() -> int:
         del tr, model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "compile_diag.json").write_text(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "compile_diag.json").write_text(json.dumps(res, indent=1))
     for v, r in res["variants"].items():
         print(f"{v:>18}: losses {[x['loss'] for x in r['rows']]} grad norms {[x['grad_norm'] for x in r['rows']]} "
               f"no-grad {r['rows'][0]['no_grad']} moved {r['rows'][0].get('weights_moved')} "

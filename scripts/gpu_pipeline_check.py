@@ -17,10 +17,12 @@ window between ``--warm-steps`` and the first restart (or the end). After the ru
 memory in use (nothing may stay behind), per-worker memory before/after a restart (flat), the
 consumer's rejected/dropped READY counts from the drafter log (no stale read), and the losses.
 
-    python3 scripts/gpu_pipeline_check.py --restart-target-at 20 --restart-drafters-at 32 \\
+    python -m scripts.gpu_pipeline_check --restart-target-at 20 --restart-drafters-at 32 --out results \\
         target.tokenizer=.gpu/tokenizer-qwen3 data.dataset=.gpu/sharegpt.jsonl
 
-Writes ``$OUT/pipeline.json`` (+ the launcher log and metrics) when ``$OUT`` is set.
+With ``--out DIR``: writes ``DIR/pipeline.json``, the launcher log (``DIR/pipeline_launcher.log``,
+written as the run goes) and its metrics (``DIR/pipeline_metrics.jsonl``). ``--budget-s`` bounds
+the whole run (unbounded by default).
 Exit status: the launcher's (0 = the run finished).
 """
 
@@ -35,13 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.gpu_busy import GpuBusySampler
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from gpu_busy import GpuBusySampler  # noqa: E402
-
-#: Bound on the whole run (s); the launcher is stopped (SIGTERM) when it is reached.
-DEFAULT_BUDGET_S = 540.0
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -83,14 +81,17 @@ def main() -> int:
     p.add_argument("--warm-steps", type=int, default=5, help="steps excluded from the steady-state window")
     p.add_argument("--restart-target-at", type=int, default=0)
     p.add_argument("--restart-drafters-at", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="bound on the whole run (s): the launcher is stopped (SIGTERM) when it is reached "
+                        "(default: none)")
+    p.add_argument("--out", default=None, help="folder for pipeline.json, the launcher log and the metrics")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    out_dir = os.environ.get("OUT")
-    # the launcher log goes straight to $OUT when set: it comes back even if this script is cut short
+    out_dir = args.out
+    # the launcher log goes straight to --out: it is there even if this script is cut short
     launcher_log = Path(out_dir, "pipeline_launcher.log") if out_dir else run_dir / "launcher.log"
     launcher_log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "launch.cluster", "--config", args.config, "--overwrite", f"run_dir={run_dir}",
@@ -99,7 +100,7 @@ def main() -> int:
     mem_before = gpu_memory_used()
     sampler = GpuBusySampler(interval_ms=100).start()
     t_start = time.time()
-    deadline = time.monotonic() + args.budget_s
+    deadline = time.monotonic() + args.budget_s if args.budget_s is not None else float("inf")
     with open(launcher_log, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     events: list[dict] = []
@@ -183,7 +184,7 @@ def main() -> int:
            "errors": [line for line in log_text.splitlines() if " E " in line or "Traceback" in line][-20:]}
     print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "taus", "transport_lines")}, indent=1))
     print("losses:", res["losses"])
-    out = os.environ.get("OUT")
+    out = args.out
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "pipeline.json").write_text(json.dumps(res, indent=1))

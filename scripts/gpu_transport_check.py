@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """GPU check of the transport (CUDA IPC carrier): self-checking, a compact table, a JSON file.
 
-Run from the repository root on the GPU machine (torch 2.11, no pyzmq: install the carried wheel):
+Run from the repository root on a GPU machine (``docs/gpu-runbook.md``, Set-up, for one without
+network access):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-    python3 scripts/gpu_transport_check.py            # ~2-4 min; --quick for a shorter run
+    python -m scripts.gpu_transport_check --out results     # ~2-4 min; --quick for a shorter run
 
 Placements: ``same-gpu`` (producer and consumer processes on cuda:0) always; ``cross-gpu``
 (producer cuda:0, consumer cuda:1, peer-to-peer copy) when two GPUs are visible. Per placement:
@@ -15,14 +14,15 @@ Placements: ``same-gpu`` (producer and consumer processes on cuda:0) always; ``c
    imported once; memory (RSS, CUDA allocated / reserved / device used) flat on **both** sides
    between handoff 1,000 and 10,000.
 2. **restart**: the producer is SIGKILLed mid-stream and restarted; the consumer continues with
-   the new epoch: 0 wrong, never an old-epoch batch after a new-epoch one, one import alive;
+   the new incarnation: 0 wrong, never an old-incarnation batch after a new one, one import alive;
    torch's ``/dev/shm/torch_<pid>_*`` ref-counter file of the dead producer is removed.
 3. **bench**: handoff latency and GiB/s for 16 MiB … 1 GiB slots beside the raw copy of the same
    size (``benchmarks/bench_transport.py``); at 1 GiB the handoff / raw-copy time ratio
    (target ≤ 1.1) is checked for the best consumer mode.
 
-Exit status 0 when every check passes. Writes ``$OUT/transport.json`` when ``$OUT`` is set.
-Only ``dflash/transport`` (and the helper scripts next to the tests / benchmarks) is imported.
+Exit status 0 when every check passes. With ``--out DIR``: writes ``DIR/transport.json``.
+``--budget-s`` bounds the whole run (unbounded by default). Only ``dflash/transport`` (and the
+transport helpers in ``benchmarks/``) is imported.
 """
 
 from __future__ import annotations
@@ -39,16 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for sub in ("", "tests", "benchmarks"):
-    path = str(REPO / sub) if sub else str(REPO)
-    if path not in sys.path:
-        sys.path.insert(0, path)
+import torch
 
-import torch  # noqa: E402
-
-from bench_transport import format_table, run_bench  # noqa: E402
-from transport_peer import PeerProcess, peer_args, spec_to_json  # noqa: E402
+from benchmarks.bench_transport import format_table, run_bench
+from benchmarks.transport_peer import PeerProcess, peer_args, spec_to_json
 
 #: The slot of the checks: a realistic mix (bf16 features [R, S, L·D] + per-token tensors), 16 MiB.
 CHECK_SPEC = {
@@ -72,8 +66,6 @@ RATIO_TARGET = 1.1
 #: Memory growth allowed between the first and the last snapshot (MiB).
 FLAT_LIMITS_MIB = {"rss_mib": 32.0, "allocated_mib": 1.0, "reserved_mib": 2.0, "device_used_mib": 16.0}
 PEER_WAIT_S = 180.0
-#: Whole-run budget (s): waits are cut to what is left; steps that cannot start are reported skipped.
-BUDGET_S = 290.0
 #: A step is not started with less than this left (s).
 MIN_STEP_S = 40.0
 _DEADLINE = [float("inf")]
@@ -147,7 +139,7 @@ def check_restart(placement: str, prod_dev: str, cons_dev: str, run_dir: str, be
     first = PeerProcess("producer", *prod_args, "--first-batch", "0")
     second = consumer = None
     try:
-        first_epoch = first.next_event("started", _wait_s())["epoch"]
+        first_incarnation = first.next_event("started", _wait_s())["incarnation"]
         consumer = PeerProcess("consumer", "--name", "drafter.0", "--producers", f"target.0={endpoint}",
                                "--device", cons_dev, "--count", str(total), "--progress-every", "10",
                                "--max-seconds", str(_wait_s()), *common)
@@ -156,7 +148,7 @@ def check_restart(placement: str, prod_dev: str, cons_dev: str, run_dir: str, be
         first.kill(signal.SIGKILL)  # mid-stream: slots in flight, READYs pending, fills running
         dead_pid = first.pid
         second = PeerProcess("producer", *prod_args, "--first-batch", "100000")
-        second_epoch = second.next_event("started", _wait_s())["epoch"]
+        second_incarnation = second.next_event("started", _wait_s())["incarnation"]
         done = consumer.next_event("done", _wait_s())
         consumer.finish(_wait_s())
         second.kill(signal.SIGTERM)
@@ -167,16 +159,16 @@ def check_restart(placement: str, prod_dev: str, cons_dev: str, run_dir: str, be
         for peer in (first, second, consumer):
             if peer is not None:
                 peer.close()
-    epochs = done["epochs"].get("target.0", [])
+    incarnations = done["incarnations"].get("target.0", [])
     new_batches = [b for b in done["batches"] if b >= 100000]
     first_new = next((i for i, b in enumerate(done["batches"]) if b >= 100000), len(done["batches"]))
     no_stale = all(b >= 100000 for b in done["batches"][first_new:])
     left = _shm_torch_files(dead_pid)
-    ok = (done["received"] == total and done["wrong"] == 0 and epochs == [first_epoch, second_epoch] and no_stale
-          and done["imports"] == 1 and done["stats"].get("imports") == 2 and len(new_batches) >= after_kill // 2
+    ok = (done["received"] == total and done["wrong"] == 0 and no_stale
+          and incarnations == [first_incarnation, second_incarnation] and done["imports"] == 1 and done["stats"].get("imports") == 2 and len(new_batches) >= after_kill // 2
           and not left)
     return {"name": "restart", "placement": placement, "ok": ok, "received": done["received"], "wrong": done["wrong"],
-            "epochs_seen": len(epochs), "old_after_new": not no_stale, "imports_alive": done["imports"],
+            "incarnations_seen": len(incarnations), "old_after_new": not no_stale, "imports_alive": done["imports"],
             "imports_total": done["stats"].get("imports"), "dropped_pending": done["stats"].get("dropped", 0),
             "torch_shm_left_by_dead_producer": left,
             "swept_refcounter_file": "left by dead producer" in consumer_log}
@@ -199,7 +191,7 @@ def summary(results: dict) -> str:
             details = (f"{c['received']} handoffs, {c['wrong']} wrong, {c['imports']} import, {c['seconds']} s; "
                        f"growth cons {c['consumer_growth_mib']} prod {c['producer_growth_mib']}")
         elif c["name"] == "restart":
-            details = (f"{c['received']} received, {c['wrong']} wrong, epochs {c['epochs_seen']}, old-after-new "
+            details = (f"{c['received']} received, {c['wrong']} wrong, incarnations {c['incarnations_seen']}, old-after-new "
                        f"{c['old_after_new']}, imports {c['imports_alive']} alive/{c['imports_total']} total, "
                        f"/dev/shm left {c['torch_shm_left_by_dead_producer']}")
         else:
@@ -219,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer handoffs, two bench sizes")
     parser.add_argument("--sizes", default="16,64,256,1024", help="bench slot sizes (MiB)")
     parser.add_argument("--no-bench", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="whole-run time budget (s)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="whole-run time budget (s): waits are cut to what is left, steps that cannot start "
+                             "are reported skipped (default: none)")
+    parser.add_argument("--out", default=None, help="folder for transport.json")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the same orchestration with CPU peers (shm): tests this script without a GPU")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
-    _DEADLINE[0] = t0 + args.budget_s
+    _DEADLINE[0] = t0 + args.budget_s if args.budget_s is not None else float("inf")
     if args.cpu_dry_run:
         placements = [("cpu", "cpu", "cpu")]
     elif not torch.cuda.is_available():
@@ -270,10 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     results["seconds"] = time.monotonic() - t0
     results["ok"] = all(c["ok"] for c in results["checks"]) and all(r["ok"] for r in results["ratios"])
     print(summary(results))
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "transport.json").write_text(json.dumps(results, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "transport.json").write_text(json.dumps(results, indent=1))
     return 0 if results["ok"] else 1
 
 

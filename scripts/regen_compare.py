@@ -1,6 +1,6 @@
 """Raw vs target-regenerated ShareGPT: held-out τ of drafters trained on each.
 
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 .venv/bin/python scripts/regen_compare.py \\
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 .venv/bin/python -m scripts.regen_compare \\
         [--config configs/smollm2-135m-cpu.yaml] [--out runs/regen_compare] [--limit 400] [--heldout 32] \\
         [--steps 400] [--labels data,target] [--eval-anchors 64] [--spec-prompts 8] [--spec-new-tokens 64] \\
         [--threads 2] [section.key=value ...]
@@ -37,8 +37,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also without an install
 
 import torch
 

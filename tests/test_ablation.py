@@ -3,10 +3,9 @@ computations on random metrics, and config errors before anything runs."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def ablation():
-    spec = importlib.util.spec_from_file_location("ablation_script", REPO / "scripts" / "ablation.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+    return importlib.import_module("scripts.ablation")
 
 
 def test_parse_variant(ablation):

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "benchmarks" / "bench_pipeline.py"
 STEPS = 3
 
 
@@ -45,7 +44,7 @@ def _run(tmp: Path, overrides: list[str], mode: str, *extra: str) -> tuple[int, 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("OUT", None)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--mode", mode, "--steps", str(STEPS), "--cpu-threads", "1", "--json", str(out),
+        [sys.executable, "-m", "benchmarks.bench_pipeline", "--mode", mode, "--steps", str(STEPS), "--cpu-threads", "1", "--json", str(out),
          "--config", str(REPO / "configs" / "h200-2gpu.yaml"), "--timeout-s", "100", *extra, *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     result = json.loads(out.read_text()) if out.exists() else {}

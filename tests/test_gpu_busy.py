@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.gpu_busy import GpuBusySampler  # noqa: E402
+from benchmarks.gpu_busy import GpuBusySampler
 
 #: Bound on a wait for the fake tool's output (s): generous for a loaded machine.
 WAIT_S = 60.0

@@ -1,6 +1,6 @@
 """Transport tests: layout, messages (fuzzed), credits, incarnations, restarts, /dev/shm hygiene, tcp.
 
-Multi-process tests start ``tests/transport_peer.py`` with ``subprocess`` (nothing fork-shared) and
+Multi-process tests start ``benchmarks/transport_peer.py`` with ``subprocess`` (nothing fork-shared) and
 follow its JSON event lines with bounded waits; nothing sleeps to synchronise.
 """
 
@@ -9,23 +9,19 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 import zmq
 
+from benchmarks.transport_peer import PeerProcess, check_pattern, fill_pattern, peer_args, spec_to_json
 from dflash.transport import Consumer, MessageError, PeerUnavailable, Producer, SlotLayout, TransportError
 from dflash.transport.layout import ALIGN_BYTES
 from dflash.transport.messages import (PROTOCOL_VERSION, CudaExport, Free, Heartbeat, Hello, MsgType, Ready, Slots,
                                        Stop, decode, encode, new_incarnation)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transport_peer import PeerProcess, check_pattern, fill_pattern, peer_args, spec_to_json  # noqa: E402
 
 
 SPEC = {

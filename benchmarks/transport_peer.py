@@ -1,6 +1,6 @@
 """A separately started producer or consumer process for the transport tests and the GPU check.
 
-Not a test module: ``python tests/transport_peer.py producer|consumer ...``. It prints one JSON
+Not a test module: ``python -m benchmarks.transport_peer producer|consumer ...``. It prints one JSON
 object per line on stdout (``{"event": "started" | "attached" | "stalled" | "done", ...}``) so the
 parent can follow it with bounded waits; logs go to stderr.
 
@@ -26,12 +26,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from dflash.transport import Consumer, PeerUnavailable, Producer, StopReason
+from dflash.transport.layout import DTYPES, SlotSpec
 
-from dflash.transport import Consumer, PeerUnavailable, Producer, StopReason  # noqa: E402
-from dflash.transport.layout import DTYPES, SlotSpec  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 #: Pattern values stay below 251 (a prime): exact in bf16/fp16/int8 and shifted per batch id.
 PATTERN_MODULUS = 251
@@ -108,9 +106,8 @@ class PeerProcess:
 
     def __init__(self, role: str, *args: str, env: dict | None = None):
         self.stderr = tempfile.TemporaryFile()
-        path = [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), role, *args],
+        env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.transport_peer", role, *args],
                                      stdout=subprocess.PIPE, stderr=self.stderr, env=env, cwd=REPO)
         os.set_blocking(self.proc.stdout.fileno(), False)
         self._buf = b""
