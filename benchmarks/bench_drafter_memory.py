@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mask-token-id", type=int, default=248070)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compile", action="store_true", help="drafter.compile=true")
-    p.add_argument("--compile-mode", default="reduce-overhead", choices=["reduce-overhead", "default"])
+    p.add_argument("--compile-mode", default="reduce-overhead", choices=["reduce-overhead", "default", "layer"])
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--mlp-chunks", type=int, default=1)
     p.add_argument("--memory-fraction", type=float, default=None)

@@ -111,10 +111,12 @@ class DrafterConfig:
     #: Off by default (compiling costs warm-up time and pays on GPUs only); ``configs/h200-2gpu.yaml``
     #: turns it on: 1.39× the eager step, same losses (docs/benchmarks.md, Drafter train step).
     compile: bool = False
-    #: ``torch.compile`` mode with ``compile``: ``reduce-overhead`` (CUDA graphs: fewer launches,
-    #: but their memory pool sits beside the allocator's, ~17 GiB more at the Qwen3.6-27B shape)
-    #: or ``default`` (inductor's fused kernels without CUDA graphs).
-    compile_mode: Literal["reduce-overhead", "default"] = "reduce-overhead"
+    #: What ``compile`` compiles: ``reduce-overhead`` = the whole forward with CUDA graphs (fewer
+    #: launches, but their memory pool sits beside the allocator's); ``default`` = the whole
+    #: forward, inductor kernels without CUDA graphs; ``layer`` = each layer's attention and MLP
+    #: sub-layer on its own (one compiled function each, shared by all layers), the rest eager, so
+    #: gradient checkpointing recomputes one region at a time (docs/benchmarks.md, Drafter memory).
+    compile_mode: Literal["reduce-overhead", "default", "layer"] = "reduce-overhead"
     #: Attention backend: ``auto`` = flex_attention on GPU, dense SDPA mask on CPU.
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     #: Activation checkpointing: recompute each drafter layer's forward in the backward, keeping the

@@ -81,6 +81,8 @@ class DFlashDraftModel(nn.Module):
         if mlp_chunks < 1:
             raise ValueError(f"mlp_chunks: must be >= 1, got {mlp_chunks}")
         self.mlp_chunks = mlp_chunks
+        #: ``(attention_block, mlp_block)`` compiled by :meth:`compile_layers`, else ``None``.
+        self._compiled_regions: Optional[tuple] = None
         emb_weight = embed_tokens.weight
         if emb_weight.shape[1] != config.hidden_size:
             raise ValueError(f"embed_tokens width {emb_weight.shape[1]} != config.hidden_size {config.hidden_size}")
@@ -198,9 +200,21 @@ class DFlashDraftModel(nn.Module):
             mask = attn_masks[layer.layer_type]
             if checkpointing:
                 x = self._checkpointed_layer(layer, x, ctx, rope_q, rope_kv, mask)
+            elif self._compiled_regions is not None and torch.is_grad_enabled():
+                attention, mlp = self._compiled_regions
+                x = mlp(layer, attention(layer, x, ctx, rope_q, rope_kv, mask))
             else:
                 x = layer(x, ctx, rope_q, rope_kv, mask)
         return self.norm(x).reshape(r, num_anchors, b, -1)
+
+    def compile_layers(self) -> None:
+        """``torch.compile`` the attention and the MLP sub-layer (inductor, no CUDA graphs), one
+        compiled function each shared by every layer (the layer is an argument: its weights are
+        graph inputs), as torchtitan compiles per block. Used by training's forward only (grad
+        enabled); evaluation and decoding stay eager. With gradient checkpointing each compiled
+        region is one checkpoint region, recomputed on its own in the backward."""
+        self._compiled_regions = (torch.compile(DFlashDecoderLayer.attention_block, dynamic=False),
+                                  torch.compile(DFlashDecoderLayer.mlp_block, dynamic=False))
 
     def _checkpointed_layer(self, layer: DFlashDecoderLayer, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor],
                             rope_kv: tuple[Tensor, Tensor], mask: AttentionMask) -> Tensor:
@@ -211,11 +225,11 @@ class DFlashDraftModel(nn.Module):
         the attention's activations and one slice's MLP activations (``[R, Q/mlp_chunks, I]``
         gate, up and product), instead of both sub-layers' together. The price is the
         sub-layers' boundary ``[R, Q, D]`` kept per layer."""
-        x = torch.utils.checkpoint.checkpoint(layer.attention_block, x, ctx, rope_q, rope_kv, mask,
-                                              use_reentrant=False)
+        attention, mlp = self._compiled_regions or (DFlashDecoderLayer.attention_block, DFlashDecoderLayer.mlp_block)
+        x = torch.utils.checkpoint.checkpoint(attention, layer, x, ctx, rope_q, rope_kv, mask, use_reentrant=False)
         if self.mlp_chunks == 1:
-            return torch.utils.checkpoint.checkpoint(layer.mlp_block, x, use_reentrant=False)
-        return torch.cat([torch.utils.checkpoint.checkpoint(layer.mlp_block, part, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(mlp, layer, x, use_reentrant=False)
+        return torch.cat([torch.utils.checkpoint.checkpoint(mlp, layer, part, use_reentrant=False)
                           for part in x.chunk(self.mlp_chunks, dim=1)], dim=1)
 
     # ----------------------------------------------------------------------- checkpoint

@@ -176,7 +176,10 @@ class DrafterTrainer:
         if drafter_cfg.compile and self.device.type != "cuda":
             logger.info("drafter.compile: ignored on %s (CUDA graphs need a GPU); the drafter runs eager",
                         self.device.type)
-        if self.compiled:
+        if self.compiled and compile_mode == "layer":
+            self.module.compile_layers()
+            logger.info("drafter layers compiled (each attention and MLP sub-layer, no CUDA graphs)")
+        elif self.compiled:
             self._forward = torch.compile(self._hidden, mode=compile_mode, dynamic=False)
             logger.info("drafter forward compiled (mode=%s)", compile_mode)
         weighting = (f"gamma={self.gamma:.3g}" if self.loss_weighting == "decay"
@@ -284,7 +287,7 @@ class DrafterTrainer:
             # hidden states, and gradients, dropped by ``zero_grad(set_to_none=True)``) are dead.
             torch.compiler.cudagraph_mark_step_begin()
             hidden = self._forward(*staged, masks)
-        elif compiled and self.compiled:
+        elif compiled and self.compiled and self._forward is not self._hidden:
             hidden = self._forward(*args, prepared.attn_masks)
         else:
             hidden = self._hidden(*args, prepared.attn_masks)
