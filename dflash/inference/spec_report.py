@@ -163,13 +163,17 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
     sizes = [-(-n // 64) * 64 for n in sizes]
     gens: dict[int, Generator] = {}
     t0 = time.perf_counter()
+    bar = Progress(2 * len(set(sizes)), desc="warm-up", unit="decoder pass", interval_s=PROGRESS_LOG_S, logger=log)
     for size in sorted(set(sizes)):
         gen = Generator(target.model, target.layer_ids, size, batch_size=batch, drafter=drafter, compile=compile,
                         attention=attention)
         warm = [c.prompt_ids for c, n in zip(cases, sizes) if n == size][:batch]
         gen.greedy(warm, WARMUP_TOKENS, stop_ids)
+        bar.advance()
         gen.speculative(warm, WARMUP_TOKENS, stop_ids)
+        bar.advance()
         gens[size] = gen
+    bar.close()
     warmup_s = time.perf_counter() - t0
     log.info("warm-up (%s) %.1f s for %d decoder(s) of %s positions", "compile + graph capture"
              if next(iter(gens.values())).compiled else "eager", warmup_s, len(gens), sorted(gens))
@@ -192,6 +196,8 @@ def _decode_both(gens: dict[int, Generator], sizes: Sequence[int], cases: Sequen
             for i, g in zip(grp, decode([cases[i].prompt_ids for i in grp], max_new_tokens, stop_ids,
                                         progress=bar.advance)):
                 out[i] = g
+            # the tokens a stop token spared and the first (from the prefill), so that the total is reached
+            bar.advance(sum(max_new_tokens - max(0, len(out[i].tokens) - 1) for i in grp))
     bar.close()
     return base, spec, groups  # type: ignore[return-value]
 
