@@ -348,7 +348,7 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
         return result
     log(f"{v.name}: trained in {result['train_s']:.0f} s, eval/tau {result.get('eval/tau', math.nan):.3f}; decoding")
     device = "cuda" if gpu is not None else "cpu"
-    cmd = [sys.executable, "scripts/decode_bench.py", "--config", str(run_dir / "config.yaml"), "--checkpoint",
+    cmd = [sys.executable, "-m", "scripts.decode_bench", "--config", str(run_dir / "config.yaml"), "--checkpoint",
            str(run_dir), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
            "--dtypes", args.decode_dtype, "--modes", args.decode_mode, "--batch", str(args.decode_batch),
            "--device", device, "--out", str(vdir / "decode")]

@@ -99,7 +99,7 @@ train_pair)
 decode_pair)
     for r in A B; do
         gpu=0; [ $r = B ] && gpu=1
-        CUDA_VISIBLE_DEVICES=$gpu DFLASH_CACHE=/tmp/cacheA $PY scripts/decode_bench.py --config /tmp/runA/config.yaml \
+        CUDA_VISIBLE_DEVICES=$gpu DFLASH_CACHE=/tmp/cacheA $PY -m scripts.decode_bench --config /tmp/runA/config.yaml \
             --checkpoint /tmp/run$r --prompts 16 --max-new-tokens 96 --modes compiled \
             --dtypes bfloat16,float32 --out "$OUT/decode-$r" >"$OUT/decode-$r.log" 2>&1 &
         children+=($!)
@@ -157,7 +157,7 @@ decode_regen)
     for n in 96 512; do
         gpu=0 dtypes=bfloat16,float32
         [ $n = 512 ] && gpu=1 dtypes=bfloat16
-        CUDA_VISIBLE_DEVICES=$gpu DFLASH_CACHE=/tmp/cacheA $PY scripts/decode_bench.py --config /tmp/run-regen/config.yaml \
+        CUDA_VISIBLE_DEVICES=$gpu DFLASH_CACHE=/tmp/cacheA $PY -m scripts.decode_bench --config /tmp/run-regen/config.yaml \
             --checkpoint /tmp/run-regen --prompts 16 --max-new-tokens $n --modes compiled --dtypes $dtypes \
             --attention "${ATTN:-sdpa}" --out "$OUT/decode-$n" >"$OUT/decode-$n.log" 2>&1 &
         children+=($!)
@@ -194,7 +194,7 @@ decode_one)
             --modes "${SPEED_MODES:-compiled,compiled-reduce,compiled-reduce+sdpa}" >"$OUT/speed.log" 2>&1 || rc=1
     fi
     bench() {  # attention spec, new tokens, dtypes
-        DFLASH_CACHE=/tmp/cacheA $PY scripts/decode_bench.py --config "$cfg" --checkpoint "$ckpt" --prompts 16 \
+        DFLASH_CACHE=/tmp/cacheA $PY -m scripts.decode_bench --config "$cfg" --checkpoint "$ckpt" --prompts 16 \
             --max-new-tokens "$2" --modes compiled --dtypes "$3" --attention "$1" --out "$OUT/decode-$2-$1" \
             >"$OUT/decode-$2-$1.log" 2>&1
         local r=$?

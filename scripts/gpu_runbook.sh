@@ -90,7 +90,7 @@ for step in "$@"; do
                 drafter.anchors_per_row="${ANCHORS:-512}" drafter.gradient_checkpointing=true $G ;;
     flex) run_step flex 300 $PY scripts/decode_speed.py --out "$res/flex" \
                 --modes compiled,compiled-flex,compiled-reduce+sdpa,compiled-matmul+sdpa --profile --prompts 4 --prompt-tokens 480 ;;
-    decode) run_step decode 540 $PY scripts/decode_bench.py --target "${DECODE_TARGET:?set DECODE_TARGET to the SmolLM2 HF dir}" \
+    decode) run_step decode 540 $PY -m scripts.decode_bench --target "${DECODE_TARGET:?set DECODE_TARGET to the SmolLM2 HF dir}" \
                 ${DECODE_CHECKPOINT:+--checkpoint "$DECODE_CHECKPOINT"} --out "$res/decode" \
                 ${DECODE_DATA:+data.dataset="$DECODE_DATA"} ;;
     checkpoints) run_step checkpoints 200 $PY scripts/gpu_pipeline_check.py --run-dir /tmp/r3 --warm-steps 5 \
