@@ -192,12 +192,8 @@ def _run(args: argparse.Namespace) -> int:
     if problem:  # another tokenizer, template or thinking mode, refused by name
         log.error("%s", problem)
         return 2
-    try:
-        cases, set_info = load_prompt_sets(args.prompt_sets, cfg, tokenizer, args.prompts, args.max_new_tokens,
-                                           args.max_prompt_tokens)
-    except (OSError, ValueError) as exc:  # the data file or its held-out split (a ConfigError)
-        log.error("%s", exc)
-        return 2
+    cases, set_info = load_prompt_sets(args.prompt_sets, cfg, tokenizer, args.prompts, args.max_new_tokens,
+                                       args.max_prompt_tokens)
     if not cases:
         return 2
     out = Path(args.out)  # made once the input is known to be good

@@ -21,7 +21,6 @@ import torch
 from dflash.config import DataConfig, RunConfig, TargetConfig, load_config
 from dflash.data import assets
 from dflash.data.corpus import prepare_data, prepare_heldout
-from dflash.data.tokenizer import load_tokenizer
 from dflash.inference.prompt_sets import (HUMANEVAL_INSTRUCTION, PromptSet, load_prompt_sets, resolve_prompt_set,
                                           set_messages)
 from dflash.inference.spec_report import POOLED, set_summaries
@@ -30,16 +29,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_tokenizer(TargetConfig(kind="gguf"))
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return load_tokenizer(TargetConfig(kind="random", tokenizer="qwen3"))
 
 
 def chatml(turns: list[tuple[str, str]], system: str = SMOL_SYSTEM, think_off: bool = False) -> str:

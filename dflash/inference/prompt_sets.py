@@ -234,7 +234,8 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
     Returns:
         ``(cases, info)``: ``info[name] = {"prompts": n, "rows": rows read, "skipped": {reason: n}}``
         (rows and reasons of the held-out split are logged by :func:`dflash.inference.prompts.prompts_from_corpus`);
-        ``cases`` is ``[]`` when any set gives no prompt (logged: the report would lack a set asked for).
+        ``cases`` is ``[]`` when any set gives no prompt (logged: the report would lack a set asked for),
+        also when the run's data cannot be read or split (``data.dataset`` missing, too few conversations).
     """
     from dflash.data.render import ChatRenderer
 
@@ -247,7 +248,11 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
     info: dict[str, dict[str, Any]] = {}
     for prompt_set in sets:
         if prompt_set.path is None:
-            got = heldout_prompts(cfg, tokenizer, count, max_new_tokens, max_prompt_tokens)
+            try:
+                got = heldout_prompts(cfg, tokenizer, count, max_new_tokens, max_prompt_tokens)
+            except (OSError, ValueError) as exc:  # the data file, or its split (a ConfigError)
+                log.error("prompt set %s: %s", prompt_set.name, exc)
+                return [], info
             info[prompt_set.name] = {"prompts": len(got)}
         else:
             renderer = renderer or ChatRenderer(tokenizer, cfg.data.enable_thinking)

@@ -156,12 +156,9 @@ def _run(args: argparse.Namespace) -> int:
     if problem:
         log.error("%s", problem)
         return 2
-    try:  # before any model loads: the prompts need only the tokenizer and the data
-        cases, set_info = load_prompt_sets(args.prompt_sets, cfg, tokenizer, args.prompts, args.max_new_tokens,
-                                           args.max_prompt_tokens)
-    except (OSError, ValueError) as exc:  # the data file or its held-out split (a ConfigError)
-        log.error("%s", exc)
-        return 2
+    # before any model loads: the prompts need only the tokenizer and the data
+    cases, set_info = load_prompt_sets(args.prompt_sets, cfg, tokenizer, args.prompts, args.max_new_tokens,
+                                       args.max_prompt_tokens)
     if not cases:
         return 2
     # The drafter's checkpoint decides which target layers feed it.
