@@ -38,8 +38,15 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+from jinja2.exceptions import TemplateError
 
+from dflash.data import assets
+from dflash.data.conversations import normalize_prompt
+from dflash.data.render import ChatRenderer, encode_prefix
+from dflash.data.report import PROMPT_TOO_LONG, TEMPLATE_ERROR, row_id
+from dflash.data.sources import iter_jsonl
 from dflash.inference.prompts import SHAREGPT_SET, PromptCase, heldout_prompts, prompt_limit
+from dflash.progress import Progress
 
 __all__ = ["HUMANEVAL_SET", "MT_BENCH_SET", "PROMPT_SET_NAMES", "HUMANEVAL_INSTRUCTION", "PromptSet",
            "PromptSetError", "add_prompt_set_argument", "check_prompt_sets", "load_prompt_sets",
@@ -76,8 +83,6 @@ def resolve_prompt_set(value: str) -> PromptSet:
         PromptSetError: ``value`` is no name and no file, or a package is missing (the message
             names the command that installs it).
     """
-    from dflash.data import assets
-
     if value == SHAREGPT_SET:
         return PromptSet(value, None)
     try:
@@ -117,29 +122,17 @@ def check_prompt_sets(parser: argparse.ArgumentParser, values: Optional[Sequence
     raise AssertionError("unreachable")  # parser.error exits
 
 
-def _one_user_turn(text: Any) -> Any:
-    """A prompt of one user turn ``text``, or ``bad_prompt`` when it is not a non-empty string."""
-    from dflash.data.conversations import NormalizedRow
-    from dflash.data.report import BAD_PROMPT
-
-    if isinstance(text, str) and text.strip():
-        return NormalizedRow([{"role": "user", "content": text}])
-    return NormalizedRow(None, BAD_PROMPT)
-
-
 def _row_prompt(set_name: str, row: Any) -> tuple[Any, str]:
     """``(normalised prompt, label)`` of one row of a prompt set's file (:func:`set_messages`)."""
-    from dflash.data.conversations import normalize_prompt
-    from dflash.data.report import row_id
-
     fields = row if isinstance(row, dict) else {}
-    if set_name == HUMANEVAL_SET:
+    if set_name == HUMANEVAL_SET:  # a problem without code is a bad prompt, not the instruction alone
         code = fields.get("prompt")
-        return (_one_user_turn(HUMANEVAL_INSTRUCTION.format(prompt=code) if isinstance(code, str) else None),
-                str(fields.get("task_id", "")))
+        text = HUMANEVAL_INSTRUCTION.format(prompt=code) if isinstance(code, str) and code.strip() else None
+        return normalize_prompt({"prompt": text}), str(fields.get("task_id", ""))
     if set_name == MT_BENCH_SET:
         turns = fields.get("turns")
-        return _one_user_turn(turns[0] if isinstance(turns, list) and turns else None), str(fields.get("question_id", ""))
+        return (normalize_prompt({"prompt": turns[0] if isinstance(turns, list) and turns else None}),
+                str(fields.get("question_id", "")))
     identity = row_id(row)
     return normalize_prompt(row), "" if identity is None else str(identity)
 
@@ -153,8 +146,6 @@ def set_messages(prompt_set: PromptSet) -> Iterator[tuple[int, Any, str]]:
     Raises:
         ValueError: ``prompt_set`` is ``sharegpt`` (no file).
     """
-    from dflash.data.sources import iter_jsonl
-
     if prompt_set.path is None:
         raise ValueError(f"prompt set {prompt_set.name}: has no file (its prompts are the run's held-out split)")
     for number, row in enumerate(iter_jsonl(prompt_set.path)):
@@ -175,11 +166,6 @@ def render_prompt(renderer: Any, messages: list[dict[str, Any]], tools: Optional
         ``(ids, None)``, or ``(None, reason)``: ``template_error`` (the template raised) or
         ``prompt_too_long``.
     """
-    from jinja2.exceptions import TemplateError
-
-    from dflash.data.render import encode_prefix
-    from dflash.data.report import PROMPT_TOO_LONG, TEMPLATE_ERROR
-
     try:
         text = renderer.render(messages, tools, True)
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -194,8 +180,6 @@ def render_prompt(renderer: Any, messages: list[dict[str, Any]], tools: Optional
 def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_tokens: Optional[int]
                   ) -> tuple[list[PromptCase], dict[str, Any]]:
     """The first ``count`` prompts of a file prompt set, and ``{"rows": rows read, "skipped": {reason: n}}``."""
-    from dflash.progress import Progress
-
     cases: list[PromptCase] = []
     skipped: Counter = Counter()
     rows = 0
@@ -237,8 +221,6 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
         ``cases`` is ``[]`` when any set gives no prompt (logged: the report would lack a set asked for),
         also when the run's data cannot be read or split (``data.dataset`` missing, too few conversations).
     """
-    from dflash.data.render import ChatRenderer
-
     if max_prompt_tokens is None:
         max_prompt_tokens = prompt_limit(cfg, max_new_tokens)
         if max_prompt_tokens is None:
