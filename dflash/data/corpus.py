@@ -48,13 +48,14 @@ from dflash.data.report import (
     drop_example, row_id,
 )
 from dflash.data.sources import SHAREGPT, dataset_path, read_rows
+from dflash.progress import Progress
 from dflash.utils import atomic_write_text, file_lock
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["TokenizedCorpus", "PreparedData", "prepare_cache", "load_prepared", "prepare_data", "read_meta",
-           "tokenize_rows", "TOKENIZER_FACTS"]
+__all__ = ["TokenizedCorpus", "PreparedData", "prepare_cache", "load_prepared", "prepare_data", "prepare_heldout",
+           "read_meta", "tokenize_rows", "TOKENIZER_FACTS"]
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +149,18 @@ def _without_tools(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class _CorpusBuilder:
-    """The sequences and the report of :func:`tokenize_rows`, gathered one row at a time."""
+    """The sequences and the report of :func:`tokenize_rows`, gathered one row at a time.
+
+    ``probe=True`` only finds which rows are kept (``source_rows``, one entry a kept conversation,
+    ``report.conversations``): each conversation is encoded only until it is known to give a sequence
+    (:func:`dflash.data.render.tokenize_conversation` ``probe``) and no sequence is stored.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int, enable_thinking: Optional[bool],
-                 source: str) -> None:
+                 source: str, probe: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.probe = probe
         self.report = DataReport(source=source)
         self.renderer = ChatRenderer(tokenizer, enable_thinking)
         self.ids_parts: list[np.ndarray] = []
@@ -205,8 +212,13 @@ class _CorpusBuilder:
                     fixes.append(TOOL_TURNS_CUT)
                 messages, tools = kept, None
         sequences, reason, info = tokenize_conversation(messages, self.tokenizer, self.max_length, tools=tools,
-                                                        renderer=self.renderer)
+                                                        renderer=self.renderer, probe=self.probe)
         report = self.report
+        if self.probe:
+            if reason is None:
+                self.source_rows.append(row_number)
+                report.conversations += 1
+            return reason
         report.turns_without_end_of_turn += info["missing_eot"]
         report.turns_context_too_long += info["context_too_long"]
         if reason is not None:
@@ -376,20 +388,30 @@ def load_prepared(cache_dir: Path, cfg: RunConfig, log_report: bool = False) -> 
     return _split(cfg, cache_dir, *cached, log_report)
 
 
+def _split_conversations(cfg: RunConfig, conversations: int, report: DataReport) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`dflash.data.heldout.split_heldout` of the ``conversations`` kept, the errors naming the report.
+
+    Raises:
+        ConfigError: no usable conversation; ``data.heldout_conversations`` too large.
+    """
+    d = cfg.data
+    if conversations == 0:
+        raise ConfigError(f"data.dataset: no usable conversation in {d.dataset} ({report.summary()})")
+    try:
+        return split_heldout(conversations, d.heldout_conversations, d.seed)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; data report: {report.summary()}") from None
+
+
 def _split(cfg: RunConfig, cache_dir: Path, arrays: dict[str, np.ndarray], report: DataReport,
            log_report: bool) -> PreparedData:
     """:func:`load_prepared` of the arrays and report of ``cache_dir``."""
     d = cfg.data
-    if report.conversations == 0:
-        raise ConfigError(f"data.dataset: no usable conversation in {d.dataset} ({report.summary()})")
     corpus = TokenizedCorpus(arrays["tokens"], arrays["loss_mask"], arrays["offsets"], arrays["source_rows"])
     # Split conversations (rows), not sequences: every sequence of a conversation lands on one side.
     rows = np.asarray(arrays["source_rows"], dtype=np.int64)
     conversations = np.unique(rows)
-    try:
-        train_conv, heldout_conv = split_heldout(len(conversations), d.heldout_conversations, d.seed)
-    except ConfigError as exc:
-        raise ConfigError(f"{exc}; data report: {report.summary()}") from None
+    train_conv, heldout_conv = _split_conversations(cfg, len(conversations), report)
     in_heldout = np.isin(rows, conversations[heldout_conv])
     train_idx = np.flatnonzero(~in_heldout).astype(np.int64)
     heldout_idx = np.flatnonzero(in_heldout).astype(np.int64)
@@ -418,3 +440,68 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report:
     if fresh is None:
         return load_prepared(directory, cfg, log_report)
     return _split(cfg, directory, *fresh, log_report)
+
+
+#: MiB, the unit of :func:`prepare_heldout`'s progress over the data file.
+_MIB = 1 << 20
+
+
+def prepare_heldout(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedCorpus:
+    """The held-out corpus of ``cfg.data`` (:func:`prepare_data`'s ``heldout``, the same conversations
+    tokenised the same way), without tokenising the training conversations when the cache is cold.
+
+    With a complete cache it is :func:`load_prepared`'s. Without one nothing is cached: one pass
+    over the rows finds the conversations training keeps (normalised and deduplicated as
+    :func:`tokenize_rows` does, each encoded only until it is known to give a sequence: the
+    first trained turn's context, so a few hundred tokens a conversation instead of every turn's);
+    :func:`dflash.data.heldout.split_heldout` of their number picks the held-out ones, which a
+    second pass tokenises in full. Both passes show progress (MiB of the data file read).
+
+    Raises:
+        ConfigError: as :func:`prepare_data`.
+    """
+    from dflash.data.tokenizer import tokenizer_fingerprint  # transformers' tokenizers: only where one is used
+
+    path = dataset_path(cfg.data.dataset)
+    directory = cache_root(cfg) / cache_key(cfg, path, tokenizer_fingerprint(tokenizer))
+    if (directory / "report.json").is_file():
+        return load_prepared(directory, cfg).heldout
+    return _heldout_without_cache(cfg, tokenizer, path)
+
+
+def _heldout_without_cache(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> TokenizedCorpus:
+    """:func:`prepare_heldout` when no cache holds ``cfg.data`` (``path``: its file)."""
+    d = cfg.data
+    start = time.perf_counter()
+    source = d.dataset if d.dataset == SHAREGPT else str(path)
+    size = max(1, -(-path.stat().st_size // _MIB))
+    probe = _CorpusBuilder(tokenizer, d.max_length, d.enable_thinking, source, probe=True)
+    stats: dict = {}
+    bar = Progress(size, desc="held-out split: reading", unit="MiB", logger=log)
+    for row_number, row in enumerate(read_rows(d.dataset, d.max_conversations, stats)):
+        probe.add(row_number, row, None)
+        bar.update(min(size, stats.get("position", 0) // _MIB))
+    bar.update(size)
+    bar.close()
+    kept = np.asarray(probe.source_rows, dtype=np.int64)
+    _, heldout_conv = _split_conversations(cfg, len(kept), probe.report)
+    wanted = set(kept[heldout_conv].tolist())
+    builder = _CorpusBuilder(tokenizer, d.max_length, d.enable_thinking, source)
+    last = max(wanted, default=-1)
+    bar = Progress(len(wanted), desc="held-out split: tokenising", unit="conversation",
+                   logger=log)
+    for row_number, row in enumerate(read_rows(d.dataset, d.max_conversations)):
+        if row_number > last:
+            break
+        if row_number in wanted:
+            normalized = normalize_conversation(row)
+            reason = builder._tokenize(row_number, normalized.messages, normalized.tools, [])
+            if reason is not None:  # the probe kept it: the same rendering cannot drop it
+                raise RuntimeError(f"held-out row {row_number}: kept by the probe, dropped when tokenised ({reason})")
+            bar.advance()
+    bar.close()
+    tokens, loss_mask, offsets, source_rows, _ = builder.finish(start)
+    log.info("held-out split without a data cache: %d of the %d conversations kept from %d rows (%d dropped) "
+             "in %.1f s", len(wanted), len(kept), probe.report.rows_read, probe.report.num_dropped,
+             time.perf_counter() - start)
+    return TokenizedCorpus(tokens, loss_mask, offsets, source_rows)

@@ -158,7 +158,7 @@ class ChatRenderer:
 
 def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_length: int,
                           enable_thinking: Optional[bool] = None, tools: Optional[list[Any]] = None,
-                          renderer: Optional[ChatRenderer] = None,
+                          renderer: Optional[ChatRenderer] = None, probe: bool = False,
                           ) -> tuple[list[tuple[np.ndarray, np.ndarray]], Optional[str], dict]:
     """Tokenise a normalised conversation as a server prompts it, with the assistant loss mask.
 
@@ -173,6 +173,11 @@ def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: PreTrainedT
         tools: the row's tool definitions, passed to the template.
         renderer: a :class:`ChatRenderer` of ``tokenizer`` to reuse across conversations (its
             thinking mode then wins over ``enable_thinking``); built here when None.
+        probe: only decide whether the conversation is kept: once a turn has given a sequence,
+            later turns are rendered and checked (a template error or mismatch still drops the
+            conversation) but not encoded, and no turn's trained tokens are. The reason is the
+            full call's; the only sequence returned is then the first one's context (no trained
+            token), and ``info`` counts only the contexts encoded.
 
     Returns:
         ``(sequences, None, info)`` with each sequence ``(input_ids int32 [n], loss_mask uint8 [n])``,
@@ -208,7 +213,7 @@ def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: PreTrainedT
             info["missing_eot"] += 1
         else:
             turn = turn[:end]
-        if not turn:
+        if not turn or (probe and sequences):
             continue
         prompt_ids, _ = encode_prefix(tokenizer, prompt, max_length)
         if len(prompt_ids) >= max_length:
@@ -222,6 +227,8 @@ def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: PreTrainedT
         else:
             ids, mask = list(prompt_ids), [0] * len(prompt_ids)
             sequences.append((ids, mask))
+        if probe:  # the conversation has a sequence, so it is kept: the rest only renders
+            continue
         turn_ids, cut = encode_prefix(tokenizer, turn, max_length - len(ids))
         ids.extend(turn_ids)
         mask.extend([1] * len(turn_ids))

@@ -48,6 +48,9 @@ TOOL_CALLS_UNSUPPORTED = "tool_calls_unsupported"  # the template cannot render 
 TEMPLATE_ERROR = "template_error"          # the chat template raised (e.g. roles must alternate)
 TEMPLATE_MISMATCH = "template_mismatch"    # a turn's rendering does not start with the generation prompt
 NO_ASSISTANT_TOKENS = "no_assistant_tokens"  # every assistant turn's context is max_length tokens or longer
+# Drop reasons of prompt files only (dflash.inference.prompt_sets), not of training rows.
+BAD_PROMPT = "bad_prompt"                  # a {"prompt": ...} row whose prompt is not a non-empty string
+PROMPT_TOO_LONG = "prompt_too_long"        # the rendered prompt is longer than the decoding check allows
 #: Every reason a row can be dropped for, in pipeline order.
 DROP_REASONS = (
     INVALID_JSON, NOT_OBJECT, NO_MESSAGES, EMPTY_CONVERSATION, BAD_TURN, EMPTY_TURN, UNKNOWN_ROLE,

@@ -15,6 +15,7 @@ that the report can count it; :mod:`dflash.data.conversations` turns rows into t
 from __future__ import annotations
 
 import codecs
+import gzip
 import json
 import logging
 import os
@@ -55,7 +56,8 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
 
     Args:
         stats: if given, receives ``elements``, ``complete`` (True when the closing ``]`` was
-            reached) and ``tail_chars`` (characters left undecoded at the end).
+            reached), ``tail_chars`` (characters left undecoded at the end) and ``position`` (bytes
+            of the file read so far, read-ahead included: for progress).
 
     Raises:
         ValueError: the file does not start with ``[`` (the message says how ``.json`` and
@@ -67,6 +69,7 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
     # utf-8-sig: a leading byte-order mark is skipped, not read as text.
     with open(path, encoding="utf-8-sig", newline="") as handle:
         buf = handle.read(chunk_chars)
+        stats["position"] = handle.buffer.tell()
         eof = len(buf) < chunk_chars
         pos = _SKIP_SEPARATORS.match(buf, 0).end()
         if pos >= len(buf) or buf[pos] != "[":
@@ -102,6 +105,7 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
                 # Read at least as much as is buffered, so that a huge element costs O(size) in total.
                 want = max(chunk_chars, len(buf) - pos)
                 more = handle.read(want)
+                stats["position"] = handle.buffer.tell()
                 eof = eof or len(more) < want
                 buf = buf[pos:] + more
                 pos = _SKIP_SEPARATORS.match(buf, 0).end()
@@ -113,18 +117,23 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
 
 def iter_jsonl(path: Union[str, os.PathLike], stats: Optional[dict] = None) -> Iterator[Any]:
     """Yield each non-blank line of a JSONL file parsed, or an :class:`InvalidRow` (holding the parser's
-    message) if it does not parse. UTF-8 with or without a byte-order mark; LF or CRLF line ends.
+    message) if it does not parse. UTF-8 with or without a byte-order mark; LF or CRLF line ends; a
+    name ending in ``.gz`` is read through gzip.
 
     Args:
         stats: if given, ``stats["line"]`` is the 1-based line number of the row just yielded (blank
-            lines are skipped, so it can differ from the row's index + 1).
+            lines are skipped, so it can differ from the row's index + 1) and ``stats["position"]``
+            the bytes of the file up to its end (for progress).
     """
     stats = stats if stats is not None else {}
-    with open(path, "rb") as handle:
+    position = 0
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as handle:
         for line, raw in enumerate(handle, start=1):
+            position += len(raw)
             if not raw.strip():
                 continue
             stats["line"] = line
+            stats["position"] = position
             if line == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8):]
             try:

