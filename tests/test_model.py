@@ -310,3 +310,27 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
         torch.testing.assert_close(outs[other], outs[0], atol=1e-6, rtol=1e-5)
         for a, b in zip(grads[0], grads[other]):
             assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_compiled_sub_layers_give_the_eager_step(monkeypatch) -> None:
+    """``compile_layers`` (the attention and MLP sub-layers compiled, each a checkpoint region;
+    ``aot_eager`` keeps the CPU test short) gives the eager outputs and gradients, with two compiled
+    functions shared by every layer."""
+    real_compile = torch.compile
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, backend="aot_eager", **kw))
+    x = tiny_inputs()
+    results = []
+    for compile_layers in (False, True):
+        torch.manual_seed(0)
+        model = tiny_model().train()
+        model.gradient_checkpointing, model.mlp_chunks = True, 2
+        if compile_layers:
+            model.compile_layers()
+        out = model(**x)
+        out.pow(2).mean().backward()
+        results.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert len(compiled) == 2
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)

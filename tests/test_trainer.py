@@ -438,7 +438,7 @@ def checkpointing_step(checkpointing: bool, batch: dict[str, torch.Tensor], opts
         tr._forward, tr.compiled = torch.compile(tr._hidden, backend=compile_backend, dynamic=False), True
     layer_calls = [0]
     for layer in model.layers:
-        layer.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
+        layer.self_attn.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -533,7 +533,7 @@ def test_compiled_path_stages_inputs_and_builds_masks_outside() -> None:
         seen.append(([t.data_ptr() for t in tensors], masks))
         return staged._hidden(*args)
 
-    staged._forward, staged.compiled = fake_compiled, True
+    staged._forward, staged.compiled, staged.graphs = fake_compiled, True, True
     for i in range(3):
         batch = random_batch(seed=10 + i)  # fresh tensors (new addresses) every step
         me, ms = eager.step(batch, 0, i), staged.step(batch, 0, i)
