@@ -37,12 +37,13 @@ from dflash.runtime.messages import (Checkpointed, Command, ControlMessage, Drop
                                     Heartbeat, Hello, NODE_MESSAGES, Produce, Produced, Ready, Received, Save, Stop,
                                     Targets, Train, Trained)
 from dflash.runtime.restarts import ClusterControl, RestartPolicy, RunFailed, SupervisionMixin, WorkerInfo
-from dflash.runtime.run_metrics import StepMetrics, aggregate_eval, progress_text
+from dflash.runtime.run_metrics import StepMetrics, progress_text
 from dflash.runtime.stopping import CheckpointProgress, StopMixin
 from dflash.runtime.work import WorkItem, WorkQueue, build_work_items, eval_round
+from dflash.training.evaluation import aggregate_eval
 
 __all__ = ["WorkItem", "Ledger", "Coordinator", "CoordinatorConfig", "CoordinatorSetup", "CoordinatorResult",
-           "ClusterControl", "RunFailed", "build_work_items", "eval_round", "aggregate_eval"]
+           "ClusterControl", "RunFailed", "build_work_items", "eval_round"]
 
 log = logging.getLogger(__name__)
 

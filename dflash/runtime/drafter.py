@@ -38,7 +38,7 @@ from dflash.training.checkpoint_load import is_damage_error, load_trainer_state,
 from dflash.compile_watch import CompileWatch
 from dflash.training.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
 from dflash.training.objective import LossOutput
-from dflash.training.reference import eval_sums
+from dflash.training.evaluation import eval_sums
 from dflash.training.optim import LRSchedule
 from dflash.training.resume import LaunchPlan, checkpoint_position
 from dflash.data.schedule import DataPosition, StepPlan

@@ -8,58 +8,8 @@ busy fraction. Worker counters (heartbeats and ``trained`` stats) appear as ``<w
 from __future__ import annotations
 
 import time
-from typing import Any
 
-__all__ = ["StepMetrics", "aggregate_eval", "progress_text"]
-
-
-def aggregate_eval(sums: list[dict]) -> dict:
-    """Combine per-drafter evaluation sums into held-out loss, τ and per-block-position accuracy.
-
-    Args:
-        sums: one dict per drafter with ``loss_sum``, ``weight_sum``, ``tau_sum``, ``blocks``,
-            ``head_tau_sum``, ``head_blocks``, the lists ``correct`` / ``count`` indexed by block position
-            and, from an evaluation that walked (``train.eval_walk``), ``walk_tau_sum``, ``walk_blocks``,
-            ``walk_head_tau_sum``, ``walk_head_blocks``.
-    Returns:
-        ``eval/loss`` = Σ loss_sum / Σ weight_sum, ``eval/tau`` = Σ tau_sum / Σ blocks,
-        ``eval/blocks``, ``eval/tau_head`` = Σ head_tau_sum / Σ head_blocks (the blocks whose anchor lies in
-        the first ``train.eval_head_tokens`` tokens of its response; NaN without any), ``eval/head_blocks``,
-        with the walk ``eval/tau_walk`` = Σ walk_tau_sum / Σ walk_blocks (decoding's anchors walked over
-        every held-out response, pooled as decoding pools: training's prediction of decoding τ),
-        ``eval/walk_blocks``, ``eval/tau_walk_head`` / ``eval/walk_head_blocks`` (the walk over the first
-        ``train.eval_head_tokens`` tokens of each response; NaN without blocks), and
-        ``eval/acc_block_pos_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1; ``{}`` without sums.
-    """
-    if not sums:
-        return {}
-    total: dict[str, Any] = {}
-    for s in sums:
-        for key, value in s.items():
-            if isinstance(value, list):
-                prev = total.setdefault(key, [0.0] * len(value))
-                total[key] = [a + b for a, b in zip(prev, value)]
-            else:
-                total[key] = total.get(key, 0.0) + value
-    out = {
-        "eval/loss": total["loss_sum"] / max(total["weight_sum"], 1e-12),
-        "eval/tau": total["tau_sum"] / max(total["blocks"], 1),
-        "eval/blocks": int(total["blocks"]),
-    }
-    if "head_blocks" in total:
-        head = total["head_blocks"]
-        out["eval/tau_head"] = total["head_tau_sum"] / head if head else float("nan")
-        out["eval/head_blocks"] = int(head)
-    if "walk_blocks" in total:
-        for name, tau_key, blocks_key in (("walk", "walk_tau_sum", "walk_blocks"),
-                                          ("walk_head", "walk_head_tau_sum", "walk_head_blocks")):
-            n = total[blocks_key]
-            out[f"eval/tau_{name}"] = total[tau_key] / n if n else float("nan")
-            out[f"eval/{name}_blocks"] = int(n)
-    for k, (c, n) in enumerate(zip(total.get("correct", []), total.get("count", []))):
-        if k > 0:
-            out[f"eval/acc_block_pos_{k}"] = c / n if n else float("nan")
-    return out
+__all__ = ["StepMetrics", "progress_text"]
 
 
 def progress_text(m: dict) -> str:

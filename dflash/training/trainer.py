@@ -44,7 +44,7 @@ from dflash.models.drafter import DFlashDraftModel
 from dflash.models.masks import AttentionMask, drafter_attention_masks, restage_attention_mask
 from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets
 from dflash.training.chunked_ce import compiled_linear_ce_chunk, loss_chunk_rows
-from dflash.training.evaluation import EvalOutput, position_tau, walked_tau_sums
+from dflash.training.evaluation import EvalOutput, leading_tau, position_tau, walked_tau_sums
 from dflash.training.objective import DPACE_ALPHA, LossOutput, build_block_labels, dflash_loss, loss_denominator
 from dflash.training.optim import LRSchedule, build_optimizer, build_scheduler
 
@@ -408,10 +408,30 @@ class DrafterTrainer:
         head = prepared.anchor_keep & (offsets >= 0) & (offsets < self.eval_head_tokens)
         return EvalOutput.from_loss(out, head, walk)
 
+    @torch.no_grad()
     def position_tau(self, tensors: dict[str, Tensor]) -> Tensor:
-        """τ at every valid anchor of a batch, ``[R, S]`` fp32
-        (:func:`dflash.training.evaluation.position_tau`)."""
-        return position_tau(self, tensors)
+        """τ at every valid anchor of a batch, ``[R, S]`` fp32, 0 elsewhere
+        (:func:`dflash.training.evaluation.position_tau`).
+
+        Each chunk of ``drafter.anchors_per_row`` anchors goes through :meth:`prepare` (with the
+        batch's labels, ``drafter.labels``) and the drafter forward eagerly, and its blocks are
+        scored by :func:`dflash.training.evaluation.leading_tau`. The model's train/eval mode is
+        the caller's.
+
+        Raises:
+            KeyError: a required tensor is missing.
+        """
+        t = self._batch(tensors)
+
+        def block_tau(anchors: Tensor, keep: Tensor) -> Tensor:
+            prepared = self.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep))
+            p = prepared.tensors
+            hidden = self._hidden(p["features"], p["input_ids"], p["position_ids"], p["doc_ids"], prepared.anchors,
+                                  prepared.anchor_keep, prepared.attn_masks)
+            return leading_tau(hidden, self.module.lm_head, prepared.labels, prepared.valid, prepared.anchor_keep,
+                               self.loss_chunk)
+
+        return position_tau(t["loss_mask"], t["doc_ids"], self.num_anchors, block_tau)
 
     # ----------------------------------------------------------------------- checkpointing
 
