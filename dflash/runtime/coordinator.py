@@ -354,7 +354,7 @@ class Coordinator(SupervisionMixin, StopMixin):
     def _on_produced(self, w: WorkerInfo, msg: Produced) -> None:
         if msg.job_key in self.assignment.jobs:
             self.ledger.mark_produced(msg.split, msg.data_epoch, msg.batch_id)
-            self.metrics.produced(msg.split, msg.tokens, msg.seconds)
+            self.metrics.produced(msg.split, msg.tokens, msg.seconds, msg.flops, msg.peak_flops)
         w.failures = 0
 
     def _on_dropped(self, w: WorkerInfo, msg: Dropped) -> None:

@@ -297,16 +297,19 @@ class DrafterTrainer:
 
     def forward_backward(self, tensors: dict[str, Tensor], epoch: int, batch_id: int, *,
                          anchors: Optional[tuple[Tensor, Tensor]] = None,
-                         weight_sum_reduce: Optional[WeightSumReduce] = None) -> tuple[LossOutput, Tensor]:
+                         weight_sum_reduce: Optional[WeightSumReduce] = None,
+                         prepared: Optional[PreparedBatch] = None) -> tuple[LossOutput, Tensor]:
         """Forward, loss and backward; gradients accumulate into ``.grad`` (not yet synced).
 
         The back-propagated objective is ``loss_sum · grads_averaged_over / W_global``.
+        ``prepared``: the batch as :meth:`prepare` made it (``tensors``, ``anchors`` are then unused).
 
         Returns:
             ``(LossOutput of this batch, W_global)``.
         """
         self.model.train()
-        prepared = self.prepare(tensors, epoch, batch_id, anchors)
+        if prepared is None:
+            prepared = self.prepare(tensors, epoch, batch_id, anchors)
         reduce = weight_sum_reduce or self.weight_sum_reduce
         w_global = reduce(prepared.weight_sum.clone()) if reduce is not None else prepared.weight_sum
         out = self.forward_loss(prepared)
@@ -350,14 +353,17 @@ class DrafterTrainer:
             metrics (tensors unless noted): ``loss`` (this batch's mean), ``loss_sum``,
             ``weight_sum``, ``global_weight_sum``, ``tau``, ``tau_sum``, ``num_blocks``,
             ``block_pos_acc [B]``, ``block_pos_correct [B]``, ``block_pos_count [B]`` (indexed by block position),
-            ``grad_norm``, ``lr`` (float, the rate this step used), ``step`` (int, after it).
+            ``grad_norm``, ``lr`` (float, the rate this step used), ``step`` (int, after it),
+            ``flops`` (int64 tensor, the step's model FLOPs: :meth:`dflash.models.drafter.DFlashDraftModel.flops`).
 
         Raises:
             KeyError: a required tensor is missing.
         """
         lr = self.scheduler.get_last_lr()[0]
-        out, w_global = self.forward_backward(tensors, epoch, batch_id, anchors=anchors,
-                                              weight_sum_reduce=weight_sum_reduce)
+        prepared = self.prepare(tensors, epoch, batch_id, anchors)
+        flops = self.module.flops(prepared.anchors, prepared.anchor_keep, prepared.tensors["doc_ids"]).total
+        out, w_global = self.forward_backward(tensors, epoch, batch_id, weight_sum_reduce=weight_sum_reduce,
+                                              prepared=prepared)
         # Clone: with CUDA graphs the outputs live in memory the next replay overwrites.
         stats = LossOutput.from_stats_vector(out.stats_vector().clone())
         grad_norm = self.optimizer_step(grad_sync)
@@ -375,6 +381,7 @@ class DrafterTrainer:
             "grad_norm": grad_norm,
             "lr": lr,
             "step": self.step_count,
+            "flops": flops,
         }
 
     @torch.no_grad()
