@@ -8,8 +8,9 @@ multiply-add; norms, activations, softmax, RoPE, gating and other elementwise wo
 * **Linear layers**: ``2 · in · out`` per position a ``nn.Linear`` runs on (bias not counted).
   Every position of the batch shape counts, padding included: the forward computes it.
 * **Attention** (score product ``QKᵀ`` and value product ``PV``): ``4 · H · hd`` per (query, key)
-  pair the layer's mask allows (``H`` query heads of ``hd``), the mask's own pair count rather than
-  the ``S²`` a dense kernel computes (PaLM appendix B counts the causal half likewise).
+  pair the layer's mask allows (``H`` query heads of ``hd``). PaLM's attention term
+  (``12 · L · H · Q · T`` a token for forward and backward) counts every key of the context; here
+  only the keys the mask lets a query see count, not the ``S²`` a dense kernel computes.
 * **Backward**: twice the forward for a product whose input needs a gradient (input gradient and
   weight gradient; PaLM appendix B, Chinchilla appendix F: the ``6N`` rule), once for one whose
   input does not (the drafter's ``fc`` on the target's features, the frozen LM head's weight).
