@@ -2,10 +2,10 @@
 
 The naive count hooks every ``nn.Linear`` call (``2 · in · out`` per input row), counts the
 attention pairs of every SDPA call by a Python loop over the mask it is given, counts the
-Gated-DeltaNet kernels' matrix products op by op (a dispatch mode over their ``mm`` / ``bmm`` /
-triangular solves / convolutions) and the LM-head rows the loss feeds through its chunks; the
-train step adds what autograd actually computes for each linear (weight gradient, and input
-gradient where the input needs one).
+Gated-DeltaNet delta rule's matrix products op by op (a dispatch mode over its ``mm`` / ``bmm`` /
+triangular solves) and its convolution's taps, and the LM-head rows the loss feeds through its
+chunks; the train step adds what autograd actually computes for each linear (weight gradient,
+and input gradient where the input needs one).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class Counter:
 
 
 class MatmulOps(TorchDispatchMode):
-    """FLOPs of every matrix product (mm, bmm, addmm, baddbmm), unit-triangular solve and
-    convolution dispatched inside it, from the operands' shapes."""
+    """FLOPs of every matrix product (mm, bmm, addmm, baddbmm) and unit-triangular solve
+    dispatched inside it, from the operands' shapes."""
 
     def __init__(self):
         super().__init__()
@@ -108,11 +108,6 @@ class MatmulOps(TorchDispatchMode):
             n = a.shape[-1]
             assert kwargs.get("unitriangular", False) and not kwargs.get("upper", True)
             self.flops += rhs.numel() // rhs.shape[-2] * n * (n - 1)  # n(n−1)/2 multiply-adds per column
-        elif name == "convolution":
-            # a causal convolution keeps one output per input position (the reference
-            # implementation pads both sides and drops the K − 1 extra outputs)
-            x, weight = args[0], args[1]
-            self.flops += 2 * x.shape[0] * out.shape[1] * x.shape[-1] * weight.shape[1] * weight.shape[2]
         return out
 
 
@@ -159,17 +154,22 @@ def _target_cases():
 def test_target_flops_match_a_naive_count(arch, overrides, monkeypatch):
     target = load_target(TargetConfig(kind="random", arch=arch, arch_overrides=overrides), "cpu")
     kernels = MatmulOps()
+    conv = []
     if "linear_attention" in target.layer_types:
-        import transformers.models.qwen3_5.modeling_qwen3_5 as qwen35
+        import dflash.models.linear_attention as gdn
 
-        for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-            original = getattr(qwen35, name)
+        delta_rule, causal_conv = gdn.chunk_gated_delta_rule, gdn.packed_causal_conv1d
 
-            def counted(*args, _original=original, **kwargs):
-                with kernels:
-                    return _original(*args, **kwargs)
+        def counted_delta_rule(*args, **kwargs):
+            with kernels:
+                return delta_rule(*args, **kwargs)
 
-            monkeypatch.setattr(qwen35, name, counted)
+        def counted_conv(x, weight, bias, segments):
+            conv.append(2 * x.shape[0] * x.shape[1] * x.shape[2] * weight.shape[1])  # a multiply-add per tap
+            return causal_conv(x, weight, bias, segments)
+
+        monkeypatch.setattr(gdn, "chunk_gated_delta_rule", counted_delta_rule)
+        monkeypatch.setattr(gdn, "packed_causal_conv1d", counted_conv)
     rows, seq = 2, 75  # not a multiple of the delta rule's 64-position chunk
     doc = _packed_doc_ids(rows, seq, seed=5)
     ids = torch.randint(0, target.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
@@ -184,9 +184,10 @@ def test_target_flops_match_a_naive_count(arch, overrides, monkeypatch):
     parts = count.to_dict()
     assert parts["linear"] + parts["lm_head"] == counter.linear
     assert parts["attention"] == counter.attention > 0
-    assert parts["linear_attention"] == kernels.flops
+    assert parts["linear_attention"] == kernels.flops + sum(conv)
+    assert len(conv) == target.layer_types.count("linear_attention")
     assert (kernels.flops > 0) == ("linear_attention" in target.layer_types)
-    assert parts["total"] == counter.linear + counter.attention + kernels.flops
+    assert parts["total"] == counter.linear + counter.attention + kernels.flops + sum(conv)
 
 
 def test_target_flops_errors():
@@ -239,9 +240,10 @@ def test_drafter_forward_flops_match_a_naive_count(overrides, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # fc: its input needs no gradient
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpointing, mlp_chunks", [(False, 1), (True, 1), (True, 3)],
+                         ids=["plain", "checkpointed", "checkpointed-mlp3"])
 @pytest.mark.parametrize("overrides", [{}, MIXED], ids=["full", "sliding+full"])
-def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, monkeypatch):
+def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, mlp_chunks, monkeypatch):
     """The trainer's ``flops`` metric = forward hooks + backward hooks of every linear (weight and,
     where needed, input gradients; a checkpointed layer's recompute fires its hooks again) + the
     attention pairs of every SDPA call (forward and recompute) × 3 for the backward + the LM head's
@@ -250,6 +252,7 @@ def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, mon
 
     model = tiny_model(**overrides)
     model.gradient_checkpointing = checkpointing
+    model.mlp_chunks = mlp_chunks
     batch, anchors, keep = _drafter_batch(seed=2)
     trainer = DrafterTrainer(model, TrainConfig(), drafter_cfg(anchors_per_row=5), 4, "cpu")
     counter = Counter(model, monkeypatch, backward=True)
@@ -260,7 +263,8 @@ def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, mon
     layers = len(model.layers)
     calls = counter.attention_calls
     # the backward of each layer's attention (dP, dV, dQ, dK: twice its forward) runs once; a
-    # checkpointed layer's recompute ran its forward again, in the backward's (reverse) order
+    # checkpointed layer's recompute ran its attention again, in the backward's (reverse) order
+    # (hooks count the recomputed linears; the recompute stops before each region's last product)
     assert len(calls) == (2 if checkpointing else 1) * layers
     if checkpointing:
         assert calls[layers:] == calls[:layers][::-1]

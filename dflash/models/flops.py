@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from dflash.models.linear_attention import CHUNK_SIZE
 from dflash.models.masks import FULL_ATTENTION, SLIDING_ATTENTION, query_context_ranges
 
 __all__ = [
@@ -50,9 +51,8 @@ __all__ = [
 
 #: ``config.layer_types`` entry of a Gated-DeltaNet (linear-attention) layer of the Qwen3.5 family.
 LINEAR_ATTENTION = "linear_attention"
-#: Chunk length of the chunked gated delta rule (transformers' ``torch_chunk_gated_delta_rule``
-#: and the FLA kernels both use 64).
-DELTA_RULE_CHUNK = 64
+#: Chunk length of the chunked gated delta rule (the torch path's, fla's default).
+DELTA_RULE_CHUNK = CHUNK_SIZE
 #: Dense (no sparsity) bf16 tensor-core peak of one GPU in FLOP/s, matched in this order as a
 #: substring of ``torch.cuda.get_device_name`` (NVIDIA data sheets; the values torchtitan's
 #: ``get_peak_flops`` uses). SXM parts unless named.
@@ -161,9 +161,9 @@ def delta_rule_chunk_flops(chunk: int, key_dim: int, value_dim: int) -> int:
     """FLOPs of one head's chunk of the chunked gated delta rule (Gated-DeltaNet).
 
     The chunkwise (WY / UT-transform) form of Yang, Kautz & Hatamizadeh, "Gated Delta Networks"
-    (arXiv 2412.06464, §3.3), as transformers' ``torch_chunk_gated_delta_rule``
-    (``models/qwen3_5/modeling_qwen3_5.py``) runs it, for a chunk of ``C`` positions, key head dim
-    ``dk`` and value head dim ``dv``:
+    (arXiv 2412.06464, §3.3), as :func:`dflash.models.linear_attention.chunk_gated_delta_rule`
+    (and transformers' ``torch_chunk_gated_delta_rule``) runs it, for a chunk of ``C`` positions,
+    key head dim ``dk`` and value head dim ``dv``:
 
     * ``(βK) Kᵀ`` and ``Q Kᵀ`` (``C × dk × C`` each): ``4 C² dk``;
     * two unit lower-triangular solves of the ``C × C`` system for ``βV`` and the decayed ``βK``
@@ -173,7 +173,8 @@ def delta_rule_chunk_flops(chunk: int, key_dim: int, value_dim: int) -> int:
     * the intra-chunk attention times the new values (``C × C × dv``): ``2 C² dv``.
 
     The FLA kernels compute the same products with the triangular system inverted once; the
-    count is this algorithm's.
+    count is this algorithm's. The segment masks that keep packed conversations apart are
+    elementwise and not counted.
     """
     c = chunk
     return 4 * c * c * key_dim + 2 * c * c * value_dim + c * (c - 1) * (key_dim + value_dim) + 6 * c * key_dim * value_dim
@@ -199,10 +200,12 @@ def target_forward_flops(layers: Sequence[nn.Module], layer_types: Sequence[str]
     * ``attention``: each ``full_attention`` / ``sliding_attention`` layer ``4 · H · hd ·
       pairs``, with the per-document causal pairs of :func:`packed_causal_pairs` (the window
       applied in sliding layers);
-    * ``linear_attention`` (Qwen3.5 Gated-DeltaNet layers): the causal depthwise convolution
-      ``2 · K · (2·Hk·dk + Hv·dv)`` per position, and the chunked delta rule
-      :func:`delta_rule_chunk_flops` per value head and chunk, ``⌈S / 64⌉`` chunks per row (the
-      recurrence runs over the whole row; keys are shared by ``Hv / Hk`` value heads).
+    * ``linear_attention`` (Qwen3.5 Gated-DeltaNet layers, :mod:`dflash.models.linear_attention`):
+      the causal depthwise convolution ``2 · K · (2·Hk·dk + Hv·dv)`` per position, and the chunked
+      delta rule :func:`delta_rule_chunk_flops` per value head and chunk, ``⌈S / 64⌉`` chunks per
+      row, as the torch path chunks the packed row (keys are shared by ``Hv / Hk`` value heads);
+      fla's variable-length kernels chunk each conversation instead, ``Σ ⌈L / 64⌉`` chunks, a few
+      more.
 
     Args:
         layers: the decoder layers, in order.
@@ -273,10 +276,11 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
     ``training=True`` (the step: forward, loss, backward): ``fc`` × 2 (its input, the target's
     features, needs no gradient), ``layers`` and ``attention`` × 3, ``lm_head`` × 2 (the logits and
     the hidden states' gradient; the frozen weight gets none), and with ``recompute`` (activation
-    checkpointing) a ``recompute`` part: each layer's forward once more, but for its MLP's
-    ``down_proj``, whose output no backward needs (``torch.utils.checkpoint``'s non-reentrant
-    recompute stops after the last tensor the backward uses). ``training=False``: the forward
-    alone.
+    checkpointing) a ``recompute`` part: each layer's forward once more, but for the last product
+    of each checkpointed region, the attention's ``o_proj`` and the MLP's ``down_proj``, whose
+    outputs no backward needs (``torch.utils.checkpoint``'s non-reentrant recompute stops after
+    the last tensor the backward uses; :meth:`dflash.models.drafter.DFlashDraftModel._checkpointed_layer`
+    checkpoints the two sub-layers as separate regions). ``training=False``: the forward alone.
 
     Args:
         model: a :class:`dflash.models.drafter.DFlashDraftModel` (its config, ``fc``, ``layers``
@@ -311,7 +315,7 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
             pairs[window] = drafter_attention_pairs(anchors, anchor_keep, doc_ids, b, window)
         kv = linear_weights(layer, ("k_proj", "v_proj"))
         layers += 2 * kv * (t + q) + 2 * linear_weights(layer, exclude=("k_proj", "v_proj")) * q
-        last += 2 * linear_weights(layer, ("down_proj",)) * q
+        last += 2 * linear_weights(layer, ("o_proj", "down_proj")) * q
         attention = attention + per_pair * pairs[window]
     vocab, hidden = model.lm_head.weight.shape
     fc = 2 * linear_weights(model.fc) * t
