@@ -54,8 +54,8 @@ LINEAR_ATTENTION = "linear_attention"
 #: Chunk length of the chunked gated delta rule (the torch path's, fla's default).
 DELTA_RULE_CHUNK = CHUNK_SIZE
 #: Dense (no sparsity) bf16 tensor-core peak of one GPU in FLOP/s, matched in this order as a
-#: substring of ``torch.cuda.get_device_name`` (NVIDIA data sheets; the values torchtitan's
-#: ``get_peak_flops`` uses). SXM parts unless named.
+#: substring of ``torch.cuda.get_device_name``: NVIDIA's data sheets, which state the figure with
+#: sparsity (twice these). SXM parts unless named.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H200 NVL", 835e12),
     ("H200", 989e12),
