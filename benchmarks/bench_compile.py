@@ -307,7 +307,7 @@ def main() -> int:
     def share(key: str) -> str:
         return "-" if res.get(key) is None else f"{res[key]:.1%}"
 
-    print(f"MFU (dflash.models.flops; peak {'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}): target "
+    print(f"MFU (dflash.models.flops; peak {'unknown' if peak is None else f'{peak / 1e12:g} TFLOP/s'}): target "
           f"eager {share('target_eager_mfu')} / compiled {share('target_compiled_mfu')}, drafter eager "
           f"{share('drafter_eager_mfu')} / compiled {share('drafter_compiled_mfu')}")
     for mode in ("eager", "compiled"):
