@@ -8,7 +8,10 @@ this process's main thread (as each worker does):
 - drafter train step (forward, loss, backward, all-reduce-free optimizer step): eager ms,
   compiled ms, compile time, per-step losses of both over ``--steps`` steps from the same
   initial weights, peak memory;
-- graph compilations and CUDA-graph recordings after warm-up (must be 0).
+- graph compilations and CUDA-graph recordings after warm-up (must be 0);
+- model FLOPs of both stages (:mod:`dflash.models.flops`, the count the training metrics use),
+  TFLOP/s and MFU against :func:`dflash.models.flops.peak_flops` (``DFLASH_PEAK_TFLOPS``, else the
+  GPU's dense bf16 peak).
 
 ``--gradient-checkpointing`` sets ``drafter.gradient_checkpointing`` for both drafter runs (each
 drafter layer recomputed in the backward: the anchor count that fits against the step time). A
@@ -155,7 +158,10 @@ def main() -> int:
     from dflash.models.target_loader import load_target
     from dflash.training.trainer import DrafterTrainer, metrics_to_host
 
+    from dflash.models.flops import mfu, peak_flops
+
     dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    peak = peak_flops(dev)  # DFLASH_PEAK_TFLOPS, else the GPU's dense bf16 peak; None on CPU
     overrides = {"num_hidden_layers": args.target_layers} if args.target_layers else {}
     cfg: RunConfig = config_from_dict({
         "target": {"kind": "random", "arch": args.arch, "arch_overrides": overrides, "tokenizer": "qwen3"},
@@ -171,7 +177,6 @@ def main() -> int:
     res["target_params_B"] = target.num_parameters() / 1e9
     gen = torch.Generator().manual_seed(0)
     batch = synthetic_batch(args.rows, args.seq, target.vocab_size, gen, dev)
-    tokens = args.rows * args.seq
 
     # ---------------------------------------------------------------- target forward
     def fwd_eager():
@@ -182,8 +187,9 @@ def main() -> int:
     torch.cuda.reset_peak_memory_stats()
     res["target_eager_ms"] = timed(fwd_eager, 3)
     res["target_eager_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    flops = 2 * target.num_parameters() * tokens
-    res["target_eager_tflops"] = flops / (res["target_eager_ms"] / 1e3) / 1e12
+    res["target_flops"] = int(target.flops(batch["doc_ids"]).total)  # dflash.models.flops
+    res["target_eager_tflops"] = res["target_flops"] / (res["target_eager_ms"] / 1e3) / 1e12
+    res["target_eager_mfu"] = mfu(res["target_flops"], res["target_eager_ms"] / 1e3, peak)
     if not args.skip_target_compile:
         compiled = torch.compile(target.forward_features, mode="reduce-overhead" if on_gpu else None, dynamic=False)
 
@@ -199,6 +205,7 @@ def main() -> int:
         watch = CompileWatch("target forward", fail=False)
         watch.arm()
         res["target_compiled_ms"] = timed(fwd_compiled, 5)
+        res["target_compiled_mfu"] = mfu(res["target_flops"], res["target_compiled_ms"] / 1e3, peak)
         f, t = fwd_compiled()
         res["target_features_rel_err"] = float((f.float() - feats_eager.float()).norm() / feats_eager.float().norm())
         res["target_tokens_agree"] = float((t == toks_eager).float().mean())
@@ -226,7 +233,7 @@ def main() -> int:
         res["drafter_params_M"] = model.num_trainable_params() / 1e6
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        losses, times = [], []
+        losses, times, flops = [], [], []
         watch = None
         t_start = time.perf_counter()
         for step in range(args.steps):
@@ -235,13 +242,18 @@ def main() -> int:
             m = trainer.step(tensors, 0, step)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
-            losses.append(metrics_to_host({"loss": m["loss"]})["loss"])
+            host = metrics_to_host({"loss": m["loss"], "flops": m["flops"]})
+            losses.append(host["loss"])
+            flops.append(host["flops"])
             if step == 2:  # graphs are recorded within the first steps
                 res[f"drafter_{mode}_warmup_s"] = time.perf_counter() - t_start
                 watch = CompileWatch("drafter step", fail=False)
                 watch.arm()
         steady = sorted(times[3:])
         res[f"drafter_{mode}_ms"] = steady[len(steady) // 2]
+        res["drafter_step_flops"] = sum(flops) / len(flops)  # dflash.models.flops, per step
+        res[f"drafter_{mode}_tflops"] = res["drafter_step_flops"] / (res[f"drafter_{mode}_ms"] / 1e3) / 1e12
+        res[f"drafter_{mode}_mfu"] = mfu(res["drafter_step_flops"], res[f"drafter_{mode}_ms"] / 1e3, peak)
         if on_gpu:
             res[f"drafter_{mode}_phases_ms"] = phase_times(trainer, tensors, args.steps)
             if args.profile:
@@ -291,6 +303,13 @@ def main() -> int:
     if both:
         print(f"loss agreement over {args.steps} steps: max rel diff {res['drafter_loss_max_rel_diff']:.2e}")
     print(f"peak GiB eager {cell('eager', 'peak_gib', '.1f')} / compiled {cell('compiled', 'peak_gib', '.1f')}")
+
+    def share(key: str) -> str:
+        return "-" if res.get(key) is None else f"{res[key]:.1%}"
+
+    print(f"MFU (dflash.models.flops; peak {'unknown' if peak is None else f'{peak / 1e12:g} TFLOP/s'}): target "
+          f"eager {share('target_eager_mfu')} / compiled {share('target_compiled_mfu')}, drafter eager "
+          f"{share('drafter_eager_mfu')} / compiled {share('drafter_compiled_mfu')}")
     for mode in ("eager", "compiled"):
         if f"drafter_{mode}_phases_ms" in res:
             print(f"{mode} phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in res[f"drafter_{mode}_phases_ms"].items()))

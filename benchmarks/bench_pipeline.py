@@ -53,24 +53,13 @@ Measured per pipeline run (JSON ``DIR/bench_pipeline_<run>.json`` with ``--out D
 * ``mfu``: model FLOPs / stage seconds / peak. Peak = ``--peak-tflops``, else a quick bf16
   ``--matmul-n``³ matmul measured on the target device at start-up (fp32 on CPU).
 
-FLOPs (analytic, per batch of ``R`` rows × ``S`` positions; ``T = R·S``; all matmuls count 2 FLOPs
-per multiply-add):
+FLOPs per batch: :meth:`dflash.models.target.TargetModel.flops` (the target forward) and
+:meth:`dflash.models.drafter.DFlashDraftModel.flops` (the drafter train step: forward, loss,
+backward, activation checkpointing's recompute), one counting rule for both, stated in
+:mod:`dflash.models.flops` (matrix products only, attention over the pairs each mask allows, the
+LM head, Gated-DeltaNet layers included); the JSON keeps each stage's parts of the first steady
+step (``target_detail`` / ``drafter_detail``). The training metrics' ``mfu/*`` use the same count.
 
-* target forward: ``2·(P_lin + P_head)·T + 4·H·hd·Σ_layers pairs``, where ``P_lin`` = weights of
-  every ``nn.Linear`` in the decoder layers, ``P_head = V·D`` (the greedy-token LM head runs on all
-  ``T`` positions), ``H·hd`` = query heads × head dim, and ``pairs`` = the (query, key) pairs the
-  per-document causal mask allows (``Σ_docs L(L+1)/2``; sliding layers capped at the window; padding
-  excluded; linear-attention layers add no pair term). SDPA with a dense mask actually computes
-  ``R·S²`` pairs per layer (``target_attention_pairs_dense`` in the JSON).
-* drafter step (forward + backward): with ``Q = R·A·B`` block tokens (``A`` = anchor slots per row,
-  ``B`` = block size), ``4·P_fc·T`` (``fc`` on every context position; forward + weight gradient,
-  no input gradient) ``+ 6·P_kv·(T + Q)`` (``k_proj``/``v_proj`` run on context and block tokens)
-  ``+ 6·P_blk·Q`` (``q/o_proj`` and the MLP, block tokens only) ``+ 4·V·D·R·A·(B−1)`` (frozen LM head
-  on the predicted slots: forward + input gradient) ``+ 12·H·hd·Σ_layers pairs`` (attention
-  forward 4 + backward 8; ``pairs`` = per kept block ``B·(ctx + B)`` with ``ctx`` = the anchor's
-  position in its conversation (capped at the window in sliding layers), per dropped block
-  ``B·B``). ``drafter_flops_simple`` = ``6·P_trainable·Q + 4·V·D·R·A·(B−1)`` (the textbook
-  estimate, reported alongside, not used for MFU).
 * ``mfu.target_forward`` = target FLOPs / mean target forward s / peak; ``mfu.drafter_step`` =
   drafter FLOPs / mean drafter step s / peak; ``mfu.pipeline`` = (target + drafter FLOPs) /
   steady s per step / (peak × number of distinct devices).
@@ -119,7 +108,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from benchmarks.gpu_busy import GpuBusySampler, smi_index  # noqa: E402
 
@@ -269,69 +257,18 @@ def measure_copy(src_dev: torch.device, dst_dev: torch.device, nbytes: int, iter
 
 # =========================================================================== FLOPs
 
-def _linear_weights(module: nn.Module, names: Optional[tuple[str, ...]] = None, exclude: tuple[str, ...] = ()) -> int:
-    total = 0
-    for name, m in module.named_modules():
-        if isinstance(m, nn.Linear):
-            leaf = name.rsplit(".", 1)[-1]
-            if (names is None or leaf in names) and leaf not in exclude:
-                total += m.weight.numel()
-    return total
-
-
-def _causal_pairs(length: int, window: Optional[int]) -> int:
-    if window is None or length <= window:
-        return length * (length + 1) // 2
-    return window * (window + 1) // 2 + (length - window) * window
-
-
 def target_flops(target: Any, batch: Any) -> dict:
-    """Analytic FLOPs of one target forward on ``batch`` (module docstring)."""
-    layers = target._decoder[0].layers
-    rows, seq = batch.input_ids.shape
-    tokens = rows * seq
-    p_lin = sum(_linear_weights(layer) for layer in layers)
-    p_head = int(target.lm_head.weight.numel())
-    cfg = target.config
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    lengths = []
-    for r in range(rows):
-        counts = torch.bincount(batch.doc_ids[r].long())
-        lengths += [int(c) for c in counts[1:] if c > 0]
-    pairs = {"full_attention": sum(_causal_pairs(n, None) for n in lengths),
-             "sliding_attention": sum(_causal_pairs(n, target.sliding_window) for n in lengths)}
-    total_pairs = sum(pairs.get(t, 0) for t in target.layer_types)
-    flops = 2 * (p_lin + p_head) * tokens + 4 * heads * head_dim * total_pairs
-    attn_layers = sum(1 for t in target.layer_types if t != "linear_attention")
-    return {"flops": flops, "linear_params": p_lin, "head_params": p_head, "tokens_computed": tokens,
-            "attention_pairs_useful": total_pairs, "attention_pairs_dense": attn_layers * rows * seq * seq}
+    """FLOPs of one target forward on ``batch``: ``flops`` and its parts (:mod:`dflash.models.flops`)."""
+    parts = target.flops(batch.doc_ids).to_dict()
+    return {"flops": parts.pop("total"), **parts}
 
 
 def drafter_flops(model: Any, batch: Any, anchors: torch.Tensor, keep: torch.Tensor) -> dict:
-    """Analytic FLOPs of one drafter train step (forward + backward) on ``batch`` (module docstring)."""
-    cfg = model.config
-    rows, seq = batch.input_ids.shape
-    num_anchors = anchors.shape[1]
-    b = int(cfg.block_size)
-    t, q = rows * seq, rows * num_anchors * b
-    p_fc = int(model.fc.weight.numel())
-    p_kv = sum(_linear_weights(layer, ("k_proj", "v_proj")) for layer in model.layers)
-    p_blk = sum(_linear_weights(layer, exclude=("k_proj", "v_proj")) for layer in model.layers)
-    vocab, hidden = model.lm_head.weight.shape
-    heads, head_dim = int(cfg.num_attention_heads), int(cfg.head_dim)
-    ctx = batch.position_ids.gather(1, anchors.cpu()).long()
-    kept = keep.cpu()
-    pairs = 0
-    for layer in model.layers:
-        window = cfg.sliding_window if layer.layer_type == "sliding_attention" else None
-        c = ctx.clamp(max=window) if window is not None else ctx
-        pairs += int((b * (c + b) * kept).sum()) + int((b * b * (~kept)).sum())
-    head = 4 * vocab * hidden * rows * num_anchors * (b - 1)
-    flops = 4 * p_fc * t + 6 * p_kv * (t + q) + 6 * p_blk * q + head + 12 * heads * head_dim * pairs
-    simple = 6 * model.num_trainable_params() * q + head
-    return {"flops": flops, "flops_simple": simple, "block_tokens": q, "kept_blocks": int(kept.sum()),
-            "fc_params": p_fc, "kv_params": p_kv, "block_params": p_blk, "attention_pairs": pairs}
+    """FLOPs of one drafter train step on ``batch`` with these anchors: ``flops``, its parts
+    (:mod:`dflash.models.flops`), the block tokens computed and the kept blocks."""
+    parts = model.flops(anchors, keep, batch.doc_ids.to(anchors.device)).to_dict()
+    return {"flops": parts.pop("total"), **parts, "block_tokens": anchors.numel() * int(model.config.block_size),
+            "kept_blocks": int(keep.sum())}
 
 
 # =========================================================================== the two stages
@@ -674,8 +611,7 @@ def summarise(s: Setup, records: list[dict], warmup: int, threaded: bool, sample
     # FLOPs and MFU
     tf = _mean([s.t_flops[r["step"]]["flops"] for r in steady])
     df = _mean([s.d_flops[r["step"]]["flops"] for r in steady])
-    dfs = _mean([s.d_flops[r["step"]]["flops_simple"] for r in steady])
-    RESULT["flops_per_step"] = {"target_forward": tf, "drafter_step": df, "drafter_step_simple": dfs,
+    RESULT["flops_per_step"] = {"target_forward": tf, "drafter_step": df,
                                 "target_detail": s.t_flops[steady[0]["step"]],
                                 "drafter_detail": s.d_flops[steady[0]["step"]]}
     RESULT["peak_tflops"] = peak_tflops

@@ -11,7 +11,7 @@ Variants: ``eager``; ``default`` (torch.compile, no CUDA graphs); ``reduce-overh
 before the optimizer step); ``ro-sdpa`` (SDPA with a dense mask instead of flex_attention);
 ``ro-masks-inside`` / ``default-masks-inside`` (the attention masks built *inside* the compiled
 region: on CUDA, torch 2.11, their gradients are ~500× off eager (docs/benchmarks.md); the
-trainer builds them eagerly, :meth:`dflash.training.trainer.DrafterTrainer.attention_masks`).
+trainer builds them eagerly, :meth:`dflash.training.trainer.DrafterTrainer.prepare`).
 
     python -m scripts.gpu_compile_diag --layers 2 --rows 4 --anchors 128     # GPU, ~3-4 min
     python -m scripts.gpu_compile_diag --cpu-smoke                            # CPU, tiny shapes

@@ -80,6 +80,10 @@ def test_json_fields(runs, mode):
         assert abs(total - r["steady_s_per_step"]) < 0.05 * r["steady_s_per_step"] + 0.01
     flops = r["flops_per_step"]
     assert _positive(flops["target_forward"]) and _positive(flops["drafter_step"])
+    # the parts of dflash.models.flops, the count the training metrics use
+    t, d = flops["target_detail"], flops["drafter_detail"]
+    assert t["flops"] == t["linear"] + t["attention"] + t["linear_attention"] + t["lm_head"]
+    assert d["flops"] == d["fc"] + d["layers"] + d["attention"] + d["lm_head"] and d["attention"] > 0
     for key in ("target_forward", "drafter_step", "pipeline"):
         assert _positive(r["mfu"][key]), (key, r["mfu"])
     assert "real (non-padding)" in r["tokens_definition"]["drafter_tokens_per_s"]

@@ -31,6 +31,8 @@ SMALL = ["data.max_conversations=400", "data.max_length=96", "data.token_budget=
          "train.eval_every=0", "log.wandb=disabled", "checkpoint.every=0", "transport.heartbeat_s=0.5",
          "cluster.cpu_threads_per_target=1"]
 RUN_TIMEOUT_S = 300
+#: ``cluster.peak_tflops`` of the MFU checks (a CPU has no peak of its own)
+PEAK_TFLOPS = 0.5
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +87,7 @@ def eval_rows(run_dir: Path) -> dict[int, dict]:
 @pytest.mark.parametrize("objective", [[], ["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=3",
                                               "drafter.loss_weighting=dpace"]], ids=["row+decay", "conversation+dpace"])
 def test_one_drafter_matches_reference(tmp_path, objective):
-    extra = ["cluster.drafters=[0]", "train.eval_head_tokens=16", *objective]
+    extra = ["cluster.drafters=[0]", "train.eval_head_tokens=16", f"cluster.peak_tflops={PEAK_TFLOPS}", *objective]
     out = run_cluster(tmp_path / "run", extra)
     got = train_losses(tmp_path / "run")
     reference = run_reference_small(extra, 1, evaluate=True)
@@ -104,6 +106,17 @@ def test_one_drafter_matches_reference(tmp_path, objective):
         for key in ("eval/loss", "eval/tau", "eval/blocks", "eval/tau_head", "eval/head_blocks", "eval/tau_walk",
                     "eval/walk_blocks", "eval/tau_walk_head", "eval/walk_head_blocks"):
             assert row[key] == pytest.approx(ev[key], rel=1e-6, abs=1e-6), (key, row, ev)
+    # MFU of both stages in every training row: the drafter's is the step's model FLOPs (the
+    # reference trainer's count of the same step) over its step time and the configured peak
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+            if "train/loss" in r}
+    for step, m in enumerate(reference.metrics, start=1):
+        row = rows[step]
+        assert m["flops"] > 0 and "mfu/target" in row
+        assert row["mfu/drafter"] == pytest.approx(m["flops"] / row["time/step_s"] / (PEAK_TFLOPS * 1e12), rel=1e-6)
+    target_mfu = [r["mfu/target"] for r in rows.values() if r["mfu/target"] is not None]
+    assert target_mfu and all(0 < x < 1 for x in target_mfu), target_mfu  # null only in a window without a forward
+    assert " mfu tgt " in out and " dft " in out  # the progress line
     # every log line of a worker names it
     assert "[target.0]" in out and "[drafter.0]" in out
     assert (tmp_path / "run" / "checkpoints" / "step-00000005" / "drafter" / "model.safetensors").is_file()

@@ -7,8 +7,9 @@ import random
 import pytest
 
 from dflash.data.schedule import StepPlan
-from dflash.runtime.coordinator import (Coordinator, CoordinatorConfig, CoordinatorSetup, Ledger, aggregate_eval,
-                                       build_work_items, eval_round)
+from dflash.runtime.coordinator import (Coordinator, CoordinatorConfig, CoordinatorSetup, Ledger, build_work_items,
+                                       eval_round)
+from dflash.training.evaluation import aggregate_eval
 from dflash.runtime.messages import Checkpointed, Command
 
 

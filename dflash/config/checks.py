@@ -166,6 +166,7 @@ def _check_cluster(c: ClusterConfig) -> None:
     _need(c.restart_backoff_s >= 0, "cluster.restart_backoff_s", f"must be >= 0, got {c.restart_backoff_s}")
     for key in ("cpu_threads_per_target", "cpu_threads_per_drafter"):
         _need(getattr(c, key) is None or getattr(c, key) >= 1, f"cluster.{key}", "must be >= 1")
+    _need(c.peak_tflops is None or c.peak_tflops > 0, "cluster.peak_tflops", f"must be > 0, got {c.peak_tflops}")
 
 
 def _check_cluster_gpus(c: ClusterConfig, count: int) -> None:

@@ -212,6 +212,10 @@ class ClusterConfig:
     nodes: Optional[list[dict]] = None
     #: Multi-node: the longest wait (s) for every node's launcher to register with node 0.
     node_join_timeout_s: float = 600.0
+    #: Peak TFLOP/s of one device, for the metrics' ``mfu/target`` / ``mfu/drafter``; ``null`` = the
+    #: ``DFLASH_PEAK_TFLOPS`` environment variable, else the dense bf16 peak of the GPU by its name
+    #: (``dflash.models.flops.PEAK_BF16_FLOPS``: H100 / H200 SXM 989), else no MFU (CPU: null).
+    peak_tflops: Optional[float] = None
 
     @property
     def num_nodes(self) -> int:

@@ -125,6 +125,23 @@ class DFlashDraftModel(nn.Module):
         """Parameters that train (the shared embedding and LM head are not among them)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
+    def flops(self, anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, training: bool = True):
+        """Model FLOPs of a train step (``training``) or of one forward with the LM head's logits,
+        on a batch with these anchors: :func:`dflash.models.flops.drafter_flops` (activation
+        checkpointing's recompute counted when :attr:`gradient_checkpointing` is on).
+
+        Args:
+            anchors, anchor_keep: ``[R, A]`` int64 / bool; doc_ids: ``[R, S]``.
+
+        Returns:
+            a :class:`dflash.models.flops.FlopCount` (its ``attention`` part a tensor on the
+            anchors' device: ``int(count.total)`` reads it).
+        """
+        from dflash.models.flops import drafter_flops
+
+        return drafter_flops(self, anchors, anchor_keep, doc_ids, training=training,
+                             recompute=training and self.gradient_checkpointing)
+
     # ----------------------------------------------------------------------- forward
 
     def block_embeddings(self, input_ids: Tensor, anchors: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 
 Every mask the drafter attends with is built here, for training (the trainer builds them eagerly,
 outside the compiled forward) and for decoding (the drafter's forward builds them when it is
-given none, as :class:`dflash.inference.generation.DFlashProposer` calls it).
+given none, as :class:`dflash.inference.proposer.DFlashProposer` calls it).
 
 The rule is the serving engines' (vLLM ``vllm/model_executor/models/qwen3_dflash.py``, SGLang
 ``python/sglang/srt/models/dflash.py``, the reference ``z-lab/dflash``

@@ -301,6 +301,19 @@ class TargetModel(nn.Module):
 
     forward = forward_features
 
+    def flops(self, doc_ids: torch.Tensor):
+        """Model FLOPs of :meth:`forward_features` on a batch with these ``doc_ids`` ``[R, S]``
+        (:func:`dflash.models.flops.target_forward_flops`: every decoder layer, its attention over
+        the per-document causal pairs or its Gated-DeltaNet recurrence, and the LM head).
+
+        Returns:
+            a :class:`dflash.models.flops.FlopCount` of Python ints.
+        """
+        from dflash.models.flops import target_forward_flops
+
+        return target_forward_flops(self._decoder[0].layers, self.layer_types, self.config,
+                                    self.lm_head.weight.numel(), doc_ids, self.sliding_window)
+
 
 # --------------------------------------------------------------------------- one decoder layer
 

@@ -37,12 +37,13 @@ from dflash.runtime.messages import (Checkpointed, Command, ControlMessage, Drop
                                     Heartbeat, Hello, NODE_MESSAGES, Produce, Produced, Ready, Received, Save, Stop,
                                     Targets, Train, Trained)
 from dflash.runtime.restarts import ClusterControl, RestartPolicy, RunFailed, SupervisionMixin, WorkerInfo
-from dflash.runtime.run_metrics import StepMetrics, aggregate_eval, progress_text
+from dflash.runtime.run_metrics import StepMetrics, progress_text
 from dflash.runtime.stopping import CheckpointProgress, StopMixin
 from dflash.runtime.work import WorkItem, WorkQueue, build_work_items, eval_round
+from dflash.training.evaluation import aggregate_eval
 
 __all__ = ["WorkItem", "Ledger", "Coordinator", "CoordinatorConfig", "CoordinatorSetup", "CoordinatorResult",
-           "ClusterControl", "RunFailed", "build_work_items", "eval_round", "aggregate_eval"]
+           "ClusterControl", "RunFailed", "build_work_items", "eval_round"]
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +354,7 @@ class Coordinator(SupervisionMixin, StopMixin):
     def _on_produced(self, w: WorkerInfo, msg: Produced) -> None:
         if msg.job_key in self.assignment.jobs:
             self.ledger.mark_produced(msg.split, msg.data_epoch, msg.batch_id)
-            self.metrics.produced(msg.split, msg.tokens, msg.seconds)
+            self.metrics.produced(msg.split, msg.tokens, msg.seconds, msg.flops, msg.peak_flops)
         w.failures = 0
 
     def _on_dropped(self, w: WorkerInfo, msg: Dropped) -> None:

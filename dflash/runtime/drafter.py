@@ -36,9 +36,10 @@ from dflash.training.checkpoint import CheckpointWriter, set_rng_state
 from dflash.training.checkpoint_identity import run_identity
 from dflash.training.checkpoint_load import is_damage_error, load_trainer_state, quarantine
 from dflash.compile_watch import CompileWatch
+from dflash.models.flops import peak_flops
 from dflash.training.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
 from dflash.training.objective import LossOutput
-from dflash.training.reference import eval_sums
+from dflash.training.evaluation import eval_sums
 from dflash.training.optim import LRSchedule
 from dflash.training.resume import LaunchPlan, checkpoint_position
 from dflash.data.schedule import DataPosition, StepPlan
@@ -113,6 +114,8 @@ class DrafterWorker:
         self.stats = ctx.stats
         self._last_loss: Optional[float] = None  # rank 0: the last step's training loss
         self.stats.update(trained=0, wait_s=0.0, step_s=0.0, copy_s=0.0)
+        #: this device's peak FLOP/s for the drafter's MFU (None: unknown)
+        self.peak_flops = peak_flops(self.device, cfg.cluster.peak_tflops)
 
     # ------------------------------------------------------------------ collectives
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -248,7 +251,7 @@ class DrafterWorker:
             grad_norm = self.trainer.optimizer_step()
             b = self.trainer.block_size
             local = torch.zeros(2 * b + 4, device=self.device)
-            metrics = {"lr": lr, "grad_norm": grad_norm}
+            metrics = {"lr": lr, "grad_norm": grad_norm, "flops": 0}
         else:
             got = self._receive(cmd.job_key)
             started = time.perf_counter()
@@ -272,7 +275,8 @@ class DrafterWorker:
                                           "copy_s": self.stats["copy_s"],
                                           "checkpoint_block_s": self.stats.get("checkpoint_block_s", 0.0),
                                           "mem_gib": self.stats["mem_gib"], "rerecords": delta.cudagraph_records,
-                                          "recompiles": delta.compiles}}
+                                          "recompiles": delta.compiles},
+               "compute": {"flops": float(metrics["flops"]), "seconds": step_s, "peak_flops": self.peak_flops}}
         if self.rank == 0:
             acc = total.block_pos_accuracy.tolist()
             self._last_loss = float(total.loss)

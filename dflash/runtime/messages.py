@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 #: Bump on any change of a message's fields or meaning.
-CONTROL_VERSION = 3
+CONTROL_VERSION = 4
 
 
 class ControlError(MessageError):
@@ -91,7 +91,8 @@ class Ready(ControlMessage):
 @dataclass(frozen=True)
 class Produced(ControlMessage):
     """A target filled and published the batch of job ``job_key``: forward time ``seconds`` (s)
-    over ``tokens`` real tokens."""
+    over ``tokens`` real tokens, ``flops`` model FLOPs (:meth:`dflash.models.target.TargetModel.flops`)
+    on a device of ``peak_flops`` FLOP/s (``None``: unknown, no MFU)."""
 
     TAG: ClassVar[str] = "produced"
     job_key: str
@@ -101,6 +102,8 @@ class Produced(ControlMessage):
     drafter: str
     seconds: float
     tokens: int
+    flops: float = 0.0
+    peak_flops: Optional[float] = None
     name: str = ""
 
 

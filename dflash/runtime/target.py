@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from dflash.compile_watch import CompileWatch
+from dflash.models.flops import peak_flops
 from dflash.training.factory import build_batch_plans, slot_spec
 from dflash.runtime.base import WorkerContext, memory_gib, run_worker
 from dflash.runtime.messages import Dropped, Flush, Produce, Produced, Ready, Stop
@@ -103,6 +104,8 @@ class TargetWorker:
         self.stall_key, self.stall_s = _stall_hook()
         self.stats = ctx.stats
         self.stats.update(produced=0, busy_s=0.0, wait_slot_s=0.0)
+        #: this device's peak FLOP/s for the target's MFU (None: unknown)
+        self.peak_flops = peak_flops(self.device, cfg.cluster.peak_tflops)
 
     def _run_forward(self):
         if self.graphs:
@@ -161,7 +164,8 @@ class TargetWorker:
         delta = self.watch.check()  # raises RecompileError: a re-recording run fails loudly
         self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
         self.ctx.link.send(Produced(job_key=job.job_key, data_epoch=epoch, batch_id=batch_id, split=split,
-                                    drafter=job.drafter, seconds=seconds, tokens=batch.num_tokens))
+                                    drafter=job.drafter, seconds=seconds, tokens=batch.num_tokens,
+                                    flops=float(self.target.flops(batch.doc_ids).total), peak_flops=self.peak_flops))
 
     def _report_lost(self) -> None:
         """Tell the coordinator about every batch the ring lost in flight (``dropped``: it re-assigns

@@ -3,22 +3,27 @@ decoding's walk over whole responses (training's prediction of decoding τ).
 
 :class:`EvalOutput` extends :class:`dflash.training.objective.LossOutput` with the head sums
 (anchors within ``train.eval_head_tokens`` of their response's start) and, optionally, the walk's
-sums (:class:`WalkSums`, :func:`walked_tau_sums`).
+sums (:class:`WalkSums`, :func:`walked_tau_sums` over :func:`position_tau`, whose blocks
+:func:`leading_tau` scores). :func:`eval_sums` turns a batch's output into host numbers that add
+over batches and ranks, :func:`aggregate_eval` turns their sum into the ``eval/*`` metrics.
+
+This module knows nothing of the trainer: :class:`dflash.training.trainer.DrafterTrainer` calls it
+with its tensors and its forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from dflash.training.anchors import valid_anchor_mask
 from dflash.training.objective import LossOutput
 
-__all__ = ["EvalOutput", "WalkSums", "walked_tau_sums", "position_tau"]
+__all__ = ["EvalOutput", "WalkSums", "walked_tau_sums", "position_tau", "leading_tau", "eval_sums", "aggregate_eval"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,68 @@ class EvalOutput(LossOutput):
         return cls(**sums, head_tau_sum=vec[-n], head_blocks=vec[-n + 1])
 
 
+def eval_sums(out: EvalOutput) -> dict:
+    """Host-side sums of one or more held-out batches' :class:`EvalOutput` (to add over batches and ranks);
+    ``walk_tau_sum``, ``walk_blocks``, ``walk_head_tau_sum``, ``walk_head_blocks`` only when it walked."""
+    sums = {"loss_sum": float(out.loss_sum), "weight_sum": float(out.weight_sum), "tau_sum": float(out.tau_sum),
+            "blocks": float(out.num_blocks), "head_tau_sum": float(out.head_tau_sum),
+            "head_blocks": float(out.head_blocks), "correct": out.block_pos_correct.tolist(),
+            "count": out.block_pos_count.tolist()}
+    if out.walked:
+        sums.update(walk_tau_sum=float(out.walk_tau_sum), walk_blocks=float(out.walk_blocks),
+                    walk_head_tau_sum=float(out.walk_head_tau_sum), walk_head_blocks=float(out.walk_head_blocks))
+    return sums
+
+
+def aggregate_eval(sums: list[dict]) -> dict:
+    """Combine per-drafter evaluation sums into held-out loss, τ and per-block-position accuracy.
+
+    Args:
+        sums: one dict per drafter with ``loss_sum``, ``weight_sum``, ``tau_sum``, ``blocks``,
+            ``head_tau_sum``, ``head_blocks``, the lists ``correct`` / ``count`` indexed by block position
+            and, from an evaluation that walked (``train.eval_walk``), ``walk_tau_sum``, ``walk_blocks``,
+            ``walk_head_tau_sum``, ``walk_head_blocks``.
+    Returns:
+        ``eval/loss`` = Σ loss_sum / Σ weight_sum, ``eval/tau`` = Σ tau_sum / Σ blocks,
+        ``eval/blocks``, ``eval/tau_head`` = Σ head_tau_sum / Σ head_blocks (the blocks whose anchor lies in
+        the first ``train.eval_head_tokens`` tokens of its response; NaN without any), ``eval/head_blocks``,
+        with the walk ``eval/tau_walk`` = Σ walk_tau_sum / Σ walk_blocks (decoding's anchors walked over
+        every held-out response, pooled as decoding pools: training's prediction of decoding τ),
+        ``eval/walk_blocks``, ``eval/tau_walk_head`` / ``eval/walk_head_blocks`` (the walk over the first
+        ``train.eval_head_tokens`` tokens of each response; NaN without blocks), and
+        ``eval/acc_block_pos_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1; ``{}`` without sums.
+    """
+    if not sums:
+        return {}
+    total: dict[str, Any] = {}
+    for s in sums:
+        for key, value in s.items():
+            if isinstance(value, list):
+                prev = total.setdefault(key, [0.0] * len(value))
+                total[key] = [a + b for a, b in zip(prev, value)]
+            else:
+                total[key] = total.get(key, 0.0) + value
+    out = {
+        "eval/loss": total["loss_sum"] / max(total["weight_sum"], 1e-12),
+        "eval/tau": total["tau_sum"] / max(total["blocks"], 1),
+        "eval/blocks": int(total["blocks"]),
+    }
+    if "head_blocks" in total:
+        head = total["head_blocks"]
+        out["eval/tau_head"] = total["head_tau_sum"] / head if head else float("nan")
+        out["eval/head_blocks"] = int(head)
+    if "walk_blocks" in total:
+        for name, tau_key, blocks_key in (("walk", "walk_tau_sum", "walk_blocks"),
+                                          ("walk_head", "walk_head_tau_sum", "walk_head_blocks")):
+            n = total[blocks_key]
+            out[f"eval/tau_{name}"] = total[tau_key] / n if n else float("nan")
+            out[f"eval/{name}_blocks"] = int(n)
+    for k, (c, n) in enumerate(zip(total.get("correct", []), total.get("count", []))):
+        if k > 0:
+            out[f"eval/acc_block_pos_{k}"] = c / n if n else float("nan")
+    return out
+
+
 def walked_tau_sums(position_tau: Tensor, loss_mask: Tensor, doc_ids: Tensor, head_tokens: int) -> WalkSums:
     """Walk speculative decoding's anchors over every response of a batch, each block accepting its τ.
 
@@ -195,34 +262,34 @@ def walked_tau_sums(position_tau: Tensor, loss_mask: Tensor, doc_ids: Tensor, he
 
 
 @torch.no_grad()
-def position_tau(trainer: Any, tensors: dict[str, Tensor]) -> Tensor:
+def position_tau(loss_mask: Tensor, doc_ids: Tensor, num_anchors: int,
+                 block_tau: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """τ at every valid anchor of a batch: ``[R, S]`` fp32, 0 where no block can be anchored.
 
     Every position of :func:`dflash.training.anchors.valid_anchor_mask` is an anchor, taken in
-    ascending order ``drafter.anchors_per_row`` at a time per row (the anchor count of the
-    training step, so the forwards have its shapes and at most its memory, less without
-    gradients); each chunk goes through the trainer's ``prepare`` and the drafter forward eagerly,
-    with the batch's labels (``drafter.labels``), and its per-block τ (the ``block_tau`` of
-    ``forward_loss``, the LM head applied only while a block accepts) is scattered to the anchors'
-    positions. A drafter block sees its context and its own block only (:mod:`dflash.models.masks`),
-    so τ at an anchor does not depend on which anchors share its forward. Syncs with the host (the
-    number of chunks, the blocks alive at each block position); the model's train/eval mode is the
-    caller's.
+    ascending order ``num_anchors`` at a time per row (the anchor count of the training step, so
+    the forwards have its shapes and at most its memory, less without gradients); ``block_tau``
+    scores each chunk and its per-block τ is scattered to the anchors' positions. A drafter block
+    sees its context and its own block only (:mod:`dflash.models.masks`), so τ at an anchor does
+    not depend on which anchors share its forward. Syncs with the host (the number of chunks).
 
     Args:
-        trainer: the :class:`dflash.training.trainer.DrafterTrainer` (its drafter, anchor count,
-            batch preparation and labels).
-        tensors: the batch contract's tensors plus ``features`` / ``target_tokens``.
+        loss_mask: ``[R, S]`` bool.
+        doc_ids: ``[R, S]`` int (0 = padding).
+        num_anchors: anchors per forward (``drafter.anchors_per_row``, ``≥ 1``).
+        block_tau: ``(anchors [R, A] int64, keep [R, A] bool) → [R, A]`` fp32 τ of each kept block
+            (the trainer's eager forward and :func:`leading_tau`); ``A = num_anchors``.
 
     Raises:
-        KeyError: a required tensor is missing.
+        ValueError: ``num_anchors < 1`` or mismatched shapes.
     """
-    from dflash.training.trainer import EVAL_EPOCH  # here: the trainer module imports this one
-
-    t = trainer._batch(tensors)
-    valid = valid_anchor_mask(t["loss_mask"].bool(), t["doc_ids"])
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors: must be >= 1, got {num_anchors}")
+    if loss_mask.shape != doc_ids.shape or loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and doc_ids {tuple(doc_ids.shape)} must be the same [R, S]")
+    valid = valid_anchor_mask(loss_mask.bool(), doc_ids)
     r, s = valid.shape
-    a = trainer.num_anchors
+    a = num_anchors
     j = torch.arange(s, device=valid.device).expand(r, s)
     order = torch.argsort(torch.where(valid, j, j + s), dim=1)  # valid positions first, ascending
     keep_all = valid.gather(1, order)
@@ -235,33 +302,42 @@ def position_tau(trainer: Any, tensors: dict[str, Tensor]) -> Tensor:
     for c in range(chunks):
         keep = keep_all[:, c * a:(c + 1) * a]
         anchors = torch.where(keep, order[:, c * a:(c + 1) * a], torch.zeros_like(keep, dtype=torch.long))
-        block_tau = _leading_tau(trainer, trainer.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep)))
-        tau.scatter_add_(1, anchors, torch.where(keep, block_tau, torch.zeros_like(block_tau)))
+        chunk_tau = block_tau(anchors, keep)
+        tau.scatter_add_(1, anchors, torch.where(keep, chunk_tau, torch.zeros_like(chunk_tau)))
     return tau
 
-def _leading_tau(trainer: Any, prepared: Any) -> Tensor:
-    """τ of every kept block of a prepared batch, ``[R, A]`` fp32 (dropped blocks: 1), eagerly.
 
-    :func:`dflash.training.objective.acceptance_lengths` of the argmax of
-    ``lm_head(hidden)`` (as :func:`dflash.training.objective.dflash_loss` computes it: the
-    head in its weight's dtype, argmax in fp32), but block position ``k`` goes through the LM
-    head only for the blocks that accepted every position before it, ``trainer.loss_chunk`` rows
-    at a time: the ``[·, V]`` logits cost about ``τ`` rows a block instead of ``B − 1``.
+@torch.no_grad()
+def leading_tau(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tensor, anchor_keep: Tensor,
+                chunk_rows: int) -> Tensor:
+    """τ of every kept block, ``[R, A]`` fp32 (dropped blocks: 1), eagerly.
+
+    :func:`dflash.training.objective.acceptance_lengths` of the argmax of ``lm_head(hidden)`` (as
+    :func:`dflash.training.objective.dflash_loss` computes it: the head in its weight's dtype,
+    argmax in fp32), but block position ``k`` goes through the LM head only for the blocks that
+    accepted every position before it, ``chunk_rows`` rows at a time: the ``[·, V]`` logits cost
+    about ``τ`` rows a block instead of ``B − 1``. Syncs with the host (the blocks alive at each
+    block position).
+
+    Args:
+        hidden: ``[R, A, B, D]`` drafter hidden states.
+        lm_head: the frozen LM head (``weight [V, D]``, optional ``bias``).
+        labels: ``[R, A, B]`` int64 block labels; valid: ``[R, A, B]`` bool
+            (:func:`dflash.training.objective.build_block_labels`).
+        anchor_keep: ``[R, A]`` bool.
+        chunk_rows: rows of logits per LM-head call.
     """
-    t = prepared.tensors
-    hidden = trainer._hidden(t["features"], t["input_ids"], t["position_ids"], t["doc_ids"], prepared.anchors,
-                          prepared.anchor_keep, prepared.attn_masks)
     r, a, b, d = hidden.shape
-    weight, bias = trainer.module.lm_head.weight, getattr(trainer.module.lm_head, "bias", None)
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     h = hidden.reshape(r * a, b, d)
-    labels = prepared.labels.reshape(r * a, b)
-    valid = prepared.valid.reshape(r * a, b)
-    alive = prepared.anchor_keep.reshape(r * a).clone()
+    labels = labels.reshape(r * a, b)
+    valid = valid.reshape(r * a, b)
+    alive = anchor_keep.reshape(r * a).clone()
     tau = torch.ones(r * a, dtype=torch.float32, device=hidden.device)
     for k in range(1, b):
         rows = torch.nonzero(alive & valid[:, k]).flatten()
         alive.zero_()
-        for idx in torch.split(rows, trainer.loss_chunk):
+        for idx in torch.split(rows, chunk_rows):
             pred = F.linear(h[idx, k].to(weight.dtype), weight, bias).float().argmax(dim=-1)
             hit = idx[pred == labels[idx, k]]
             tau[hit] += 1.0

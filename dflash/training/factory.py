@@ -35,7 +35,7 @@ class DataPlans:
     pad_id: int
     #: ``len(tokenizer)``: the tokens the tokenizer can produce
     tokenizer_size: int = 0
-    #: the tokenizer fields of :func:`dflash.training.checkpoint.run_identity`
+    #: the tokenizer fields of :func:`dflash.training.checkpoint_identity.run_identity`
     tokenizer_identity: dict = field(default_factory=dict)
 
 
@@ -50,7 +50,7 @@ def pad_token_id(tokenizer: Any) -> int:
 def tokenizer_facts(tokenizer: Any) -> dict[str, Any]:
     """What the workers need of the tokenizer, as JSON values: ``pad_id`` (:func:`pad_token_id`),
     ``size`` (``len(tokenizer)``) and ``identity`` (the tokenizer fields of
-    :func:`dflash.training.checkpoint.run_identity`). Stored in the data cache's ``meta.json`` by the
+    :func:`dflash.training.checkpoint_identity.run_identity`). Stored in the data cache's ``meta.json`` by the
     launcher (:func:`dflash.data.corpus.prepare_cache`) so that workers need not load the tokenizer."""
     from dflash.training.checkpoint_identity import run_identity
 

@@ -22,11 +22,11 @@ import torch
 
 from dflash.config import RunConfig, load_config
 from dflash.training.factory import DataPlans, build_batch_plans, build_drafter
-from dflash.training.evaluation import EvalOutput
+from dflash.training.evaluation import aggregate_eval, eval_sums
 from dflash.data.schedule import StepPlan
 from dflash.training.trainer import DrafterTrainer, metrics_to_host
 
-__all__ = ["ReferenceResult", "run_reference", "target_tensors", "eval_sums", "evaluate_heldout"]
+__all__ = ["ReferenceResult", "run_reference", "target_tensors", "evaluate_heldout"]
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +50,10 @@ def target_tensors(target: Any, batch: Any, device: torch.device) -> dict[str, t
     return t
 
 
-def eval_sums(out: EvalOutput) -> dict:
-    """Host-side sums of one or more held-out batches' :class:`EvalOutput` (to add over batches and ranks);
-    ``walk_tau_sum``, ``walk_blocks``, ``walk_head_tau_sum``, ``walk_head_blocks`` only when it walked."""
-    sums = {"loss_sum": float(out.loss_sum), "weight_sum": float(out.weight_sum), "tau_sum": float(out.tau_sum),
-            "blocks": float(out.num_blocks), "head_tau_sum": float(out.head_tau_sum),
-            "head_blocks": float(out.head_blocks), "correct": out.block_pos_correct.tolist(),
-            "count": out.block_pos_count.tolist()}
-    if out.walked:
-        sums.update(walk_tau_sum=float(out.walk_tau_sum), walk_blocks=float(out.walk_blocks),
-                    walk_head_tau_sum=float(out.walk_head_tau_sum), walk_head_blocks=float(out.walk_head_blocks))
-    return sums
-
-
 def evaluate_heldout(trainer: DrafterTrainer, target: Any, plans: DataPlans, num_batches: Optional[int],
                      device: torch.device) -> dict:
     """Held-out loss, τ (every anchor, the head's and, with ``train.eval_walk``, walked) and accuracy per block position over the first
-    ``num_batches`` held-out batches (:func:`dflash.runtime.run_metrics.aggregate_eval`)."""
-    from dflash.runtime.coordinator import aggregate_eval
-
+    ``num_batches`` held-out batches (:func:`dflash.training.evaluation.aggregate_eval`)."""
     if plans.heldout is None:
         return {}
     n = plans.heldout.num_batches(0)

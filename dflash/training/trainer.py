@@ -44,7 +44,7 @@ from dflash.models.drafter import DFlashDraftModel
 from dflash.models.masks import AttentionMask, drafter_attention_masks, restage_attention_mask
 from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets
 from dflash.training.chunked_ce import compiled_linear_ce_chunk, loss_chunk_rows
-from dflash.training.evaluation import EvalOutput, position_tau, walked_tau_sums
+from dflash.training.evaluation import EvalOutput, leading_tau, position_tau, walked_tau_sums
 from dflash.training.objective import DPACE_ALPHA, LossOutput, build_block_labels, dflash_loss, loss_denominator
 from dflash.training.optim import LRSchedule, build_optimizer, build_scheduler
 
@@ -300,16 +300,19 @@ class DrafterTrainer:
 
     def forward_backward(self, tensors: dict[str, Tensor], epoch: int, batch_id: int, *,
                          anchors: Optional[tuple[Tensor, Tensor]] = None,
-                         weight_sum_reduce: Optional[WeightSumReduce] = None) -> tuple[LossOutput, Tensor]:
+                         weight_sum_reduce: Optional[WeightSumReduce] = None,
+                         prepared: Optional[PreparedBatch] = None) -> tuple[LossOutput, Tensor]:
         """Forward, loss and backward; gradients accumulate into ``.grad`` (not yet synced).
 
         The back-propagated objective is ``loss_sum · grads_averaged_over / W_global``.
+        ``prepared``: the batch as :meth:`prepare` made it (``tensors``, ``anchors`` are then unused).
 
         Returns:
             ``(LossOutput of this batch, W_global)``.
         """
         self.model.train()
-        prepared = self.prepare(tensors, epoch, batch_id, anchors)
+        if prepared is None:
+            prepared = self.prepare(tensors, epoch, batch_id, anchors)
         reduce = weight_sum_reduce or self.weight_sum_reduce
         w_global = reduce(prepared.weight_sum.clone()) if reduce is not None else prepared.weight_sum
         out = self.forward_loss(prepared)
@@ -353,14 +356,17 @@ class DrafterTrainer:
             metrics (tensors unless noted): ``loss`` (this batch's mean), ``loss_sum``,
             ``weight_sum``, ``global_weight_sum``, ``tau``, ``tau_sum``, ``num_blocks``,
             ``block_pos_acc [B]``, ``block_pos_correct [B]``, ``block_pos_count [B]`` (indexed by block position),
-            ``grad_norm``, ``lr`` (float, the rate this step used), ``step`` (int, after it).
+            ``grad_norm``, ``lr`` (float, the rate this step used), ``step`` (int, after it),
+            ``flops`` (int64 tensor, the step's model FLOPs: :meth:`dflash.models.drafter.DFlashDraftModel.flops`).
 
         Raises:
             KeyError: a required tensor is missing.
         """
         lr = self.scheduler.get_last_lr()[0]
-        out, w_global = self.forward_backward(tensors, epoch, batch_id, anchors=anchors,
-                                              weight_sum_reduce=weight_sum_reduce)
+        prepared = self.prepare(tensors, epoch, batch_id, anchors)
+        flops = self.module.flops(prepared.anchors, prepared.anchor_keep, prepared.tensors["doc_ids"]).total
+        out, w_global = self.forward_backward(tensors, epoch, batch_id, weight_sum_reduce=weight_sum_reduce,
+                                              prepared=prepared)
         # Clone: with CUDA graphs the outputs live in memory the next replay overwrites.
         stats = LossOutput.from_stats_vector(out.stats_vector().clone())
         grad_norm = self.optimizer_step(grad_sync)
@@ -378,6 +384,7 @@ class DrafterTrainer:
             "grad_norm": grad_norm,
             "lr": lr,
             "step": self.step_count,
+            "flops": flops,
         }
 
     @torch.no_grad()
@@ -411,10 +418,30 @@ class DrafterTrainer:
         head = prepared.anchor_keep & (offsets >= 0) & (offsets < self.eval_head_tokens)
         return EvalOutput.from_loss(out, head, walk)
 
+    @torch.no_grad()
     def position_tau(self, tensors: dict[str, Tensor]) -> Tensor:
-        """τ at every valid anchor of a batch, ``[R, S]`` fp32
-        (:func:`dflash.training.evaluation.position_tau`)."""
-        return position_tau(self, tensors)
+        """τ at every valid anchor of a batch, ``[R, S]`` fp32, 0 elsewhere
+        (:func:`dflash.training.evaluation.position_tau`).
+
+        Each chunk of ``drafter.anchors_per_row`` anchors goes through :meth:`prepare` (with the
+        batch's labels, ``drafter.labels``) and the drafter forward eagerly, and its blocks are
+        scored by :func:`dflash.training.evaluation.leading_tau`. The model's train/eval mode is
+        the caller's.
+
+        Raises:
+            KeyError: a required tensor is missing.
+        """
+        t = self._batch(tensors)
+
+        def block_tau(anchors: Tensor, keep: Tensor) -> Tensor:
+            prepared = self.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep))
+            p = prepared.tensors
+            hidden = self._hidden(p["features"], p["input_ids"], p["position_ids"], p["doc_ids"], prepared.anchors,
+                                  prepared.anchor_keep, prepared.attn_masks)
+            return leading_tau(hidden, self.module.lm_head, prepared.labels, prepared.valid, prepared.anchor_keep,
+                               self.loss_chunk)
+
+        return position_tau(t["loss_mask"], t["doc_ids"], self.num_anchors, block_tau)
 
     # ----------------------------------------------------------------------- checkpointing
 
