@@ -39,6 +39,7 @@ __all__ = [
     "MsgType",
     "StopReason",
     "CudaExport",
+    "Envelope",
     "Hello",
     "Slots",
     "Ready",
@@ -127,12 +128,20 @@ class CudaExport:
 
 
 @dataclass(frozen=True)
-class Hello:
+class Envelope:
+    """The fields every data-plane message starts with (first on the wire, in this order)."""
+
+    #: The sending end's name (``target.0``, ``drafter.0``); a receiver checks it against the socket identity.
+    sender: str
+    #: The sending end's incarnation id (:func:`new_incarnation`).
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Hello(Envelope):
     """Consumer → producer: "I am ``sender`` (incarnation ``incarnation``), send me your ring"."""
 
     TAG: ClassVar[MsgType] = MsgType.HELLO
-    sender: str
-    incarnation: int
     pid: int
     #: Host identity (Linux boot id): shm and CUDA IPC need the same host.
     host: str
@@ -145,12 +154,10 @@ class Hello:
 
 
 @dataclass(frozen=True)
-class Slots:
+class Slots(Envelope):
     """Producer → consumer: the ring, exported once per producer incarnation."""
 
     TAG: ClassVar[MsgType] = MsgType.SLOTS
-    sender: str
-    incarnation: int
     #: The consumer incarnation this answers (a reply to an older HELLO is stale).
     consumer_incarnation: int
     pid: int
@@ -170,7 +177,7 @@ class Slots:
 
 
 @dataclass(frozen=True)
-class Ready:
+class Ready(Envelope):
     """Producer → consumer: ring slot ``ring_slot`` holds the batch of job ``job_key`` (the
     coordinator's name for one assignment, or any id a caller chooses), fill number ``generation``.
 
@@ -179,8 +186,6 @@ class Ready:
     """
 
     TAG: ClassVar[MsgType] = MsgType.READY
-    sender: str
-    incarnation: int
     consumer_incarnation: int
     ring_slot: int
     generation: int
@@ -190,35 +195,29 @@ class Ready:
 
 
 @dataclass(frozen=True)
-class Free:
+class Free(Envelope):
     """Consumer → producer: the consumer's copy of ``ring_slot`` (fill ``generation``) is complete."""
 
     TAG: ClassVar[MsgType] = MsgType.FREE
-    sender: str
-    incarnation: int
     producer_incarnation: int
     ring_slot: int
     generation: int
 
 
 @dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(Envelope):
     """Either way: "I (``sender``, ``incarnation``) am alive and I know you as ``peer_incarnation``"
     (0 = unknown)."""
 
     TAG: ClassVar[MsgType] = MsgType.HEARTBEAT
-    sender: str
-    incarnation: int
     peer_incarnation: int
 
 
 @dataclass(frozen=True)
-class Stop:
+class Stop(Envelope):
     """Either way: a terminal message; ``reason`` is one of :class:`StopReason`."""
 
     TAG: ClassVar[MsgType] = MsgType.STOP
-    sender: str
-    incarnation: int
     reason: str
     detail: str = ""
 
