@@ -1,6 +1,7 @@
 """Data-plane messages: typed, versioned msgpack, no pickle.
 
-Every message is a frozen dataclass with a ``TAG`` (its :class:`MsgType`), serialised by the
+Every message is a frozen dataclass declared with :func:`message` (which sets its ``TAG``, a
+:class:`MsgType`), its fields after those of the :class:`Envelope` (sender, incarnation), serialised by the
 shared :class:`~dflash.transport.codec.Codec`: one msgpack array
 ``[PROTOCOL_VERSION, type code, field 1, field 2, ...]`` in the dataclass's field order, every field
 checked against its annotation at the send and at the receipt. Receivers log a
@@ -28,7 +29,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import ClassVar, Optional, Union
+from typing import Callable, ClassVar, Optional, Union
 
 from dflash.transport.codec import Codec, MessageError
 
@@ -40,6 +41,7 @@ __all__ = [
     "StopReason",
     "CudaExport",
     "Envelope",
+    "message",
     "Hello",
     "Slots",
     "Ready",
@@ -131,17 +133,25 @@ class CudaExport:
 class Envelope:
     """The fields every data-plane message starts with (first on the wire, in this order)."""
 
+    #: The message's type code, set by :func:`message`.
+    TAG: ClassVar[MsgType]
     #: The sending end's name (``target.0``, ``drafter.0``); a receiver checks it against the socket identity.
     sender: str
     #: The sending end's incarnation id (:func:`new_incarnation`).
     incarnation: int
 
 
-@dataclass(frozen=True)
+def message(tag: MsgType) -> Callable[[type], type]:
+    """Class decorator of a data-plane message type: its ``TAG`` is ``tag``; it becomes a frozen dataclass."""
+    def make(cls: type) -> type:
+        cls.TAG = tag
+        return dataclass(frozen=True)(cls)
+    return make
+
+
+@message(MsgType.HELLO)
 class Hello(Envelope):
     """Consumer → producer: "I am ``sender`` (incarnation ``incarnation``), send me your ring"."""
-
-    TAG: ClassVar[MsgType] = MsgType.HELLO
     pid: int
     #: Host identity (Linux boot id): shm and CUDA IPC need the same host.
     host: str
@@ -153,11 +163,9 @@ class Hello(Envelope):
     fd_socket: str
 
 
-@dataclass(frozen=True)
+@message(MsgType.SLOTS)
 class Slots(Envelope):
     """Producer → consumer: the ring, exported once per producer incarnation."""
-
-    TAG: ClassVar[MsgType] = MsgType.SLOTS
     #: The consumer incarnation this answers (a reply to an older HELLO is stale).
     consumer_incarnation: int
     pid: int
@@ -176,7 +184,7 @@ class Slots(Envelope):
     events: list[bytes] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@message(MsgType.READY)
 class Ready(Envelope):
     """Producer → consumer: ring slot ``ring_slot`` holds the batch of job ``job_key`` (the
     coordinator's name for one assignment, or any id a caller chooses), fill number ``generation``.
@@ -184,8 +192,6 @@ class Ready(Envelope):
     tcp carrier: followed by one payload frame of ``payload_nbytes`` bytes (the whole ring slot).
     cuda_ipc: the ring slot's interprocess event was recorded after the fill; wait on it before reading.
     """
-
-    TAG: ClassVar[MsgType] = MsgType.READY
     consumer_incarnation: int
     ring_slot: int
     generation: int
@@ -194,30 +200,24 @@ class Ready(Envelope):
     payload_nbytes: int = 0
 
 
-@dataclass(frozen=True)
+@message(MsgType.FREE)
 class Free(Envelope):
     """Consumer → producer: the consumer's copy of ``ring_slot`` (fill ``generation``) is complete."""
-
-    TAG: ClassVar[MsgType] = MsgType.FREE
     producer_incarnation: int
     ring_slot: int
     generation: int
 
 
-@dataclass(frozen=True)
+@message(MsgType.HEARTBEAT)
 class Heartbeat(Envelope):
     """Either way: "I (``sender``, ``incarnation``) am alive and I know you as ``peer_incarnation``"
     (0 = unknown)."""
-
-    TAG: ClassVar[MsgType] = MsgType.HEARTBEAT
     peer_incarnation: int
 
 
-@dataclass(frozen=True)
+@message(MsgType.STOP)
 class Stop(Envelope):
     """Either way: a terminal message; ``reason`` is one of :class:`StopReason`."""
-
-    TAG: ClassVar[MsgType] = MsgType.STOP
     reason: str
     detail: str = ""
 
