@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from dflash import jsonl
 from dflash.progress import DEFAULT_INTERVAL_S, Progress, format_duration
-from dflash.training.ledger_file import read_jsonl_rows
 
 __all__ = ["WandbRun", "ProgressLine", "format_duration", "rollback_record", "last_logged_step", "metrics_view"]
 
@@ -85,7 +85,7 @@ def rollback_record(to_step: int, from_step: int, reason: str) -> dict:
 def last_logged_step(path: Path) -> int:
     """The highest ``step`` of any row of ``metrics.jsonl`` (undone ones included: what wandb has
     seen); ``-1`` when there is none."""
-    return max((int(r["step"]) for r in read_jsonl_rows(path) if isinstance(r.get("step"), int)), default=-1)
+    return max((int(r["step"]) for r in jsonl.read_records(path) if isinstance(r.get("step"), int)), default=-1)
 
 
 def metrics_view(path: Path) -> list[dict]:
@@ -96,7 +96,7 @@ def metrics_view(path: Path) -> list[dict]:
     before it; a later row of the same step and kind replaces an earlier one.
     """
     view: dict[tuple, dict] = {}
-    for row in read_jsonl_rows(path):
+    for row in jsonl.read_records(path):
         if "rollback" in row:
             to = int(row["rollback"]["to_step"])
             view = {k: r for k, r in view.items() if k[0] <= to}

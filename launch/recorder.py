@@ -7,14 +7,14 @@ the step this one starts at.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from dflash import jsonl
 from dflash.config import RunConfig
 from dflash.metrics import WandbRun, last_logged_step, metrics_view, rollback_record
-from dflash.training.ledger_file import LEDGER_FILE, LedgerFile, append_line, ledger_view
+from dflash.training.ledger_file import LEDGER_FILE, LedgerFile, ledger_view
 
 __all__ = ["METRICS_FILE", "RunRecorder", "start_wandb", "undo_later_steps"]
 
@@ -30,9 +30,10 @@ def undo_later_steps(run_dir: Path, start_step: int, reason: str) -> None:
     if max(ledger, default=-1) >= start_step:
         LedgerFile(run_dir).rollback(start_step, max(ledger) + 1, reason)
     if last_step > start_step:
-        append_line(run_dir / METRICS_FILE, rollback_record(start_step, last_step, reason))
+        jsonl.append(run_dir / METRICS_FILE, rollback_record(start_step, last_step, reason), compact=True)
     elif (run_dir / METRICS_FILE).is_file():
-        append_line(run_dir / METRICS_FILE, {"launch": {"step": start_step, "reason": reason}, "time": time.time()})
+        jsonl.append(run_dir / METRICS_FILE, {"launch": {"step": start_step, "reason": reason}, "time": time.time()},
+                     compact=True)
 
 
 def start_wandb(cfg: RunConfig, run_dir: Path, derived: dict, resuming: bool) -> WandbRun:
@@ -69,7 +70,7 @@ class RunRecorder:
         self._last_logged = max(first_step - 1, last_logged_step(run_dir / METRICS_FILE))
         self._trainable_params = trainable_params
         self._params_logged = False
-        self._file = open(run_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._file = jsonl.Appender(run_dir / METRICS_FILE)  # closed by close()
 
     def metrics(self, step: int, metrics: dict[str, Any]) -> None:
         """``on_metrics``: one step's training metrics or one evaluation round's."""
@@ -80,7 +81,7 @@ class RunRecorder:
         if step > self._last_logged or "eval/tau" in metrics:
             self.wandb.log(metrics, max(step, self._last_logged))
             self._last_logged = max(step, self._last_logged)
-        self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self._file.append({"step": step, "time": time.time(), **metrics})
 
     def trained(self, item: Any, attempt: int) -> None:
         """``on_trained``: every drafter has trained work item ``item`` (a ``WorkItem``) in ``attempt``."""
@@ -89,7 +90,7 @@ class RunRecorder:
     def rollback(self, to_step: int, from_step: int, reason: str) -> None:
         """``on_rollback``: the steps after ``to_step`` (done up to ``from_step``) are undone."""
         self.ledger.rollback(to_step, from_step, reason)
-        self._file.write(json.dumps(rollback_record(to_step, from_step, reason)) + "\n")
+        self._file.append(rollback_record(to_step, from_step, reason))
         self.wandb.log({"rollback/to_step": to_step, "rollback/from_step": from_step}, max(self._last_logged, 0))
 
     def close(self, exit_code: int) -> None:

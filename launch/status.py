@@ -17,6 +17,7 @@ from typing import Optional
 
 import yaml
 
+from dflash import jsonl
 from dflash.training.checkpoint_load import checkpoint_problem, latest_checkpoint, read_state
 from dflash.utils import process_alive
 from launch import EXIT_BROKEN_PIPE
@@ -75,18 +76,12 @@ def _last_metrics(path: Path, tail_bytes: int = 1 << 16) -> tuple[Optional[dict]
     """The last record of ``metrics.jsonl`` and the last one with ``eval/tau`` (within its last
     ``tail_bytes``); ``(None, None)`` when there is none."""
     try:
-        with open(path, "rb") as handle:
-            handle.seek(max(0, handle.seek(0, os.SEEK_END) - tail_bytes))
-            lines = handle.read().decode("utf-8", "replace").splitlines()
+        records = jsonl.read(path, max(0, path.stat().st_size - tail_bytes)).records
     except OSError:
         return None, None
     last = last_eval = None
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict) or "step" not in record:
+    for record in reversed(records):
+        if "step" not in record:
             continue
         last = last or record
         if "eval/tau" in record:

@@ -176,3 +176,20 @@ def test_optional_fields_take_none_and_their_type_only():
     assert control_plane.CODEC.decode(control_plane.CODEC.encode(train)) == train
     with pytest.raises(control_plane.ControlError, match=r"^Train\.batch_id: expected Optional\[int\], got str"):
         control_plane.CODEC.encode(dataclasses.replace(train, batch_id="4"))
+
+
+def test_data_plane_fields_keep_their_wire_order():
+    """Each data-plane message's fields in wire order (protocol version 1): the envelope's sender and
+    incarnation first, then the message's own; a Heartbeat's bytes spelled out."""
+    m = data_plane
+    expected = {
+        m.Hello: "sender incarnation pid host carrier layout_digest fd_socket",
+        m.Slots: "sender incarnation consumer_incarnation pid host pidns carrier num_slots slot_nbytes layout cuda events",
+        m.Ready: "sender incarnation consumer_incarnation ring_slot generation job_key meta payload_nbytes",
+        m.Free: "sender incarnation producer_incarnation ring_slot generation",
+        m.Heartbeat: "sender incarnation peer_incarnation",
+        m.Stop: "sender incarnation reason detail",
+    }
+    assert {cls: " ".join(f.name for f in dataclasses.fields(cls)) for cls in expected} == expected
+    assert [cls.TAG for cls in expected] == [1, 2, 3, 4, 5, 6]
+    assert m.encode(m.Heartbeat("drafter.0", 12345, 678)) == msgpack.packb([1, 5, "drafter.0", 12345, 678])

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
-from dflash.training.ledger_file import read_jsonl_rows
+from dflash import jsonl
 
 __all__ = ["EvalTau", "resolve_checkpoint", "open_checkpoint", "last_eval_tau", "training_eval_summary",
            "checkpoint_step", "fit_problem", "target_shape_problem"]
@@ -98,7 +98,7 @@ def last_eval_tau(run_dir: Optional[Path], max_step: Optional[int] = None) -> Op
     if run_dir is None:
         return None
     found = None
-    for rec in read_jsonl_rows(Path(run_dir) / "metrics.jsonl"):
+    for rec in jsonl.read_records(Path(run_dir) / "metrics.jsonl"):
         if "eval/tau" not in rec:
             continue
         step = int(rec.get("step", -1))

@@ -3,39 +3,22 @@
 :class:`LedgerFile` writes one row per trained step with the batch ids it trained, and one row per
 rollback (a drafter-group restart or a ``--resume`` from an older step) that supersedes the rows
 of the steps it undoes. :func:`ledger_view` gives the final view (each step once) and
-:func:`ledger_problems` checks exactly-once from the file alone. :func:`append_line` and
-:func:`read_jsonl_rows` write and read any JSONL file a crash may cut mid-line (``metrics.jsonl``
-too). The in-memory accounting of a running cluster is :class:`dflash.runtime.ledger.Ledger`.
+:func:`ledger_problems` checks exactly-once from the file alone. The file is written and read
+with :mod:`dflash.jsonl` (safe against a line cut by a crash). The in-memory accounting of a
+running cluster is :class:`dflash.runtime.ledger.Ledger`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Optional, Sequence
 
+from dflash import jsonl
 from dflash.data.schedule import DataPosition
 
-__all__ = ["LEDGER_FILE", "LedgerFile", "append_line", "read_jsonl_rows", "ledger_view", "ledger_problems"]
+__all__ = ["LEDGER_FILE", "LedgerFile", "ledger_view", "ledger_problems"]
 
 LEDGER_FILE = "ledger.jsonl"
-
-
-def append_line(path: Path, record: dict) -> None:
-    """Append one JSON line to ``path`` in a single ``write`` on an ``O_APPEND`` descriptor, then
-    ``fsync``: a reader (or a crash) sees the whole line or none of it (a line torn by a crash is
-    ended first, so it never swallows the next one; the readers here skip it)."""
-    data = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a crash: keep it on its own line
-            data = b"\n" + data
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LedgerFile:
@@ -51,35 +34,19 @@ class LedgerFile:
         self.path = Path(run_dir) / LEDGER_FILE
 
     def trained(self, step: int, epoch: int, batches: Sequence[Optional[int]], attempt: int) -> None:
-        append_line(self.path, {"step": step, "epoch": epoch, "batches": list(batches), "attempt": attempt})
+        jsonl.append(self.path, {"step": step, "epoch": epoch, "batches": list(batches), "attempt": attempt},
+                     compact=True)
 
     def rollback(self, to_step: int, from_step: int, reason: str) -> None:
-        append_line(self.path, {"rollback": {"to_step": to_step, "from_step": from_step, "reason": reason}})
-
-
-def read_jsonl_rows(path: Path) -> list[dict]:
-    """The JSON objects of a JSONL file written by :func:`append_line`, in order; ``[]`` when it
-    does not exist. A line cut by a crash mid-write (or any non-object line) is skipped."""
-    out = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        return out
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line cut by a crash mid-write
-            continue
-        if isinstance(row, dict):
-            out.append(row)
-    return out
+        jsonl.append(self.path, {"rollback": {"to_step": to_step, "from_step": from_step, "reason": reason}},
+                     compact=True)
 
 
 def ledger_view(path: Path) -> dict[int, dict]:
     """The final view of a ledger file: ``{step: row}``, each step once (a rollback to ``k`` drops
     the rows of steps ``>= k`` written before it; a later row of a step replaces an earlier one)."""
     view: dict[int, dict] = {}
-    for row in read_jsonl_rows(path):
+    for row in jsonl.read_records(path):
         if "rollback" in row:
             to = int(row["rollback"]["to_step"])
             view = {s: r for s, r in view.items() if s < to}

@@ -14,6 +14,8 @@ module                 job
                        carrier: ``carriers.cuda_ipc`` (CUDA IPC handles + interprocess events),
                        ``carriers.shm`` (memfd passed over a unix socket), ``carriers.tcp`` (slot
                        bytes in zmq frames)
+``peer``               :class:`~dflash.transport.peer.Peer`, the base of both ends: message intake,
+                       sends, heartbeats and silence, close
 ``producer_state``     the producer's ring slot credits and :class:`LostBatch` records
 ``producer``           :class:`Producer`: acquire → fill → publish(slot, consumer, job_key, meta)
 ``consumer_state``     the consumer's view of each producer, pending READYs, copies in progress

@@ -30,7 +30,7 @@ readable, and at least every :meth:`Consumer.next_timer_s` seconds for heartbeat
 
 from __future__ import annotations
 
-import collections
+import functools
 import logging
 import os
 import time
@@ -39,14 +39,13 @@ from typing import Callable, Any, Collection, Optional, Union
 import torch
 import zmq
 
-from .carriers import import_ring, resolve_carrier
-from .carriers.base import TransportError, host_id
+from .carriers import import_ring
+from .carriers.base import TransportError
 from .carriers.shm import FdMailbox
 from .consumer_state import CopyQueue, PendingQueue, PendingReady, ProducerLink, Received
-from .layout import SlotLayout, SlotSpec
-from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
-                       new_incarnation)
-from .producer import DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, SOCKET_HWM
+from .layout import SlotSpec
+from .messages import Free, Heartbeat, Hello, Ready, Slots, Stop, StopReason
+from .peer import DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, SOCKET_HWM, Deadline, Peer, stop_text
 
 __all__ = ["Consumer"]
 
@@ -63,7 +62,7 @@ EVENT_POLL_MS = 1
 BLOCKED_CHECK_S = 0.5
 
 
-class Consumer:
+class Consumer(Peer):
     """Receives slots from several producers into its own static buffer; returns credits.
 
     Args:
@@ -97,29 +96,26 @@ class Consumer:
         TransportError: a bad carrier/device combination or spec.
     """
 
+    ROLE = "consumer"
+    PEER_ROLE = "producer"
+    COUNTED = "received"
+
     def __init__(self, name: str, producers: dict[str, str], spec: SlotSpec,
                  device: Union[str, torch.device] = "cpu", carrier: str = "auto", *, num_buffers: int = 1,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  sync: bool = True, import_device: str = "own", host_gate: bool = True,
                  remote: Collection[str] = (), context: Optional[zmq.Context] = None, incarnation: Optional[int] = None):
-        if peer_timeout_s <= heartbeat_s:
-            raise TransportError(f"peer_timeout_s ({peer_timeout_s}) must exceed heartbeat_s ({heartbeat_s})")
         if num_buffers < 1:
             raise TransportError(f"num_buffers must be >= 1, got {num_buffers}")
-        self.name = name
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.carrier = resolve_carrier(carrier, self.device)
-        self.layout = SlotLayout(spec)
-        self.incarnation = new_incarnation() if incarnation is None else incarnation
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(name, spec, device, carrier, heartbeat_s, peer_timeout_s, incarnation)
+        self._handlers = {Slots: self._on_slots, Ready: self._on_ready, Heartbeat: self._on_heartbeat,
+                          Stop: self._on_stop}
         self.sync = sync or self.device.type != "cuda"
         self.import_device = import_device
         self.host_gate = host_gate
-        self.host = host_id()
-        self.stats: collections.Counter = collections.Counter()
         #: ``[num_buffers, slot_nbytes]`` uint8: the consumer's own static input buffer(s).
         self.buffers = torch.zeros(num_buffers, self.layout.nbytes, dtype=torch.uint8, device=self.device)
         self._views = [self.layout.views(self.buffers[i]) for i in range(num_buffers)]
@@ -132,7 +128,6 @@ class Consumer:
             raise TransportError(f"{name}: remote producer(s) {unknown} are not among the producers {sorted(producers)}")
         local = [p for p in producers if p not in remote]
         self._mailbox = FdMailbox(name, self.incarnation) if self.carrier == "shm" and local else None
-        self._closed = False
         ctx = context or zmq.Context.instance()
         self._links: dict[str, ProducerLink] = {}
         self._by_socket: dict[zmq.Socket, ProducerLink] = {}
@@ -179,9 +174,9 @@ class Consumer:
     def wait_attached(self, producers: Optional[list[str]] = None, timeout: float = 30.0) -> bool:
         """Poll until every producer in ``producers`` (default: all) is attached; False on timeout."""
         want = list(self._links) if producers is None else producers
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while not all(self._links[p].attached for p in want):
-            remaining = deadline - time.monotonic()
+            remaining = deadline.left()
             if remaining <= 0:
                 return False
             self.poll(max(1, int(min(remaining, self.heartbeat_s) * 1000)))
@@ -200,7 +195,7 @@ class Consumer:
             match: ``match(job_key, meta) -> bool``: take only a READY it accepts; the others
                 stay pending (their slots held) for later calls. ``None`` = the oldest.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             self.poll(0)  # drain first: a STOP/EVICTED or a new incarnation invalidates pending READYs
             item, blocked = self._pending.pop(match, self._fill_done if self.host_gate else None)
@@ -209,8 +204,7 @@ class Consumer:
                 if got is not None:
                     return got
                 continue
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+            if deadline.passed():
                 return None
             if self._copies and not blocked:
                 # Nothing to take while slots we hold are still being copied out: a READY may
@@ -220,6 +214,7 @@ class Consumer:
                     self._flush_copies(block=False, wait_oldest=True)
                 continue
             wait_s = max(0.001, min(self.heartbeat_s, self.next_timer_s()))
+            remaining = deadline.left()
             if remaining is not None:
                 wait_s = min(wait_s, remaining)
             # a READY whose fill is still running on the producer's GPU: look again in a ms
@@ -246,33 +241,21 @@ class Consumer:
         self._timers()
         return handled
 
-    def next_timer_s(self) -> float:
-        """Seconds until :meth:`poll` has timer work (heartbeats, HELLO retries, timeouts)."""
-        now = time.monotonic()
-        return max(0.0, min((link.next_timer for link in self._links.values()), default=now) - now)
+    # ------------------------------------------------------------------ internals
 
-    def close(self, reason: str = StopReason.DONE, detail: str = "") -> None:
-        """Finish copies, free what is held, tell producers STOP, drop every mapping. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _next_timer(self) -> float:
+        return min((link.next_timer for link in self._links.values()), default=time.monotonic())
+
+    def _shutdown(self, stop: Stop) -> None:
+        """Finish copies, free what is held, tell the attached producers ``stop``, drop every mapping."""
         self._flush_copies(block=True)
         for link in self._links.values():
             if link.attached:
-                self._send(link, Stop(self.name, self.incarnation, reason, detail))
+                self._send(link, stop)
             self._drop_ring(link, "closing")
             link.socket.close(linger=CLOSE_LINGER_MS)
         if self._mailbox is not None:
             self._mailbox.close()
-        log.info("%s: consumer closed (%s): %d received", self.name, reason, self.stats["received"])
-
-    def __enter__(self) -> "Consumer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close(StopReason.FAILED if exc[0] is not None else StopReason.DONE)
-
-    # ------------------------------------------------------------------ internals
 
     def _wait(self, timeout_ms: int) -> int:
         """Receive and handle messages from all producers; wait up to ``timeout_ms`` for the first."""
@@ -284,64 +267,27 @@ class Consumer:
             ready = [s for s, _ in self._poller.poll(timeout_ms)]
         for sock in ready:
             link = self._by_socket[sock]
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._handle(link, frames)
-                handled += 1
+            handled += self._drain(sock, functools.partial(self._handle, link), copy=False)
         return handled
 
-    def _send(self, link: ProducerLink, msg: Any) -> bool:
-        try:
-            link.socket.send(encode(msg), flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as exc:  # not connected (IMMEDIATE) or queue full: the timers retry
-            log.debug("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, link.producer, exc)
-            return False
+    def _handle(self, link: ProducerLink, frames: list) -> None:
+        """One message from ``link``'s socket: its header frame, then (tcp READY) the payload."""
+        self._dispatch(link.producer, link, frames[0].bytes, frames[1:])
 
-    def _reject(self, link: ProducerLink, what: str, stale: bool = False) -> None:
-        """Count and log a message that is not acted on: an error, or (``stale``) a warning for
-        a message of an earlier incarnation of this consumer or its producer (normal after restarts)."""
-        self.stats["rejected"] += 1
-        log.log(logging.WARNING if stale else logging.ERROR, "%s: %s message from %s: %s", self.name,
-                "ignored stale" if stale else "rejected", link.producer, what)
+    def _send(self, link: ProducerLink, msg: Any) -> bool:
+        # False when not connected (IMMEDIATE) or the queue is full: the timers retry
+        return self._send_on(link.socket, [], msg, link.producer)
 
     def _hello(self, link: ProducerLink) -> bool:
         return self._send(link, Hello(self.name, self.incarnation, os.getpid(), self.host, link.carrier, self.layout.digest,
                                self._mailbox.address if self._mailbox is not None else ""))
-
-    def _handle(self, link: ProducerLink, frames: list) -> None:
-        try:
-            msg = decode(frames[0].bytes)
-        except MessageError as exc:
-            self._reject(link, str(exc))
-            return
-        if msg.sender != link.producer:
-            self._reject(link, f"{type(msg).__name__} claims sender {msg.sender!r}")
-            return
-        payload = frames[1:]
-        if payload and not isinstance(msg, Ready):
-            self._reject(link, f"{type(msg).__name__} with {len(payload)} unexpected payload frame(s)")
-            return
-        if isinstance(msg, Slots):
-            self._on_slots(link, msg)
-        elif isinstance(msg, Ready):
-            self._on_ready(link, msg, payload)
-        elif isinstance(msg, Heartbeat):
-            self._on_heartbeat(link, msg)
-        elif isinstance(msg, Stop):
-            self._on_stop(link, msg)
-        else:
-            self._reject(link, f"unexpected {type(msg).__name__} (a consumer receives SLOTS, READY, HEARTBEAT, STOP)")
 
     def _check_incarnation(self, link: ProducerLink, msg: Any) -> bool:
         """True for a message of the attached producer incarnation. An older incarnation is rejected as stale;
         a newer one means the producer restarted: drop the old ring (its handles are never
         touched again) and say HELLO to the new incarnation."""
         if msg.incarnation < link.newest:
-            self._reject(link, f"{type(msg).__name__} from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
+            self._reject(link.producer, f"{type(msg).__name__} from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
             return False
         if msg.incarnation > link.newest:
             if link.newest:
@@ -356,10 +302,10 @@ class Consumer:
 
     def _on_slots(self, link: ProducerLink, msg: Slots) -> None:
         if msg.consumer_incarnation != self.incarnation:
-            self._reject(link, f"SLOTS for stale consumer incarnation {msg.consumer_incarnation} (this is {self.incarnation})", stale=True)
+            self._reject(link.producer, f"SLOTS for stale consumer incarnation {msg.consumer_incarnation} (this is {self.incarnation})", stale=True)
             return
         if msg.incarnation < link.newest:
-            self._reject(link, f"SLOTS from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
+            self._reject(link.producer, f"SLOTS from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
             return
         link.newest = msg.incarnation
         link.last_seen = time.monotonic()
@@ -367,7 +313,7 @@ class Consumer:
             return  # a duplicate answer to a repeated HELLO
         problem = link.slots_problem(msg, self.layout)
         if problem:
-            self._reject(link, problem)
+            self._reject(link.producer, problem)
             return
         if link.ring is not None and msg.incarnation != link.incarnation:
             self._drop_ring(link, "producer restarted", dead=True)
@@ -389,11 +335,11 @@ class Consumer:
             return
         link.last_seen = time.monotonic()
         if msg.consumer_incarnation != self.incarnation:
-            self._reject(link, f"READY for stale consumer incarnation {msg.consumer_incarnation} (this is {self.incarnation})", stale=True)
+            self._reject(link.producer, f"READY for stale consumer incarnation {msg.consumer_incarnation} (this is {self.incarnation})", stale=True)
             return
         problem = link.hold(msg, payload)
         if problem:
-            self._reject(link, problem)
+            self._reject(link.producer, problem)
             return
         self._pending.append(PendingReady(link, msg, payload))
 
@@ -406,11 +352,10 @@ class Consumer:
 
     def _on_stop(self, link: ProducerLink, msg: Stop) -> None:
         if msg.incarnation < link.newest:
-            self._reject(link, f"STOP from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
+            self._reject(link.producer, f"STOP from stale producer incarnation {msg.incarnation} (current {link.newest})", stale=True)
             return
         level = logging.INFO if msg.reason == StopReason.DONE else logging.ERROR
-        log.log(level, "%s: %s sent STOP (%s%s)", self.name, link.producer, msg.reason,
-                f": {msg.detail}" if msg.detail else "")
+        log.log(level, "%s: %s sent STOP (%s)", self.name, link.producer, stop_text(msg))
         if msg.reason == StopReason.EVICTED:
             if msg.incarnation == link.incarnation:
                 # Same incarnation: keep the import (cached per incarnation), forget what was in flight.
@@ -459,7 +404,7 @@ class Consumer:
         try:
             link.ring.copy_slot(msg.ring_slot, item.frames, dst)
         except TransportError as exc:
-            self._reject(link, str(exc))
+            self._reject(link.producer, str(exc))
             link.held.pop(msg.ring_slot, None)
             return None
         if self.device.type == "cuda":
@@ -496,18 +441,15 @@ class Consumer:
                             ring.producer_pid)
                 self._drop_ring(item.link, "producer process gone", dead=True)
         for link in self._links.values():
-            if link.attached and now - link.last_seen > self.peer_timeout_s:
-                log.warning("%s: producer %s silent for %.1f s: dropping its ring", self.name, link.producer,
-                            now - link.last_seen)
+            if link.attached and self._silent(link.producer, link.last_seen, now, "dropping its ring"):
                 # It may only be busy: STOP(silent) makes it reclaim the slots in flight to us and report
                 # their batches lost (READYs it sends before reading the STOP are discarded here);
                 # our next HELLO, behind the STOP on the same connection, attaches again.
-                self._send(link, Stop(self.name, self.incarnation, StopReason.SILENT,
-                                      f"silent for more than {self.peer_timeout_s} s"))
+                self._send(link, self._silence_stop(StopReason.SILENT))
                 self._drop_ring(link, "timeout", dead=True)
             if now >= link.next_timer:
                 if link.attached:
-                    self._send(link, Heartbeat(self.name, self.incarnation, link.incarnation))
+                    self._send(link, self._heartbeat(link.incarnation))
                     link.next_timer = now + self.heartbeat_s
                 else:
                     sent = self._hello(link)

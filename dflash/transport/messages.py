@@ -1,6 +1,7 @@
 """Data-plane messages: typed, versioned msgpack, no pickle.
 
-Every message is a frozen dataclass with a ``TAG`` (its :class:`MsgType`), serialised by the
+Every message is a frozen dataclass declared with :func:`message` (which sets its ``TAG``, a
+:class:`MsgType`), its fields after those of the :class:`Envelope` (sender, incarnation), serialised by the
 shared :class:`~dflash.transport.codec.Codec`: one msgpack array
 ``[PROTOCOL_VERSION, type code, field 1, field 2, ...]`` in the dataclass's field order, every field
 checked against its annotation at the send and at the receipt. Receivers log a
@@ -28,7 +29,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import ClassVar, Optional, Union
+from typing import Callable, ClassVar, Optional, Union
 
 from dflash.transport.codec import Codec, MessageError
 
@@ -39,6 +40,8 @@ __all__ = [
     "MsgType",
     "StopReason",
     "CudaExport",
+    "Envelope",
+    "message",
     "Hello",
     "Slots",
     "Ready",
@@ -127,12 +130,28 @@ class CudaExport:
 
 
 @dataclass(frozen=True)
-class Hello:
-    """Consumer → producer: "I am ``sender`` (incarnation ``incarnation``), send me your ring"."""
+class Envelope:
+    """The fields every data-plane message starts with (first on the wire, in this order)."""
 
-    TAG: ClassVar[MsgType] = MsgType.HELLO
+    #: The message's type code, set by :func:`message`.
+    TAG: ClassVar[MsgType]
+    #: The sending end's name (``target.0``, ``drafter.0``); a receiver checks it against the socket identity.
     sender: str
+    #: The sending end's incarnation id (:func:`new_incarnation`).
     incarnation: int
+
+
+def message(tag: MsgType) -> Callable[[type], type]:
+    """Class decorator of a data-plane message type: its ``TAG`` is ``tag``; it becomes a frozen dataclass."""
+    def make(cls: type) -> type:
+        cls.TAG = tag
+        return dataclass(frozen=True)(cls)
+    return make
+
+
+@message(MsgType.HELLO)
+class Hello(Envelope):
+    """Consumer → producer: "I am ``sender`` (incarnation ``incarnation``), send me your ring"."""
     pid: int
     #: Host identity (Linux boot id): shm and CUDA IPC need the same host.
     host: str
@@ -144,13 +163,9 @@ class Hello:
     fd_socket: str
 
 
-@dataclass(frozen=True)
-class Slots:
+@message(MsgType.SLOTS)
+class Slots(Envelope):
     """Producer → consumer: the ring, exported once per producer incarnation."""
-
-    TAG: ClassVar[MsgType] = MsgType.SLOTS
-    sender: str
-    incarnation: int
     #: The consumer incarnation this answers (a reply to an older HELLO is stale).
     consumer_incarnation: int
     pid: int
@@ -169,18 +184,14 @@ class Slots:
     events: list[bytes] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Ready:
+@message(MsgType.READY)
+class Ready(Envelope):
     """Producer → consumer: ring slot ``ring_slot`` holds the batch of job ``job_key`` (the
     coordinator's name for one assignment, or any id a caller chooses), fill number ``generation``.
 
     tcp carrier: followed by one payload frame of ``payload_nbytes`` bytes (the whole ring slot).
     cuda_ipc: the ring slot's interprocess event was recorded after the fill; wait on it before reading.
     """
-
-    TAG: ClassVar[MsgType] = MsgType.READY
-    sender: str
-    incarnation: int
     consumer_incarnation: int
     ring_slot: int
     generation: int
@@ -189,36 +200,24 @@ class Ready:
     payload_nbytes: int = 0
 
 
-@dataclass(frozen=True)
-class Free:
+@message(MsgType.FREE)
+class Free(Envelope):
     """Consumer → producer: the consumer's copy of ``ring_slot`` (fill ``generation``) is complete."""
-
-    TAG: ClassVar[MsgType] = MsgType.FREE
-    sender: str
-    incarnation: int
     producer_incarnation: int
     ring_slot: int
     generation: int
 
 
-@dataclass(frozen=True)
-class Heartbeat:
+@message(MsgType.HEARTBEAT)
+class Heartbeat(Envelope):
     """Either way: "I (``sender``, ``incarnation``) am alive and I know you as ``peer_incarnation``"
     (0 = unknown)."""
-
-    TAG: ClassVar[MsgType] = MsgType.HEARTBEAT
-    sender: str
-    incarnation: int
     peer_incarnation: int
 
 
-@dataclass(frozen=True)
-class Stop:
+@message(MsgType.STOP)
+class Stop(Envelope):
     """Either way: a terminal message; ``reason`` is one of :class:`StopReason`."""
-
-    TAG: ClassVar[MsgType] = MsgType.STOP
-    sender: str
-    incarnation: int
     reason: str
     detail: str = ""
 

@@ -25,7 +25,6 @@ included: it dropped this ring after this producer's silence) or its silence pas
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import time
@@ -34,22 +33,17 @@ from typing import Any, Callable, Optional, Union
 import torch
 import zmq
 
-from .carriers import make_ring, resolve_carrier
-from .carriers.base import ProducerRing, TransportError, host_id, pid_namespace
-from .layout import SlotLayout, SlotSpec
-from .messages import (Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, decode, encode,
-                       new_incarnation)
+from .carriers import make_ring
+from .carriers.base import ProducerRing, TransportError, pid_namespace
+from .layout import SlotSpec
+from .messages import Free, Heartbeat, Hello, MessageError, Ready, Slots, Stop, StopReason, encode
+from .peer import DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, SOCKET_HWM, Deadline, Peer, stop_text
 from .producer_state import ConsumerState, LostBatch, SlotCredits
 
 __all__ = ["Producer", "PeerUnavailable", "DEFAULT_HEARTBEAT_S", "DEFAULT_PEER_TIMEOUT_S"]
 
 log = logging.getLogger("dflash.transport")
 
-#: Defaults match :class:`dflash.config.TransportConfig`.
-DEFAULT_HEARTBEAT_S = 2.0
-DEFAULT_PEER_TIMEOUT_S = 30.0
-#: Outgoing/incoming message queue bound per peer (READYs are bounded by credits anyway).
-SOCKET_HWM = 10_000
 #: Frames of an incoming message on the ROUTER: identity + header.
 _ROUTER_FRAMES = 2
 
@@ -57,7 +51,7 @@ class PeerUnavailable(TransportError):
     """``publish`` to a consumer that is not attached (never said HELLO, restarted, evicted, gone)."""
 
 
-class Producer:
+class Producer(Peer):
     """Owns K slots, exports them once, hands filled slots to named consumers under credits.
 
     Args:
@@ -88,31 +82,26 @@ class Producer:
         TransportError: a bad carrier/device combination, a bad spec, an endpoint that cannot bind.
     """
 
+    ROLE = "producer"
+    PEER_ROLE = "consumer"
+    COUNTED = "published"
+
     def __init__(self, name: str, endpoint: str, spec: SlotSpec, num_slots: int = 2,
                  device: Union[str, torch.device] = "cpu", carrier: str = "auto", *,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  on_lost: Optional[Callable[[list[LostBatch]], None]] = None,
                  context: Optional[zmq.Context] = None, incarnation: Optional[int] = None):
-        if peer_timeout_s <= heartbeat_s:
-            raise TransportError(f"peer_timeout_s ({peer_timeout_s}) must exceed heartbeat_s ({heartbeat_s})")
-        self.name = name
-        self.device = torch.device(device)
-        self.carrier = resolve_carrier(carrier, self.device)
-        self.layout = SlotLayout(spec)
+        super().__init__(name, spec, device, carrier, heartbeat_s, peer_timeout_s, incarnation)
+        self._handlers = {Hello: self._on_hello, Free: self._on_free, Heartbeat: self._on_heartbeat,
+                          Stop: self._on_stop}
         self.num_slots = num_slots
-        self.incarnation = new_incarnation() if incarnation is None else incarnation
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
         self.on_lost = on_lost
-        self.host = host_id()
-        self.stats: collections.Counter = collections.Counter()
         self._ring: ProducerRing = make_ring(self.carrier, self.layout, num_slots, self.device, name)
         self._export = self._ring.export()
         self._credits = SlotCredits(name, num_slots)
         self._consumers: dict[str, ConsumerState] = {}
         self._lost: list[LostBatch] = []
         self._next_heartbeat = time.monotonic() + heartbeat_s
-        self._closed = False
         ctx = context or zmq.Context.instance()
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -161,13 +150,13 @@ class Producer:
         Handles incoming messages (FREE, HELLO, ...) while it waits; ``timeout=None`` waits
         forever, ``0`` only looks.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             self.poll(0)
             slot = self._credits.acquire()
             if slot is not None:
                 return slot
-            remaining = None if deadline is None else deadline - time.monotonic()
+            remaining = deadline.left()
             if remaining is not None and remaining <= 0:
                 return None
             wait_s = self.heartbeat_s if remaining is None else min(remaining, self.heartbeat_s)
@@ -243,55 +232,24 @@ class Producer:
         Returns:
             The number of messages handled (valid or rejected).
         """
-        handled = 0
-        if self.socket.poll(timeout_ms, zmq.POLLIN):
-            while True:
-                try:
-                    frames = self.socket.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(frames)
-                handled += 1
+        handled = self._drain(self.socket, self._handle) if self.socket.poll(timeout_ms, zmq.POLLIN) else 0
         self._timers()
         return handled
 
-    def next_timer_s(self) -> float:
-        """Seconds until :meth:`poll` has timer work (for a caller's poll timeout)."""
-        return max(0.0, self._next_heartbeat - time.monotonic())
-
-    def close(self, reason: str = StopReason.DONE, detail: str = "") -> None:
-        """Tell attached consumers STOP, close the socket and free the ring. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for peer in list(self._consumers.values()):
-            self._send(peer.identity, Stop(self.name, self.incarnation, reason, detail))
-        self.socket.close(linger=100)
-        self._ring.close()
-        log.info("%s: producer closed (%s): %d published", self.name, reason, self.stats["published"])
-
-    def __enter__(self) -> "Producer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close(StopReason.FAILED if exc[0] is not None else StopReason.DONE)
-
     # ------------------------------------------------------------------ internals
 
-    def _send(self, identity: bytes, msg: Any) -> bool:
-        try:
-            self.socket.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as exc:
-            log.debug("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, identity, exc)
-            return False
+    def _next_timer(self) -> float:
+        return self._next_heartbeat
 
-    def _reject(self, sender: str, what: str, stale: bool = False) -> None:
-        """Count and log a message that is not acted on: an error, or (``stale``) a warning for
-        a message of an earlier incarnation of its sender or of this ring (normal after restarts)."""
-        self.stats["rejected"] += 1
-        log.log(logging.WARNING if stale else logging.ERROR, "%s: %s message from %s: %s", self.name,
-                "ignored stale" if stale else "rejected", sender, what)
+    def _shutdown(self, stop: Stop) -> None:
+        """Tell the attached consumers ``stop``, close the socket and free the ring."""
+        for peer in list(self._consumers.values()):
+            self._send(peer.identity, stop)
+        self.socket.close(linger=100)
+        self._ring.close()
+
+    def _send(self, identity: bytes, msg: Any) -> bool:
+        return self._send_on(self.socket, [identity], msg, identity)
 
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -301,24 +259,7 @@ class Producer:
         if len(frames) != _ROUTER_FRAMES:
             self._reject(sender, f"{len(frames) - 1} frames (expected 1 header frame)")
             return
-        try:
-            msg = decode(frames[1])
-        except MessageError as exc:
-            self._reject(sender, str(exc))
-            return
-        if msg.sender != sender:
-            self._reject(sender, f"{type(msg).__name__} claims sender {msg.sender!r}")
-            return
-        if isinstance(msg, Hello):
-            self._on_hello(identity, msg)
-        elif isinstance(msg, Free):
-            self._on_free(msg)
-        elif isinstance(msg, Heartbeat):
-            self._on_heartbeat(identity, msg)
-        elif isinstance(msg, Stop):
-            self._on_stop(msg)
-        else:
-            self._reject(sender, f"unexpected {type(msg).__name__} (a producer receives HELLO, FREE, HEARTBEAT, STOP)")
+        self._dispatch(sender, identity, frames[1], [])
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         known = self._consumers.get(msg.sender)
@@ -359,7 +300,7 @@ class Producer:
                       self.layout.nbytes, self.layout.describe(), **(self._export if local else {}))
         self._send(identity, slots)
 
-    def _on_free(self, msg: Free) -> None:
+    def _on_free(self, identity: bytes, msg: Free) -> None:
         peer = self._consumers.get(msg.sender)
         if msg.producer_incarnation != self.incarnation:
             self._reject(msg.sender, f"FREE for stale producer incarnation {msg.producer_incarnation} (current {self.incarnation})", stale=True)
@@ -385,15 +326,15 @@ class Producer:
             return
         # The consumer knows another incarnation of us, or we do not know it: tell it our incarnation;
         # it answers with HELLO.
-        self._send(identity, Heartbeat(self.name, self.incarnation, peer.incarnation if peer else 0))
+        self._send(identity, self._heartbeat(peer.incarnation if peer else 0))
 
-    def _on_stop(self, msg: Stop) -> None:
+    def _on_stop(self, identity: bytes, msg: Stop) -> None:
         peer = self._consumers.get(msg.sender)
         if peer is None or peer.incarnation != msg.incarnation:
             self._reject(msg.sender, f"STOP from unknown or stale consumer incarnation {msg.incarnation}", stale=True)
             return
-        log.log(logging.WARNING if msg.reason == StopReason.SILENT else logging.INFO, "%s: consumer %s stopped (%s%s)",
-                self.name, msg.sender, msg.reason, f": {msg.detail}" if msg.detail else "")
+        log.log(logging.WARNING if msg.reason == StopReason.SILENT else logging.INFO, "%s: consumer %s stopped (%s)",
+                self.name, msg.sender, stop_text(msg))
         # SILENT: it dropped our ring while we were busy; it attaches again with HELLO
         self._drop_consumer(msg.sender, "timeout" if msg.reason == StopReason.SILENT else "stopped")
 
@@ -412,12 +353,10 @@ class Producer:
     def _timers(self) -> None:
         now = time.monotonic()
         for peer in list(self._consumers.values()):
-            if now - peer.last_seen > self.peer_timeout_s:
-                log.warning("%s: consumer %s silent for %.1f s: evicted", self.name, peer.name, now - peer.last_seen)
-                self._send(peer.identity, Stop(self.name, self.incarnation, StopReason.EVICTED,
-                                               f"silent for more than {self.peer_timeout_s} s"))
+            if self._silent(peer.name, peer.last_seen, now, "evicted"):
+                self._send(peer.identity, self._silence_stop(StopReason.EVICTED))
                 self._drop_consumer(peer.name, "timeout")
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
             for peer in self._consumers.values():
-                self._send(peer.identity, Heartbeat(self.name, self.incarnation, peer.incarnation))
+                self._send(peer.identity, self._heartbeat(peer.incarnation))

@@ -1,10 +1,11 @@
 """The files of data regeneration: each worker's shard, the finished ids, the merge into the output.
 
-``<output>.rank<k>`` is worker k's shard: finished rows appended, one ``os.write`` plus ``fsync`` per
-round, while the worker holds the exclusive lock ``<output>.rank<k>.lock``
-(:func:`dflash.utils.file_lock`) — so a restarted launcher can wait, bounded, for a previous run's
-workers to exit before it reads the shards. A worker first truncates its shard after the last
-newline, so a line cut by a kill mid-write is dropped and regenerated, never duplicated.
+``<output>.rank<k>`` is worker k's shard: finished rows appended (:class:`dflash.jsonl.Appender`: one
+``os.write`` plus ``fsync`` per round), while the worker holds the exclusive lock
+``<output>.rank<k>.lock`` (:func:`dflash.utils.file_lock`) — so a restarted launcher can wait,
+bounded, for a previous run's workers to exit before it reads the shards. Opening a shard truncates
+it after its last newline, so a line cut by a kill mid-write is dropped and regenerated, never
+duplicated.
 ``<output>.skipped`` keeps the skip records of merged shards. Rows already in ``<output>``, in
 ``<output>.skipped`` or in any shard (of any earlier worker count) are done.
 :func:`merge_outputs` writes ``<output>`` and ``<output>.skipped`` in source order (an id once;
@@ -13,18 +14,14 @@ newline, so a line cut by a kill mid-write is dropped and regenerated, never dup
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash import jsonl
 from dflash.utils import atomic_write_text, file_lock
 
 __all__ = ["LOCK_WAIT_S", "SHARD_INFIX", "shard_path", "shard_lock_path", "existing_shards", "read_lines", "ShardWriter",
            "wait_for_shard_locks", "skipped_path", "done_ids", "MergeReport", "merge_outputs"]
-
-log = logging.getLogger(__name__)
 
 #: Longest wait for a previous run's worker to release its shard lock (seconds).
 LOCK_WAIT_S = 60.0
@@ -55,7 +52,7 @@ def existing_shards(output: Path) -> list[Path]:
 
 
 def read_lines(path: Path, start: int = 0) -> tuple[list[dict], int, int]:
-    """Complete JSON-object lines of ``path`` from byte ``start``.
+    """Complete JSON-object lines of ``path`` from byte ``start`` (:func:`dflash.jsonl.read`).
 
     A trailing piece without a newline (a write cut by a kill) is not read; a complete line that
     does not parse as a JSON object with an ``id`` is skipped and counted.
@@ -64,27 +61,9 @@ def read_lines(path: Path, start: int = 0) -> tuple[list[dict], int, int]:
         ``(records, end, bad)``: the records, the byte offset just after the last complete line
         (``start`` when there is none; 0 when the file does not exist) and the count of bad lines.
     """
-    if not path.is_file():
-        return [], 0, 0
-    with open(path, "rb") as handle:
-        handle.seek(start)
-        data = handle.read()
-    cut = data.rfind(b"\n") + 1
-    records: list[dict] = []
-    bad = 0
-    for raw in data[:cut].split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            bad += 1
-            continue
-        if isinstance(record, dict) and isinstance(record.get("id"), str):
-            records.append(record)
-        else:
-            bad += 1
-    return records, start + cut, bad
+    found = jsonl.read(path, start)
+    records = [r for r in found.records if isinstance(r.get("id"), str)]
+    return records, found.end, len(found.bad) + len(found.records) - len(records)
 
 
 class ShardWriter:
@@ -105,33 +84,19 @@ class ShardWriter:
         self.lock = file_lock(shard_lock_path(path))
         self.lock.acquire(timeout=timeout_s)
         try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.file = jsonl.Appender(path, ensure_ascii=False)
         except BaseException:
             self.lock.release()
-            raise
-        try:
-            _, end, _ = read_lines(path)
-            size = os.fstat(self.fd).st_size
-            if size != end:
-                log.warning("%s: dropping %d bytes of a line cut mid-write", path, size - end)
-                os.ftruncate(self.fd, end)
-                os.fsync(self.fd)
-        except BaseException:
-            self.close()
             raise
 
     def append(self, records: list[dict]) -> None:
         """Append ``records`` as JSON lines with one write call (retried until complete), then ``fsync``."""
-        view = memoryview(_jsonl(records).encode("utf-8"))
-        while view:
-            written = os.write(self.fd, view)
-            view = view[written:]
-        os.fsync(self.fd)
+        self.file.append(records)
 
     def close(self) -> None:
         """Close the shard, then release its lock."""
         try:
-            os.close(self.fd)
+            self.file.close()
         finally:
             self.lock.release()
 
@@ -155,11 +120,6 @@ def wait_for_shard_locks(output: Path, timeout_s: float = LOCK_WAIT_S) -> None:
             lock = file_lock(path)
             lock.acquire(timeout=timeout_s)
             lock.release()
-
-
-def _jsonl(records: list[dict]) -> str:
-    """``records`` as JSON lines (UTF-8 text, one object per line)."""
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
 def skipped_path(output: Path) -> Path:
@@ -224,8 +184,8 @@ def merge_outputs(output: Path) -> MergeReport:
     if not shards and output.exists():
         return report
     rows.sort(key=lambda item: (item[0], item[1]))
-    atomic_write_text(skipped_path(output), _jsonl(skips))  # first: a kill between the two renames loses no skip
-    atomic_write_text(output, _jsonl([record for _, _, record in rows]))
+    atomic_write_text(skipped_path(output), jsonl.dumps(skips, ensure_ascii=False))  # first: a kill between the two renames loses no skip
+    atomic_write_text(output, jsonl.dumps([record for _, _, record in rows], ensure_ascii=False))
     for path in shards:
         path.unlink()
         shard_lock_path(path).unlink(missing_ok=True)
