@@ -35,24 +35,12 @@ REFERENCE_LAYER_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 def synthetic_batch(rows: int, seq: int, vocab: int, feature_size: int, gen: torch.Generator,
                     device: torch.device) -> dict[str, torch.Tensor]:
-    """Packed rows of random conversations (64 … seq/2 tokens, the last two thirds of each in the
-    loss) with random context features ``[rows, seq, feature_size]`` (bf16 on CUDA, fp32 on CPU)
-    and target tokens."""
-    input_ids = torch.randint(0, vocab, (rows, seq), generator=gen)
-    position_ids = torch.zeros(rows, seq, dtype=torch.int64)
-    doc_ids = torch.zeros(rows, seq, dtype=torch.int32)
-    loss_mask = torch.zeros(rows, seq, dtype=torch.bool)
-    for r in range(rows):
-        at, doc = 0, 1
-        while at < seq - 16:
-            n = min(int(torch.randint(64, max(65, seq // 2), (1,), generator=gen)), seq - at)
-            position_ids[r, at:at + n] = torch.arange(n)
-            doc_ids[r, at:at + n] = doc
-            loss_mask[r, at + n // 3:at + n] = True
-            at, doc = at + n, doc + 1
-    batch = dict(input_ids=input_ids, position_ids=position_ids, doc_ids=doc_ids, loss_mask=loss_mask,
-                 target_tokens=torch.randint(0, vocab, (rows, seq), generator=gen))
-    batch = {k: v.to(device) for k, v in batch.items()}
+    """:func:`benchmarks.bench_compile.synthetic_batch`'s packed rows with random context features
+    ``[rows, seq, feature_size]`` (bf16 on CUDA, fp32 on CPU) and random target tokens."""
+    from benchmarks.bench_compile import synthetic_batch as packed_rows
+
+    batch = packed_rows(rows, seq, vocab, gen, device)
+    batch["target_tokens"] = torch.randint(0, vocab, (rows, seq), generator=gen).to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batch["features"] = torch.randn(rows, seq, feature_size, device=device, dtype=dtype)
     return batch

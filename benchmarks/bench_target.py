@@ -75,18 +75,6 @@ def synthetic_rows(rows: int, seq: int, vocab: int, gen: torch.Generator, device
     return tuple(torch.cat(parts) for parts in zip(*out))
 
 
-def timed(fn, iters: int) -> float:
-    """Median seconds of ``iters`` synchronised calls."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="qwen3.6-27b")
@@ -103,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_target: needs a CUDA device", file=sys.stderr)
         return 2
+    from benchmarks.bench_compile import timed
     from dflash.config import TargetConfig
     from dflash.models.target_loader import load_target
 
@@ -127,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         feats, tokens = target.forward_features(ids, pos, doc)
         torch.cuda.synchronize()
         warm = time.perf_counter() - t0
-        seconds = timed(lambda: target.forward_features(ids, pos, doc), args.iters)
+        seconds = timed(lambda: target.forward_features(ids, pos, doc), args.iters) / 1e3
         row = {"first_call_s": warm, "s_per_batch": seconds, "tflops": flops / seconds / 1e12,
                "mfu": flops / seconds / 1e12 / args.peak_tflops,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from dflash.training.ledger_file import read_jsonl_rows
+from dflash.jsonl import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 #: Seconds between SIGTERM and SIGKILL when a check passes its time limit.
@@ -167,7 +167,7 @@ def regen_data(root: Path, dry_run: bool = False) -> str:
     shards = sorted(p for p in folder.glob("turn1.jsonl.rank*") if re.search(r"\.rank[0-9]+$", p.name))
     if dry_run:
         return str(full)
-    rows = [row for shard in shards for row in read_jsonl_rows(shard)]
+    rows = [row for shard in shards for row in read_records(shard)]
     if not rows:
         raise NotReady(f"no regenerated data in {folder}: run the regen check first")
     partial = folder / "partial.jsonl"
@@ -322,7 +322,7 @@ class Metric(Rule):
 
     def failure(self, outcome: Outcome) -> Optional[str]:
         series: dict[str, list] = {}
-        for row in read_jsonl_rows(outcome.folder / self.file):
+        for row in read_records(outcome.folder / self.file):
             for k, v in row.items():
                 if re.search(self.key, k):
                     series.setdefault(k, []).append(v)
@@ -490,6 +490,15 @@ CHECKS: tuple[Check, ...] = (
           _one("-m", "benchmarks.bench_compile", "--arch", "qwen3-8b", "--steps", "20", "--anchors", "{anchors}",
                "--skip-target-compile", "--profile", "--gradient-checkpointing", "--out", "{out}"),
           gpus=1, limit_s=600),
+    Check("hybrid_target", "the Qwen3.6-27B target forward: packed conversations against each alone, eager vs "
+          "compiled per layer (warm-up, s/batch, MFU, peak)",
+          _one("-m", "benchmarks.bench_target", "--arch", "qwen3.6-27b", "--out", "{out}"), gpus=1, limit_s=300,
+          passes=(ExitZero(), JsonValue("bench_target.json", "layer.first_call_s", "<=", 120.0))),
+    Check("drafter_memory", "the Qwen3.6-27B drafter step as configs/qwen3.6-27b-8xgpu.yaml sets it, capped at "
+          "79.5 GiB of the card",
+          _one("-m", "benchmarks.bench_drafter_memory", "--gradient-checkpointing", "--mlp-chunks", "4", "--compile",
+               "--compile-mode", "layer", "--steps", "5", "--memory-fraction", "0.569", "--out", "{out}"),
+          gpus=1, limit_s=200),
     Check("compile_diag", "compiled-step correctness per variant: losses, gradient agreement with eager",
           _one("-m", "scripts.gpu_compile_diag", "--layers", "1", "--rows", "4", "--steps", "3", "--variants",
                "eager,default,ro-sdpa,reduce-overhead,ro-masks-outside", "--out", "{out}"), gpus=1, limit_s=900),
