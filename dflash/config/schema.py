@@ -214,7 +214,8 @@ class ClusterConfig:
     node_join_timeout_s: float = 600.0
     #: Peak TFLOP/s of one device, for the metrics' ``mfu/target`` / ``mfu/drafter``; ``null`` = the
     #: ``DFLASH_PEAK_TFLOPS`` environment variable, else the dense bf16 peak of the GPU by its name
-    #: (``dflash.models.flops.PEAK_BF16_FLOPS``: H100 / H200 SXM 989), else no MFU (CPU: null).
+    #: (``dflash.models.flops.PEAK_BF16_FLOPS``: H100 / H200 SXM 989); on a CPU the fp32 matmul
+    #: rate each worker measures on its threads; a GPU not in the table: no MFU (null).
     peak_tflops: Optional[float] = None
 
     @property

@@ -24,6 +24,7 @@ target's FLOPs over its forward time, the drafter's over its step time. The peak
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -333,8 +334,10 @@ def peak_flops(device: Union[str, torch.device], override_tflops: Optional[float
 
     In order: ``override_tflops`` (``cluster.peak_tflops``), the :data:`PEAK_ENV` environment
     variable (both TFLOP/s of one device, in the precision the run computes in), then for a CUDA
-    device :data:`PEAK_BF16_FLOPS` by its name. A CPU, or a GPU not in the table, has no peak
-    unless one is given.
+    device :data:`PEAK_BF16_FLOPS` by its name; for a CPU, which has no data-sheet entry, the fp32
+    matmul rate this process measures on its own threads (:func:`measured_cpu_flops`), so a CPU
+    run's MFU is the fraction of that rate its model FLOPs reach. A GPU not in the table has no
+    peak unless one is given.
 
     Raises:
         ValueError: the override or :data:`PEAK_ENV` is not a positive number.
@@ -353,6 +356,8 @@ def peak_flops(device: Union[str, torch.device], override_tflops: Optional[float
             raise ValueError(f"{PEAK_ENV}={raw!r}: expected a positive number of TFLOP/s")
         return value * 1e12
     device = torch.device(device)
+    if device.type == "cpu":
+        return measured_cpu_flops()
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
@@ -360,6 +365,32 @@ def peak_flops(device: Union[str, torch.device], override_tflops: Optional[float
         if key in name:
             return value
     return None
+
+
+#: Side of the square fp32 matrices whose product measures a CPU's rate (2·n³ FLOPs each).
+CPU_PROBE_SIZE = 512
+#: Products timed by :func:`measured_cpu_flops` (the fastest counts), after one untimed.
+CPU_PROBE_REPEATS = 8
+_cpu_flops: Optional[float] = None
+
+
+def measured_cpu_flops() -> float:
+    """This process's fp32 matmul rate on the CPU in FLOP/s, at its current torch thread count:
+    the fastest of :data:`CPU_PROBE_REPEATS` products of two random ``CPU_PROBE_SIZE``-square
+    matrices (``2·n³`` FLOPs each; about 40 ms on 2 cores). Measured once per process, then cached."""
+    global _cpu_flops
+    if _cpu_flops is None:
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randn(CPU_PROBE_SIZE, CPU_PROBE_SIZE, generator=gen)
+        b = torch.randn(CPU_PROBE_SIZE, CPU_PROBE_SIZE, generator=gen)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(CPU_PROBE_REPEATS):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        _cpu_flops = 2.0 * CPU_PROBE_SIZE ** 3 / max(best, 1e-9)
+    return _cpu_flops
 
 
 def mfu(flops: float, seconds: float, peak: Optional[float]) -> Optional[float]:

@@ -8,7 +8,7 @@ Model FLOPs utilisation per stage (:mod:`dflash.models.flops`), over the same wi
 ``mfu/target`` = Σ FLOPs of the targets' training forwards / Σ (forward seconds × the device's
 peak), ``mfu/drafter`` = the same over every drafter rank's train steps (step seconds, waiting for
 data excluded). ``None`` (JSON null) when no such work finished in the window or no peak is known
-(a CPU without ``cluster.peak_tflops``).
+(a GPU missing from the peak table, without ``cluster.peak_tflops``).
 """
 
 from __future__ import annotations
