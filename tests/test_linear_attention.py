@@ -230,3 +230,18 @@ def test_fla_backend_equals_torch_backend_on_gpu():
     conv = la._fla_packed_conv1d(x, w, None, starts).float()
     ref = la.packed_causal_conv1d(x, w, None, starts.cumsum(-1)).float()
     assert (conv - ref).norm() / ref.norm() < 1e-2
+
+
+def test_target_worker_compile_scope():
+    from types import SimpleNamespace
+
+    from dflash.runtime.target import compile_scope
+
+    hybrid_fla, hybrid_torch, dense = (SimpleNamespace(linear_attention=x) for x in ("fla", "torch", None))
+    auto, forward, layer = (SimpleNamespace(compile_scope=x) for x in ("auto", "forward", "layer"))
+    assert compile_scope(auto, hybrid_fla) == compile_scope(auto, hybrid_torch) == "layer"
+    assert compile_scope(auto, dense) == compile_scope(forward, dense) == "forward"
+    assert compile_scope(layer, dense) == "layer"
+    assert compile_scope(forward, hybrid_torch) == "forward"
+    with pytest.raises(ConfigError, match=r"^target\.compile_scope: forward captures CUDA graphs"):
+        compile_scope(forward, hybrid_fla)

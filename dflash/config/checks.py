@@ -66,6 +66,9 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     _check_transport(cfg.transport, device)
     _need(cfg.target.linear_attention != "fla" or device == "cuda", "target.linear_attention",
           "fla runs on CUDA devices only (use auto or torch on CPU)")
+    _need(not (cfg.target.linear_attention == "fla" and cfg.target.compile_scope == "forward"),
+          "target.compile_scope", "forward captures CUDA graphs, which fla's varlen kernels cannot run in "
+          "(use auto or layer)")
     _need(cfg.log.every >= 1, "log.every", "must be >= 1")
     _need(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
     _need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")

@@ -63,7 +63,17 @@ def _stall_hook() -> tuple[str, float]:
 
 def compile_scope(cfg: Any, target: Any) -> str:
     """``forward`` or ``layer`` for ``target.compile_scope`` (``auto``: ``layer`` when the target
-    has linear-attention layers, whose fla kernels cannot be captured in a CUDA graph)."""
+    has linear-attention layers, whose fla kernels cannot be captured in a CUDA graph).
+
+    Raises:
+        ConfigError: ``forward`` for a target whose linear-attention layers run through fla.
+    """
+    from dflash.config import ConfigError
+
+    if cfg.compile_scope == "forward" and target.linear_attention == "fla":
+        raise ConfigError("target.compile_scope: forward captures CUDA graphs, which fla's varlen kernels "
+                          "cannot run in (they read their segment offsets on the host); use auto or layer, "
+                          "or target.linear_attention: torch")
     if cfg.compile_scope != "auto":
         return cfg.compile_scope
     return "layer" if target.linear_attention is not None else "forward"
