@@ -296,7 +296,7 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
                               on_trained=recorder.trained, on_rollback=recorder.rollback)
     coordinator.install_signal_handlers()
     for signum in early_signals[:1]:
-        coordinator.stop_signal = signum
+        coordinator.state.stop_signal = signum
         coordinator.request_stop(signal.Signals(signum).name)
     exit_code, result = 1, None
     try:
@@ -308,11 +308,11 @@ def run_workers(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], prepared: P
         progress.close()
         control.supervisor.stop_all(terminate_now=coordinator.unready_workers(), between=coordinator.serve_controls)
         if isinstance(control, NodeCluster):
-            control.stop_nodes(coordinator.stop_reason or ("done" if exit_code == 0 else "failed"))
+            control.stop_nodes(coordinator.state.stop_reason or ("done" if exit_code == 0 else "failed"))
         (run_dir / CLUSTER_FILE).unlink(missing_ok=True)
         sock.close()
         recorder.close(exit_code)
-    log.info("%s", newest_checkpoint_line(run_dir, coordinator.steps_done))
+    log.info("%s", newest_checkpoint_line(run_dir, coordinator.state.steps_done))
     if result is None:
         return EXIT_INTERRUPTED
     return final_report(cfg, run_dir, plan, coordinator, result, exit_code, time.monotonic() - started)
@@ -346,13 +346,13 @@ def final_report(cfg: RunConfig, run_dir: Path, plan: StepPlan, coordinator: Coo
     """Check the ledger, log the run's summary (steps, held-out τ first → last, where the files
     are) and return the final exit code (128 + N after a stop by signal N)."""
     # a rollback below this launch's first step (its checkpoint moved aside) re-planned from there
-    problems = coordinator.ledger.check(coordinator.plan, min(plan.start_step, coordinator.lowest_step),
-                                        result.steps_done)
+    state = coordinator.state
+    problems = state.ledger.check(state.plan, min(plan.start_step, state.lowest_step), result.steps_done)
     if problems:
         log.error("ledger: %d problem(s): %s", len(problems), "; ".join(problems[:10]))
         exit_code = exit_code or 1
-    if exit_code == 0 and coordinator.stop_signal is not None:
-        exit_code = 128 + coordinator.stop_signal  # stopped by a signal, after the final checkpoint
+    if exit_code == 0 and state.stop_signal is not None:
+        exit_code = 128 + state.stop_signal  # stopped by a signal, after the final checkpoint
     first, final = result.first_eval or {}, result.final_eval or {}
     head = f"first {cfg.train.eval_head_tokens} response tokens"
     if first and final and final["step"] != first["step"]:

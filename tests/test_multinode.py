@@ -19,10 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pipeline import CONFIG, ROOT, RUN_TIMEOUT_S, SMALL, _env, reference_losses, train_losses  # noqa: E402
-
-from launch.local_cluster import free_port  # noqa: E402
+from launch.local_cluster import free_port
+from tests.test_pipeline import CONFIG, ROOT, RUN_TIMEOUT_S, SMALL, _env, reference_losses, train_losses
 
 pytestmark = pytest.mark.slow
 

@@ -214,7 +214,7 @@ class _Control:
         return self.ckpt
 
 
-def _coordinator(tmp_path, start_step, ckpt_step):
+def _coordinator(tmp_path, start_step, ckpt_step, sock=None, **callbacks):
     plan = StepPlan([10], 1)
     ckpt = tmp_path / f"step-{ckpt_step:08d}"
     ckpt.mkdir()
@@ -223,15 +223,15 @@ def _coordinator(tmp_path, start_step, ckpt_step):
     setup = CoordinatorSetup(["target.0"], ["drafter.0"], {"target.0": "tcp://x"}, plan, start_step,
                              build_work_items(plan, start_step, **EVAL_ARGS),
                              {**EVAL_ARGS, "first_step": start_step}, 2)
-    c = Coordinator(_Sock(), setup, _Control(ckpt), on_metrics=lambda step, m: metrics.append((step, m)),
-                    on_progress=lambda *a: None)
+    c = Coordinator(sock or _Sock(), setup, _Control(ckpt), on_metrics=lambda step, m: metrics.append((step, m)),
+                    on_progress=lambda *a: None, **callbacks)
     return c, metrics
 
 
 def _finish_evals_up_to(c, step):
     """Finish the items in order up to the eval at ``step`` (no drafters: empty eval sums)."""
-    for i, it in enumerate(c.work.items):
-        c.work.done[i].add("drafter.0")
+    for i, it in enumerate(c.state.work.items):
+        c.state.work.done[i].add("drafter.0")
         c._finish_item(it)
         if it.kind == "eval" and it.at_step == step:
             return
@@ -242,41 +242,41 @@ def test_coordinator_rollback_reruns_an_unfinished_eval_at_the_checkpoint(tmp_pa
     _finish_evals_up_to(c, 4)
     got = [(m["eval/round"], m["eval/step"], step) for step, m in metrics if "eval/round" in m]
     assert got == [(0, 0, 0), (1, 4, 4)]
-    c.steps_done = 8  # steps 4..7 trained, checkpoint at 8 written, eval round 2 not finished
-    c.restart_drafter_group("test")
-    assert evals(c.work.items) == [(2, 8), (3, 10)]
-    assert c.work.items[1].kind == "train" and c.work.items[1].index == 8
+    c.state.steps_done = 8  # steps 4..7 trained, checkpoint at 8 written, eval round 2 not finished
+    c.supervision.restart_drafter_group("test")
+    assert evals(c.state.work.items) == [(2, 8), (3, 10)]
+    assert c.state.work.items[1].kind == "train" and c.state.work.items[1].index == 8
 
 
 def test_coordinator_rollback_skips_a_finished_eval_at_the_checkpoint(tmp_path):
     c, metrics = _coordinator(tmp_path, 0, 8)
     _finish_evals_up_to(c, 8)
     assert [m["eval/round"] for _, m in metrics if "eval/round" in m] == [0, 1, 2]
-    c.restart_drafter_group("test")
-    assert evals(c.work.items) == [(3, 10)]
-    assert c.work.items[0].kind == "train" and c.work.items[0].index == 8
+    c.supervision.restart_drafter_group("test")
+    assert evals(c.state.work.items) == [(3, 10)]
+    assert c.state.work.items[0].kind == "train" and c.state.work.items[0].index == 8
 
 
 def test_coordinator_resume_off_schedule_rollback_to_start(tmp_path):
     c, metrics = _coordinator(tmp_path, 6, 6)
-    assert evals(c.work.items) == [(-6, 6), (2, 8), (3, 10)]
-    c.restart_drafter_group("before the baseline finished")
-    assert evals(c.work.items) == [(-6, 6), (2, 8), (3, 10)]
+    assert evals(c.state.work.items) == [(-6, 6), (2, 8), (3, 10)]
+    c.supervision.restart_drafter_group("before the baseline finished")
+    assert evals(c.state.work.items) == [(-6, 6), (2, 8), (3, 10)]
     _finish_evals_up_to(c, 6)
     assert [(m["eval/round"], m["eval/step"]) for _, m in metrics] == [(-6, 6)]
-    c.restart_drafter_group("after the baseline")
-    assert evals(c.work.items) == [(2, 8), (3, 10)]
+    c.supervision.restart_drafter_group("after the baseline")
+    assert evals(c.state.work.items) == [(2, 8), (3, 10)]
 
 
 def test_rollback_below_the_launch_step_is_tracked(tmp_path):
     """Launched with --resume at step 6; that checkpoint is later found damaged and moved aside,
     the group rolls back to step 4: the ledger must be checked from 4 (not from 6)."""
     c, _ = _coordinator(tmp_path, 6, 4)
-    assert c.lowest_step == 6
-    c.steps_done = 7
-    c.restart_drafter_group("checkpoint step 6 damaged")
-    assert c.steps_done == 4 and c.lowest_step == 4
-    assert [it.index for it in c.work.items if it.kind == "train"][0] == 4
+    assert c.state.lowest_step == 6
+    c.state.steps_done = 7
+    c.supervision.restart_drafter_group("checkpoint step 6 damaged")
+    assert c.state.steps_done == 4 and c.state.lowest_step == 4
+    assert [it.index for it in c.state.work.items if it.kind == "train"][0] == 4
 
 
 def test_no_checkpoint_left_in_a_resumed_launch_fails_instead_of_starting_from_scratch(tmp_path):
@@ -287,15 +287,15 @@ def test_no_checkpoint_left_in_a_resumed_launch_fails_instead_of_starting_from_s
 
     c, _ = _coordinator(tmp_path, 6, 6)
     c.control.ckpt = None
-    c.steps_done = 8
+    c.state.steps_done = 8
     with pytest.raises(RunFailed, match="no usable checkpoint is left .* resumed at step 6"):
-        c.restart_drafter_group("restart drafters requested")
+        c.supervision.restart_drafter_group("restart drafters requested")
     (tmp_path / "fresh").mkdir()
     fresh, _ = _coordinator(tmp_path / "fresh", 0, 2)
     fresh.control.ckpt = None  # a launch from step 0: restarting from scratch is right
-    fresh.steps_done = 1
-    fresh.restart_drafter_group("test")
-    assert fresh.steps_done == 0
+    fresh.state.steps_done = 1
+    fresh.supervision.restart_drafter_group("test")
+    assert fresh.state.steps_done == 0
 
 
 def test_drafters_dying_after_a_group_restart_are_retried_then_the_run_fails(tmp_path):
@@ -313,14 +313,14 @@ def test_drafters_dying_after_a_group_restart_are_retried_then_the_run_fails(tmp
     c = Coordinator(_Sock(), setup, control, on_metrics=lambda *a: None, on_progress=lambda *a: None)
     control.die("drafter.0")
     control.die("drafter.1")  # both in one poll: one group restart, the second exit is the replaced process'
-    c._supervise()
+    c.supervision.supervise()
     assert c.policy.drafter_failures == 1 and control.restarts == ["drafter.0", "drafter.1"]
     control.die("drafter.1")  # the restarted drafter dies during start-up
-    c._supervise()
+    c.supervision.supervise()
     assert c.policy.drafter_failures == 2 and control.restarts.count("drafter.1") == 2
     control.die("drafter.0")
     with pytest.raises(Exception, match="failed 3 times in a row"):
-        c._supervise()
+        c.supervision.supervise()
 
 
 # --------------------------------------------------------------------------- stop and requested restarts
@@ -344,13 +344,12 @@ class _ScriptedSock(_Sock):
 def _running(tmp_path, ckpt_step, steps_done, written, started, script=()):
     """A coordinator in mid-run: every worker up and ready, ``steps_done`` steps trained, checkpoint
     ``written`` on disk and ``started`` begun by rank 0; ``latest_checkpoint`` gives step ``ckpt_step``."""
-    c, _ = _coordinator(tmp_path, 0, ckpt_step)
-    c.sock = _ScriptedSock(script)
-    c.config = dataclasses.replace(c.config, checkpoint_wait_s=30.0)
-    for w in c.workers.values():
+    c, _ = _coordinator(tmp_path, 0, ckpt_step, sock=_ScriptedSock(script))
+    c.state.config = dataclasses.replace(c.state.config, checkpoint_wait_s=30.0)
+    for w in c.state.workers.values():
         w.up = w.ready = True
     c._started = True
-    c.steps_done, c.checkpoints.written, c.checkpoints.started = steps_done, written, started
+    c.state.steps_done, c.state.checkpoints.written, c.state.checkpoints.started = steps_done, written, started
     return c
 
 
@@ -369,12 +368,12 @@ def test_requested_restart_waits_for_the_checkpoint_being_written(tmp_path, capl
     c = _running(tmp_path, 8, steps_done=9, written=4, started=8)
     reply = _ctl(c, "restart", worker="drafters")
     assert reply["ok"] and reply["text"] == "drafter group restarting once checkpoint step 8, being written, is on disk"
-    c._restart_when_written()
-    assert c.pending_restart is not None and c.control.restarts == [] and c.steps_done == 9
+    c.stopping.restart_when_written()
+    assert c.state.pending_restart is not None and c.control.restarts == [] and c.state.steps_done == 9
     c._handle(*_checkpointed(8))
     with caplog.at_level("WARNING"):
-        c._restart_when_written()
-    assert c.pending_restart is None and c.control.restarts == ["drafter.0"] and c.steps_done == 8
+        c.stopping.restart_when_written()
+    assert c.state.pending_restart is None and c.control.restarts == ["drafter.0"] and c.state.steps_done == 8
     assert (f"drafter group restart (restart drafters requested, after checkpoint step 8 was written): rolling back "
             f"from step 9 to step 8 ({c.control.ckpt}, the newest checkpoint on disk)") in caplog.text
 
@@ -387,8 +386,9 @@ def test_requested_restart_without_a_write_in_flight_is_immediate_and_a_crash_is
     crashed = _running(tmp_path / "crash", 8, steps_done=9, written=4, started=8)
     _ctl(crashed, "restart", worker="drafters")
     crashed.control.die("drafter.0")  # a crash mid-write: the group restarts now, from what is on disk
-    crashed._supervise()
-    assert crashed.pending_restart is None and crashed.control.restarts == ["drafter.0"] and crashed.steps_done == 8
+    crashed.supervision.supervise()
+    assert crashed.state.pending_restart is None and crashed.control.restarts == ["drafter.0"]
+    assert crashed.state.steps_done == 8
 
 
 @pytest.mark.parametrize("state, steps_done, written, started, ready, script, save, done", [
@@ -402,13 +402,13 @@ def test_requested_restart_without_a_write_in_flight_is_immediate_and_a_crash_is
 def test_stop_writes_or_waits_for_the_final_checkpoint(tmp_path, state, steps_done, written, started, ready, script,
                                                         save, done):
     c = _running(tmp_path, 8, steps_done, written, started, script)
-    for name in c.drafters:
-        c.workers[name].ready = ready
+    for name in c.state.drafters:
+        c.state.workers[name].ready = ready
     assert c.request_stop("test")
-    c._final_checkpoint()
+    c.stopping.final_checkpoint()
     saves = [fields["step"] for name, kind, fields in c.sock.sent if kind == "save"]
     assert saves == ([] if save is None else [save]), state
-    assert c.checkpoints.written == done and c.checkpoints.in_flight() is None, state
+    assert c.state.checkpoints.written == done and c.state.checkpoints.in_flight() is None, state
 
 
 def test_second_stop_is_answered_and_nothing_restarts_while_stopping(tmp_path):
@@ -418,28 +418,27 @@ def test_second_stop_is_answered_and_nothing_restarts_while_stopping(tmp_path):
     refused = _ctl(c, "restart", worker="drafters")
     assert not refused["ok"] and refused["text"] == "the run is stopping (requested by `launch.cluster stop`): no restart"
     c.control.die("drafter.0")  # a drafter dying while the run stops: the group is not restarted
-    c._supervise()
-    assert c.control.restarts == [] and c.group_lost == "drafter.0 exited while the run stops"
-    c._final_checkpoint()
+    c.supervision.supervise()
+    assert c.control.restarts == [] and c.state.group_lost == "drafter.0 exited while the run stops"
+    c.stopping.final_checkpoint()
     assert not [kind for _, kind, _ in c.sock.sent if kind == "save"]
 
 
 def test_rollback_is_reported_and_train_commands_carry_the_data_position(tmp_path):
     """A drafter-group restart calls on_rollback (the launcher marks ledger.jsonl and metrics.jsonl);
     each train command carries the data position after its step (what a checkpoint records)."""
-    c, _ = _coordinator(tmp_path, 0, 4)
     rollbacks, trained = [], []
-    c.on_rollback = lambda to, frm, reason: rollbacks.append((to, frm, reason))
-    c.on_trained = lambda item, attempt: trained.append((item.index, item.batches, attempt))
-    c._issue(c.work.items[1])  # train step 0
+    c, _ = _coordinator(tmp_path, 0, 4, on_rollback=lambda to, frm, reason: rollbacks.append((to, frm, reason)),
+                        on_trained=lambda item, attempt: trained.append((item.index, item.batches, attempt)))
+    c._issue(c.state.work.items[1])  # train step 0
     sent = [f for name, kind, f in c.sock.sent if kind == "train"]
     assert sent[0]["position"] == [0, 1] and sent[0]["batch_id"] == 0
     for i in range(3):  # eval 0, steps 0 and 1
-        c.work.done[i].add("drafter.0")
-        c._finish_item(c.work.items[i])
+        c.state.work.done[i].add("drafter.0")
+        c._finish_item(c.state.work.items[i])
     assert trained == [(0, [0], 0), (1, [1], 0)]
-    c.steps_done = 6
-    c.restart_drafter_group("drafter.0 died")
+    c.state.steps_done = 6
+    c.supervision.restart_drafter_group("drafter.0 died")
     assert rollbacks == [(4, 6, "drafter.0 died")]
 
 
@@ -453,10 +452,10 @@ def test_rollback_below_the_launch_start_replans_from_that_checkpoint(tmp_path):
     setup = CoordinatorSetup(["target.0"], ["drafter.0"], {"target.0": "tcp://x"}, plan, 6,
                              build_work_items(plan, 6, **EVAL_ARGS), {**EVAL_ARGS, "first_step": 6}, 2)
     c = Coordinator(_Sock(), setup, _Control(ckpt), on_metrics=lambda *a: None, on_progress=lambda *a: None)
-    c.steps_done = 7
-    c.restart_drafter_group("checkpoint step 6 damaged")
-    assert c.plan.start_step == 2 and c.plan.assignment(2).batch_ids == (4,)
-    assert [it.batches for it in c.work.items if it.kind == "train"][:2] == [[4], [5]]
+    c.state.steps_done = 7
+    c.supervision.restart_drafter_group("checkpoint step 6 damaged")
+    assert c.state.plan.start_step == 2 and c.state.plan.assignment(2).batch_ids == (4,)
+    assert [it.batches for it in c.state.work.items if it.kind == "train"][:2] == [[4], [5]]
 
 
 # --------------------------------------------------------------------------- a drafter no target can reach
@@ -468,18 +467,18 @@ def _undeliverable(tmp_path, written=8, started=8):
     from dflash.runtime.messages import Dropped
 
     c = _running(tmp_path, 8, steps_done=9, written=written, started=started)
-    c.config = dataclasses.replace(c.config, peer_timeout_s=10.0)
-    item = next(it for it in c.work.items if it.kind == "train")
+    c.state.config = dataclasses.replace(c.state.config, peer_timeout_s=10.0)
+    item = next(it for it in c.state.work.items if it.kind == "train")
     c._issue(item)
-    key = next(iter(c.assignment.jobs))
+    key = next(iter(c.state.assignment.jobs))
     c._handle("target.0", Dropped(job_key=key, reason="drafter.0 is not attached", name="target.0"))
-    assert c.assignment.undelivered_since.keys() == {"drafter.0"} and c.assignment.unassigned[0] == key
+    assert c.state.assignment.undelivered_since.keys() == {"drafter.0"} and c.state.assignment.unassigned[0] == key
     return c, key
 
 
 def _age(c, seconds):
     """Move the first failed hand-over ``seconds`` into the past (nobody sleeps)."""
-    c.assignment.undelivered_since["drafter.0"] -= seconds
+    c.state.assignment.undelivered_since["drafter.0"] -= seconds
 
 
 def test_a_drafter_no_target_can_reach_is_treated_as_failed(tmp_path):
@@ -496,7 +495,7 @@ def test_a_drafter_no_target_can_reach_is_treated_as_failed(tmp_path):
     c._check_undelivered()
     assert c.control.restarts == [] and c.policy.drafter_failures == 0
     c._handle("drafter.0", Received(job_key=key, name="drafter.0"))  # it attached again and took the batch
-    assert c.assignment.undelivered_since == {} and c.status()["workers"]["drafter.0"]["ready"] is True
+    assert c.state.assignment.undelivered_since == {} and c.status()["workers"]["drafter.0"]["ready"] is True
 
     for attempt in range(1, c.policy.max_restarts + 2):
         (tmp_path / f"a{attempt}").mkdir()
@@ -508,18 +507,18 @@ def test_a_drafter_no_target_can_reach_is_treated_as_failed(tmp_path):
                 c._check_undelivered()
             break
         c._check_undelivered()
-        assert c.policy.drafter_failures == attempt and c.control.restarts == ["drafter.0"] and c.steps_done == 8
-        assert c.assignment.undelivered_since == {} and c.attempt == 1
+        assert c.policy.drafter_failures == attempt and c.control.restarts == ["drafter.0"] and c.state.steps_done == 8
+        assert c.state.assignment.undelivered_since == {} and c.state.attempt == 1
 
 
 def test_a_drafter_no_target_can_reach_waits_for_the_checkpoint_being_written(tmp_path):
     c, _ = _undeliverable(tmp_path, written=4, started=8)
     _age(c, 31)
     c._check_undelivered()
-    assert c.pending_restart is not None and c.control.restarts == [] and c.policy.drafter_failures == 1
+    assert c.state.pending_restart is not None and c.control.restarts == [] and c.policy.drafter_failures == 1
     c._handle(*_checkpointed(8))
-    c._restart_when_written()
-    assert c.control.restarts == ["drafter.0"] and c.steps_done == 8
+    c.stopping.restart_when_written()
+    assert c.control.restarts == ["drafter.0"] and c.state.steps_done == 8
 
 
 def test_stop_does_not_wait_for_items_a_drafter_no_target_can_reach_holds_up(tmp_path):
@@ -528,10 +527,10 @@ def test_stop_does_not_wait_for_items_a_drafter_no_target_can_reach_holds_up(tmp
     c, _ = _undeliverable(tmp_path)
     assert _ctl(c, "stop")["ok"]
     c._check_undelivered()
-    assert c.group_lost is None and not c._stop_overdue()
+    assert c.state.group_lost is None and not c.stopping.overdue()
     _age(c, 11)
     c._check_undelivered()
-    assert c.group_lost.startswith("no target could hand drafter.0 a batch for 10 s") and c._stop_overdue()
+    assert c.state.group_lost.startswith("no target could hand drafter.0 a batch for 10 s") and c.stopping.overdue()
     assert c.control.restarts == [] and c.policy.drafter_failures == 0
-    c._final_checkpoint()
+    c.stopping.final_checkpoint()
     assert not [kind for _, kind, _ in c.sock.sent if kind == "save"]

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from dflash.runtime.control import CoordinatorSocket
+from dflash.runtime.coordinator_state import CoordinatorState
 from dflash.runtime.messages import Command, CommandReply
-
-if TYPE_CHECKING:
-    from dflash.runtime.coordinator import Coordinator
+from dflash.runtime.restarts import ClusterControl, Supervision
+from dflash.runtime.stopping import Stopping
 
 __all__ = ["ControlCommands"]
 
@@ -26,11 +27,22 @@ class ControlCommands:
     """The command table of one coordinator.
 
     Args:
-        coordinator: the run the commands act on.
+        state: the coordinator's state the commands read and change (workers, checkpoints, stop state).
+        sock: the control socket the replies go out on.
+        control: kills worker processes (``restart`` / ``detach``).
+        supervision: takes a target down, restarts the drafter group.
+        stopping: the stop request.
+        status: the run's status, carried by every reply.
     """
 
-    def __init__(self, coordinator: "Coordinator"):
-        self.c = coordinator
+    def __init__(self, state: CoordinatorState, sock: CoordinatorSocket, control: ClusterControl,
+                 supervision: Supervision, stopping: Stopping, status: Callable[[], dict]) -> None:
+        self.state = state
+        self.sock = sock
+        self.control = control
+        self.supervision = supervision
+        self.stopping = stopping
+        self.run_status = status
         self.table: dict[str, Callable[[dict], str]] = {
             "status": self.status,
             "stop": self.stop,
@@ -47,18 +59,18 @@ class ControlCommands:
             ok, text = True, handler(msg.args or {})
         except ValueError as exc:
             ok, text = False, str(exc)
-        self.c.sock.send(client, CommandReply(ok=ok, text=text, data=self.c.status()))
+        self.sock.send(client, CommandReply(ok=ok, text=text, data=self.run_status()))
 
     def status(self, args: dict) -> str:
         return "ok"
 
     def stop(self, args: dict) -> str:
-        c = self.c
-        if c.stop_reason is None and c.finishing:
+        s = self.state
+        if s.stop_reason is None and s.finishing:
             return "the run is ending: its workers are stopping"
-        if c.request_stop("requested by `launch.cluster stop`"):
+        if self.stopping.request_stop("requested by `launch.cluster stop`"):
             return "stopping after the issued steps, with a final checkpoint"
-        return f"already stopping ({c.stop_reason})"
+        return f"already stopping ({s.stop_reason})"
 
     def restart_or_detach(self, cmd: str, args: dict) -> str:
         """``restart``: the worker (or the drafter group) restarts; ``detach``: it is killed and left
@@ -67,37 +79,37 @@ class ControlCommands:
         Raises:
             ValueError: the run is stopping, or no such worker.
         """
-        c = self.c
+        s = self.state
         worker = args.get("worker", "")
-        if c.stop_reason is not None or c.finishing:
-            state = f"stopping ({c.stop_reason})" if c.stop_reason else "ending"
-            raise ValueError(f"the run is {state}: no {cmd}")
+        if s.stop_reason is not None or s.finishing:
+            phase = f"stopping ({s.stop_reason})" if s.stop_reason else "ending"
+            raise ValueError(f"the run is {phase}: no {cmd}")
         if worker == "drafters" or worker.startswith("drafter."):
             return self._drafter_group(cmd, worker)
-        if worker not in c.workers:
-            raise ValueError(f"no worker {worker!r} (known: {sorted(c.workers)} or 'drafters')")
-        w = c.workers[worker]
+        if worker not in s.workers:
+            raise ValueError(f"no worker {worker!r} (known: {sorted(s.workers)} or 'drafters')")
+        w = s.workers[worker]
         w.external = cmd == "detach"
         if not w.external:
             w.restart_at = time.monotonic()  # restart right after it exits
-        c.control.kill(worker)
+        self.control.kill(worker)
         if not w.up:  # already down: nothing will exit
-            c.target_down(worker)
+            self.supervision.target_down(worker)
         return f"{worker} {'detached' if w.external else 'restarting'}"
 
     def _drafter_group(self, cmd: str, worker: str) -> str:
-        c = self.c
-        if worker.startswith("drafter.") and worker not in c.workers:
+        s = self.state
+        if worker.startswith("drafter.") and worker not in s.workers:
             raise ValueError(f"no worker {worker!r}")
         if cmd == "detach":
-            c.workers[worker].external = True
-        elif worker in c.workers:
-            c.workers[worker].external = False
-        in_flight = c.checkpoints.in_flight() if cmd == "restart" else None
+            s.workers[worker].external = True
+        elif worker in s.workers:
+            s.workers[worker].external = False
+        in_flight = s.checkpoints.in_flight() if cmd == "restart" else None
         if in_flight is not None:  # restarting now would lose the write: wait for it
-            c.pending_restart = (f"{cmd} {worker} requested", time.monotonic() + c.config.checkpoint_wait_s)
+            s.pending_restart = (f"{cmd} {worker} requested", time.monotonic() + s.config.checkpoint_wait_s)
             log.info("%s %s requested: the drafter group restarts once checkpoint step %d, being written, is on "
                      "disk", cmd, worker, in_flight)
             return f"drafter group restarting once checkpoint step {in_flight}, being written, is on disk"
-        c.restart_drafter_group(f"{cmd} {worker} requested")
-        return f"drafter group restarting from the last checkpoint (step {c.steps_done})"
+        self.supervision.restart_drafter_group(f"{cmd} {worker} requested")
+        return f"drafter group restarting from the last checkpoint (step {s.steps_done})"

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
-from dflash.training.checkpoint_load import CheckpointError, read_state
+from dflash.runtime.control import CoordinatorSocket
+from dflash.runtime.coordinator_state import CoordinatorState, WorkerInfo
 from dflash.runtime.messages import Flush
 from dflash.runtime.work import WorkQueue, build_work_items
+from dflash.training.checkpoint_load import CheckpointError, read_state
 
-__all__ = ["RunFailed", "WorkerInfo", "RestartPolicy", "ClusterControl", "SupervisionMixin", "rollback_checkpoint"]
+__all__ = ["RunFailed", "RestartPolicy", "ClusterControl", "Supervision", "rollback_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +47,6 @@ class ClusterControl(Protocol):
     def new_drafter_group(self) -> None: ...
 
     def latest_checkpoint(self) -> Optional[Path]: ...
-
-
-@dataclass
-class WorkerInfo:
-    """What the coordinator knows of one worker."""
-
-    name: str
-    role: str
-    up: bool = False  # process started and said hello
-    ready: bool = False
-    pid: Optional[int] = None
-    #: restarts since the worker last made progress (a batch produced / a step trained)
-    failures: int = 0
-    restart_at: Optional[float] = None
-    down_since: Optional[float] = None
-    #: run by a developer in another terminal (``attach``): never restarted by the coordinator
-    external: bool = False
 
 
 class RestartPolicy:
@@ -127,40 +111,65 @@ def rollback_checkpoint(control: ClusterControl, first_step: int) -> tuple[Optio
     return ckpt, (read_state(ckpt) if ckpt is not None else {"step": first_step})
 
 
-class SupervisionMixin:
+class Supervision:
     """The coordinator's side of worker exits: silent workers killed, exits handled by the policy
     (module docstring), scheduled restarts started, drafter-group rollbacks.
 
-    Uses the coordinator's ``config``, ``control``, ``workers``, ``last_seen``, ``policy``,
-    ``assignment``, ``ledger``, ``plan``, ``checkpoints``, ``metrics`` and stop state.
+    Args:
+        state: the coordinator's state (workers, plan, ledger, work sequence, checkpoints, stop state).
+        control: starts / kills worker processes.
+        sock: the control socket (a drafter-group restart sends ``flush`` to every target).
+        policy: failure counts and back-off.
+        on_rollback: called with ``(to_step, from_step, reason)`` when a drafter-group restart
+            undoes steps ``to_step …``.
     """
 
-    def _supervise(self) -> None:
+    def __init__(self, state: CoordinatorState, control: ClusterControl, sock: CoordinatorSocket,
+                 policy: RestartPolicy, on_rollback: Optional[Callable[[int, int, str], None]] = None) -> None:
+        self.state = state
+        self.control = control
+        self.sock = sock
+        self.policy = policy
+        self.on_rollback = on_rollback
+
+    def supervise(self) -> None:
+        """Handle the workers that exited, kill the silent ones, start the restarts that are due.
+
+        Raises:
+            RunFailed: a target, or the drafter group, failed more than ``max_restarts`` times in a row.
+        """
+        s = self.state
         now = time.monotonic()
         for name in self.control.exited():
-            self._on_exit(name, self.control.report(name))
-        for name, seen in list(self.last_seen.items()):
-            w = self.workers.get(name)
-            if w is not None and w.up and now - seen > self.config.peer_timeout_s:
+            self.on_exit(name, self.control.report(name))
+        for name, seen in list(s.last_seen.items()):
+            w = s.workers.get(name)
+            if w is not None and w.up and now - seen > s.config.peer_timeout_s:
                 log.error("%s sent nothing for %.0f s (transport.peer_timeout_s): killing it", name, now - seen)
-                self.last_seen.pop(name)
+                s.last_seen.pop(name)
                 self.control.kill(name)
-        for w in self.workers.values():
-            if w.restart_at is not None and now >= w.restart_at and not self.finishing:
+        for w in s.workers.values():
+            if w.restart_at is not None and now >= w.restart_at and not s.finishing:
                 w.restart_at = None
                 self.control.restart(w.name, None)
 
-    def _on_exit(self, name: str, report: str) -> None:
-        w = self.workers[name]
+    def on_exit(self, name: str, report: str) -> None:
+        """Worker ``name`` exited (``report``: its exit and the tail of its log).
+
+        Raises:
+            RunFailed: it failed too often (:class:`RestartPolicy`), or the drafter group cannot restart.
+        """
+        s = self.state
+        w = s.workers[name]
         w.up = w.ready = False
-        self.last_seen.pop(name, None)
+        s.last_seen.pop(name, None)
         if w.external:
             log.warning("attached worker %s exited; `python -m launch.cluster restart %s` hands it back", name, name)
             if w.role == "target":
                 self.target_down(name)
         elif w.role == "target":
             self.target_down(name)
-            if self.finishing:
+            if s.finishing:
                 log.warning("%s exited while the run stops: not restarted.\n%s", name, report)
             elif w.restart_at is None:  # not a requested restart (already scheduled)
                 w.restart_at = time.monotonic() + self.policy.target_failed(w, report)
@@ -170,21 +179,23 @@ class SupervisionMixin:
             self._drafter_exited(name, report)
 
     def _drafter_exited(self, name: str, report: str) -> None:
-        if self.stop_reason is not None:
-            for n in self.drafters:
-                self.workers[n].ready = False
-            if self.group_lost is None:
-                self.group_lost = f"{name} exited while the run stops"
+        s = self.state
+        if s.stop_reason is not None:
+            for n in s.drafters:
+                s.workers[n].ready = False
+            if s.group_lost is None:
+                s.group_lost = f"{name} exited while the run stops"
                 log.error("%s: the drafter group is not restarted; the run ends at its newest checkpoint on "
-                          "disk.\n%s", self.group_lost, report)
+                          "disk.\n%s", s.group_lost, report)
             return
         self.policy.drafter_failed(name, report)
         self.restart_drafter_group(f"{name} died")
 
     def target_down(self, name: str) -> None:
         """Target ``name`` is down: its jobs not yet received go to the other targets."""
-        self.workers[name].down_since = time.monotonic()
-        moved = self.assignment.target_down(name)
+        s = self.state
+        s.workers[name].down_since = time.monotonic()
+        moved = s.assignment.target_down(name)
         if moved:
             log.warning("%s is down: re-assigning its %d batch(es) not yet taken by a drafter", name, moved)
 
@@ -194,42 +205,43 @@ class SupervisionMixin:
         Raises:
             RunFailed: no checkpoint to restart from (:func:`rollback_checkpoint`).
         """
-        self.group_down_since = time.monotonic()
-        for name in self.drafters:
-            self.workers[name].ready = False
-            if self.workers[name].up and not self.workers[name].external:
+        s = self.state
+        s.group_down_since = time.monotonic()
+        for name in s.drafters:
+            s.workers[name].ready = False
+            if s.workers[name].up and not s.workers[name].external:
                 self.control.kill(name)
-        ckpt, state = rollback_checkpoint(self.control, self.first_step)
-        step = state["step"]
-        self.lowest_step = min(self.lowest_step, step)
-        lost_until = self.steps_done + self.lookahead + 1
-        self.ledger.rollback(self.plan, max(step, self.plan.start_step), min(self.plan.total_steps, lost_until))
-        if step < self.plan.start_step:  # an older checkpoint than this launch's first: its own data position
+        ckpt, ckpt_state = rollback_checkpoint(self.control, s.first_step)
+        step = ckpt_state["step"]
+        s.lowest_step = min(s.lowest_step, step)
+        lost_until = s.steps_done + s.lookahead + 1
+        s.ledger.rollback(s.plan, max(step, s.plan.start_step), min(s.plan.total_steps, lost_until))
+        if step < s.plan.start_step:  # an older checkpoint than this launch's first: its own data position
             from dflash.training.resume import checkpoint_position
 
-            position = checkpoint_position(state, self.plan.batches_per_epoch, self.plan.num_drafters)
-            self.plan = self.plan.resumed(step, position)
+            position = checkpoint_position(ckpt_state, s.plan.batches_per_epoch, s.plan.num_drafters)
+            s.plan = s.plan.resumed(step, position)
         source = (f"{ckpt}, the newest checkpoint on disk" if ckpt is not None
                   else "no checkpoint on disk yet: the initial weights")
         log.warning("drafter group restart (%s): rolling back from step %d to step %d (%s)", reason,
-                    self.steps_done, step, source)
-        self.pending_restart = None
-        self.checkpoints.written = self.checkpoints.started = step if ckpt is not None else -1
+                    s.steps_done, step, source)
+        s.pending_restart = None
+        s.checkpoints.written = s.checkpoints.started = step if ckpt is not None else -1
         if self.on_rollback is not None:
-            self.on_rollback(step, self.steps_done, reason)
-        self.steps_done = step
-        self.attempt += 1
-        self.assignment.clear()
-        self.metrics.forget_steps()
-        for t in self.targets:
-            self.sock.send(t, Flush(drafters=self.drafters))
-        args = dict(self.item_args)
+            self.on_rollback(step, s.steps_done, reason)
+        s.steps_done = step
+        s.attempt += 1
+        s.assignment.clear()
+        s.metrics.forget_steps()
+        for t in s.targets:
+            self.sock.send(t, Flush(drafters=s.drafters))
+        args = dict(s.item_args)
         first_step = args.pop("first_step", None)
         # the evaluation at the checkpoint's step runs again unless it completed before the rollback:
         # a scheduled one, or this launch's baseline (eval_at_start) when rolling back to the start
-        self.work = WorkQueue(build_work_items(self.plan, step, eval_at_start=step == first_step,
-                                               done_rounds=self.done_rounds, **args))
+        s.work = WorkQueue(build_work_items(s.plan, step, eval_at_start=step == first_step,
+                                            done_rounds=s.done_rounds, **args))
         self.control.new_drafter_group()
-        for name in self.drafters:
-            if not self.workers[name].external:
+        for name in s.drafters:
+            if not s.workers[name].external:
                 self.control.restart(name, ckpt)

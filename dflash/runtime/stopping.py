@@ -17,147 +17,128 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass
-from typing import Optional
+from typing import Callable
 
-__all__ = ["CheckpointProgress", "StopMixin"]
+from dflash.runtime.control import CoordinatorSocket
+from dflash.runtime.coordinator_state import CoordinatorState
+from dflash.runtime.messages import Save
+from dflash.runtime.restarts import Supervision
+
+__all__ = ["Stopping"]
 
 log = logging.getLogger("dflash.runtime.coordinator")
 
 
-@dataclass
-class CheckpointProgress:
-    """Rank 0's checkpoints, by step (-1: none).
-
-    Attributes:
-        written: the newest step whose checkpoint rank 0 reported on disk (written in the background).
-        started: the newest step whose checkpoint rank 0 has begun to write (it trained a
-            ``checkpoint`` step, or was sent ``save``); above ``written`` while a write is in flight.
-    """
-
-    written: int
-    started: int
-
-    def in_flight(self) -> Optional[int]:
-        """The step of the checkpoint rank 0 is writing, or None."""
-        return self.started if self.started > self.written else None
-
-
-class StopMixin:
+class Stopping:
     """The coordinator's stop request, final checkpoint and checkpoint waits (see the module docstring).
 
-    Uses the coordinator's ``config``, ``checkpoints``, ``workers``, ``drafters``, ``steps_done``,
-    ``ledger``, ``plan``, ``work``, ``_tick``, ``_all_ready``, ``_send_save`` and
-    ``restart_drafter_group``.
+    Args:
+        state: the coordinator's state (checkpoints, workers, work sequence, ledger, stop state).
+        sock: the control socket (``save`` to rank 0 for the final checkpoint).
+        supervision: restarts the drafter group once a checkpoint write it waited for is done.
+        tick: one round of the coordinator's supervision and message handling (the waits here
+            go on handling messages).
     """
 
-    def _init_stop_state(self) -> None:
-        self.stop_reason: Optional[str] = None
-        self.stop_signal: Optional[int] = None
-        self._stop_deadline = math.inf
-        #: why the drafter group can no longer write a final checkpoint after a stop request
-        self.group_lost: Optional[str] = None
-        #: the final phase of a stop: no worker is restarted any more
-        self.finishing = False
-        #: a requested drafter-group restart waiting for a checkpoint write in flight: (reason, deadline)
-        self.pending_restart: Optional[tuple[str, float]] = None
+    def __init__(self, state: CoordinatorState, sock: CoordinatorSocket, supervision: Supervision,
+                 tick: Callable[[], None]) -> None:
+        self.state = state
+        self.sock = sock
+        self.supervision = supervision
+        self.tick = tick
+        self._deadline = math.inf
 
     def request_stop(self, reason: str) -> bool:
         """Stop the run (see the module docstring); False when a stop was already requested."""
-        if self.stop_reason is not None:
-            log.warning("stop requested again (%s): already stopping (%s)", reason, self.stop_reason)
+        s = self.state
+        if s.stop_reason is not None:
+            log.warning("stop requested again (%s): already stopping (%s)", reason, s.stop_reason)
             return False
         log.warning("stop requested (%s): finishing the issued steps (at most %.0f s), then a final checkpoint",
-                    reason, self.config.stop_drain_s)
-        self.stop_reason = reason
-        self._stop_deadline = time.monotonic() + self.config.stop_drain_s
-        if self.pending_restart is not None:
-            log.info("the pending drafter group restart (%s) is dropped: the run stops", self.pending_restart[0])
-            self.pending_restart = None
+                    reason, s.config.stop_drain_s)
+        s.stop_reason = reason
+        self._deadline = time.monotonic() + s.config.stop_drain_s
+        if s.pending_restart is not None:
+            log.info("the pending drafter group restart (%s) is dropped: the run stops", s.pending_restart[0])
+            s.pending_restart = None
         return True
 
     def install_signal_handlers(self) -> None:
         """SIGINT / SIGTERM request a stop; a second SIGINT raises KeyboardInterrupt."""
         def handler(signum, _frame):
-            if self.stop_reason is not None and signum == signal.SIGINT:
+            if self.state.stop_reason is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            self.stop_signal = signum
+            self.state.stop_signal = signum
             self.request_stop(signal.Signals(signum).name)
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
 
-    def serve_controls(self, timeout_s: float = 0.05) -> None:
-        """After :meth:`run`: answer control commands (a second ``stop``, ``status``) while the
-        launcher stops the workers; workers' messages are dropped. Waits up to ``timeout_s``."""
-        from dflash.runtime.messages import Command
-
-        got = self.sock.recv(timeout_s)
-        while got is not None:
-            if isinstance(got[1], Command):
-                self.commands.handle(*got)
-            got = self.sock.recv(0)
-
-    def _awaiting_last_checkpoint(self) -> bool:
+    def awaiting_last_checkpoint(self) -> bool:
         """Every step is trained but the last step's checkpoint is not yet reported on disk."""
-        final = self.work.final_checkpoint_step
-        return self.stop_reason is None and final is not None and self.checkpoints.written < final
+        s = self.state
+        final = s.work.final_checkpoint_step
+        return s.stop_reason is None and final is not None and s.checkpoints.written < final
 
-    def _stop_overdue(self) -> bool:
+    def overdue(self) -> bool:
         """Stopping, with issued items left: True (the loop ends) when the group can no longer
         finish them (a drafter died) or they did not finish within ``stop_drain_s``."""
-        if self.group_lost is None and time.monotonic() > self._stop_deadline:
-            self.group_lost = (f"{self.work.issued_open()} issued item(s) did not finish within "
-                               f"{self.config.stop_drain_s:.0f} s of the stop request")
-            log.error("%s: stopping without them", self.group_lost)
-        if self.group_lost is not None:
+        s = self.state
+        if s.group_lost is None and time.monotonic() > self._deadline:
+            s.group_lost = (f"{s.work.issued_open()} issued item(s) did not finish within "
+                            f"{s.config.stop_drain_s:.0f} s of the stop request")
+            log.error("%s: stopping without them", s.group_lost)
+        if s.group_lost is not None:
             # what the group trained past the last finished step is lost with it
-            self.ledger.rollback(self.plan, self.steps_done, self.plan.total_steps)
+            s.ledger.rollback(s.plan, s.steps_done, s.plan.total_steps)
             return True
         return False
 
-    def _final_checkpoint(self) -> None:
+    def final_checkpoint(self) -> None:
         """After a stop: rank 0 writes a checkpoint of ``steps_done`` if it can and none covers it;
         a write in flight is waited for."""
-        self.finishing = True
-        step = self.steps_done
-        if self.group_lost is None and not self._all_ready(self.drafters):
-            self.group_lost = "the drafter group is restarting from a checkpoint"
-        if self.group_lost is not None:
-            log.warning("no final checkpoint (%s): the newest checkpoint on disk is the run's last", self.group_lost)
-        elif step > self.checkpoints.started:
+        s = self.state
+        s.finishing = True
+        step = s.steps_done
+        if s.group_lost is None and not s.all_ready(s.drafters):
+            s.group_lost = "the drafter group is restarting from a checkpoint"
+        if s.group_lost is not None:
+            log.warning("no final checkpoint (%s): the newest checkpoint on disk is the run's last", s.group_lost)
+        elif step > s.checkpoints.started:
             log.info("writing the final checkpoint at step %d", step)
-            if self._send_save(step):
-                self.checkpoints.started = step
-        if self.checkpoints.in_flight() is not None:
-            self._wait_checkpoint(self.checkpoints.started, "the final checkpoint" if step == self.checkpoints.started
-                                  else "the checkpoint being written")
+            if self.sock.send(s.drafters[0], Save(step=step)):
+                s.checkpoints.started = step
+        if s.checkpoints.in_flight() is not None:
+            self.wait_checkpoint(s.checkpoints.started, "the final checkpoint" if step == s.checkpoints.started
+                                 else "the checkpoint being written")
 
-    def _wait_checkpoint(self, step: int, what: str) -> bool:
+    def wait_checkpoint(self, step: int, what: str) -> bool:
         """Handle messages until checkpoint ``step`` is reported on disk (True), rank 0 exits or
         ``checkpoint_wait_s`` pass (False, logged)."""
+        s = self.state
         started = time.monotonic()
         log.info("waiting for %s (step %d) to reach the disk", what, step)
-        while self.checkpoints.written < step:
-            if not self.workers[self.drafters[0]].up:
-                log.error("%s exited before %s (step %d) was on disk", self.drafters[0], what, step)
+        while s.checkpoints.written < step:
+            if not s.workers[s.drafters[0]].up:
+                log.error("%s exited before %s (step %d) was on disk", s.drafters[0], what, step)
                 return False
-            if time.monotonic() - started > self.config.checkpoint_wait_s:
-                log.error("%s (step %d) not on disk within %.0f s", what, step, self.config.checkpoint_wait_s)
+            if time.monotonic() - started > s.config.checkpoint_wait_s:
+                log.error("%s (step %d) not on disk within %.0f s", what, step, s.config.checkpoint_wait_s)
                 return False
-            self._tick()
+            self.tick()
         return True
 
-    def _restart_when_written(self) -> None:
+    def restart_when_written(self) -> None:
         """A requested drafter-group restart, once no checkpoint write is in flight (or rank 0 has
         exited, or ``checkpoint_wait_s`` passed: the restart goes on from what is on disk)."""
-        reason, deadline = self.pending_restart
-        step = self.checkpoints.in_flight()
-        if step is not None and self.workers[self.drafters[0]].up and time.monotonic() < deadline:
+        s = self.state
+        reason, deadline = s.pending_restart
+        step = s.checkpoints.in_flight()
+        if step is not None and s.workers[s.drafters[0]].up and time.monotonic() < deadline:
             return
-        self.pending_restart = None
+        s.pending_restart = None
         if step is None:
-            reason += f", after checkpoint step {self.checkpoints.written} was written"
+            reason += f", after checkpoint step {s.checkpoints.written} was written"
         else:
             reason += f", checkpoint step {step} being written was not reported on disk"
-        self.restart_drafter_group(reason)
+        self.supervision.restart_drafter_group(reason)
