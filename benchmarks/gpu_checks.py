@@ -838,6 +838,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+#: The output folder a dry run without ``--out`` shows in its commands (nothing is written).
+DRY_RUN_ROOT = "results"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.list:
@@ -852,8 +856,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"gpu_checks: {'unknown check(s) ' + ', '.join(unknown) if unknown else 'no check named'} "
               f"(known: {', '.join(BY_NAME)})", file=sys.stderr)
         return 2
-    if args.out is None:
+    if args.out is None and not args.dry_run:
         print("gpu_checks: --out DIR is required to run checks", file=sys.stderr)
+        return 2
+    if args.budget_s is not None and not args.budget_s > 0:
+        print(f"gpu_checks: --budget-s {args.budget_s:g}: must be > 0 seconds", file=sys.stderr)
         return 2
     values = {k: v for k, (v, _) in VARIABLES.items()}
     for item in args.set:
@@ -872,7 +879,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         inputs[name] = str(Path(path).resolve()) if path else None
     inputs["gguf"] = inputs["gguf"] or packaged_gguf()
     inputs["sharegpt"] = inputs["sharegpt"] or packaged_sharegpt()
-    ctx = Context(root=str(Path(args.out).resolve()), gpus=visible_gpus() if args.gpus is None else args.gpus,
+    ctx = Context(root=str(Path(args.out or DRY_RUN_ROOT).resolve()), gpus=visible_gpus() if args.gpus is None else args.gpus,
                   values=values, python=sys.executable, dry_run=args.dry_run, **inputs)
     results = run_checks([BY_NAME[n] for n in args.checks], ctx, args.budget_s)
     print("\n" + summary_table(results), flush=True)

@@ -177,3 +177,15 @@ def test_eval_head_tokens_defaults_to_the_decoding_checks_new_tokens():
                        gpu_count=0).train.eval_head_tokens == 1
     assert cfg.train.eval_walk is True
     assert load_config(CONFIGS / "smollm2-135m-cpu.yaml", ["train.eval_walk=false"], gpu_count=0).train.eval_walk is False
+
+
+def test_hf_target_without_weights_and_bad_peak_env_refused(tmp_path, monkeypatch):
+    from dflash.config import ConfigError, load_config
+
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"^target\.path: .* holds no weights"):
+        load_config(configs / "smollm2-135m-cpu.yaml", ["target.kind=hf", f"target.path={tmp_path}"], gpu_count=0)
+    monkeypatch.setenv("DFLASH_PEAK_TFLOPS", "abc")
+    with pytest.raises(ConfigError, match=r"^DFLASH_PEAK_TFLOPS: expected a positive number"):
+        load_config(configs / "smollm2-135m-cpu.yaml", [], gpu_count=0)

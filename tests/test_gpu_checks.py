@@ -215,3 +215,11 @@ def test_runbook_table_is_the_generated_one():
     assert table == gc.markdown_table() + "\n" + gc.variables_table(), (
         "docs/gpu-runbook.md's check table is stale: replace it with "
         "`python -m benchmarks.gpu_checks --list --markdown`")
+
+
+def test_dry_run_needs_no_out_and_budget_must_be_positive(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert gc.main(["--dry-run", "gpu_tests"]) == 0
+    assert not (tmp_path / "results").exists()  # a dry run writes nothing
+    assert gc.main(["--dry-run", "gpu_tests", "--budget-s", "0"]) == 2
+    assert "--budget-s 0: must be > 0" in capsys.readouterr().err

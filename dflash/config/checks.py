@@ -69,11 +69,26 @@ def validate_config(cfg: RunConfig, gpu_count: Optional[int] = None) -> RunConfi
     _need(not (cfg.target.linear_attention == "fla" and cfg.target.compile_scope == "forward"),
           "target.compile_scope", "forward captures CUDA graphs, which fla's varlen kernels cannot run in "
           "(use auto or layer)")
+    _check_peak_env()
     _need(cfg.log.every >= 1, "log.every", "must be >= 1")
     _need(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0")
     _need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _check_regenerate(cfg)
     return cfg
+
+
+def _check_peak_env() -> None:
+    """``DFLASH_PEAK_TFLOPS``, when set, is a positive number (the workers read it for MFU)."""
+    import os
+
+    raw = os.environ.get("DFLASH_PEAK_TFLOPS", "").strip()
+    if raw:
+        try:
+            ok = float(raw) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"DFLASH_PEAK_TFLOPS: expected a positive number of TFLOP/s, got {raw!r}")
 
 
 def _need(ok: bool, key: str, msg: str) -> None:
@@ -116,6 +131,8 @@ def _check_target(tg: TargetConfig) -> None:
     if tg.kind == "hf":
         _need(tg.path is not None, "target.path", "is required for target.kind: hf")
         _need(Path(tg.path).is_dir(), "target.path", f"no such directory: {tg.path}")
+        weights = [f for pattern in ("*.safetensors", "pytorch_model*.bin") for f in Path(tg.path).glob(pattern)]
+        _need(bool(weights), "target.path", f"{tg.path} holds no weights (*.safetensors or pytorch_model*.bin)")
     elif tg.kind == "gguf":
         _need(tg.path is None or Path(tg.path).is_file(), "target.path", f"no such GGUF file: {tg.path}")
     elif tg.kind == "random":

@@ -81,7 +81,8 @@ class DrafterConfig:
 
     num_layers: int = 5
     block_size: int = 16
-    #: ``null`` = the first unused embedding row of the target, else a trained mask embedding.
+    #: ``null`` = the first unused embedding row of the target, else an existing special token
+    #: (unk, pad, eos, bos); an integer picks that row (README, Mask token).
     mask_token_id: Optional[int] = None
     #: Per-layer ``full_attention`` / ``sliding_attention``; ``null`` = all full attention.
     layer_types: Optional[list[str]] = None
