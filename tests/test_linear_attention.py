@@ -245,3 +245,11 @@ def test_target_worker_compile_scope():
     assert compile_scope(forward, hybrid_torch) == "forward"
     with pytest.raises(ConfigError, match=r"^target\.compile_scope: forward captures CUDA graphs"):
         compile_scope(forward, hybrid_fla)
+
+
+def test_layer_types_read_without_weights():
+    from dflash.models.target_loader import target_layer_types
+
+    types = target_layer_types(TargetConfig(kind="random", arch="tiny-qwen3.6"))
+    assert types == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert set(target_layer_types(TargetConfig(kind="random", arch="tiny-llama"))) == {"full_attention"}

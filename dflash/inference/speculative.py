@@ -129,7 +129,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from dflash.config import load_config
     from dflash.models.drafter import DFlashDraftModel
-    from dflash.models.target_loader import load_target
+    from dflash.models.target_loader import load_target, target_layer_types
     from dflash.data.tokenizer import load_tokenizer
 
     if args.threads:
@@ -163,6 +163,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     # The drafter's checkpoint decides which target layers feed it.
     target_cfg = replace(cfg.target, layer_ids=list(dcfg.target_layer_ids))
+    if "linear_attention" in target_layer_types(target_cfg):
+        log.error("%s: the target has linear-attention (Gated-DeltaNet) layers, which static-cache "
+                  "speculative decoding does not support (no recurrent-state cache)", target_cfg.arch or target_cfg.path)
+        return 2
     target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers)
     problem = target_shape_problem(drafter_dir, dcfg, target)
     if problem:

@@ -31,7 +31,7 @@ from dflash.models.linear_attention import resolve_backend
 from dflash.models.random_target import build_random_config, build_random_model, random_embedding_and_head
 from dflash.models.target import TargetInfo, TargetModel, _decoder, text_config
 
-__all__ = ["resolve_dtype", "describe_target", "load_embedding_and_head", "load_target"]
+__all__ = ["resolve_dtype", "describe_target", "target_layer_types", "load_embedding_and_head", "load_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,28 @@ def describe_target(cfg: TargetConfig, num_drafter_layers: int = DEFAULT_DRAFTER
     ids = resolve_layer_ids(cfg.layer_ids, n, num_drafter_layers)
     return TargetInfo(num_layers=int(n), hidden_size=int(d), vocab_size=int(v), layer_ids=tuple(ids),
                       model_type=str(mtype))
+
+
+def target_layer_types(cfg: TargetConfig) -> list[str]:
+    """The configured target's ``layer_types`` (``full_attention`` / ``sliding_attention`` /
+    ``linear_attention``), read from its config without weights; a GGUF (llama) target's are all
+    ``full_attention``.
+
+    Raises:
+        ConfigError / FileNotFoundError: as :func:`describe_target`.
+    """
+    _check_source(cfg)
+    if cfg.kind == "gguf":
+        n = gguf_dims(resolve_gguf_path(cfg.path))[0]
+        return ["full_attention"] * int(n)
+    if cfg.kind == "random":
+        tc = text_config(build_random_config(cfg.arch, cfg.arch_overrides))
+    else:
+        from transformers import AutoConfig
+
+        tc = text_config(AutoConfig.from_pretrained(cfg.path))
+    n = int(tc.num_hidden_layers)
+    return list(getattr(tc, "layer_types", None) or ["full_attention"] * n)[:n]
 
 
 # --------------------------------------------------------------------------- loading
