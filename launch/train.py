@@ -33,6 +33,7 @@ from dflash.training.checkpoint_identity import CheckpointMismatch
 from dflash.training.checkpoint_load import CheckpointError, latest_checkpoint, read_state
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.training.factory import build_batch_plans
+from dflash.models.target_loader import describe_target
 from dflash.logs import setup_logging
 from dflash.metrics import ProgressLine, format_duration
 from dflash.training.resume import LaunchPlan, plan_launch
@@ -217,6 +218,11 @@ def prepare_launch(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], force: b
         if ckpt is not None:
             check_resume(cfg, run_dir, ckpt, tokenizer, force=force)
         plans = build_batch_plans(cfg, tokenizer)
+        vocab = describe_target(cfg.target, cfg.drafter.num_layers).vocab_size
+        if plans.tokenizer_size > vocab:
+            raise ConfigError(f"target.tokenizer: its {plans.tokenizer_size} tokens do not fit the target's "
+                              f"{vocab}-row embedding (a tokenizer of another model? for a random target, "
+                              "target.arch_overrides.vocab_size sets the rows)")
     except CheckpointMismatch as exc:
         raise LaunchRefused(f"--resume: {exc}") from None
     except ConfigError as exc:
