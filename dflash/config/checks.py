@@ -81,14 +81,13 @@ def _check_peak_env() -> None:
     """``DFLASH_PEAK_TFLOPS``, when set, is a positive number (the workers read it for MFU)."""
     import os
 
-    raw = os.environ.get("DFLASH_PEAK_TFLOPS", "").strip()
-    if raw:
-        try:
-            ok = float(raw) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ConfigError(f"DFLASH_PEAK_TFLOPS: expected a positive number of TFLOP/s, got {raw!r}")
+    from dflash.models.flops import PEAK_ENV, env_peak_flops
+
+    try:
+        env_peak_flops()
+    except ValueError:
+        raise ConfigError(f"{PEAK_ENV}: expected a positive number of TFLOP/s, "
+                          f"got {os.environ.get(PEAK_ENV, '').strip()!r}") from None
 
 
 def _need(ok: bool, key: str, msg: str) -> None:

@@ -329,6 +329,24 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
     return FlopCount({"fc": fc, "layers": layers, "attention": attention, "lm_head": head})
 
 
+def env_peak_flops() -> Optional[float]:
+    """FLOP/s from the :data:`PEAK_ENV` environment variable (TFLOP/s), ``None`` when it is unset.
+
+    Raises:
+        ValueError: it is set but not a positive number.
+    """
+    raw = os.environ.get(PEAK_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{PEAK_ENV}={raw!r}: expected a positive number of TFLOP/s")
+    return value * 1e12
+
+
 def peak_flops(device: Union[str, torch.device], override_tflops: Optional[float] = None) -> Optional[float]:
     """Peak FLOP/s of one ``device`` for MFU; ``None`` when unknown.
 
@@ -346,15 +364,9 @@ def peak_flops(device: Union[str, torch.device], override_tflops: Optional[float
         if not override_tflops > 0:
             raise ValueError(f"cluster.peak_tflops: must be > 0, got {override_tflops}")
         return float(override_tflops) * 1e12
-    raw = os.environ.get(PEAK_ENV, "").strip()
-    if raw:
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise ValueError(f"{PEAK_ENV}={raw!r}: expected a positive number of TFLOP/s")
-        return value * 1e12
+    from_env = env_peak_flops()
+    if from_env is not None:
+        return from_env
     device = torch.device(device)
     if device.type == "cpu":
         return measured_cpu_flops()

@@ -152,7 +152,6 @@ class TargetModel(nn.Module):
                         "state (%s backend)", type(model).__name__, types.count(LINEAR), self.linear_attention)
         self._run_linear = _linear_layer
         self._run_attention = _attention_layer
-        self.compiled_layers = False
         self._slot_of: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.layer_ids):
             self._slot_of.setdefault(layer, []).append(slot)
@@ -209,7 +208,6 @@ class TargetModel(nn.Module):
         argmax stay eager."""
         self._run_linear = torch.compile(_linear_layer, dynamic=False)
         self._run_attention = torch.compile(_attention_layer, dynamic=False)
-        self.compiled_layers = True
 
     def attention_masks(self, doc_ids: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
         """The mask each layer type gets: ``[R, 1, S, S]`` bool (sdpa) or additive in ``dtype`` (eager);

@@ -67,6 +67,15 @@ def _check_source(cfg: TargetConfig) -> None:
         raise FileNotFoundError(f"target.path: no such directory: {cfg.path}")
 
 
+def _source_text_config(cfg: TargetConfig):
+    """The (text) transformers config of a ``random`` or ``hf`` target, read without weights."""
+    if cfg.kind == "random":
+        return text_config(build_random_config(cfg.arch, cfg.arch_overrides))
+    from transformers import AutoConfig
+
+    return text_config(AutoConfig.from_pretrained(cfg.path))
+
+
 def describe_target(cfg: TargetConfig, num_drafter_layers: int = DEFAULT_DRAFTER_LAYERS) -> TargetInfo:
     """N, D, vocabulary and layer ids of the configured target, without loading weights.
 
@@ -81,12 +90,7 @@ def describe_target(cfg: TargetConfig, num_drafter_layers: int = DEFAULT_DRAFTER
     if cfg.kind == "gguf":
         n, d, v, mtype = gguf_dims(resolve_gguf_path(cfg.path))
     else:
-        if cfg.kind == "random":
-            tc = text_config(build_random_config(cfg.arch, cfg.arch_overrides))
-        else:
-            from transformers import AutoConfig
-
-            tc = text_config(AutoConfig.from_pretrained(cfg.path))
+        tc = _source_text_config(cfg)
         n, d, v, mtype = tc.num_hidden_layers, tc.hidden_size, tc.vocab_size, tc.model_type
     ids = resolve_layer_ids(cfg.layer_ids, n, num_drafter_layers)
     return TargetInfo(num_layers=int(n), hidden_size=int(d), vocab_size=int(v), layer_ids=tuple(ids),
@@ -105,12 +109,7 @@ def target_layer_types(cfg: TargetConfig) -> list[str]:
     if cfg.kind == "gguf":
         n = gguf_dims(resolve_gguf_path(cfg.path))[0]
         return ["full_attention"] * int(n)
-    if cfg.kind == "random":
-        tc = text_config(build_random_config(cfg.arch, cfg.arch_overrides))
-    else:
-        from transformers import AutoConfig
-
-        tc = text_config(AutoConfig.from_pretrained(cfg.path))
+    tc = _source_text_config(cfg)
     n = int(tc.num_hidden_layers)
     return list(getattr(tc, "layer_types", None) or ["full_attention"] * n)[:n]
 

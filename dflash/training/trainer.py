@@ -287,10 +287,9 @@ class DrafterTrainer:
             # hidden states, and gradients, dropped by ``zero_grad(set_to_none=True)``) are dead.
             torch.compiler.cudagraph_mark_step_begin()
             hidden = self._forward(*staged, masks)
-        elif compiled and self.compiled and self._forward is not self._hidden:
-            hidden = self._forward(*args, prepared.attn_masks)
-        else:
-            hidden = self._hidden(*args, prepared.attn_masks)
+        else:  # compiled without CUDA graphs, or compiled per layer (``_forward`` is ``_hidden``), or eager
+            forward = self._forward if compiled else self._hidden
+            hidden = forward(*args, prepared.attn_masks)
         # Compiled runs also compile the LM-head loss chunks (fused fp32 softmax passes); the
         # eval path (compiled=False) stays eager, so it never triggers a compile after warm-up.
         chunk_fn = compiled_linear_ce_chunk() if compiled and self.compiled else None
