@@ -12,7 +12,10 @@ parameters and optimizer states, are one "before the step" line).
 
 ``--memory-fraction F`` caps this process at ``F`` of the card
 (``torch.cuda.set_per_process_memory_fraction``): a run that completes under the cap fits a card
-of that size. One configuration per process; loop over configurations in the shell.
+of that size. ``--profile``: after the timed steps, one more step's GPU milliseconds by phase
+(``benchmarks.bench_compile.phase_times``) and its top CUDA kernels (torch.profiler). One
+configuration per process; loop over configurations in the shell (``--tag`` names the result
+file of a variant the flags do not tell apart, e.g. one run under other inductor settings).
 
     python -m benchmarks.bench_drafter_memory --compile --gradient-checkpointing --mlp-chunks 4 \\
         --memory-fraction 0.57 --snapshot --out runs/bench-drafter-memory
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlp-chunks", type=int, default=1)
     p.add_argument("--memory-fraction", type=float, default=None)
     p.add_argument("--snapshot", action="store_true", help="the tensors alive at one step's peak, by site")
+    p.add_argument("--profile", action="store_true", help="one more step: GPU ms by phase and the top CUDA kernels")
+    p.add_argument("--tag", default="", help="suffix of the result file's name")
     p.add_argument("--out", type=Path, default=None, help="directory for bench_drafter_memory.json")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no memory figures)")
     args = p.parse_args(argv)
@@ -155,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             if record:
                 res["live_at_peak"] = live_at_peak(torch.cuda.memory._snapshot(), baseline)
                 torch.cuda.memory._record_memory_history(enabled=None)
+        if args.profile and on_gpu:
+            from benchmarks.bench_compile import phase_times, top_kernels
+
+            res["phases_ms"] = phase_times(trainer, batch, args.steps)
+            res["top_kernels"] = top_kernels(trainer, batch, args.steps + 1, rows=25)
     except torch.cuda.OutOfMemoryError as exc:
         res["oom"] = str(exc).splitlines()[0]
     steady = sorted(times[2:]) or times
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if on_gpu else 0.0)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"drafter_memory_{args.compile_mode if args.compile else 'eager'}_c{args.mlp_chunks}.json"
+        name = f"drafter_memory_{args.compile_mode if args.compile else 'eager'}_c{args.mlp_chunks}{args.tag}.json"
         (args.out / name).write_text(json.dumps(res, indent=1))
     mode = f"compiled {args.compile_mode}" if args.compile else "eager"
     print(f"| {mode} | ckpt {'on' if args.gradient_checkpointing else 'off'} | mlp_chunks {args.mlp_chunks} | "
@@ -173,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'OOM' if 'oom' in res else 'ok'} | losses {', '.join(f'{x:.3f}' for x in losses)} |")
     for row in res.get("live_at_peak", {}).get("sites", []):
         print(f"    {row['gib']:7.2f} GiB  {row['site']}")
+    if "phases_ms" in res:
+        print("    phases (GPU ms): " + ", ".join(f"{k} {v:.0f}" for k, v in res["phases_ms"].items()))
+        for row in res["top_kernels"]:
+            print(f"    {row['ms']:8.1f} ms {row['calls']:5d}x  {row['name']}")
     return 1 if "oom" in res else 0
 
 

@@ -70,6 +70,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
                     "decode_one: decode_speed's modes first (none: skip it)"),
     "decode_long": ("1", "decode_one: 0 skips the 512-token bench"),
     "decode_checkpoint": ("", "decode: the drafter checkpoint (empty: a randomly initialised drafter)"),
+    "reference_budget": ("12288", "reference_one_gpu: data.token_budget (the reference config's 49,152 over 4)"),
 }
 
 #: The one-GPU placement: the target and the drafter share cuda:0.
@@ -450,6 +451,7 @@ def _train(config: str, run: str, data: str, *more: str, gpu: Optional[str] = No
 
 
 _H200 = "configs/smollm2-135m-h200.yaml"
+_REFERENCE = "configs/qwen3.6-27b-8xgpu.yaml"
 _REGEN = "configs/smollm2-135m-h200-regen.yaml"
 _PAIR = ("cluster.targets=[0]", "cluster.drafters=[0]", "cluster.allow_shared_gpu=true", "train.max_steps={steps}",
          "train.epochs=20", "checkpoint.every=1000")
@@ -512,6 +514,12 @@ CHECKS: tuple[Check, ...] = (
           passes=(ExitZero(), JsonValue("pipeline.json", "steady.busy.busy.1", ">=", 0.9))),
     Check("single_gpu", "the pipeline with the target and the drafter on one GPU: s/step",
           _pipeline("run", "train.max_steps=30", "checkpoint.every=0", *ONE_GPU, "{qwen_data}"), gpus=1, limit_s=600),
+    Check("reference_one_gpu", "configs/qwen3.6-27b-8xgpu.yaml with its target and drafter on one GPU at a "
+          "reduced token budget, both compiled, 50 steps: s/step, busy fraction, no re-records",
+          _pipeline("run", "--config", _REFERENCE, "cluster.targets=[0]", *ONE_GPU,
+                    "data.token_budget={reference_budget}", "train.max_steps=50", "train.eval_batches=2",
+                    "checkpoint.every=0", "log.wandb=disabled", "{qwen_data}"), gpus=1, limit_s=900,
+          passes=(ExitZero(), NO_RERECORDS)),
     Check("checkpoints", "the pipeline with a checkpoint every 10 steps: the later ones barely block the step",
           _pipeline("run", "train.max_steps=30", "checkpoint.every=10", "{qwen_data}"), gpus=2, limit_s=600,
           passes=(ExitZero(), Metric("pipeline_metrics.jsonl", r"^drafter\.0/checkpoint_block_s$", "<=", 1.0))),
