@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-mode", default="reduce-overhead", choices=["reduce-overhead", "default", "layer"])
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--mlp-chunks", type=int, default=1)
+    p.add_argument("--checkpoint-layers", type=int, default=None,
+                   help="drafter.checkpoint_layers: layers (from the first) recomputed in the backward (default: all)")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="rows per LM-head loss chunk (default: dflash.training.chunked_ce.loss_chunk_rows)")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="the CUDA caching allocator's expandable_segments (less fragmentation)")
     p.add_argument("--memory-fraction", type=float, default=None)
     p.add_argument("--snapshot", action="store_true", help="the tensors alive at one step's peak, by site")
     p.add_argument("--profile", action="store_true", help="one more step: GPU ms by phase and the top CUDA kernels")
@@ -117,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.training.trainer import DrafterTrainer, metrics_to_host
 
     dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    if args.expandable_segments and on_gpu:  # read when the allocator starts, at the first allocation
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+            x for x in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "expandable_segments:True") if x)
     if args.memory_fraction is not None and on_gpu:
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction, dev)
     layer_types = REFERENCE_LAYER_TYPES if args.drafter_layers == 5 else None
@@ -125,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "drafter": {"num_layers": args.drafter_layers, "block_size": args.block, "anchors_per_row": args.anchors,
                     "mask_token_id": args.mask_token_id, "layer_types": layer_types,
                     "gradient_checkpointing": args.gradient_checkpointing, "mlp_chunks": args.mlp_chunks,
+                    "checkpoint_layers": args.checkpoint_layers,
                     "compile": args.compile, "compile_mode": args.compile_mode},
         "data": {"max_length": args.seq, "token_budget": args.rows * args.seq},
         "train": {"max_steps": args.steps},
@@ -132,13 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     info = describe_target(cfg.target, args.drafter_layers)
     embed, head = load_embedding_and_head(cfg.target, dev)
     model = build_drafter(cfg, embed, head, args.mask_token_id, dev)
-    trainer = DrafterTrainer(model, cfg.train, cfg.drafter, args.steps, dev)
+    trainer = DrafterTrainer(model, cfg.train, cfg.drafter, args.steps, dev, loss_chunk=args.loss_chunk)
     batch = synthetic_batch(args.rows, args.seq, info.vocab_size, info.feature_size, torch.Generator().manual_seed(0), dev)
     cap = torch.cuda.get_device_properties(dev).total_memory * (args.memory_fraction or 1.0) if on_gpu else 0
     res: dict = {"args": {k: str(v) for k, v in vars(args).items()},
                  "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
                  "torch": torch.__version__, "drafter_params_M": model.num_trainable_params() / 1e6,
-                 "cap_gib": cap / 2**30}
+                 "cap_gib": cap / 2**30, "loss_chunk": trainer.loss_chunk}
     times, losses = [], []
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()

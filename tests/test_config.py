@@ -96,6 +96,12 @@ BAD_CASES = [
     (["drafter.gradient_checkpointing=yes please"], 0,
      r"^drafter\.gradient_checkpointing: expected true/false, got str 'yes please'$"),
     (["drafter.gradient_checkpointing=1"], 0, r"^drafter\.gradient_checkpointing: expected true/false, got int 1$"),
+    (["drafter.checkpoint_layers=1"], 0,
+     r"^drafter\.checkpoint_layers: applies only with drafter\.gradient_checkpointing: true"),
+    (["drafter.gradient_checkpointing=true", "drafter.checkpoint_layers=9"], 0,
+     r"^drafter\.checkpoint_layers: must be null \(every layer\) or 0 \.\.\. drafter\.num_layers \(\d+\), got 9$"),
+    (["drafter.gradient_checkpointing=true", "drafter.checkpoint_layers=-1"], 0,
+     r"^drafter\.checkpoint_layers: must be null"),
 ]
 
 

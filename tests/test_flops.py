@@ -240,10 +240,12 @@ def test_drafter_forward_flops_match_a_naive_count(overrides, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # fc: its input needs no gradient
-@pytest.mark.parametrize("checkpointing, mlp_chunks", [(False, 1), (True, 1), (True, 3)],
-                         ids=["plain", "checkpointed", "checkpointed-mlp3"])
+@pytest.mark.parametrize("checkpointing, mlp_chunks, checkpoint_layers",
+                         [(False, 1, None), (True, 1, None), (True, 3, None), (True, 2, 1)],
+                         ids=["plain", "checkpointed", "checkpointed-mlp3", "first-layer-checkpointed"])
 @pytest.mark.parametrize("overrides", [{}, MIXED], ids=["full", "sliding+full"])
-def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, mlp_chunks, monkeypatch):
+def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, mlp_chunks, checkpoint_layers,
+                                                   monkeypatch):
     """The trainer's ``flops`` metric = forward hooks + backward hooks of every linear (weight and,
     where needed, input gradients; a checkpointed layer's recompute fires its hooks again) + the
     attention pairs of every SDPA call (forward and recompute) × 3 for the backward + the LM head's
@@ -253,6 +255,7 @@ def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, mlp
     model = tiny_model(**overrides)
     model.gradient_checkpointing = checkpointing
     model.mlp_chunks = mlp_chunks
+    model.checkpoint_layers = checkpoint_layers
     batch, anchors, keep = _drafter_batch(seed=2)
     trainer = DrafterTrainer(model, TrainConfig(), drafter_cfg(anchors_per_row=5), 4, "cpu")
     counter = Counter(model, monkeypatch, backward=True)
@@ -265,9 +268,11 @@ def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, mlp
     # the backward of each layer's attention (dP, dV, dQ, dK: twice its forward) runs once; a
     # checkpointed layer's recompute ran its attention again, in the backward's (reverse) order
     # (hooks count the recomputed linears; the recompute stops before each region's last product)
-    assert len(calls) == (2 if checkpointing else 1) * layers
-    if checkpointing:
-        assert calls[layers:] == calls[:layers][::-1]
+    recomputed = [i for i in range(layers) if model.checkpointed(i)]
+    assert recomputed == (list(range(layers if checkpoint_layers is None else checkpoint_layers))
+                          if checkpointing else [])
+    assert len(calls) == layers + len(recomputed)
+    assert calls[layers:] == [calls[i] for i in reversed(recomputed)]
     naive = counter.linear + counter.linear_backward + counter.attention + 2 * sum(calls[:layers]) + head
     assert int(m["flops"]) == naive
     plain = model.flops(anchors, keep, batch["doc_ids"], training=False).to_dict()

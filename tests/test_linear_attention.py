@@ -232,6 +232,75 @@ def test_fla_backend_equals_torch_backend_on_gpu():
     assert (conv - ref).norm() / ref.norm() < 1e-2
 
 
+#: tiny-qwen3.6 widened to linear-attention heads of 64 (the kernels' tiles) over sequences of
+#: several of fla's 64-token chunks.
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "fla"])
+def test_packed_conversations_equal_each_alone_on_gpu_in_bf16(backend):
+    """Every conversation of packed bf16 rows (first, middle, one token, shorter than the
+    convolution, across chunk boundaries, then padding) equals that conversation alone in bf16.
+
+    The tolerance is bf16's own: against the fp32 features of the conversation alone (the exact
+    torch path), the packed features' relative error may be at most twice (+ 2e-3) the error of the
+    same conversation alone in bf16, whose order is bf16's 2^-8 rounding carried through 8 layers.
+    Transformers' own forward over the packed rows (the state runs on) is checked to miss that
+    bound by a wide margin, so the bound tells a leak apart.
+    """
+    import copy
+
+    from dflash.models.target import TargetModel
+
+    if backend == "fla" and not la.fla_available():
+        pytest.skip("needs flash-linear-attention")
+    ref = load_target(TargetConfig(kind="random", arch="tiny-qwen3.6", seed=5, linear_attention="torch",
+                                   arch_overrides=WIDE), "cuda", torch.float32)
+    with torch.no_grad():  # linear-attention weights scaled up, as in _hybrid: the state matters
+        for layer in ref.model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                for name in ("in_proj_qkv", "in_proj_z", "out_proj"):
+                    getattr(layer.linear_attn, name).weight.mul_(4.0)
+                layer.linear_attn.conv1d.weight.mul_(4.0)
+    low = TargetModel(copy.deepcopy(ref.model).to(torch.bfloat16), ref.layer_ids, linear_attention=backend)
+    seq, lengths = 512, [[150, 3, 1, 97, 200], [64, 128, 2, 70]]
+    doc = _segments(lengths, seq).cuda()
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, ref.vocab_size, (len(lengths), seq), generator=gen).cuda()
+    pos = torch.zeros_like(ids)
+    for r, row in enumerate(lengths):
+        at = 0
+        for n in row + [seq - sum(row)]:
+            pos[r, at:at + n] = torch.arange(n)
+            at += n
+    packed, _ = low.forward_features(ids, pos, doc)
+    with torch.no_grad():
+        leaked = low.model(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states
+    leaked = torch.cat([leaked[i + 1] for i in low.layer_ids], dim=-1)
+
+    def rel(got, want):
+        return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+    worst_leak = 0.0
+    for r, row in enumerate(lengths):
+        at = 0
+        for n in row:
+            one = (slice(r, r + 1), slice(at, at + n))
+            ones = torch.ones(1, n, dtype=torch.int32, device="cuda")
+            exact, _ = ref.forward_features(ids[one], pos[one], ones)
+            alone, _ = low.forward_features(ids[one], pos[one], ones)
+            floor = rel(alone, exact)
+            bound = 2 * floor + 2e-3
+            err = rel(packed[one], exact)
+            assert err <= bound, (backend, r, at, n, err, floor)
+            if at > 0:
+                worst_leak = max(worst_leak, rel(leaked[one], exact) / bound)
+            at += n
+    assert worst_leak > 5, worst_leak  # transformers from position_ids alone is far outside the bound
+
+
 def test_target_worker_compile_scope():
     from types import SimpleNamespace
 

@@ -299,9 +299,9 @@ def test_flex_matches_sdpa_on_gpu() -> None:
 def test_gradient_checkpointing_gives_the_same_gradients() -> None:
     x = tiny_inputs()
     grads, outs = [], []
-    for ckpt, chunks in ((False, 1), (True, 1), (True, 3)):
+    for ckpt, chunks, first in ((False, 1, None), (True, 1, None), (True, 3, None), (True, 2, 1), (True, 1, 0)):
         model = tiny_model().train()
-        model.gradient_checkpointing, model.mlp_chunks = ckpt, chunks
+        model.gradient_checkpointing, model.mlp_chunks, model.checkpoint_layers = ckpt, chunks, first
         out = model(**x)
         out.pow(2).mean().backward()
         outs.append(out.detach())

@@ -317,3 +317,19 @@ def test_eval_output_head_sums_and_errors() -> None:
         EvalOutput.from_loss(out, head[:, :2])
     with pytest.raises(ValueError, match="out: has no block_tau"):
         EvalOutput.from_loss(LossOutput.from_stats_vector(out.stats_vector()), head)
+
+
+def test_loss_chunk_rows_fill_whole_tiles_and_bound_the_logits():
+    from dflash.training.chunked_ce import LOSS_CHUNK_ALIGN, LOSS_CHUNK_ELEMENTS, LOSS_CHUNK_ROWS, loss_chunk_rows
+
+    cases = {248_320: 1024, 151_936: 1536, 49_152: 2048, 100: 2048, 1 << 20: 256, 700_000: 256, 3_000_000: 89, 1 << 29: 1}
+    for vocab, rows in cases.items():
+        got = loss_chunk_rows(vocab)
+        assert got == rows, (vocab, got)
+        # by hand: the most rows within both caps, then whole tiles above one tile
+        naive = max(1, min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // vocab))
+        while naive > LOSS_CHUNK_ALIGN and naive % LOSS_CHUNK_ALIGN:
+            naive -= 1
+        assert got == naive and got * vocab <= max(LOSS_CHUNK_ELEMENTS, vocab)
+    with pytest.raises(ValueError, match="vocab_size"):
+        loss_chunk_rows(0)

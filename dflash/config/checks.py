@@ -97,8 +97,12 @@ def _need(ok: bool, key: str, msg: str) -> None:
 
 
 def _check_drafter(d: DrafterConfig) -> None:
-    _need(d.mlp_chunks >= 1, "drafter.mlp_chunks", f"must be >= 1, got {d.mlp_chunks}")
     """The ``drafter`` section: sizes, and options that apply only with a given sampling or weighting."""
+    _need(d.mlp_chunks >= 1, "drafter.mlp_chunks", f"must be >= 1, got {d.mlp_chunks}")
+    _need(d.checkpoint_layers is None or d.gradient_checkpointing, "drafter.checkpoint_layers",
+          f"applies only with drafter.gradient_checkpointing: true (got checkpoint_layers: {d.checkpoint_layers})")
+    _need(d.checkpoint_layers is None or 0 <= d.checkpoint_layers <= d.num_layers, "drafter.checkpoint_layers",
+          f"must be null (every layer) or 0 ... drafter.num_layers ({d.num_layers}), got {d.checkpoint_layers}")
     _need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (an anchor plus at least one predicted token), got {d.block_size}")
     _need(d.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {d.num_layers}")
     _need(d.anchors_per_row >= 1, "drafter.anchors_per_row", f"must be >= 1, got {d.anchors_per_row}")

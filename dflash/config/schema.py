@@ -128,6 +128,11 @@ class DrafterConfig:
     #: MLP in this many slices of the block tokens, each its own checkpoint region (the same
     #: FLOPs; the backward holds one slice's ``[R, Q/n, intermediate]`` MLP activations at a time).
     mlp_chunks: int = 1
+    #: With ``gradient_checkpointing``: how many decoder layers, from the first, are checkpointed
+    #: (``null`` = all). The last ``num_layers - checkpoint_layers`` keep their activations: no
+    #: recomputation for them (one layer's forward less per layer), a few GiB more each at the
+    #: reference shape (docs/benchmarks.md, Drafter memory).
+    checkpoint_layers: Optional[int] = None
 
 
 @dataclass

@@ -63,6 +63,9 @@ class DFlashDraftModel(nn.Module):
             and its MLP sub-layer in ``mlp_chunks`` slices of the block tokens
             (:meth:`_checkpointed_layer`).
         mlp_chunks: slices of the MLP's recomputation under gradient checkpointing (>= 1).
+        checkpoint_layers: under gradient checkpointing, how many decoder layers from the first
+            are checkpointed (``None`` = all); the later ones keep their activations and are not
+            recomputed (:meth:`checkpointed`). Settable later as an attribute.
 
     Both shared modules get ``requires_grad_(False)`` and are stored outside the module tree, so
     ``model.to(...)`` does not move or cast them (they may be the target's own modules): put them
@@ -70,17 +73,21 @@ class DFlashDraftModel(nn.Module):
 
     Raises:
         ValueError: the embedding width is not ``config.hidden_size``, ``attention`` is unknown or
-            ``mlp_chunks < 1``.
+            ``mlp_chunks < 1`` or ``checkpoint_layers`` is outside ``0 … num_layers``.
     """
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Module, lm_head: nn.Module,
-                 attention: str = "auto", gradient_checkpointing: bool = False, mlp_chunks: int = 1) -> None:
+                 attention: str = "auto", gradient_checkpointing: bool = False, mlp_chunks: int = 1,
+                 checkpoint_layers: Optional[int] = None) -> None:
         super().__init__()
         if attention not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention: must be auto, flex or sdpa, got {attention!r}")
         if mlp_chunks < 1:
             raise ValueError(f"mlp_chunks: must be >= 1, got {mlp_chunks}")
         self.mlp_chunks = mlp_chunks
+        if checkpoint_layers is not None and not 0 <= checkpoint_layers <= config.num_hidden_layers:
+            raise ValueError(f"checkpoint_layers: must be None or 0 ... {config.num_hidden_layers}, got {checkpoint_layers}")
+        self.checkpoint_layers = checkpoint_layers
         #: ``(attention_block, mlp_block)`` compiled by :meth:`compile_layers`, else ``None``.
         self._compiled_regions: Optional[tuple] = None
         emb_weight = embed_tokens.weight
@@ -141,6 +148,11 @@ class DFlashDraftModel(nn.Module):
 
         return drafter_flops(self, anchors, anchor_keep, doc_ids, training=training,
                              recompute=training and self.gradient_checkpointing)
+
+    def checkpointed(self, index: int) -> bool:
+        """Whether decoder layer ``index`` (0-based) is recomputed in the backward: gradient
+        checkpointing is on and ``index < checkpoint_layers`` (every layer when that is ``None``)."""
+        return self.gradient_checkpointing and (self.checkpoint_layers is None or index < self.checkpoint_layers)
 
     # ----------------------------------------------------------------------- forward
 
@@ -212,10 +224,10 @@ class DFlashDraftModel(nn.Module):
 
         if attn_masks is None:
             attn_masks = drafter_attention_masks(self, anchors, anchor_keep, doc_ids)
-        checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
-        for layer in self.layers:
+        grad = torch.is_grad_enabled()
+        for index, layer in enumerate(self.layers):
             mask = attn_masks[layer.layer_type]
-            if checkpointing:
+            if grad and self.checkpointed(index):
                 x = self._checkpointed_layer(layer, x, ctx, rope_q, rope_kv, mask)
             elif self._compiled_regions is not None and torch.is_grad_enabled():
                 attention, mlp = self._compiled_regions

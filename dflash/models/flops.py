@@ -281,7 +281,8 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
     of each checkpointed region, the attention's ``o_proj`` and the MLP's ``down_proj``, whose
     outputs no backward needs (``torch.utils.checkpoint``'s non-reentrant recompute stops after
     the last tensor the backward uses; :meth:`dflash.models.drafter.DFlashDraftModel._checkpointed_layer`
-    checkpoints the two sub-layers as separate regions). ``training=False``: the forward alone.
+    checkpoints the two sub-layers as separate regions), over the layers the model checkpoints
+    (:meth:`~dflash.models.drafter.DFlashDraftModel.checkpointed`). ``training=False``: the forward alone.
 
     Args:
         model: a :class:`dflash.models.drafter.DFlashDraftModel` (its config, ``fc``, ``layers``
@@ -308,23 +309,27 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
     per_pair = 4 * int(cfg.num_attention_heads) * int(cfg.head_dim)
     pairs: dict[Optional[int], Tensor] = {}
     layers = 0
-    last = 0
     attention: Number = 0
-    for layer in model.layers:
+    recomputed: Number = 0
+    checkpointed = getattr(model, "checkpointed", lambda index: True)
+    for index, layer in enumerate(model.layers):
         window = cfg.sliding_window if layer.layer_type == SLIDING_ATTENTION else None
         if window not in pairs:
             pairs[window] = drafter_attention_pairs(anchors, anchor_keep, doc_ids, b, window)
         kv = linear_weights(layer, ("k_proj", "v_proj"))
-        layers += 2 * kv * (t + q) + 2 * linear_weights(layer, exclude=("k_proj", "v_proj")) * q
-        last += 2 * linear_weights(layer, ("o_proj", "down_proj")) * q
-        attention = attention + per_pair * pairs[window]
+        here = 2 * kv * (t + q) + 2 * linear_weights(layer, exclude=("k_proj", "v_proj")) * q
+        layer_attention = per_pair * pairs[window]
+        layers += here
+        attention = attention + layer_attention
+        if recompute and checkpointed(index):
+            recomputed = recomputed + here - 2 * linear_weights(layer, ("o_proj", "down_proj")) * q + layer_attention
     vocab, hidden = model.lm_head.weight.shape
     fc = 2 * linear_weights(model.fc) * t
     head = 2 * int(vocab) * int(hidden) * n
     if training:
         parts = {"fc": 2 * fc, "layers": 3 * layers, "attention": 3 * attention, "lm_head": 2 * head}
         if recompute:
-            parts["recompute"] = layers - last + attention
+            parts["recompute"] = recomputed
         return FlopCount(parts)
     return FlopCount({"fc": fc, "layers": layers, "attention": attention, "lm_head": head})
 

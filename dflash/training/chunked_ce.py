@@ -17,20 +17,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSS_CHUNK_ROWS", "LOSS_CHUNK_ELEMENTS", "loss_chunk_rows", "linear_ce_chunk", "compiled_linear_ce_chunk", "chunked_linear_ce"]
+__all__ = ["LOSS_CHUNK_ROWS", "LOSS_CHUNK_ELEMENTS", "LOSS_CHUNK_ALIGN", "loss_chunk_rows", "linear_ce_chunk", "compiled_linear_ce_chunk", "chunked_linear_ce"]
 
 #: Most rows of ``hidden @ lm_head.T`` computed at once.
 LOSS_CHUNK_ROWS = 2048
 #: Most fp32 logits of one chunk (2**28 = 1 GiB): fewer rows for large vocabularies
-#: (1,081 at Qwen3.6's 248,320 tokens), so a chunk's logits, probabilities and their bf16 copy
+#: (1,024 at Qwen3.6's 248,320 tokens), so a chunk's logits, probabilities and their bf16 copy
 #: stay a few GiB whatever the vocabulary (:func:`loss_chunk_rows`).
 LOSS_CHUNK_ELEMENTS = 1 << 28
+#: Chunks of more rows than this are a multiple of it: whole tiles of the two matmuls
+#: (1,081 rows would leave a 57-row tail tile in each of them, every chunk).
+LOSS_CHUNK_ALIGN = 256
 
 
 def loss_chunk_rows(vocab_size: int) -> int:
     """Rows per LM-head loss chunk for a vocabulary of ``vocab_size``:
-    ``min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // vocab_size)``, at least 1."""
-    return max(1, min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // vocab_size))
+    ``min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // vocab_size)``, rounded down to a multiple of
+    :data:`LOSS_CHUNK_ALIGN` when larger than it, at least 1.
+
+    Raises:
+        ValueError: ``vocab_size < 1``.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size: must be >= 1, got {vocab_size}")
+    rows = max(1, min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // vocab_size))
+    return rows - rows % LOSS_CHUNK_ALIGN if rows > LOSS_CHUNK_ALIGN else rows
 
 
 def linear_ce_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, w: Tensor,

@@ -166,7 +166,8 @@ def build_drafter(cfg: RunConfig, embed_tokens: torch.nn.Module, lm_head: torch.
     torch.manual_seed(cfg.train.seed)
     model = DFlashDraftModel(dcfg, embed_tokens, lm_head, attention=cfg.drafter.attention,
                              gradient_checkpointing=cfg.drafter.gradient_checkpointing,
-                             mlp_chunks=cfg.drafter.mlp_chunks).to(device)
+                             mlp_chunks=cfg.drafter.mlp_chunks,
+                             checkpoint_layers=cfg.drafter.checkpoint_layers).to(device)
     log.info("drafter: %d layer(s), B=%d, mask token %d, target layers %s, %.2fM trainable params, "
              "gradient checkpointing %s", dcfg.num_hidden_layers, dcfg.block_size, mask_id, layer_ids,
              model.num_trainable_params() / 1e6, "on" if model.gradient_checkpointing else "off")
