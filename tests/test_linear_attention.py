@@ -250,10 +250,6 @@ def test_packed_conversations_equal_each_alone_on_gpu_in_bf16(backend):
     Transformers' own forward over the packed rows (the state runs on) is checked to miss that
     bound by a wide margin, so the bound tells a leak apart.
     """
-    import copy
-
-    from dflash.models.target import TargetModel
-
     if backend == "fla" and not la.fla_available():
         pytest.skip("needs flash-linear-attention")
     ref = load_target(TargetConfig(kind="random", arch="tiny-qwen3.6", seed=5, linear_attention="torch",
@@ -264,7 +260,9 @@ def test_packed_conversations_equal_each_alone_on_gpu_in_bf16(backend):
                 for name in ("in_proj_qkv", "in_proj_z", "out_proj"):
                     getattr(layer.linear_attn, name).weight.mul_(4.0)
                 layer.linear_attn.conv1d.weight.mul_(4.0)
-    low = TargetModel(copy.deepcopy(ref.model).to(torch.bfloat16), ref.layer_ids, linear_attention=backend)
+    low = load_target(TargetConfig(kind="random", arch="tiny-qwen3.6", seed=5, linear_attention=backend,
+                                   arch_overrides=WIDE), "cuda", torch.bfloat16)
+    low.model.load_state_dict(ref.model.state_dict())  # the same weights, rounded to bf16
     seq, lengths = 512, [[150, 3, 1, 97, 200], [64, 128, 2, 70]]
     doc = _segments(lengths, seq).cuda()
     gen = torch.Generator().manual_seed(6)

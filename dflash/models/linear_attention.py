@@ -324,6 +324,6 @@ def gated_deltanet_forward(module: nn.Module, hidden: torch.Tensor, starts: torc
     if backend == "fla":
         core = _fla_packed_gated_delta_rule(q, k, v, g, beta, starts)
     else:
-        core = chunk_gated_delta_rule(q, k, v, g, beta, segments)
+        core = chunk_gated_delta_rule(q, k, v, g, beta, segments).to(v.dtype)  # fp32 recurrence, back to bf16 weights
     core = module.norm(core.reshape(-1, d_v), z.reshape(-1, d_v)).reshape(rows, seq, h_v * d_v)
     return module.out_proj(core)
