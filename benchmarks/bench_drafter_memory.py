@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="drafter.checkpoint_layers: layers (from the first) recomputed in the backward (default: all)")
     p.add_argument("--loss-chunk", type=int, default=None,
                    help="rows per LM-head loss chunk (default: dflash.training.chunked_ce.loss_chunk_rows)")
+    p.add_argument("--activation-memory-budget", type=float, default=None,
+                   help="drafter.activation_memory_budget (with --compile): share of activations kept for the backward")
     p.add_argument("--expandable-segments", action="store_true",
                    help="the CUDA caching allocator's expandable_segments (less fragmentation)")
     p.add_argument("--memory-fraction", type=float, default=None)
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mask_token_id": args.mask_token_id, "layer_types": layer_types,
                     "gradient_checkpointing": args.gradient_checkpointing, "mlp_chunks": args.mlp_chunks,
                     "checkpoint_layers": args.checkpoint_layers,
+                    "activation_memory_budget": args.activation_memory_budget,
                     "compile": args.compile, "compile_mode": args.compile_mode},
         "data": {"max_length": args.seq, "token_budget": args.rows * args.seq},
         "train": {"max_steps": args.steps},

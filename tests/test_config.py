@@ -102,6 +102,12 @@ BAD_CASES = [
      r"^drafter\.checkpoint_layers: must be null \(every layer\) or 0 \.\.\. drafter\.num_layers \(\d+\), got 9$"),
     (["drafter.gradient_checkpointing=true", "drafter.checkpoint_layers=-1"], 0,
      r"^drafter\.checkpoint_layers: must be null"),
+    (["drafter.compile=true", "drafter.activation_memory_budget=0"], 0,
+     r"^drafter\.activation_memory_budget: must be in \(0, 1\] or null, got 0"),
+    (["drafter.compile=true", "drafter.activation_memory_budget=1.5"], 0,
+     r"^drafter\.activation_memory_budget: must be in \(0, 1\] or null, got 1\.5$"),
+    (["drafter.compile=false", "drafter.activation_memory_budget=0.3"], 0,
+     r"^drafter\.activation_memory_budget: applies only with drafter\.compile: true"),
 ]
 
 

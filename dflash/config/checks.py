@@ -103,6 +103,10 @@ def _check_drafter(d: DrafterConfig) -> None:
           f"applies only with drafter.gradient_checkpointing: true (got checkpoint_layers: {d.checkpoint_layers})")
     _need(d.checkpoint_layers is None or 0 <= d.checkpoint_layers <= d.num_layers, "drafter.checkpoint_layers",
           f"must be null (every layer) or 0 ... drafter.num_layers ({d.num_layers}), got {d.checkpoint_layers}")
+    _need(d.activation_memory_budget is None or 0.0 < d.activation_memory_budget <= 1.0,
+          "drafter.activation_memory_budget", f"must be in (0, 1] or null, got {d.activation_memory_budget}")
+    _need(d.activation_memory_budget is None or d.compile, "drafter.activation_memory_budget",
+          "applies only with drafter.compile: true (it steers torch.compile's partitioner)")
     _need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (an anchor plus at least one predicted token), got {d.block_size}")
     _need(d.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {d.num_layers}")
     _need(d.anchors_per_row >= 1, "drafter.anchors_per_row", f"must be >= 1, got {d.anchors_per_row}")

@@ -133,6 +133,12 @@ class DrafterConfig:
     #: recomputation for them (one layer's forward less per layer), a few GiB more each at the
     #: reference shape (docs/benchmarks.md, Drafter memory).
     checkpoint_layers: Optional[int] = None
+    #: With ``compile``: the share of the compiled forward's activations that torch.compile's
+    #: partitioner may keep for the backward (``torch._functorch.config.activation_memory_budget``,
+    #: 0 < x <= 1; ``null`` = torch's default, 1.0: keep what the backward needs, recompute only
+    #: what is cheaper to redo). Below 1 it recomputes the cheapest activations first (by FLOPs), a
+    #: finer trade than ``gradient_checkpointing``'s whole layers. Set for the drafter process.
+    activation_memory_budget: Optional[float] = None
 
 
 @dataclass

@@ -176,6 +176,14 @@ class DrafterTrainer:
         if drafter_cfg.compile and self.device.type != "cuda":
             logger.info("drafter.compile: ignored on %s (CUDA graphs need a GPU); the drafter runs eager",
                         self.device.type)
+        budget = getattr(drafter_cfg, "activation_memory_budget", None)
+        if self.compiled and budget is not None:
+            # read by the partitioner when a graph compiles (at the first step): set process-wide,
+            # as a drafter process compiles only the drafter
+            import torch._functorch.config as functorch_config
+
+            functorch_config.activation_memory_budget = float(budget)
+            logger.info("drafter: activation_memory_budget %.2f (torch.compile's partitioner)", budget)
         if self.compiled and compile_mode == "layer":
             self.module.compile_layers()
             logger.info("drafter layers compiled (each attention and MLP sub-layer, no CUDA graphs)")
