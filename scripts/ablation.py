@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from dflash.inference.prompt_sets import PROMPT_SET_NAMES, add_prompt_set_argument, check_prompt_sets
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: The built-in variants: name -> (overrides, what changes). ``baseline`` is the base config as is.
@@ -143,14 +145,18 @@ def train_summary(metrics: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def decode_summary(bench: dict[str, Any]) -> dict[str, Any]:
-    """The table's decoding columns from ``decode_bench.json``'s first run: measured τ, the walked
-    offline τ on the target's own text, the outputs' check, tokens/s both ways."""
+    """The table's decoding columns from ``decode_bench.json``'s first run: measured τ (pooled over
+    the prompt sets), the walked offline τ on the target's own text, the outputs' check, tokens/s
+    both ways, and per prompt set (``decode_sets``) its pooled and per-response τ and its check."""
     if not bench.get("runs"):
         return {}
     s = bench["runs"][0]["summary"]
     return {"decode_tau": s["tau"], "decode_walk": s.get("offline_tau_own_walk", math.nan),
             "decode_check": f"{s['identical']}/{s['ties']}/{s['failures']}",
-            "target_tok_s": s["target_tok_s"], "spec_tok_s": s["spec_tok_s"]}
+            "target_tok_s": s["target_tok_s"], "spec_tok_s": s["spec_tok_s"],
+            "decode_sets": {x["set"]: {"tau": x["tau"], "tau_per_response": x["tau_per_response"],
+                                       "check": f"{x['identical']}/{x['ties']}/{x['failures']}"}
+                            for x in s.get("sets", [])}}
 
 
 #: Decoding-τ gain over ``baseline`` a variant needs to enter the stacked recipe: 16 prompts × 96
@@ -204,8 +210,8 @@ def table(variants: list[Variant], meta: dict[str, Any]) -> str:
                                                    "variant(s) a GPU at a time (s/step compares variants run alike)."),
              "",
              "| variant | change | s/step | train wall s | eval/tau | eval/tau_head | eval/tau_walk_head | "
-             "decoding τ | Δ vs baseline | walked τ (own text) | same/tie/FAIL |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decoding τ | Δ vs baseline | walked τ (own text) | same/tie/FAIL | τ per response by prompt set |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = v.result
         if not r:
@@ -214,10 +220,12 @@ def table(variants: list[Variant], meta: dict[str, Any]) -> str:
         if base and v.name != "baseline" and "decode_tau" in r and "decode_tau" in base:
             delta = f"{r['decode_tau'] - base['decode_tau']:+.3f}"
         status = "" if r.get("ok") else f" ({r.get('error', 'failed')})"
+        by_set = " · ".join(f"{name} {f(x.get('tau_per_response'))}" for name, x in r.get("decode_sets", {}).items()) or "–"
         lines.append(
             f"| {v.name}{status} | {v.about} | {f(r.get('step_s'))} | {f(r.get('train_s'), 0)} | "
             f"{f(r.get('eval/tau'))} | {f(r.get('eval/tau_head'))} | {f(r.get('eval/tau_walk_head'))} | "
-            f"{f(r.get('decode_tau'))} | {delta} | {f(r.get('decode_walk'))} | {r.get('decode_check', '–')} |")
+            f"{f(r.get('decode_tau'))} | {delta} | {f(r.get('decode_walk'))} | {r.get('decode_check', '–')} | "
+            f"{by_set} |")
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +253,8 @@ def setup(args: argparse.Namespace, v: Variant) -> dict[str, Any]:
     """What a variant's result depends on: a kept result must have been made with the same."""
     return {"config": args.config, "overrides": args.overrides + v.overrides, "steps": args.steps,
             "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "decode_mode": args.decode_mode,
-            "decode_dtype": args.decode_dtype, "decode_batch": args.decode_batch}
+            "decode_dtype": args.decode_dtype, "decode_batch": args.decode_batch,
+            "prompt_sets": [ps.name for ps in args.prompt_sets]}
 
 
 class Children:
@@ -351,6 +360,8 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
            str(run_dir), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
            "--dtypes", args.decode_dtype, "--modes", args.decode_mode, "--batch", str(args.decode_batch),
            "--device", device, "--out", str(vdir / "decode")]
+    for ps in args.prompt_sets:
+        cmd += ["--prompt-set", ps.name if ps.name in PROMPT_SET_NAMES else str(Path(ps.name).resolve())]
     rc = children.run(cmd, env, vdir / "decode.log")
     bench = vdir / "decode" / "decode_bench.json"
     if bench.exists():
@@ -383,11 +394,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="prompts decoded together, each row accepting its own drafts (default: %(default)s)")
     p.add_argument("--decode-dtype", choices=("bfloat16", "float32"), default=None,
                    help="the decoding check's dtype (default: bfloat16 on GPUs, float32 on CPU)")
+    add_prompt_set_argument(p)
     p.add_argument("--out", default="ablation-out",
                    help="results: result.json per variant, ablation.md, ablation.json (default: %(default)s)")
     p.add_argument("--work", default=None, help="the variants' run directories (default: <out>/runs)")
     p.add_argument("overrides", nargs="*", help="config overrides of every variant, section.key=value")
     args = p.parse_args(argv)
+    args.prompt_sets = check_prompt_sets(p, args.prompt_set)  # a missing package or file: exit 2 here
     for name in ("steps", "prompts", "max_new_tokens", "decode_batch", "per_gpu"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1")
@@ -426,7 +439,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens, "decode_mode": args.decode_mode, "decode_dtype": args.decode_dtype, "decode_batch": args.decode_batch,
-            "gpus": args.gpus, "per_gpu": args.per_gpu}
+            "gpus": args.gpus, "per_gpu": args.per_gpu, "prompt_sets": [ps.name for ps in args.prompt_sets]}
     lock = threading.Lock()
     start = time.perf_counter()
 

@@ -151,3 +151,34 @@ def test_stacked_recipe_against_a_naive_reading(ablation):
             assert math.isclose(got["gains"][r["variant"]], r["decode_tau"] - base)
     with pytest.raises(ValueError, match="baseline"):
         ablation.stacked_recipe([{"variant": "v0", "overrides": [], "ok": True, "decode_tau": 2.0}])
+
+
+def test_prompt_sets_reach_the_decoding_check_and_the_table(ablation, tmp_path, capsys):
+    """Each ``--prompt-set`` is handed to decode_bench; each set's per-response τ gets its cell;
+    a missing file is refused with exit 2 before anything runs."""
+    rng = random.Random(8)
+    sets = [{"set": name, "prompts": 16, "identical": i, "ties": 16 - i - 1, "failures": 1,
+             "tau": rng.uniform(1.5, 3.5), "tau_per_response": rng.uniform(1.5, 3.5)}
+            for i, name in enumerate(["sharegpt", "humaneval", "mt-bench"])]
+    bench = {"runs": [{"summary": {"tau": 2.5, "identical": 3, "ties": 42, "failures": 3, "target_tok_s": 400.0,
+                                   "spec_tok_s": 800.0, "sets": sets}}]}
+    got = ablation.decode_summary(bench)
+    for x in sets:
+        row = got["decode_sets"][x["set"]]
+        assert row["tau_per_response"] == x["tau_per_response"] and row["tau"] == x["tau"]
+        assert row["check"] == f"{x['identical']}/{x['ties']}/{x['failures']}"
+    (v,) = ablation.select_variants("baseline", [])
+    v.result = {"ok": True, **got}
+    meta = {"config": "c.yaml", "overrides": [], "steps": 10, "prompts": 16, "max_new_tokens": 96,
+            "decode_mode": "eager", "decode_dtype": "bfloat16", "decode_batch": 16}
+    row = [ln for ln in ablation.table([v], meta).splitlines() if ln.startswith("| baseline")][0]
+    assert row.split("|")[-2].strip() == " · ".join(f"{x['set']} {x['tau_per_response']:.3f}" for x in sets)
+
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    args = ablation.parse_args(["--gpus", "cpu", "--prompt-set", "sharegpt", "--prompt-set", str(prompts)])
+    assert [ps.name for ps in args.prompt_sets] == ["sharegpt", str(prompts)]
+    assert ablation.setup(args, v)["prompt_sets"] == ["sharegpt", str(prompts)]
+    with pytest.raises(SystemExit) as exc:
+        ablation.parse_args(["--gpus", "cpu", "--prompt-set", str(tmp_path / "none.jsonl")])
+    assert exc.value.code == 2 and "none.jsonl" in capsys.readouterr().err
