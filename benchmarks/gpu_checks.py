@@ -51,6 +51,23 @@ INNER_MARGIN_S = 30
 #: A check's log when its step has one process and names no log.
 DEFAULT_LOG = "output.log"
 
+#: Settings whose value is a whole number >= 1 (``regen_new_tokens`` may also be empty: the config's).
+POSITIVE_INT_SETTINGS = ("steps", "anchors", "regen_batch", "regen_new_tokens", "multinode_steps", "ablation_steps",
+                         "ablation_per_gpu", "reference_budget")
+#: Settings that are a switch: ``0`` or ``1``.
+SWITCH_SETTINGS = ("ablation_raw", "decode_long")
+
+
+def setting_error(name: str, value: str) -> Optional[str]:
+    """Why ``--set name=value`` is refused (:data:`POSITIVE_INT_SETTINGS`, :data:`SWITCH_SETTINGS`), or ``None``."""
+    if name in POSITIVE_INT_SETTINGS and not (name == "regen_new_tokens" and value == ""):
+        if not (value.isdigit() and int(value) >= 1):
+            return "must be a whole number >= 1" + (" (or empty: the config's)" if name == "regen_new_tokens" else "")
+    if name in SWITCH_SETTINGS and value not in ("0", "1"):
+        return "must be 0 or 1"
+    return None
+
+
 #: Settings of the checks (``--set NAME=VALUE``): name -> (default, what it sets).
 VARIABLES: dict[str, tuple[str, str]] = {
     "steps": ("3000", "train.max_steps of train_pair, train_regen and train_best"),
@@ -62,6 +79,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "ablation_steps": ("1000", "ablation: steps of each variant"),
     "ablation_per_gpu": ("1", "ablation: variants at once on one GPU"),
     "ablation_variants": ("", "ablation: the variants, comma-separated (empty: all built-in ones)"),
+    "ablation_raw": ("1", "ablation: 1 adds the raw-ShareGPT variant (the regenerated data's baseline), 0 leaves it out"),
+    "ablation_sets": ("sharegpt", "ablation: the decoding check's prompt sets, space-separated (--prompt-set)"),
     "decode_attention": ("sdpa", "decode_regen: the target's attention"),
     "attention": ("flex+sdpa sdpa", "decode_one: the attention specs, space-separated; the first also at "
                                     "512 new tokens and in fp32"),
@@ -126,6 +145,9 @@ class Context:
             "regen_new": lambda: ["--max-new-tokens", v["regen_new_tokens"]] if v["regen_new_tokens"] else [],
             "train_overrides": lambda: shlex.split(v["train_overrides"]),
             "ablation_variants": lambda: ["--variants", v["ablation_variants"]] if v["ablation_variants"] else [],
+            "ablation_raw": lambda: ["--variant", f"raw-sharegpt=data.dataset={self.sharegpt}"]
+            if v["ablation_raw"] != "0" else [],
+            "ablation_sets": lambda: [a for name in v["ablation_sets"].split() for a in ("--prompt-set", name)],
             "decode_checkpoint": lambda: ["--checkpoint", v["decode_checkpoint"]] if v["decode_checkpoint"] else [],
             "recipe": lambda: recipe_overrides(Path(self.root), self.dry_run),
         }
@@ -594,7 +616,7 @@ CHECKS: tuple[Check, ...] = (
     Check("ablation", "scripts.ablation over regen's data: one drafter per recipe variant (and raw ShareGPT), "
           "one variant per GPU at a time, then its decoding tau; a later run continues",
           _one("-m", "scripts.ablation", "--gpus", "{gpu_ids}", "--per-gpu", "{ablation_per_gpu}", "--steps",
-               "{ablation_steps}", "{ablation_variants}", "--variant", "raw-sharegpt=data.dataset={sharegpt}",
+               "{ablation_steps}", "{ablation_variants}", "{ablation_raw}", "{ablation_sets}",
                "--out", "{out}", "--work", "{out}/runs", *REAL, "regenerate.enabled=false", "data.dataset={regen_data}"),
           gpus=1, limit_s=7200, needs=("gguf", "sharegpt")),
     Check("train_best", "as train_regen, with the overrides of ablation's recipe.json (the variants that beat the "
@@ -876,6 +898,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not eq or name not in VARIABLES:
             print(f"gpu_checks: --set {item!r}: expected NAME=VALUE with NAME one of {', '.join(VARIABLES)}",
                   file=sys.stderr)
+            return 2
+        problem = setting_error(name, value)
+        if problem:
+            print(f"gpu_checks: --set {name}={value}: {problem}", file=sys.stderr)
             return 2
         values[name] = value
     inputs = {}
