@@ -86,6 +86,29 @@ def live_at_peak(snapshot: dict, baseline: int, top: int = 15) -> dict:
     return {"peak_gib": (baseline + peak) / 2**30, "sites": rows}
 
 
+#: The config keys this script sets, by the flag that sets them (a config error names the flag).
+FLAG_OF_KEY = {"target.arch": "--arch", "drafter.num_layers": "--drafter-layers", "drafter.block_size": "--block",
+               "drafter.anchors_per_row": "--anchors", "drafter.mask_token_id": "--mask-token-id",
+               "drafter.mlp_chunks": "--mlp-chunks", "drafter.checkpoint_layers": "--checkpoint-layers",
+               "drafter.activation_memory_budget": "--activation-memory-budget",
+               "drafter.gradient_checkpointing": "--gradient-checkpointing", "drafter.compile": "--compile",
+               "data.max_length": "--seq", "data.token_budget": "--rows", "train.max_steps": "--steps"}
+
+
+def result_name(args: argparse.Namespace, compiled: bool) -> str:
+    """The result file's name: every setting that changes the step, then ``--tag``."""
+    parts = [f"drafter_memory_{args.compile_mode if compiled else 'eager'}", f"c{args.mlp_chunks}"]
+    if args.gradient_checkpointing:
+        parts.append("ckpt" if args.checkpoint_layers is None else f"ckpt{args.checkpoint_layers}")
+    if args.loss_chunk is not None:
+        parts.append(f"lc{args.loss_chunk}")
+    if args.activation_memory_budget is not None:
+        parts.append(f"amb{args.activation_memory_budget:g}")
+    if args.expandable_segments:
+        parts.append("es")
+    return "_".join(parts) + f"{args.tag}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="qwen3.6-27b")
@@ -115,12 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="directory for bench_drafter_memory.json")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no memory figures)")
     args = p.parse_args(argv)
+    for name, low in (("rows", 1), ("seq", 1), ("anchors", 1), ("block", 2), ("drafter_layers", 1), ("steps", 1),
+                      ("mlp_chunks", 1), ("loss_chunk", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            p.error(f"--{name.replace('_', '-')}: must be >= {low}, got {value}")
+    if args.memory_fraction is not None and not 0.0 < args.memory_fraction <= 1.0:
+        p.error(f"--memory-fraction: must be in (0, 1], got {args.memory_fraction}")
+    if args.device not in ("cpu", "cuda"):
+        p.error(f"--device: cuda (GPU 0) or cpu, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_drafter_memory: needs a CUDA device (--device cpu for a smoke test)", file=sys.stderr)
         return 2
     on_gpu = args.device == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    from dflash.config import config_from_dict
+    from dflash.config import ConfigError, config_from_dict, validate_config
     from dflash.models.target_loader import describe_target, load_embedding_and_head
     from dflash.training.factory import build_drafter
     from dflash.training.trainer import DrafterTrainer, metrics_to_host
@@ -132,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_fraction is not None and on_gpu:
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction, dev)
     layer_types = REFERENCE_LAYER_TYPES if args.drafter_layers == 5 else None
-    cfg = config_from_dict({
+    raw = {
         "target": {"kind": "random", "arch": args.arch, "tokenizer": "qwen3.6"},
         "drafter": {"num_layers": args.drafter_layers, "block_size": args.block, "anchors_per_row": args.anchors,
                     "mask_token_id": args.mask_token_id, "layer_types": layer_types,
@@ -142,8 +174,19 @@ def main(argv: list[str] | None = None) -> int:
                     "compile": args.compile, "compile_mode": args.compile_mode},
         "data": {"max_length": args.seq, "token_budget": args.rows * args.seq},
         "train": {"max_steps": args.steps},
-    })
-    info = describe_target(cfg.target, args.drafter_layers)
+        "cluster": {"device": args.device, "targets": [0], "drafters": [0], "allow_shared_gpu": True},
+        "transport": {"carrier": "cuda_ipc" if on_gpu else "shm"},
+    }
+    try:
+        cfg = validate_config(config_from_dict(raw), gpu_count=torch.cuda.device_count() if on_gpu else 0)
+        info = describe_target(cfg.target, args.drafter_layers)
+        if not 0 <= args.mask_token_id < info.vocab_size:
+            raise ConfigError(f"drafter.mask_token_id: {args.mask_token_id} is not a row of {args.arch}'s "
+                              f"{info.vocab_size}-row embedding")
+    except ConfigError as exc:
+        key = str(exc).split(":", 1)[0]
+        flag = FLAG_OF_KEY.get(key)
+        p.error(f"{flag} ({exc})" if flag else str(exc))
     embed, head = load_embedding_and_head(cfg.target, dev)
     model = build_drafter(cfg, embed, head, args.mask_token_id, dev)
     trainer = DrafterTrainer(model, cfg.train, cfg.drafter, args.steps, dev, loss_chunk=args.loss_chunk)
@@ -188,10 +231,14 @@ def main(argv: list[str] | None = None) -> int:
                peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if on_gpu else 0.0)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"drafter_memory_{args.compile_mode if args.compile else 'eager'}_c{args.mlp_chunks}{args.tag}.json"
-        (args.out / name).write_text(json.dumps(res, indent=1))
-    mode = f"compiled {args.compile_mode}" if args.compile else "eager"
-    print(f"| {mode} | ckpt {'on' if args.gradient_checkpointing else 'off'} | mlp_chunks {args.mlp_chunks} | "
+        (args.out / result_name(args, trainer.compiled)).write_text(json.dumps(res, indent=1))
+    mode = f"compiled {args.compile_mode}" if trainer.compiled else "eager"
+    ckpt = "off" if not args.gradient_checkpointing else (
+        "on" if args.checkpoint_layers is None else f"first {args.checkpoint_layers} layer(s)")
+    extra = "".join(f" | {k} {v}" for k, v in (("loss_chunk", trainer.loss_chunk),
+                                                 ("activation_memory_budget", args.activation_memory_budget),
+                                                 ("expandable_segments", args.expandable_segments or None)) if v)
+    print(f"| {mode} | ckpt {ckpt} | mlp_chunks {args.mlp_chunks}{extra} | "
           f"{res['s_per_step'] or float('nan'):.2f} s/step | peak {res['peak_allocated_gib']:.1f} GiB allocated, "
           f"{res['peak_reserved_gib']:.1f} reserved | cap {res['cap_gib']:.1f} | "
           f"{'OOM' if 'oom' in res else 'ok'} | losses {', '.join(f'{x:.3f}' for x in losses)} |")

@@ -59,12 +59,26 @@ SWITCH_SETTINGS = ("ablation_raw", "decode_long")
 
 
 def setting_error(name: str, value: str) -> Optional[str]:
-    """Why ``--set name=value`` is refused (:data:`POSITIVE_INT_SETTINGS`, :data:`SWITCH_SETTINGS`), or ``None``."""
+    """Why ``--set name=value`` is refused (:data:`POSITIVE_INT_SETTINGS`, :data:`SWITCH_SETTINGS`, and
+    ``ablation_sets``: prompt sets that resolve, each once), or ``None``."""
     if name in POSITIVE_INT_SETTINGS and not (name == "regen_new_tokens" and value == ""):
         if not (value.isdigit() and int(value) >= 1):
             return "must be a whole number >= 1" + (" (or empty: the config's)" if name == "regen_new_tokens" else "")
     if name in SWITCH_SETTINGS and value not in ("0", "1"):
         return "must be 0 or 1"
+    if name == "ablation_sets":
+        from dflash.inference.prompt_sets import PROMPT_SET_NAMES, PromptSetError, resolve_prompt_set
+
+        names = value.split()
+        if not names:
+            return "must name at least one prompt set"
+        try:
+            sets = [resolve_prompt_set(n) for n in names]
+        except PromptSetError as exc:
+            return str(exc)
+        keys = [ps.name if ps.name in PROMPT_SET_NAMES else str(Path(ps.name).resolve()) for ps in sets]
+        if len(set(keys)) != len(keys):
+            return "names a prompt set more than once"
     return None
 
 

@@ -140,6 +140,9 @@ def _launch(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
     except LaunchRefused as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
+    if args.overwrite and (run_dir / "checkpoints").exists():
+        shutil.rmtree(run_dir / "checkpoints")
+        log.info("--overwrite: deleted the checkpoints of %s", run_dir)
     plan = prepared.plan
     if plan.start_step >= plan.total_steps:
         log.info("run %s is already complete (%d/%d steps); nothing to do", cfg.name, plan.start_step,
@@ -177,7 +180,8 @@ def lock_run_dir(run_dir: Path) -> Optional[filelock.FileLock]:
 
 def select_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Optional[Path]:
     """The checkpoint this launch continues: the newest complete one with ``resume`` (damaged
-    ones are moved aside), none with ``overwrite`` (the checkpoints are deleted) or a fresh run.
+    ones are moved aside), none with ``overwrite`` (the caller deletes the checkpoints once every
+    check has passed: a refused launch loses nothing) or a fresh run.
 
     Raises:
         LaunchRefused: checkpoints exist and neither flag says what to do with them; every
@@ -192,9 +196,8 @@ def select_checkpoint(run_dir: Path, resume: bool, overwrite: bool) -> Optional[
     if ckpt is not None and not (resume or overwrite):
         raise LaunchRefused(f"{run_dir} already holds checkpoints (newest: {ckpt.name}): pass --resume to continue it "
                             f"or --overwrite to start again, or choose another run_dir / name")
-    if overwrite and (run_dir / "checkpoints").exists():
-        shutil.rmtree(run_dir / "checkpoints")
-        ckpt = None
+    if overwrite:
+        ckpt = None  # deleted by _launch once the config, tokenizer and data have passed their checks
     if resume and ckpt is None:
         damaged = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.damaged*"))
         if damaged:
@@ -215,14 +218,14 @@ def prepare_launch(cfg: RunConfig, run_dir: Path, ckpt: Optional[Path], force: b
     """
     try:
         tokenizer = load_tokenizer(cfg.target)
+        vocab = describe_target(cfg.target, cfg.drafter.num_layers).vocab_size
+        if len(tokenizer) > vocab:  # before the data is tokenised with it
+            raise ConfigError(f"target.tokenizer: its {len(tokenizer)} tokens do not fit the target's "
+                              f"{vocab}-row embedding (a tokenizer of another model? for a random target, "
+                              "target.arch_overrides.vocab_size sets the rows)")
         if ckpt is not None:
             check_resume(cfg, run_dir, ckpt, tokenizer, force=force)
         plans = build_batch_plans(cfg, tokenizer)
-        vocab = describe_target(cfg.target, cfg.drafter.num_layers).vocab_size
-        if plans.tokenizer_size > vocab:
-            raise ConfigError(f"target.tokenizer: its {plans.tokenizer_size} tokens do not fit the target's "
-                              f"{vocab}-row embedding (a tokenizer of another model? for a random target, "
-                              "target.arch_overrides.vocab_size sets the rows)")
     except CheckpointMismatch as exc:
         raise LaunchRefused(f"--resume: {exc}") from None
     except ConfigError as exc:

@@ -74,9 +74,11 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert gc.main(["compile", "--out", str(tmp_path), "--set", "stepz=3"]) == 2
     assert "--set 'stepz=3'" in capsys.readouterr().err
     for item, why in (("steps=0", "whole number >= 1"), ("steps=3e3", "whole number >= 1"),
-                      ("regen_new_tokens=-5", "or empty"), ("ablation_raw=yes", "0 or 1"), ("decode_long=2", "0 or 1")):
+                      ("regen_new_tokens=-5", "or empty"), ("ablation_raw=yes", "0 or 1"), ("decode_long=2", "0 or 1"),
+                      ("ablation_sets=", "at least one"), ("ablation_sets=sharegpt sharegpt", "more than once"),
+                      (f"ablation_sets=sharegpt {tmp_path / 'no.jsonl'}", "neither a name")):
         assert gc.main(["compile", "--dry-run", "--set", item]) == 2, item
-        assert f"--set {item}: must be" in (err := capsys.readouterr().err) and why in err, err
+        assert f"--set {item}: " in (err := capsys.readouterr().err) and why in err, err
     assert gc.main(["compile", "--dry-run", "--set", "regen_new_tokens=", "--set", "steps=12"]) == 0
     capsys.readouterr()
     assert gc.main(["compile"]) == 2

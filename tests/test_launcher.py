@@ -517,3 +517,32 @@ def test_every_worker_gets_the_launchers_data_cache(tmp_path):
         assert args[args.index("--data-cache") + 1] == str(cache.resolve()) and worker["args"] == args
     plain = LocalCluster(cfg, tmp_path, "tcp://127.0.0.1:1", supervisor=None)
     assert all("--data-cache" not in plain.spec(name).args for name in saved)
+
+
+def test_overwrite_refused_by_a_later_check_keeps_the_checkpoints(tmp_path):
+    """--overwrite deletes the checkpoints only once the tokenizer and the data have passed: a
+    tokenizer of another model is refused (before the data is tokenised with it) and nothing is lost."""
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir, load_config(CPU_CONFIG, gpu_count=0), 49152, step=300)
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    res = _launch(tmp_path, "--overwrite", "target.tokenizer=qwen3")
+    assert res.returncode == 2
+    assert _only_error(res.stderr).startswith("config error: target.tokenizer: its 151669 tokens do not fit the "
+                                              "target's 49152-row embedding")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == kept
+    assert not list((tmp_path / "cache").glob("data/*"))  # refused before any data was prepared
+
+
+def test_tokenizer_directories_that_cannot_load_are_config_errors(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = _launch(tmp_path, f"target.tokenizer={empty}")
+    assert res.returncode == 2
+    assert _only_error(res.stderr).startswith(f"config error: target.tokenizer: {empty} holds no tokenizer")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    res = _launch(tmp_path, f"target.tokenizer={broken}")
+    assert res.returncode == 2
+    assert _only_error(res.stderr).startswith(f"config error: target.tokenizer: {broken} is not a tokenizer "
+                                              "transformers can load")

