@@ -123,8 +123,13 @@ def test_random_sigkills_run_finishes_with_exact_ledger(tmp_path):
     wait_until(lambda: (s := status(run_dir)) and all(w["ready"] for w in s["workers"].values()), 180,
                "all workers ready", proc)
     while len(kills) < 20:
-        s = wait_until(lambda: (x := status(run_dir)) and all(w["ready"] for w in x["workers"].values()) and x,
-                       240, f"a healthy cluster before kill {len(kills) + 1}", proc)
+        # each kill once the run has trained past the previous kill's step: cluster.max_restarts
+        # counts failures without progress, and kills landing on a recovery that has not trained a
+        # step yet (a slow, loaded box) would be a restart storm, not the faults this test injects
+        after = kills[-1][1] if kills else -1
+        s = wait_until(lambda: (x := status(run_dir)) and all(w["ready"] for w in x["workers"].values())
+                       and x["step"] > after and x, 240, f"a healthy cluster past step {after} before kill "
+                       f"{len(kills) + 1}", proc)
         if s["step"] >= 56:
             break
         time.sleep(rng.uniform(0.0, 2.0))  # a random moment: the fault injector's choice, not synchronisation
