@@ -67,18 +67,14 @@ def setting_error(name: str, value: str) -> Optional[str]:
     if name in SWITCH_SETTINGS and value not in ("0", "1"):
         return "must be 0 or 1"
     if name == "ablation_sets":
-        from dflash.inference.prompt_sets import PROMPT_SET_NAMES, PromptSetError, resolve_prompt_set
+        from dflash.inference.prompt_sets import PromptSetError, resolve_prompt_sets
 
-        names = value.split()
-        if not names:
+        if not value.split():
             return "must name at least one prompt set"
         try:
-            sets = [resolve_prompt_set(n) for n in names]
+            resolve_prompt_sets(value.split())
         except PromptSetError as exc:
             return str(exc)
-        keys = [ps.name if ps.name in PROMPT_SET_NAMES else str(Path(ps.name).resolve()) for ps in sets]
-        if len(set(keys)) != len(keys):
-            return "names a prompt set more than once"
     return None
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from dflash.inference.prompt_sets import PROMPT_SET_NAMES, add_prompt_set_argument, check_prompt_sets
+from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -361,7 +361,7 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
            "--dtypes", args.decode_dtype, "--modes", args.decode_mode, "--batch", str(args.decode_batch),
            "--device", device, "--out", str(vdir / "decode")]
     for ps in args.prompt_sets:
-        cmd += ["--prompt-set", ps.name if ps.name in PROMPT_SET_NAMES else str(Path(ps.name).resolve())]
+        cmd += ["--prompt-set", ps.key]
     rc = children.run(cmd, env, vdir / "decode.log")
     bench = vdir / "decode" / "decode_bench.json"
     if bench.exists():

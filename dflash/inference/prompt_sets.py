@@ -50,7 +50,7 @@ from dflash.progress import Progress
 
 __all__ = ["HUMANEVAL_SET", "MT_BENCH_SET", "PROMPT_SET_NAMES", "HUMANEVAL_INSTRUCTION", "PromptSet",
            "PromptSetError", "add_prompt_set_argument", "check_prompt_sets", "load_prompt_sets",
-           "render_prompt", "resolve_prompt_set", "set_messages"]
+           "render_prompt", "resolve_prompt_set", "resolve_prompt_sets", "set_messages"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,13 @@ class PromptSet:
 
     name: str
     path: Optional[Path]
+
+    @property
+    def key(self) -> str:
+        """What the set is, whatever it was called: its name for a named set, its file's resolved path
+        for a file (a relative and an absolute path, or a link, name one set). Also what a child
+        process started elsewhere is handed as ``--prompt-set``."""
+        return self.name if self.name in PROMPT_SET_NAMES else str(Path(self.name).resolve())
 
 
 def resolve_prompt_set(value: str) -> PromptSet:
@@ -108,20 +115,27 @@ def add_prompt_set_argument(parser: argparse.ArgumentParser) -> None:
                              "--prompts takes the first N of each")
 
 
+def resolve_prompt_sets(values: Sequence[str]) -> list[PromptSet]:
+    """:func:`resolve_prompt_set` of each value, in order.
+
+    Raises:
+        PromptSetError: one that cannot be resolved, or two values that name one set (:attr:`PromptSet.key`).
+    """
+    sets = [resolve_prompt_set(v) for v in values]
+    keys = [ps.key for ps in sets]
+    twice = sorted({v for v, k in zip(values, keys) if keys.count(k) > 1})
+    if twice:
+        raise PromptSetError(f"{', '.join(twice)} name(s) the same prompt set more than once")
+    return sets
+
+
 def check_prompt_sets(parser: argparse.ArgumentParser, values: Optional[Sequence[str]]) -> list[PromptSet]:
     """The prompt sets of ``--prompt-set`` (``sharegpt`` when none), resolved; exits 2 through
     ``parser.error`` for one given twice or one that :func:`resolve_prompt_set` refuses."""
-    values = list(values or [SHAREGPT_SET])
     try:
-        sets = [resolve_prompt_set(v) for v in values]
+        return resolve_prompt_sets(list(values or [SHAREGPT_SET]))
     except PromptSetError as exc:
         parser.error(f"--prompt-set: {exc}")
-    # one file named two ways (a relative and an absolute path, a link) is the same set
-    keys = [ps.name if ps.name in PROMPT_SET_NAMES else str(Path(ps.name).resolve()) for ps in sets]
-    twice = sorted({v for v, k in zip(values, keys) if keys.count(k) > 1})
-    if twice:
-        parser.error(f"--prompt-set: {', '.join(twice)} name(s) the same prompt set more than once")
-    return sets
     raise AssertionError("unreachable")  # parser.error exits
 
 

@@ -229,7 +229,7 @@ class DFlashDraftModel(nn.Module):
             mask = attn_masks[layer.layer_type]
             if grad and self.checkpointed(index):
                 x = self._checkpointed_layer(layer, x, ctx, rope_q, rope_kv, mask)
-            elif self._compiled_regions is not None and torch.is_grad_enabled():
+            elif self._compiled_regions is not None and grad:
                 attention, mlp = self._compiled_regions
                 x = mlp(layer, attention(layer, x, ctx, rope_q, rope_kv, mask))
             else:

@@ -311,7 +311,6 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
     layers = 0
     attention: Number = 0
     recomputed: Number = 0
-    checkpointed = getattr(model, "checkpointed", lambda index: True)
     for index, layer in enumerate(model.layers):
         window = cfg.sliding_window if layer.layer_type == SLIDING_ATTENTION else None
         if window not in pairs:
@@ -321,7 +320,7 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
         layer_attention = per_pair * pairs[window]
         layers += here
         attention = attention + layer_attention
-        if recompute and checkpointed(index):
+        if recompute and model.checkpointed(index):
             recomputed = recomputed + here - 2 * linear_weights(layer, ("o_proj", "down_proj")) * q + layer_attention
     vocab, hidden = model.lm_head.weight.shape
     fc = 2 * linear_weights(model.fc) * t

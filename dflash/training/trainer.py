@@ -176,7 +176,7 @@ class DrafterTrainer:
         if drafter_cfg.compile and self.device.type != "cuda":
             logger.info("drafter.compile: ignored on %s (CUDA graphs need a GPU); the drafter runs eager",
                         self.device.type)
-        budget = getattr(drafter_cfg, "activation_memory_budget", None)
+        budget = drafter_cfg.activation_memory_budget
         if self.compiled and budget is not None:
             # read by the partitioner when a graph compiles (at the first step): set process-wide,
             # as a drafter process compiles only the drafter
