@@ -210,6 +210,11 @@ def test_stage_regenerates_then_is_skipped_when_complete(tmp_path, monkeypatch):
     assert report["new_tokens_now"] == sum(sum(r["regen"]["new_tokens"]) for r in records) > 0
     assert report["new_tokens_now"] == sum(w["new_tokens"] for w in report["per_worker"])
     assert report["tokens_per_s"] > 0
+    for w in report["per_worker"]:  # the static-cache generator timed its batches (a worker may get no row)
+        if w["rows"]:
+            assert w["batches"] >= 1 and 0 < w["prefill_s"] and 0 < w["decode_s"]
+            assert w["prefill_s"] + w["decode_s"] <= w["generate_s"] + 0.01
+    assert any(w["rows"] for w in report["per_worker"])
     # the training config written to the run directory reads the output and validates
     saved = tmp_path / "saved.yaml"
     saved.write_text(yaml.safe_dump(trained.to_dict()))

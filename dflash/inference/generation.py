@@ -61,6 +61,9 @@ class Generation:
         target_forwards: target forward passes (prefill included).
         seconds / draft_seconds / verify_seconds: wall time of the whole decode (the batch's,
             for batched decoding), and the device time of drafting and of verification, in s.
+        prefill_seconds / decode_seconds: wall time of the batch's prefill (to its first tokens
+            on the host) and of the decoding loop after it, in s (:meth:`Generator.greedy`; 0
+            elsewhere); ``seconds`` minus both is the host's reading of the results.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -72,6 +75,8 @@ class Generation:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -273,6 +278,7 @@ class Generator(DecodeSteps):
         """
         start = time.perf_counter()
         active = self._start(prompts, max_new_tokens, stop_ids)
+        prefilled = time.perf_counter()  # the prefill's first tokens reached the host: synchronised
         n = len(prompts)
         lens = [p.numel() for p in prompts]
         limit = [p + max_new_tokens - 1 for p in lens]
@@ -287,11 +293,14 @@ class Generator(DecodeSteps):
             forwards += steps
             anchor, active = self._poll(n)
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
+        decoded = time.perf_counter()  # the last poll synchronised
         gens = self._collect(prompts, max_new_tokens, passes=False)
         self._report(progress, shown, [max(0, len(g.tokens) - 1) for g in gens])
         elapsed = time.perf_counter() - start
         for g in gens:
             g.seconds = elapsed
+            g.prefill_seconds = prefilled - start
+            g.decode_seconds = decoded - prefilled
         return gens
 
     @torch.no_grad()

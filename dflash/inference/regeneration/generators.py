@@ -233,6 +233,10 @@ class StaticGreedyGenerator:
         self.short = Generator(model, [], max_len=self._max_len(short_prompt_tokens), batch_size=batch_size,
                                compile=compile)
         self.long: Any = None
+        #: Wall seconds summed over :meth:`generate` calls: ``prefill_s`` (prompts into the cache),
+        #: ``decode_s`` (the one-token steps), ``batches`` (generator calls); where a regeneration's
+        #: time goes, beside its tokenisation and bookkeeping.
+        self.timings: dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "batches": 0}
 
     def _max_len(self, prompt_tokens: int) -> int:
         return prompt_tokens - 1 + self.max_new_tokens + STATIC_SLACK
@@ -273,6 +277,9 @@ class StaticGreedyGenerator:
                 continue
             runs = generator.greedy([torch.tensor(prompts[i], dtype=torch.long) for i in rows], max_new_tokens,
                                     self.stop_ids)
+            self.timings["prefill_s"] += runs[0].prefill_seconds
+            self.timings["decode_s"] += runs[0].decode_seconds
+            self.timings["batches"] += 1
             for i, run in zip(rows, runs):
                 out[i] = self._generated(list(run.tokens))
         return out  # type: ignore[return-value]

@@ -65,6 +65,16 @@ def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, t
     stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["generate_s"], 1e-9), 1)
 
 
+def _split(stats: dict[str, Any]) -> str:
+    """``"; prefill X s, decoding Y s, host Z s over N batches"`` when the generator timed its
+    batches (the static-cache generator), else ``""``."""
+    if "prefill_s" not in stats:
+        return ""
+    host = stats["generate_s"] - stats["prefill_s"] - stats["decode_s"]
+    return (f"; prefill {stats['prefill_s']:.1f} s, decoding {stats['decode_s']:.1f} s, tokenising and "
+            f"bookkeeping {host:.1f} s over {int(stats['batches'])} batches")
+
+
 def _device(cfg: RunConfig, rank: int, world: int, gpus: Optional[list[int]]) -> torch.device:
     """Worker ``rank``'s device: ``cuda:<gpus[rank]>`` (``gpus`` defaults to ``cluster.targets``), made
     current; or the CPU, with cores / ``world`` torch threads."""
@@ -125,7 +135,10 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
             generator = _generator(cfg, options, rows, device, tokenizer)
             stats["load_s"] = time.perf_counter() - started
             _generate_shard(shard, rows, generator, tokenizer, options, stats)
-            log.info("shard %d: %d rows, %d new tokens in %.1f s (%.1f new tokens/s)", rank, stats["rows"],
-                     stats["new_tokens"], stats["generate_s"], stats["tokens_per_s"])
+            timings = getattr(generator, "timings", None)
+            if timings:
+                stats.update({k: round(v, 2) for k, v in timings.items()})
+            log.info("shard %d: %d rows, %d new tokens in %.1f s (%.1f new tokens/s)%s", rank, stats["rows"],
+                     stats["new_tokens"], stats["generate_s"], stats["tokens_per_s"], _split(stats))
         stats_path(output, rank).write_text(json.dumps(stats))
     return 0
