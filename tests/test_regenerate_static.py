@@ -214,6 +214,7 @@ def test_stage_regenerates_then_is_skipped_when_complete(tmp_path, monkeypatch):
         if w["rows"]:
             assert w["batches"] >= 1 and 0 < w["prefill_s"] and 0 < w["decode_s"]
             assert w["prefill_s"] + w["decode_s"] <= w["generate_s"] + 0.01
+            assert w["compiles"] == 0 and w["cudagraph_records"] == 0  # target.compile: false
     assert any(w["rows"] for w in report["per_worker"])
     # the training config written to the run directory reads the output and validates
     saved = tmp_path / "saved.yaml"

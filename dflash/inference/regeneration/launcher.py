@@ -277,7 +277,8 @@ def _merge_and_report(output: Path, source: list[SourceRow], dropped: dict[str, 
         "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
         "wall_s": None, "workers": world,
         "per_worker": [{k: st.get(k) for k in ("rank", "device", "rows", "new_tokens", "load_s", "generate_s",
-                                               "tokens_per_s", "prefill_s", "decode_s", "batches")} for st in stats],
+                                               "tokens_per_s", "prefill_s", "decode_s", "batches", "compiles",
+                                               "cudagraph_records")} for st in stats],
     }
 
 

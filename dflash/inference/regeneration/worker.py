@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from dflash.compile_watch import compile_counts
 from dflash.config import RunConfig, resolve_device
 from dflash.data.render import stop_token_ids
 from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator
@@ -66,13 +67,14 @@ def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, t
 
 
 def _split(stats: dict[str, Any]) -> str:
-    """``"; prefill X s, decoding Y s, host Z s over N batches"`` when the generator timed its
-    batches (the static-cache generator), else ``""``."""
+    """``"; prefill X s, decoding Y s, host Z s over N batches; C graphs compiled, R CUDA graphs
+    recorded"`` when the generator timed its batches (the static-cache generator), else ``""``."""
     if "prefill_s" not in stats:
         return ""
     host = stats["generate_s"] - stats["prefill_s"] - stats["decode_s"]
     return (f"; prefill {stats['prefill_s']:.1f} s, decoding {stats['decode_s']:.1f} s, tokenising and "
-            f"bookkeeping {host:.1f} s over {int(stats['batches'])} batches")
+            f"bookkeeping {host:.1f} s over {int(stats['batches'])} batches; {stats['compiles']} graphs "
+            f"compiled, {stats['cudagraph_records']} CUDA graphs recorded")
 
 
 def _device(cfg: RunConfig, rank: int, world: int, gpus: Optional[list[int]]) -> torch.device:
@@ -134,7 +136,11 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
             tokenizer = load_tokenizer(cfg.target)
             generator = _generator(cfg, options, rows, device, tokenizer)
             stats["load_s"] = time.perf_counter() - started
+            before = compile_counts()
             _generate_shard(shard, rows, generator, tokenizer, options, stats)
+            after = compile_counts()
+            stats["compiles"] = after.compiles - before.compiles
+            stats["cudagraph_records"] = after.cudagraph_records - before.cudagraph_records
             timings = getattr(generator, "timings", None)
             if timings:
                 stats.update({k: round(v, 2) for k, v in timings.items()})
