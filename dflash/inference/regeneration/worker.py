@@ -48,7 +48,8 @@ def _cores() -> int:
 def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, tokenizer: Any,
                     options: GenerationOptions, stats: dict[str, Any]) -> None:
     """Regenerate ``rows`` into ``shard``; count rows, new tokens and seconds into ``stats``;
-    a progress line (rows, new tokens/s, ETA) at least every 30 s."""
+    a progress line (rows, new tokens/s, the generator's prefill and decoding seconds where it
+    times them, ETA) at least every 30 s."""
     from dflash.progress import Progress
 
     started = time.perf_counter()
@@ -59,7 +60,10 @@ def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, t
             stats["rows"] += len(records)
             stats["new_tokens"] += sum(sum(r["regen"].get("new_tokens", [])) for r in records)
             rate = stats["new_tokens"] / max(time.perf_counter() - started, 1e-9)
-            bar.update(stats["rows"], f"rows | {stats['new_tokens']} new tokens, {rate:.0f} new tok/s")
+            timings = getattr(generator, "timings", None)
+            split = (f" (prefill {timings['prefill_s']:.0f} s, decoding {timings['decode_s']:.0f} s)"
+                     if timings else "")
+            bar.update(stats["rows"], f"rows | {stats['new_tokens']} new tokens, {rate:.0f} new tok/s{split}")
     finally:
         bar.close()
     stats["generate_s"] = time.perf_counter() - started
