@@ -16,6 +16,7 @@ logged with its error and the others still run; the exit status is then 1.
 
     python -m scripts.decode_speed --out results/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
         [--modes eager,compiled,compiled-matmul,compiled-flex,compiled-flex+sdpa,compiled-plain] [--profile]
+        [--prompts 1024 --batch 1024 --prompt-step 0 --target-only]   # regeneration's batches
 """
 
 from __future__ import annotations
@@ -73,7 +74,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=160,
-                   help=f"the first prompt's length; prompt i has {PROMPT_STEP}·i tokens fewer")
+                   help="the first prompt's length; prompt i has --prompt-step·i tokens fewer")
+    p.add_argument("--prompt-step", type=int, default=PROMPT_STEP,
+                   help="tokens by which each prompt is shorter than the one before (0: all of one length, "
+                        "for large batches)")
+    p.add_argument("--target-only", action="store_true",
+                   help="time target-only decoding only (no speculative pass: large batches, regeneration's case)")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
@@ -86,13 +92,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("prompts", "prompt_tokens", "new_tokens", "batch", "block_size", "drafter_layers"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.prompt_step < 0:
+        p.error(f"--prompt-step: must be >= 0, got {args.prompt_step}")
     if args.block_size < 2:
         p.error(f"--block-size: must be >= 2 (the anchor and at least one draft), got {args.block_size}")
-    shortest = args.prompt_tokens - PROMPT_STEP * (args.prompts - 1)
+    shortest = args.prompt_tokens - args.prompt_step * (args.prompts - 1)
     if shortest < 1:
         p.error(f"--prompt-tokens {args.prompt_tokens} is too short for {args.prompts} prompts: prompt i has "
-                f"{PROMPT_STEP}·i tokens fewer, so the last would have {shortest}; give at least "
-                f"{PROMPT_STEP * (args.prompts - 1) + 1}")
+                f"{args.prompt_step}·i tokens fewer, so the last would have {shortest}; give at least "
+                f"{args.prompt_step * (args.prompts - 1) + 1} (or a smaller --prompt-step)")
     if args.profile and not args.device.startswith("cuda"):
         p.error("--profile counts CUDA kernels: it needs --device cuda")
     modes = [m for m in args.modes.split(",") if m]
@@ -113,9 +121,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(0)
     drafter = DFlashDraftModel(dcfg, target.embed_tokens, target.lm_head, attention="sdpa").to(device).eval()
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 49152, (args.prompt_tokens - PROMPT_STEP * i,), generator=g) for i in range(args.prompts)]
+    prompts = [torch.randint(0, 49152, (args.prompt_tokens - args.prompt_step * i,), generator=g)
+               for i in range(args.prompts)]
     max_len = args.prompt_tokens + max(args.new_tokens, 16) + args.block_size + 1
     results: dict = {"dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens,
+                     "prompt_tokens": args.prompt_tokens, "prompt_step": args.prompt_step,
                      "block_size": args.block_size, "device": str(device), "torch": torch.__version__}
     tokens_by_mode: dict = {}
     failed: list = []
@@ -141,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         results[f"{mode}_equals_eager"] = same
         log.info("%s == eager (prompts of %d): %s", mode, len(prompts), same)
         ok = ok and (args.dtype != "float32" or all(v == len(prompts) for v in same.values()))
-    if eager is not None:
+    if eager is not None and "speculative" in eager:
         results["speculative_equals_greedy_eager"] = sum(x == y for x, y in zip(eager["greedy"], eager["speculative"]))
     print(json.dumps(results, indent=1))
     if args.out:
@@ -158,11 +168,13 @@ def run_mode(mode: str, target, drafter, prompts: list, max_len: int, args: argp
     gen = Generator(target.model, target.layer_ids, max_len, batch_size=args.batch, drafter=drafter,
                     compile=mode.startswith("compiled"), fuse=mode != "compiled-plain",
                     attention=mode_attention(mode))
+    kinds = ("greedy",) if args.target_only else ("greedy", "speculative")
     for warm in range(2):  # compile + capture, then once more
         gen.greedy(prompts[:args.batch], 16)
-        gen.speculative(prompts[:args.batch], 16)
+        if not args.target_only:
+            gen.speculative(prompts[:args.batch], 16)
     row: dict = {}
-    for kind in ("greedy", "speculative"):
+    for kind in kinds:
         fn = gen.greedy if kind == "greedy" else gen.speculative
         outs = []
         for i in range(0, len(prompts), args.batch):
@@ -175,7 +187,9 @@ def run_mode(mode: str, target, drafter, prompts: list, max_len: int, args: argp
             "tau": (sum(sum(o.accepted) for o in outs) / max(1, sum(o.steps for o in outs))
                     if kind == "speculative" else None),
             "draft_s": sum(grp[0].draft_seconds for grp in groups),
-            "verify_s": sum(grp[0].verify_seconds for grp in groups), "seconds": seconds}
+            "verify_s": sum(grp[0].verify_seconds for grp in groups), "seconds": seconds,
+            "prefill_s": sum(grp[0].prefill_seconds for grp in groups),
+            "decode_s": sum(grp[0].decode_seconds for grp in groups)}
         tokens_by_mode.setdefault(mode, {})[kind] = [o.tokens for o in outs]
     if args.profile and gen.compiled:
         row["profile"] = profile_greedy(gen, prompts[:args.batch])
