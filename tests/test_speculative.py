@@ -155,6 +155,17 @@ def test_static_greedy_equals_naive(target, prompts, references, batch):
             assert len(out.top2) == MAX_NEW and all(z1 >= z2 for z1, z2 in out.top2)
 
 
+def test_static_greedy_without_logit_stats_gives_the_same_tokens(target, prompts, references):
+    """``logit_stats=False`` (regeneration) skips the top-2 / spread read, and nothing else."""
+    gen = Generator(target.model, [], MAX_LEN, batch_size=3)
+    outs = gen.greedy(prompts[:3], MAX_NEW, logit_stats=False)
+    for out, ref in zip(outs, references[:3]):
+        assert out.tokens == ref[:MAX_NEW]
+        assert out.top2 == [] and out.spread == []
+        assert out.prefill_seconds > 0 and out.decode_seconds > 0
+        assert out.prefill_seconds + out.decode_seconds <= out.seconds
+
+
 def test_static_greedy_records_the_logit_spread(target, prompts, references):
     """Each token's recorded spread equals ``max_v |z_v − mean(z)|`` of a full forward over the
     prompt and the tokens before it, computed here with a plain loop over the vocabulary."""

@@ -204,8 +204,10 @@ class Generator(DecodeSteps):
         both = torch.stack([st.anchor[:n], st.active[:n].long()]).tolist()
         return both[0], [bool(x) for x in both[1]]
 
-    def _collect(self, prompts: Sequence[Tensor], max_new_tokens: int, passes: bool) -> list[Generation]:
-        """Read each row's tokens, top-2 logits and passes off the device once, after decoding.
+    def _collect(self, prompts: Sequence[Tensor], max_new_tokens: int, passes: bool,
+                 logit_stats: bool = True) -> list[Generation]:
+        """Read each row's tokens, top-2 logits (unless not ``logit_stats``) and passes off the
+        device once, after decoding.
 
         A row's output is ``tokens[P … anchor]`` cut after its first stop token and at
         ``max_new_tokens`` (a verification pass that ends a row may have written tokens past the
@@ -219,16 +221,17 @@ class Generator(DecodeSteps):
         anchor = st.anchor[:n].tolist()
         end = max(anchor) + 1
         tokens = st.tokens[:n, :end].tolist()
-        stats = st.logit_stats[:n, :end].tolist()
+        stats = st.logit_stats[:n, :end].tolist() if logit_stats else None  # [n, end, 3]: the costly read
         accepted = st.accepted[:n, :end].tolist() if passes else None
         for r, (g, prompt) in enumerate(zip(gens, prompts)):
             p = prompt.numel()
             out = tokens[r][p:anchor[r] + 1][:max_new_tokens]
             cut = next((i for i, t in enumerate(out) if t in self._stops), None)
             g.tokens = out if cut is None else out[:cut + 1]
-            mine = stats[r][p:p + len(g.tokens)]
-            g.top2 = [(z[0], z[1]) for z in mine]
-            g.spread = [z[2] for z in mine]
+            if stats is not None:
+                mine = stats[r][p:p + len(g.tokens)]
+                g.top2 = [(z[0], z[1]) for z in mine]
+                g.spread = [z[2] for z in mine]
             if accepted is None:
                 g.target_forwards = len(g.tokens)
                 continue
@@ -255,7 +258,7 @@ class Generator(DecodeSteps):
 
     @torch.no_grad()
     def greedy(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int] = (),
-               progress: Optional[Callable[[int], None]] = None) -> list[Generation]:
+               progress: Optional[Callable[[int], None]] = None, logit_stats: bool = True) -> list[Generation]:
         """Target-only greedy decoding of up to ``batch_size`` prompts (one token per forward).
 
         The steps run back to back on the device (:meth:`_greedy_step_impl` stops each row itself);
@@ -268,6 +271,10 @@ class Generator(DecodeSteps):
             stop_ids: a row stops after emitting one of these (kept).
             progress: called with the number of tokens added (after each prompt's first) at
                 every check.
+            logit_stats: read each token's top-2 logits and spread off the device
+                (:attr:`Generation.top2`, :attr:`Generation.spread`); ``False`` leaves them empty
+                (callers that need only the tokens: the ``[n, T, 3]`` read is the costliest of a
+                large batch).
 
         Returns:
             one :class:`Generation` per prompt.
@@ -294,7 +301,7 @@ class Generator(DecodeSteps):
             anchor, active = self._poll(n)
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
         decoded = time.perf_counter()  # the last poll synchronised
-        gens = self._collect(prompts, max_new_tokens, passes=False)
+        gens = self._collect(prompts, max_new_tokens, passes=False, logit_stats=logit_stats)
         self._report(progress, shown, [max(0, len(g.tokens) - 1) for g in gens])
         elapsed = time.perf_counter() - start
         for g in gens:

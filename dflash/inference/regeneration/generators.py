@@ -276,7 +276,7 @@ class StaticGreedyGenerator:
             if not rows:
                 continue
             runs = generator.greedy([torch.tensor(prompts[i], dtype=torch.long) for i in rows], max_new_tokens,
-                                    self.stop_ids)
+                                    self.stop_ids, logit_stats=False)
             self.timings["prefill_s"] += runs[0].prefill_seconds
             self.timings["decode_s"] += runs[0].decode_seconds
             self.timings["batches"] += 1
