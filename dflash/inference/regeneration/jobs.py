@@ -123,6 +123,12 @@ class ConversationJob:
 
     def next_prompt(self) -> Optional[list[int]]:
         """Token ids of the prompt for the next assistant turn, or None (then :attr:`done` is set)."""
+        text = self.next_text()
+        return None if text is None else self.take_prompt(_encode(self.tokenizer, [text])[0])
+
+    def next_text(self) -> Optional[str]:
+        """The next prompt rendered with the chat template, not yet tokenised (:meth:`take_prompt`
+        takes its ids), or None (then :attr:`done` is set)."""
         if self.done:
             return None
         if self.options.max_turns is not None and self.turns >= self.options.max_turns:
@@ -139,27 +145,41 @@ class ConversationJob:
                 self.cursor += 1  # a leading assistant turn answers nothing here: dropped
                 continue
             try:
-                text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True,
+                return self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True,
                                                           **self.template_kwargs)
             except (TemplateError, TypeError, ValueError, KeyError) as exc:
                 log.debug("%s: chat template failed: %s", self.row.id, exc)
                 self._stop(TEMPLATE_ERROR)
                 return None
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) >= self.options.max_prompt_tokens:
-                self._stop(PROMPT_TOO_LONG)
-                return None
-            return ids
         self._stop(None)
         return None
 
-    def accept(self, generated: Generated) -> None:
-        """Take the turn generated for the last :meth:`next_prompt`."""
-        text = self.tokenizer.decode(generated.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def take_prompt(self, ids: list[int]) -> Optional[list[int]]:
+        """``ids`` (the tokens of :meth:`next_text`'s prompt), or None when the prompt is
+        ``max_prompt_tokens`` long or longer (the conversation stops there)."""
+        if len(ids) >= self.options.max_prompt_tokens:
+            self._stop(PROMPT_TOO_LONG)
+            return None
+        return ids
+
+    def accept(self, generated: Generated, text: Optional[str] = None, retokenized: Optional[list[int]] = None
+               ) -> None:
+        """Take the turn generated for the last :meth:`next_prompt`.
+
+        Args:
+            generated: the new tokens and why they ended.
+            text: ``generated.ids`` decoded (special tokens kept, no clean-up); None = decode here.
+            retokenized: ``text`` tokenised again (counted as a mismatch when it differs from
+                ``generated.ids``); None = tokenise here.
+        """
+        if text is None:
+            text = _decode(self.tokenizer, [generated.ids])[0]
         if not text.strip():
             self._stop(EMPTY_RESPONSE)
             return
-        if self.tokenizer(text, add_special_tokens=False)["input_ids"] != generated.ids:
+        if retokenized is None:
+            retokenized = _encode(self.tokenizer, [text])[0]
+        if retokenized != generated.ids:
             self.retokenize_mismatch += 1
         self.messages.append({"role": "assistant", "content": text})
         self.cursor += 1
@@ -179,6 +199,38 @@ class ConversationJob:
         return {"id": self.row.id, "conversations": conversation, "regen": meta}
 
 
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text (no special tokens added), in one call: a fast tokenizer encodes a
+    list in parallel."""
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
+def _decode(tokenizer: Any, ids: list[list[int]]) -> list[str]:
+    """Each id list as text, special tokens kept and no clean-up (the turn as the target wrote it)."""
+    return tokenizer.batch_decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) if ids else []
+
+
+def _next_prompts(jobs: list[ConversationJob], tokenizer: Any) -> list[Optional[list[int]]]:
+    """:meth:`ConversationJob.next_prompt` of every job, the prompts tokenised in one call."""
+    texts = [job.next_text() for job in jobs]
+    wanted = [i for i, t in enumerate(texts) if t is not None]
+    out: list[Optional[list[int]]] = [None] * len(jobs)
+    for i, ids in zip(wanted, _encode(tokenizer, [texts[i] for i in wanted])):  # type: ignore[misc]
+        out[i] = jobs[i].take_prompt(ids)
+    return out
+
+
+def _accept_all(jobs: list[ConversationJob], outs: list[Generated], tokenizer: Any) -> None:
+    """:meth:`ConversationJob.accept` of every job's turn, decoded and re-tokenised in one call each."""
+    texts = _decode(tokenizer, [out.ids for out in outs])
+    kept = [i for i, t in enumerate(texts) if t.strip()]
+    retokenized: list[Optional[list[int]]] = [None] * len(jobs)
+    for i, ids in zip(kept, _encode(tokenizer, [texts[i] for i in kept])):
+        retokenized[i] = ids
+    for job, out, text, ids in zip(jobs, outs, texts, retokenized):
+        job.accept(out, text, ids)
+
+
 def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGreedyGenerator, tokenizer: Any,
                     options: GenerationOptions) -> Iterator[list[dict]]:
     """Regenerate ``rows``; yield the records of the conversations that finish, as soon as they do.
@@ -186,18 +238,20 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
     A pool of at most ``options.batch_size`` active conversations, each with its next prompt ready,
     generates one turn per round (one batch); finished conversations leave the pool and the queue
     refills it. Rows skipped before any generation are yielded before the round that replaces them.
+    Each round tokenises its prompts, and decodes and re-tokenises its turns, one call each.
     """
     queue = list(reversed(rows))
     active: list[tuple[ConversationJob, list[int]]] = []
     while queue or active:
         skipped: list[dict] = []
         while len(active) < options.batch_size and queue:
-            job = ConversationJob(queue.pop(), tokenizer, options)
-            prompt = job.next_prompt()
-            if prompt is None:
-                skipped.append(job.record())
-            else:
-                active.append((job, prompt))
+            fresh = [ConversationJob(queue.pop(), tokenizer, options)
+                     for _ in range(min(options.batch_size - len(active), len(queue)))]
+            for job, prompt in zip(fresh, _next_prompts(fresh, tokenizer)):
+                if prompt is None:
+                    skipped.append(job.record())
+                else:
+                    active.append((job, prompt))
         if skipped:
             yield skipped
         if not active:
@@ -205,11 +259,11 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
         seeds = [turn_seed(options.seed, job.row.id, job.turns) for job, _ in active]
         outs = generator.generate([prompt for _, prompt in active], options.max_new_tokens, options.temperature,
                                   options.top_p, seeds)
+        jobs = [job for job, _ in active]
+        _accept_all(jobs, outs, tokenizer)
         finished: list[dict] = []
         still: list[tuple[ConversationJob, list[int]]] = []
-        for (job, _), out in zip(active, outs):
-            job.accept(out)
-            prompt = job.next_prompt()
+        for job, prompt in zip(jobs, _next_prompts(jobs, tokenizer)):
             if prompt is None:
                 finished.append(job.record())
             else:
