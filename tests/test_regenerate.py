@@ -313,3 +313,42 @@ def test_source_rows_follow_template(tokenizer):
     assert rec["regen"]["finish"] == ["stop"] and rec["regen"]["retokenize_mismatch"] == 0
     long_job = ConversationJob(row, tokenizer, GenerationOptions(max_prompt_tokens=3, enable_thinking=False))
     assert long_job.next_prompt() is None and long_job.record()["skipped"] == "prompt_too_long"
+
+
+def test_a_round_tokenised_in_one_call_equals_each_job_alone(tokenizer):
+    """The round helpers of :func:`regenerate_rows` (one tokenizer call for all prompts, one decode
+    and one re-tokenisation for all turns) leave every job as its own one-at-a-time calls do: same
+    prompts, same stops (prompt too long, trailing user turn, empty response), same records."""
+    from dflash.inference.regeneration.jobs import _accept_all, _next_prompts
+
+    g = torch.Generator().manual_seed(3)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+
+    def text(n: int) -> str:
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
+
+    rows = []
+    for k in range(9):
+        turns = []
+        for t in range(1 + k % 3):
+            turns += [{"role": "user", "content": text(3 + 5 * k)}, {"role": "assistant", "content": text(4)}]
+        if k % 4 == 0:
+            turns.append({"role": "user", "content": "a trailing question"})
+        rows.append(SourceRow(k, f"r{k}", turns))
+    options = GenerationOptions(max_prompt_tokens=60, max_turns=2, enable_thinking=False)
+    answers = [Generated([], "length") if k == 5 else
+               Generated(tokenizer(text(2 + k), add_special_tokens=False)["input_ids"], "stop") for k in range(9)]
+
+    alone = [ConversationJob(r, tokenizer, options) for r in rows]
+    batched = [ConversationJob(r, tokenizer, options) for r in rows]
+    for _ in range(3):  # more rounds than max_turns: every job ends
+        want = [job.next_prompt() for job in alone]
+        got = _next_prompts(batched, tokenizer)
+        assert got == want
+        live = [i for i, p in enumerate(want) if p is not None]
+        for i in live:
+            alone[i].accept(answers[i])
+        _accept_all([batched[i] for i in live], [answers[i] for i in live], tokenizer)
+    assert [job.record() for job in batched] == [job.record() for job in alone]
+    reasons = {job.record().get("skipped") for job in alone}
+    assert "prompt_too_long" in reasons and "empty_response" in reasons  # the test reaches both stops
