@@ -170,12 +170,11 @@ def run_mode(mode: str, target, drafter, prompts: list, max_len: int, args: argp
                     attention=mode_attention(mode))
     kinds = ("greedy",) if args.target_only else ("greedy", "speculative")
     for warm in range(2):  # compile + capture, then once more
-        gen.greedy(prompts[:args.batch], 16)
-        if not args.target_only:
-            gen.speculative(prompts[:args.batch], 16)
+        for kind in kinds:
+            getattr(gen, kind)(prompts[:args.batch], 16)
     row: dict = {}
     for kind in kinds:
-        fn = gen.greedy if kind == "greedy" else gen.speculative
+        fn = getattr(gen, kind)
         outs = []
         for i in range(0, len(prompts), args.batch):
             outs += fn(prompts[i:i + args.batch], args.new_tokens)

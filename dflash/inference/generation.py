@@ -62,8 +62,8 @@ class Generation:
         seconds / draft_seconds / verify_seconds: wall time of the whole decode (the batch's,
             for batched decoding), and the device time of drafting and of verification, in s.
         prefill_seconds / decode_seconds: wall time of the batch's prefill (to its first tokens
-            on the host) and of the decoding loop after it, in s (:meth:`Generator.greedy`; 0
-            elsewhere); ``seconds`` minus both is the host's reading of the results.
+            on the host) and of the decoding loop after it (steps or passes), in s; ``seconds``
+            minus both is the host's reading of the results.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -332,6 +332,7 @@ class Generator(DecodeSteps):
             raise ValueError("speculative decoding needs a drafter (Generator(drafter=...))")
         start = time.perf_counter()
         active = self._start(prompts, max_new_tokens, stop_ids)
+        prefilled = time.perf_counter()  # the prefill's first tokens reached the host: synchronised
         n = len(prompts)
         b_sz = self.block_size
         lens = [p.numel() for p in prompts]
@@ -357,6 +358,7 @@ class Generator(DecodeSteps):
                 timer.stop("verify", t)
             anchor, active = self._poll(n)
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
+        decoded = time.perf_counter()  # the last poll synchronised
         gens = self._collect(prompts, max_new_tokens, passes=True)
         self._report(progress, shown, [max(0, len(g.tokens) - 1) for g in gens])
         split = timer.totals()
@@ -365,4 +367,6 @@ class Generator(DecodeSteps):
             g.seconds = elapsed
             g.draft_seconds = split.get("draft", 0.0)
             g.verify_seconds = split.get("verify", 0.0)
+            g.prefill_seconds = prefilled - start
+            g.decode_seconds = decoded - prefilled
         return gens

@@ -53,6 +53,7 @@ def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, t
     from dflash.progress import Progress
 
     started = time.perf_counter()
+    timings = getattr(generator, "timings", None)  # updated in place by the generator
     bar = Progress(len(rows), desc="regenerate", unit="row", logger=log)
     try:
         for records in regenerate_rows(rows, generator, tokenizer, options):
@@ -60,7 +61,6 @@ def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, t
             stats["rows"] += len(records)
             stats["new_tokens"] += sum(sum(r["regen"].get("new_tokens", [])) for r in records)
             rate = stats["new_tokens"] / max(time.perf_counter() - started, 1e-9)
-            timings = getattr(generator, "timings", None)
             split = (f" (prefill {timings['prefill_s']:.0f} s, decoding {timings['decode_s']:.0f} s)"
                      if timings else "")
             bar.update(stats["rows"], f"rows | {stats['new_tokens']} new tokens, {rate:.0f} new tok/s{split}")
