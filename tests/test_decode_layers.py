@@ -80,7 +80,8 @@ def test_split_attention():
 
 
 def test_mixed_attention_uses_each_part_where_it_belongs(monkeypatch):
-    """``"X+Y"``: the one-token step runs X, verification and prefill run Y (recorded per call)."""
+    """``"X+Y"``: the one-token step runs X, verification Y, the prefill its causal attention over the
+    prompt's own keys (recorded per call)."""
     import dflash.inference.decode_layers as dl
 
     model = _model("qwen3")
@@ -97,7 +98,8 @@ def test_mixed_attention_uses_each_part_where_it_belongs(monkeypatch):
     gen.greedy([torch.arange(5)], 3)
     gen.speculative([torch.arange(5)], 6)
     assert {a for t, a in seen if t == 1} == {"matmul"}
-    assert {a for t, a in seen if t > 1} == {"flex"}
+    assert {a for t, a in seen if t == 4} == {"flex"}  # verification of a block of 4
+    assert {a for t, a in seen if t == 5} == {"causal"}  # the prefill of the 5-token prompt
 
 
 def test_fused_weights_are_views_and_model_forward_is_unchanged():
@@ -330,3 +332,62 @@ def test_default_attention_by_batch_size():
         assert gen.attention == want
         assert (gen.step_attention, gen.block_attention) == split_attention(want)
     assert Generator(model, [1], 32, batch_size=4, compile=False, attention="reduce").attention == "reduce"
+
+
+# --------------------------------------------------------------------------- causal prefill
+
+
+def _naive_causal(q, k, v, scale, window):
+    """Token ``t`` of ``q [b, T, H, hd]`` over the tokens ``j ≤ t`` (and ``t − j < window``) of
+    ``k, v [b, T, H_kv, hd]``, one key at a time; query head ``h`` reads key/value head ``h // g``."""
+    b, t, heads, hd = q.shape
+    group = heads // k.shape[2]
+    out = torch.zeros_like(q)
+    for bi in range(b):
+        for h in range(heads):
+            for i in range(t):
+                keys = [j for j in range(i + 1) if window is None or i - j < window]
+                scores = torch.stack([(q[bi, i, h] * k[bi, j, h // group]).sum() * scale for j in keys])
+                w = torch.softmax(scores, dim=0)
+                out[bi, i, h] = sum(w[n] * v[bi, j, h // group] for n, j in enumerate(keys))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_causal_prefill_attention_equals_naive(window):
+    from dflash.inference.decode_layers import causal_prefill_attention
+
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 7, 6, 8, generator=g)
+    k, v = torch.randn(2, 2, 7, 2, 8, generator=g)
+    got = causal_prefill_attention(q, k, v, 0.4, window)
+    torch.testing.assert_close(got, _naive_causal(q, k, v, 0.4, window), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding"])
+def test_causal_prefill_equals_prefill_over_the_cache(kind, monkeypatch):
+    """The fused layers' prefill (causal attention over the prompts' own keys, in chunks of a few
+    rows) writes the keys/values, features, first tokens and logit stats of the prefill that
+    attends over the whole masked cache (fp32), for right-padded prompts of different lengths."""
+    from dflash.inference.decode_steps import DecodeSteps
+
+    model = _model(kind)
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 257, (n,), generator=g) for n in (1, 6, 19, 11)]
+    gens = {}
+    for attention in ("causal", "matmul"):
+        gen = Generator(model, [0, 2, 3], 48, batch_size=4, compile=False)
+        gen.prefill_attention = attention
+        monkeypatch.setattr(DecodeSteps, "PREFILL_CHUNK_TOKENS", 40)  # 2 rows of 19 a forward
+        gens[attention] = (gen, gen.prefill(prompts))
+    (causal, first_c), (cache, first_m) = gens["causal"], gens["matmul"]
+    assert first_c == first_m
+    for r, p in enumerate(prompts):
+        n = p.numel()
+        for layer in range(len(model.model.layers)):
+            for buf in ("keys", "values"):
+                got = getattr(causal.state.kv, buf)[layer][r, :, :n]
+                want = getattr(cache.state.kv, buf)[layer][r, :, :n]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(causal.state.features[r, :n], cache.state.features[r, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(causal.state.logit_stats[r, n], cache.state.logit_stats[r, n], rtol=1e-5, atol=1e-5)

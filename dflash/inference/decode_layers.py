@@ -23,7 +23,9 @@ layer with
   query heads keep ``H = H_kv``, so its power-of-two GQA condition holds for any group size); or
   as broadcast products and sums (``"reduce"``, :func:`reduce_attention`), which inductor splits
   over the cache slots like flash-decoding. ``"X+Y"`` picks ``X`` for the one-token step and ``Y``
-  for the multi-token forwards (:func:`split_attention`).
+  for the multi-token forwards (:func:`split_attention`). A prefill into empty cache rows runs
+  ``"causal"`` (:data:`PREFILL_ATTENTION`): the prompt attends to its own keys only, through SDPA's
+  causal kernels (FlashAttention on CUDA), never reading or masking the rest of the cache.
 
 The original ``nn.Linear`` weights become views into the fused tensors, so the model's own forward
 (prefill in other code, training) keeps working and no weight is stored twice.
@@ -45,11 +47,12 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from dflash.models.modeling_dflash import apply_rope
 
-__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FusedDecoderLayer", "REDUCE_MAX_BATCH", "decode_score_mod",
-           "default_attention", "fusable", "fuse_layers", "reduce_attention", "split_attention"]
+__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FusedDecoderLayer", "PREFILL_ATTENTION", "REDUCE_MAX_BATCH",
+           "causal_prefill_attention", "decode_score_mod", "default_attention", "fusable", "fuse_layers",
+           "reduce_attention", "split_attention"]
 
 #: Decoding's default attention spec (:func:`split_attention`): ``"reduce"`` in the one-token step,
-#: SDPA in verification and prefill; the fastest measured on an H200 (SmolLM2-135M, bf16, batch 1,
+#: SDPA in verification; the fastest measured on an H200 (SmolLM2-135M, bf16, batch 1,
 #: prompts of up to 544 tokens: 564 target-only tokens/s against 457 with SDPA alone; ``reduce``
 #: in verification made it 40 % slower).
 ATTENTION = "reduce+sdpa"
@@ -63,6 +66,10 @@ REDUCE_MAX_BATCH = 1
 #: and ``"reduce"`` (fp32 attention written as broadcast products and sums that inductor splits over
 #: the cache slots, :func:`reduce_attention`).
 ATTENTIONS = ("sdpa", "matmul", "flex", "reduce")
+#: The attention of a prefill into empty cache rows (positions ``0 … T−1`` in every row): the
+#: prompt's queries over the prompt's own keys, causal (:func:`causal_prefill_attention`). Not a
+#: decoding spec: the steps read the cache, this reads only the forward's own keys.
+PREFILL_ATTENTION = "causal"
 
 
 def default_attention(batch_size: int) -> str:
@@ -77,7 +84,8 @@ def split_attention(spec: str) -> tuple[str, str]:
     """``(one-token attention, multi-token attention)`` of an attention spec.
 
     ``spec`` is one of :data:`ATTENTIONS` (every forward) or ``"X+Y"``: ``X`` for the target-only
-    one-token step, ``Y`` for every forward of several tokens (verification of a block, prefill).
+    one-token step, ``Y`` for every forward of several tokens (verification of a block; a prefill of
+    the fused layers runs :data:`PREFILL_ATTENTION`).
     The two regimes favour different kernels: a one-token step has ``g`` query rows per key/value
     head, a verification ``g·B``.
 
@@ -212,6 +220,39 @@ def reduce_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scal
     return out.to(values.dtype)
 
 
+def causal_prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int] = None) -> Tensor:
+    """Causal self-attention of ``T`` tokens at positions ``0 … T−1`` over their own keys: token ``t``
+    reads tokens ``j ≤ t`` (and ``t − j < window`` in a sliding layer, as transformers' sliding
+    layers do). What a prefill into an empty cache computes, without the cache: with right-padded
+    prompts, a row's real tokens read only real tokens before them (the padding comes after).
+
+    Args:
+        q: ``[b, T, H, hd]`` queries (rotary applied).
+        k, v: ``[b, T, H_kv, hd]`` keys (rotary applied) and values; ``H`` a multiple of ``H_kv``
+            (each key/value head serves ``H / H_kv`` consecutive query heads, the Llama / Qwen layout).
+        scale: the softmax scale.
+        window: the sliding window in tokens, ``None`` = full attention.
+
+    Returns:
+        ``[b, T, H, hd]`` in ``q``'s dtype.
+
+    Uses :func:`torch.nn.functional.scaled_dot_product_attention` with ``is_causal`` (FlashAttention
+    or memory-efficient kernels on CUDA, whose work grows with ``T²/2``, not with the cache's length);
+    a sliding layer passes its ``[T, T]`` band as a boolean mask instead.
+    """
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)  # [b, H, T, hd]
+    kh = k.transpose(1, 2).repeat_interleave(group, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    if window is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        t = torch.arange(q.shape[1], device=q.device)
+        band = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < int(window))  # [T(query), T(key)]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, scale=scale)
+    return out.transpose(1, 2)
+
+
 def _fuse(linears: list[nn.Linear]) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
     """Concatenate the linears' weights (and biases) along the output dimension and make each
     linear's weight a view into the result."""
@@ -283,10 +324,14 @@ class FusedDecoderLayer(nn.Module):
             positions: ``[b', T]`` int64 positions of the new tokens.
             mask: ``[b', 1, g·T, T_max]`` bool, True = the query may read that cache slot; query
                 row ``j·T + t`` is query head ``j`` of a key/value group at token ``t``. Unused
-                (may be ``None``) by ``"flex"``, which applies the same rule from ``positions``.
+                (may be ``None``) by ``"flex"``, which applies the same rule from ``positions``,
+                and by ``"causal"``.
             window: the layer's sliding window in tokens (``None`` = full attention); read by
-                ``"flex"`` only (the other attentions take it from ``mask``).
-            attention: this call's attention (one of :data:`ATTENTIONS`), ``None`` = the layer's.
+                ``"flex"`` and ``"causal"`` only (the other attentions take it from ``mask``).
+            attention: this call's attention (one of :data:`ATTENTIONS`, or
+                :data:`PREFILL_ATTENTION` when every row's ``positions`` are ``0 … T−1``: a prefill
+                into empty rows; the keys/values are still written into the cache), ``None`` = the
+                layer's.
 
         Returns:
             ``[b', T, D]`` the layer's output (same dtype as ``hidden``).
@@ -307,12 +352,16 @@ class FusedDecoderLayer(nn.Module):
         row_ix = row_ix.unsqueeze(1)  # [b', 1]
         k_buf[row_ix, :, positions] = k.to(k_buf.dtype)  # [b', T, H_kv, hd] at [b', T]
         v_buf[row_ix, :, positions] = v.to(v_buf.dtype)
+        attention = attention or self.attention
+        if attention == PREFILL_ATTENTION:
+            out = causal_prefill_attention(q.to(k_buf.dtype), k.to(k_buf.dtype), v.to(v_buf.dtype), self.scaling,
+                                           window)
+            return self._mlp(hidden, out.reshape(b, t, hq * hd))
         keys, values = (k_buf, v_buf) if rows is None else (k_buf[rows], v_buf[rows])
         # [b', T, H, hd] → [b', H_kv, g·T, hd]: the g query heads of a group read one key/value head.
         g = hq // hkv
         q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
         q = q.to(keys.dtype)
-        attention = attention or self.attention
         if attention == "flex":
             out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling)
         elif attention == "sdpa":
@@ -323,8 +372,12 @@ class FusedDecoderLayer(nn.Module):
             scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling  # [b', H_kv, g·T, T_max]
             probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
             out = torch.matmul(probs.to(values.dtype), values)
-        out = out.view(b, hkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, hq * hd)
-        hidden = hidden + self.o_proj(out.to(hidden.dtype))
+        return self._mlp(hidden, out.view(b, hkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, hq * hd))
+
+    def _mlp(self, hidden: Tensor, attn: Tensor) -> Tensor:
+        """The layer after attention: ``hidden [b', T, D]`` plus the output projection of ``attn
+        [b', T, H·hd]``, then the MLP block with its residual."""
+        hidden = hidden + self.o_proj(attn.to(hidden.dtype))
         x = self.post_attention_layernorm(hidden)
         gate, up = F.linear(x, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
         return hidden + self.down_proj(self.act(gate) * up)

@@ -8,9 +8,9 @@ once over fixed shapes and, on CUDA, replayed as a CUDA graph
 
 **Steps.**
 
-* :meth:`DecodeSteps.prefill` (all prompts right-padded in one forward; compiled with dynamic
-  shapes on CUDA, eager elsewhere): the prompts'
-  keys/values, features and the first generated token.
+* :meth:`DecodeSteps.prefill` (all prompts right-padded in one forward; causal attention over
+  the prompts' own keys in the fused layers; compiled with dynamic shapes on CUDA, eager
+  elsewhere): the prompts' keys/values, features and the first generated token.
 * target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``;
   the row turns inactive after a stop token or its last position.
 * draft (compiled): the drafter's own :meth:`dflash.models.drafter.DFlashDraftModel.forward` on the whole
@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.decode_layers import default_attention, fuse_layers, split_attention
+from dflash.inference.decode_layers import PREFILL_ATTENTION, default_attention, fuse_layers, split_attention
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import DFlashProposer
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
@@ -88,9 +88,14 @@ class DecodeSteps:
         fuse: run the target's layers as :class:`dflash.inference.decode_layers.FusedDecoderLayer` (fused
             projections, grouped-query attention on the cache in place) when every layer is
             supported; ``False`` = through the transformers layers. Same math either way.
+        compile_prefill: compile the prefill forward too (:meth:`compile_prefill`) when the
+            steps are compiled on CUDA; ``None`` = yes. ``False`` for large batches, whose prefill
+            forwards are device-bound: a dynamic-shape compilation (and its recompilations) costs
+            more than it saves there.
         attention: the fused layers' attention, one of
             :data:`dflash.inference.decode_layers.ATTENTIONS`, or ``"X+Y"``: ``X`` in the
-            target-only one-token step, ``Y`` in verification and prefill
+            target-only one-token step, ``Y`` in verification (the prefill of the fused layers runs
+            :data:`dflash.inference.decode_layers.PREFILL_ATTENTION`)
             (:func:`dflash.inference.decode_layers.split_attention`); ``"flex"`` builds no mask tensor;
             ``None``: :func:`dflash.inference.decode_layers.default_attention` of ``batch_size``
             (kept in :attr:`attention`).
@@ -105,7 +110,7 @@ class DecodeSteps:
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
-                 attention: Optional[str] = None) -> None:
+                 attention: Optional[str] = None, compile_prefill: Optional[bool] = None) -> None:
         self.attention = default_attention(batch_size) if attention is None else attention
         self.step_attention, self.block_attention = split_attention(self.attention)
         self.model = model.eval()
@@ -162,8 +167,11 @@ class DecodeSteps:
         self._greedy_step = self._wrap(self._greedy_step_impl)
         self._draft_step = self._wrap(self._draft_step_impl) if self.proposer is not None else None
         self._verify_step = self._wrap(self._verify_step_impl)
+        #: The fused layers' attention in :meth:`prefill`: :data:`PREFILL_ATTENTION` (the prompts'
+        #: own keys, causal); ``None`` (the transformers layers) = the multi-token attention over the cache.
+        self.prefill_attention: Optional[str] = PREFILL_ATTENTION if self.fused is not None else None
         self._prefill_forward: Callable[..., Any] = self.forward
-        if self.compiled and self.device.type == "cuda":
+        if self.compiled and self.device.type == "cuda" and compile_prefill is not False:
             self.compile_prefill()
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -241,7 +249,9 @@ class DecodeSteps:
             features: also return the fused features.
             logits_at: ``[b']`` int64: logits of that token of each row only (prefill: a row's last
                 prompt token when prompts are right-padded to one length).
-            attention: the fused layers' attention in this forward (default: the multi-token one).
+            attention: the fused layers' attention in this forward (default: the multi-token one;
+                :data:`dflash.inference.decode_layers.PREFILL_ATTENTION` when ``positions`` are
+                ``0 … T−1`` in every row: a prefill into empty rows, which reads no cache slot).
 
         Returns:
             ``(logit stats [b', T', 3] fp32, argmax ids [b', T', 1] int64, features [b', T, L·D] or None)``
@@ -260,8 +270,8 @@ class DecodeSteps:
             rope_pos = positions.unsqueeze(0).expand(3, -1, -1)
         rotary = dec.rotary_emb(hidden, rope_pos)
         attention = attention or self.block_attention
-        flex = self.fused is not None and attention == "flex"
-        masks = {} if flex else self._masks(positions)
+        maskless = self.fused is not None and attention in ("flex", PREFILL_ATTENTION)
+        masks = {} if maskless else self._masks(positions)
         width = hidden.shape[-1]
         feats = hidden.new_empty(*hidden.shape[:2], len(self.layer_ids) * width) if features else None
         last = self.num_layers - 1
@@ -371,19 +381,28 @@ class DecodeSteps:
 
     # ----------------------------------------------------------------------- prefill
 
-    #: Elements of one prefill chunk's attention scores (rows × g·P × T_max); longer prompt sets are
-    #: prefilled in several forwards so the transient fp32 scores stay near 1 GiB.
+    #: Elements of one prefill chunk's attention scores (rows × g·P × T_max) where the prefill reads
+    #: the cache (the transformers layers); longer prompt sets are prefilled in several forwards so
+    #: the transient fp32 scores stay near 1 GiB.
     PREFILL_CHUNK_ELEMENTS = 1 << 28
+    #: Positions (rows × padded width) of one prefill forward of the fused layers, whose causal
+    #: attention keeps no scores: the transient activations (the MLP's ``2·I`` channels the
+    #: largest) stay near ``PREFILL_CHUNK_TOKENS × 6·I`` bytes in bf16 (SmolLM2-135M: 0.6 GiB).
+    PREFILL_CHUNK_TOKENS = 1 << 16
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Tensor]) -> list[int]:
         """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
         ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its logit stats
         too) and becomes its anchor. Compiled with dynamic shapes where the steps are compiled on
-        CUDA (:meth:`compile_prefill`), else eager; the prompts go right-padded to the longest in as few
-        forwards as :attr:`PREFILL_CHUNK_ELEMENTS` allows. A padded row writes keys/values past its
-        prompt too, at slots its own later forwards overwrite before any query can read them (a
-        query at ``p`` reads slots ``≤ p``, and the forward at ``p`` writes slot ``p`` first).
+        CUDA (:meth:`compile_prefill`) unless ``compile_prefill=False``, else eager; the prompts go
+        right-padded to the longest in as few forwards as :attr:`PREFILL_CHUNK_TOKENS` (fused
+        layers: causal attention over the prompts' own keys, :data:`PREFILL_ATTENTION`) or
+        :attr:`PREFILL_CHUNK_ELEMENTS` (transformers layers: attention over the cache) allows. A
+        padded row writes keys/values past its prompt too, at slots its own later forwards
+        overwrite before any query can read them (a query at ``p`` reads slots ``≤ p``, and the
+        forward at ``p`` writes slot ``p`` first); its real tokens never read the padding, which
+        comes after them.
 
         Returns:
             per row, its first generated token.
@@ -391,8 +410,11 @@ class DecodeSteps:
         st = self.state
         lens = [p.numel() for p in prompts]
         width = max(lens)
-        per_row = max(1, self.group * width * self.max_len)
-        chunk = max(1, self.PREFILL_CHUNK_ELEMENTS // per_row)
+        attention = self.prefill_attention
+        if attention == PREFILL_ATTENTION:
+            chunk = max(1, self.PREFILL_CHUNK_TOKENS // width)
+        else:
+            chunk = max(1, self.PREFILL_CHUNK_ELEMENTS // max(1, self.group * width * self.max_len))
         out: list[int] = []
         for start in range(0, len(prompts), chunk):
             part = list(range(start, min(len(prompts), start + chunk)))
@@ -404,7 +426,7 @@ class DecodeSteps:
             rows = torch.tensor(part, device=self.device)
             last = torch.tensor([lens[r] - 1 for r in part], device=self.device)
             vals, top, feats = self._prefill_forward(ids, pos, rows=rows, features=bool(self.layer_ids),
-                                                     logits_at=last)
+                                                     logits_at=last, attention=attention)
             st.tokens[rows, :width] = ids
             st.tokens[rows, last + 1] = top[:, 0, 0]
             st.logit_stats[rows, last + 1] = vals[:, 0]

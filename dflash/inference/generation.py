@@ -133,8 +133,8 @@ class Generator(DecodeSteps):
     """Target-only and speculative greedy decoding of a batch of prompts over static buffers.
 
     Args:
-        model, layer_ids, max_len, batch_size, drafter, compile, fuse, attention: the decoding
-            state and its step functions (:class:`dflash.inference.decode_steps.DecodeSteps`).
+        model, layer_ids, max_len, batch_size, drafter, compile, fuse, attention, compile_prefill:
+            the decoding state and its step functions (:class:`dflash.inference.decode_steps.DecodeSteps`).
         sync_every: target forwards (steps or verification passes) the host enqueues between two
             reads of the decoding state (:data:`SYNC_EVERY`); any value gives the same outputs.
             Settable on the instance (:attr:`sync_every`) without recompiling.
@@ -146,11 +146,11 @@ class Generator(DecodeSteps):
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
-                 fuse: bool = True, attention: Optional[str] = None) -> None:
+                 fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
         super().__init__(model, layer_ids, max_len, batch_size=batch_size, drafter=drafter, compile=compile,
-                         fuse=fuse, attention=attention)
+                         fuse=fuse, attention=attention, compile_prefill=compile_prefill)
         self.sync_every = int(sync_every)
         self._stops: frozenset[int] = frozenset()
 

@@ -3,7 +3,7 @@
 Greedy (temperature 0) goes through :class:`StaticGreedyGenerator`: the static KV cache of
 :class:`dflash.inference.generation.Generator`, one row per conversation, its step compiled into a
 CUDA graph on GPU (``target.compile``); prompts of :data:`SHORT_PROMPT_TOKENS` tokens or more go to
-a second, eager cache sized for ``--max-prompt-tokens``. Sampling keeps :class:`BatchGenerator`: one
+a second cache sized for ``--max-prompt-tokens`` (eager unless asked). Sampling keeps :class:`BatchGenerator`: one
 left-padded batch with the Hugging Face causal LM called step by step; left padding is exact for
 attention layers (padded keys are masked, positions restart at 0 at each row's first token). A turn
 ends at a stop token (:func:`dflash.data.render.stop_token_ids`; not returned) or after ``max_new_tokens``; ids the
@@ -193,7 +193,8 @@ class StaticGreedyGenerator:
     :data:`STATIC_SLACK`, compiled when ``compile``); longer ones, up to ``max_prompt_tokens − 1``
     (:class:`dflash.inference.regeneration.jobs.ConversationJob` never asks for more), in the
     *long* generator (``max_prompt_tokens`` in place of ``short_prompt_tokens``), built on first use
-    and always eager: it serves few batches, fewer than a second compilation would pay for. Callers
+    and eager unless ``compile_long``: with first turns only it serves few batches, fewer than a
+    second compilation would pay for. Callers
     that sort rows by prompt length (:func:`dflash.inference.regeneration.worker.run_worker` does)
     give each call prompts of one kind.
 
@@ -209,7 +210,12 @@ class StaticGreedyGenerator:
         max_new_tokens: the most new tokens per call.
         short_prompt_tokens: prompts shorter than this use the short cache (``None`` or
             ``>= max_prompt_tokens``: one cache for all).
-        compile: compile the short generator's step (CUDA graphs); ``None`` = on CUDA only.
+        compile: compile the short generator's step (CUDA graphs); ``None`` = on CUDA only. The
+            prefill of both generators stays eager (each of its forwards fills the device at these
+            batch sizes).
+        compile_long: compile the long generator's step too (one more compilation, on its first
+            use): worth it when many batches are long (every turn of a conversation regenerated,
+            where later turns' prompts hold the earlier ones).
 
     Raises:
         ValueError: see :class:`dflash.inference.generation.Generator` and :func:`limit_vocab`.
@@ -217,7 +223,7 @@ class StaticGreedyGenerator:
 
     def __init__(self, model: Any, stop_ids: list[int], vocab_limit: int, batch_size: int, max_prompt_tokens: int,
                  max_new_tokens: int, short_prompt_tokens: Optional[int] = SHORT_PROMPT_TOKENS,
-                 compile: Optional[bool] = None) -> None:
+                 compile: Optional[bool] = None, compile_long: bool = False) -> None:
         from dflash.inference.generation import Generator
 
         limit_vocab(model, vocab_limit)
@@ -230,9 +236,12 @@ class StaticGreedyGenerator:
         if short_prompt_tokens is None or short_prompt_tokens >= max_prompt_tokens:
             short_prompt_tokens = max_prompt_tokens
         self.short_prompt_tokens = short_prompt_tokens
+        # The prefill stays eager: at regeneration's batch sizes each prefill forward keeps the device
+        # busy, and a dynamic-shape compilation of it (plus its recompilations) costs more than it saves.
         self.short = Generator(model, [], max_len=self._max_len(short_prompt_tokens), batch_size=batch_size,
-                               compile=compile)
+                               compile=compile, compile_prefill=False)
         self.long: Any = None
+        self.compile_long = bool(compile_long)
         #: Wall seconds summed over :meth:`generate` calls: ``prefill_s`` (prompts into the cache),
         #: ``decode_s`` (the one-token steps), ``batches`` (generator calls); where a regeneration's
         #: time goes, beside its tokenisation and bookkeeping.
@@ -246,7 +255,7 @@ class StaticGreedyGenerator:
             from dflash.inference.generation import Generator
 
             self.long = Generator(self.model, [], max_len=self._max_len(self.max_prompt_tokens),
-                                  batch_size=self.batch_size, compile=False)
+                                  batch_size=self.batch_size, compile=self.compile_long, compile_prefill=False)
         return self.long
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

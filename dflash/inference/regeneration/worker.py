@@ -105,9 +105,11 @@ def _generator(cfg: RunConfig, options: GenerationOptions, rows: list[SourceRow]
     if options.temperature != 0:
         return BatchGenerator(model, stop_ids, pad_token_id(tokenizer), len(tokenizer))
     rows.sort(key=prompt_chars)
+    compile = cfg.target.compile and device.type == "cuda"
+    # Later turns' prompts hold the earlier turns: most of their batches go to the long cache.
     return StaticGreedyGenerator(model, stop_ids, len(tokenizer), min(options.batch_size, len(rows)),
-                                 options.max_prompt_tokens, options.max_new_tokens,
-                                 compile=cfg.target.compile and device.type == "cuda")
+                                 options.max_prompt_tokens, options.max_new_tokens, compile=compile,
+                                 compile_long=compile and options.max_turns != 1)
 
 
 def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: int, world: int,
