@@ -391,3 +391,38 @@ def test_causal_prefill_equals_prefill_over_the_cache(kind, monkeypatch):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(causal.state.features[r, :n], cache.state.features[r, :n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(causal.state.logit_stats[r, n], cache.state.logit_stats[r, n], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_block_mask_skips_only_blocks_past_each_row():
+    """Compiled flex attention with :func:`decode_block_mask` equals the naive rule at three fill
+    levels, and never reads the blocks past a row's positions: NaN values there (a block a kernel
+    visited would turn into NaN, masked or not) leave the row finite; without the block mask they
+    do not."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.inference.decode_layers import FLEX_KV_BLOCK, decode_block_mask, decode_score_mod
+
+    g = torch.Generator().manual_seed(11)
+    b, kv_heads, group, hd, t_max, tokens = 3, 2, 3, 16, 300, 4
+    q = torch.randn(b, kv_heads, group * tokens, hd, generator=g)
+    k, v = torch.randn(2, b, kv_heads, t_max, hd, generator=g)
+    starts = torch.tensor([0, FLEX_KV_BLOCK + 2, t_max - tokens])  # block 0, blocks 0-1, every block
+    positions = starts[:, None] + torch.arange(tokens)
+    want = _naive_attention(q, k, v, positions, 0.3, None)
+    v[0, :, FLEX_KV_BLOCK:] = float("nan")
+
+    def sparse(q, k, v, positions):
+        mask = decode_block_mask(positions, q.shape[2], k.shape[2])
+        return flex_attention(q, k, v, score_mod=decode_score_mod(positions), block_mask=mask, scale=0.3)
+
+    def dense(q, k, v, positions):
+        return flex_attention(q, k, v, score_mod=decode_score_mod(positions), scale=0.3)
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(sparse)(q, k, v, positions)
+        visited = torch.compile(dense)(q, k, v, positions)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert visited[0].isnan().any()  # the check can fail: a kernel that visits the block sees the NaN

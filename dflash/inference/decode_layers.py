@@ -43,12 +43,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.models.modeling_dflash import apply_rope
 
 __all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FusedDecoderLayer", "PREFILL_ATTENTION", "REDUCE_MAX_BATCH",
-           "causal_prefill_attention", "decode_score_mod", "default_attention", "fusable", "fuse_layers",
+           "causal_prefill_attention", "decode_block_mask", "decode_score_mod", "default_attention", "fusable", "fuse_layers",
            "reduce_attention", "split_attention"]
 
 #: Decoding's default attention spec (:func:`split_attention`): ``"reduce"`` in the one-token step,
@@ -167,17 +167,52 @@ def decode_score_mod(positions: Tensor, window: Optional[int] = None) -> Callabl
     return score_mod
 
 
-def _flex(q: Tensor, keys: Tensor, values: Tensor, score_mod: Callable[..., Tensor], scale: float) -> Tensor:
+#: Cache slots per key/value block of :func:`decode_block_mask` (flex_attention's default block).
+FLEX_KV_BLOCK = 128
+
+
+def decode_block_mask(positions: Tensor, query_rows: int, max_len: int, block: int = FLEX_KV_BLOCK) -> BlockMask:
+    """The cache blocks a decoding forward can read, per batch row: blocks ``0 … ⌊max_t p / block⌋``
+    of ``block`` slots, where ``p = positions[b, t]``; the later blocks hold only slots ``> p`` for
+    every query of the row, which :func:`decode_score_mod` masks anyway, so skipping them changes
+    no score. flex_attention's kernels then read ``O(p)`` slots of each row, not ``T_max``: a batch
+    of short rows in a cache sized for long ones costs what its rows hold.
+
+    Args:
+        positions: ``[b', T]`` int64 absolute positions of the forward's tokens.
+        query_rows: ``Q`` of the folded query layout (``g·T``).
+        max_len: ``T_max``, the cache's slots.
+        block: slots per key/value block.
+
+    Returns:
+        a :class:`torch.nn.attention.flex_attention.BlockMask` over ``[b', 1, Q, T_max]`` (one query
+        block; the same blocks for every head), without the transposed indices a backward needs.
+    """
+    blocks = -(-max_len // block)
+    last = positions.amax(dim=-1)  # [b']
+    count = torch.clamp(last // block + 1, max=blocks).to(torch.int32).view(-1, 1, 1)
+    order = torch.arange(blocks, device=positions.device, dtype=torch.int32).expand(positions.shape[0], 1, 1, blocks)
+    # One query block of 128 rows (flex-decoding's kernels need a query block that is a multiple of
+    # their 16-row tile; the folded ``Q`` of a step or a verification is below 128).
+    q_block = max(FLEX_KV_BLOCK, -(-query_rows // 16) * 16)
+    return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(q_block, block), seq_lengths=(query_rows, max_len),
+                                    compute_q_blocks=False)
+
+
+def _flex(q: Tensor, keys: Tensor, values: Tensor, score_mod: Callable[..., Tensor], scale: float,
+          block_mask: Optional[BlockMask] = None) -> Tensor:
     """flex_attention of ``q [b', H_kv, Q, hd]`` over ``keys/values [b', H_kv, T_max, hd]`` under
-    ``score_mod`` (no ``enable_gqa``: the query heads are folded into ``Q``).
+    ``score_mod`` (no ``enable_gqa``: the query heads are folded into ``Q``), visiting only the
+    key/value blocks of ``block_mask`` (:func:`decode_block_mask`; ``None`` = all).
 
     Inside ``torch.compile`` (the step functions) flex_attention is traced into the graph and
     lowered to a fused kernel. Outside it (prefill, CPU decoding) ``score_mod`` is applied to the
     dense fp32 score matrix over broadcast index tensors: what flex_attention's own unfused
-    fallback computes, without the dynamo trace that fallback runs for every new prompt width.
+    fallback computes, without the dynamo trace that fallback runs for every new prompt width
+    (the skipped blocks hold only scores that ``score_mod`` sets to ``−inf``).
     """
     if torch.compiler.is_compiling():
-        return flex_attention(q, keys, values, score_mod=score_mod, scale=scale)
+        return flex_attention(q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale)
     b, h, rows, _ = q.shape
     dev = q.device
     idx = [torch.arange(n, device=dev).view([-1 if i == d else 1 for i in range(4)])
@@ -363,7 +398,8 @@ class FusedDecoderLayer(nn.Module):
         q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
         q = q.to(keys.dtype)
         if attention == "flex":
-            out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling)
+            block_mask = decode_block_mask(positions, g * t, keys.shape[2]) if torch.compiler.is_compiling() else None
+            out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling, block_mask)
         elif attention == "sdpa":
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         elif attention == "reduce":

@@ -213,6 +213,9 @@ class StaticGreedyGenerator:
         compile: compile the short generator's step (CUDA graphs); ``None`` = on CUDA only. The
             prefill of both generators stays eager (each of its forwards fills the device at these
             batch sizes).
+        attention: the fused layers' attention in decoding
+            (:class:`dflash.inference.decode_steps.DecodeSteps`); ``None`` = the default for the
+            batch size (:func:`dflash.inference.decode_layers.default_attention`).
         compile_long: compile the long generator's step too (one more compilation, on its first
             use): worth it when many batches are long (every turn of a conversation regenerated,
             where later turns' prompts hold the earlier ones).
@@ -223,7 +226,8 @@ class StaticGreedyGenerator:
 
     def __init__(self, model: Any, stop_ids: list[int], vocab_limit: int, batch_size: int, max_prompt_tokens: int,
                  max_new_tokens: int, short_prompt_tokens: Optional[int] = SHORT_PROMPT_TOKENS,
-                 compile: Optional[bool] = None, compile_long: bool = False) -> None:
+                 compile: Optional[bool] = None, compile_long: bool = False,
+                 attention: Optional[str] = None) -> None:
         from dflash.inference.generation import Generator
 
         limit_vocab(model, vocab_limit)
@@ -239,9 +243,10 @@ class StaticGreedyGenerator:
         # The prefill stays eager: at regeneration's batch sizes each prefill forward keeps the device
         # busy, and a dynamic-shape compilation of it (plus its recompilations) costs more than it saves.
         self.short = Generator(model, [], max_len=self._max_len(short_prompt_tokens), batch_size=batch_size,
-                               compile=compile, compile_prefill=False)
+                               compile=compile, compile_prefill=False, attention=attention)
         self.long: Any = None
         self.compile_long = bool(compile_long)
+        self.attention = attention
         #: Wall seconds summed over :meth:`generate` calls: ``prefill_s`` (prompts into the cache),
         #: ``decode_s`` (the one-token steps), ``batches`` (generator calls); where a regeneration's
         #: time goes, beside its tokenisation and bookkeeping.
@@ -255,7 +260,8 @@ class StaticGreedyGenerator:
             from dflash.inference.generation import Generator
 
             self.long = Generator(self.model, [], max_len=self._max_len(self.max_prompt_tokens),
-                                  batch_size=self.batch_size, compile=self.compile_long, compile_prefill=False)
+                                  batch_size=self.batch_size, compile=self.compile_long, compile_prefill=False,
+                                  attention=self.attention)
         return self.long
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
