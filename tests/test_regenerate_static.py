@@ -86,6 +86,19 @@ def test_static_greedy_equals_batch_generator_and_naive_loop(model):
         static.generate(_prompts([MAX_PROMPT], seed=5), MAX_NEW)  # a prompt the jobs never ask for
 
 
+def test_one_flex_cache_equals_batch_generator(model):
+    """flex decoding (the cache blocks a row has written) in one cache for every prompt length:
+    the batch generator's tokens and finishes."""
+    prompts = _prompts([3, 17, 1, 29, 8], seed=1)
+    static = StaticGreedyGenerator(_target().model, [VOCAB_LIMIT - 1], VOCAB_LIMIT, batch_size=len(prompts),
+                                   max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=None,
+                                   attention="flex")
+    assert static.short.step_attention == "flex"
+    assert static.generate(prompts, MAX_NEW) == BatchGenerator(model, [VOCAB_LIMIT - 1], PAD,
+                                                               VOCAB_LIMIT).generate(prompts, MAX_NEW)
+    assert static.long is None  # every prompt went to the one cache
+
+
 def test_prompt_chars_is_the_first_prompt():
     from dflash.inference.regeneration.jobs import prompt_chars
     from dflash.inference.regeneration.rows import SourceRow
@@ -138,6 +151,7 @@ def _write(tmp_path: Path, extra: dict) -> Path:
     ({"temperature": -0.5}, "regenerate.temperature"),
     ({"top_p": 0.0}, "regenerate.top_p"),
     ({"limit": 0}, "regenerate.limit"),
+    ({"attention": "cudnn"}, "regenerate.attention"),
     ({"enabled": "yes", "output": "x.jsonl"}, "regenerate.enabled"),
 ])
 def test_regenerate_section_is_checked(tmp_path, monkeypatch, section, key):
@@ -261,7 +275,7 @@ def test_stage_off_does_nothing(tmp_path):
 
 @pytest.mark.parametrize("given", [
     dict(max_new_tokens=7, temperature=0.1 + 0.2, top_p=0.9, seed=3, batch_size=5, limit=11, max_turns=2,
-         max_prompt_tokens=99),
+         max_prompt_tokens=99, attention="flex+sdpa"),
     dict(temperature=1, limit=None, max_turns=None, max_prompt_tokens=None),  # an int temperature, unset options
 ])
 def test_option_flags_read_back_as_the_same_options(given):
@@ -274,6 +288,6 @@ def test_option_flags_read_back_as_the_same_options(given):
     section = RegenerateConfig(**given)
     args = parse_args(["--config", "c.yaml", *option_flags(section)])
     for key in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "limit", "max_turns",
-                "max_prompt_tokens"):
+                "max_prompt_tokens", "attention"):
         assert getattr(args, key) == getattr(section, key), key
     assert parse_args(["--config", "c.yaml", *option_flags(args)]) == args

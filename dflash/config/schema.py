@@ -332,6 +332,11 @@ class RegenerateConfig:
     seed: int = 0
     #: Read at most this many source rows (``null`` = ``data.max_conversations``).
     limit: Optional[int] = None
+    #: The greedy generator's attention in decoding (``dflash.inference.decode_layers``: ``sdpa``,
+    #: ``flex``, ``matmul``, ``reduce`` or ``X+Y``); ``null`` = the default for the batch size.
+    #: ``flex`` in the one-token step visits only the cache blocks each row has written, so one
+    #: cache serves every prompt length (no short / long split).
+    attention: Optional[str] = None
 
 
 @dataclass

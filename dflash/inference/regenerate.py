@@ -126,6 +126,10 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="stop a conversation before a prompt this long "
                         "(default regenerate.max_prompt_tokens, else data.max_length)")
+    p.add_argument("--attention", default=None,
+                   help="the greedy generator's decoding attention: sdpa, flex, matmul, reduce or X+Y (default "
+                        "regenerate.attention, else the batch size's default); flex visits only the cache blocks a "
+                        "row has written and uses one cache for every prompt length")
     p.add_argument("--overwrite", action="store_true", help="delete an existing output and its shards first")
     p.add_argument("--gpus", type=_gpu_list, default=None,
                    help="comma-separated GPU ids, one worker each (default cluster.targets; on CPU: the worker count)")
@@ -143,7 +147,7 @@ def _options(args: argparse.Namespace, cfg: RunConfig) -> GenerationOptions:
         ConfigError: an option out of range (named).
     """
     for key in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "max_turns", "max_prompt_tokens",
-                "limit"):
+                "limit", "attention"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(cfg.regenerate, key))
     if args.output is None:
@@ -158,7 +162,7 @@ def _options(args: argparse.Namespace, cfg: RunConfig) -> GenerationOptions:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         batch_size=args.batch_size, max_turns=args.max_turns,
         max_prompt_tokens=args.max_prompt_tokens if args.max_prompt_tokens is not None else cfg.data.max_length,
-        enable_thinking=cfg.data.enable_thinking)
+        enable_thinking=cfg.data.enable_thinking, attention=args.attention)
     options.check()
     return options
 

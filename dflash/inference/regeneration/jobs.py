@@ -51,7 +51,8 @@ class GenerationOptions:
     """How responses are generated (the options of ``python -m dflash.inference.regenerate``).
 
     ``temperature == 0`` is greedy; ``top_p`` in (0, 1] (1 = off); ``max_turns`` = None regenerates
-    every assistant turn; ``max_prompt_tokens`` (tokens) stops a conversation before a longer prompt.
+    every assistant turn; ``max_prompt_tokens`` (tokens) stops a conversation before a longer prompt;
+    ``attention`` is the greedy generator's decoding attention (``None`` = the batch size's default).
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -62,6 +63,7 @@ class GenerationOptions:
     max_turns: Optional[int] = None
     max_prompt_tokens: int = 3072
     enable_thinking: Optional[bool] = None
+    attention: Optional[str] = None
 
     def check(self) -> None:
         """Raises:
@@ -78,6 +80,13 @@ class GenerationOptions:
             raise ConfigError(f"--max-turns: must be >= 1, got {self.max_turns}")
         if self.max_prompt_tokens < 1:
             raise ConfigError(f"--max-prompt-tokens: must be >= 1, got {self.max_prompt_tokens}")
+        if self.attention is not None:
+            from dflash.inference.decode_layers import split_attention
+
+            try:
+                split_attention(self.attention)
+            except ValueError as e:
+                raise ConfigError(f"--attention: {e}") from None
 
 
 def prompt_chars(row: SourceRow) -> int:

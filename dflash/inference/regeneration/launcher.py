@@ -54,7 +54,7 @@ RESUME_KEYS = ("dataset", "target", "tokenizer", "enable_thinking", "max_new_tok
 IDENTITY_KEYS = ("tokenizer.sha256", "chat_template.sha256")
 #: Option flags of the command line taken from same-named attributes (always given / only when set).
 VALUE_FLAGS = ("max_new_tokens", "temperature", "top_p", "seed", "batch_size")
-OPTIONAL_FLAGS = ("limit", "max_turns", "max_prompt_tokens")
+OPTIONAL_FLAGS = ("limit", "max_turns", "max_prompt_tokens", "attention")
 
 
 def option_flags(source: Any) -> list[str]:
