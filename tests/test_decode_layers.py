@@ -426,3 +426,21 @@ def test_decode_block_mask_skips_only_blocks_past_each_row():
         torch._dynamo.reset()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert visited[0].isnan().any()  # the check can fail: a kernel that visits the block sees the NaN
+
+
+def test_compiled_flex_step_with_block_mask_equals_naive():
+    """The one-token step compiled by inductor (CPU) with flex attention and its block mask: the
+    naive loop's tokens for rows in the first block, and one that crosses into the second."""
+    import torch._dynamo
+
+    model = _model("qwen3")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 257, (n,), generator=g) for n in (1, 6, 122)]
+    naive = [naive_greedy_decode(model, p, 12) for p in prompts]
+    torch._dynamo.reset()
+    try:
+        gen = Generator(model, [], 300, batch_size=3, compile=True, attention="flex")
+        out = gen.greedy(prompts, 12)
+    finally:
+        torch._dynamo.reset()
+    assert [o.tokens for o in out] == naive
