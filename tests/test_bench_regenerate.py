@@ -9,7 +9,8 @@ import pytest
 
 from benchmarks import bench_regenerate as bench
 
-SMALL = ["--device", "cpu", "--widths", "9", "--batch", "2", "--new-tokens", "3", "--repeats", "1", "--max-prompt-tokens", "600"]
+SMALL = ["--device", "cpu", "--widths", "9", "--batch", "2", "--new-tokens", "3", "--repeats", "1",
+         "--max-prompt-tokens", "600"]
 
 
 def test_small_run_times_each_width_and_cache(tmp_path):

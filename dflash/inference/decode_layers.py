@@ -47,9 +47,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.models.modeling_dflash import apply_rope
 
-__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FusedDecoderLayer", "PREFILL_ATTENTION", "REDUCE_MAX_BATCH",
-           "causal_prefill_attention", "decode_block_mask", "decode_score_mod", "default_attention", "fusable", "fuse_layers",
-           "reduce_attention", "split_attention"]
+__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FLEX_KV_BLOCK", "FusedDecoderLayer", "PREFILL_ATTENTION",
+           "REDUCE_MAX_BATCH", "causal_prefill_attention", "decode_block_mask", "decode_score_mod",
+           "default_attention", "fusable", "fuse_layers", "reduce_attention", "split_attention"]
 
 #: Decoding's default attention spec (:func:`split_attention`): ``"reduce"`` in the one-token step,
 #: SDPA in verification; the fastest measured on an H200 (SmolLM2-135M, bf16, batch 1,

@@ -245,7 +245,7 @@ class StaticGreedyGenerator:
         self.short = Generator(model, [], max_len=self._max_len(short_prompt_tokens), batch_size=batch_size,
                                compile=compile, compile_prefill=False, attention=attention)
         self.long: Any = None
-        self.compile_long = bool(compile_long)
+        self.compile_long = bool(compile_long) and self.short.compiled  # never where the short one is eager
         self.attention = attention
         #: Wall seconds summed over :meth:`generate` calls: ``prefill_s`` (prompts into the cache),
         #: ``decode_s`` (the one-token steps), ``batches`` (generator calls); where a regeneration's
