@@ -8,8 +8,10 @@ about each of ``--widths`` tokens (prompt ``i`` is ``i mod 37`` tokens shorter, 
 prompts are), ``--new-tokens`` each, no stop token. The first batch of each generator pays its
 compilation (reported as ``warmup_s``); each width is then timed over ``--repeats`` batches:
 prefill seconds, decoding seconds, new tokens per second. Attentions (``--attentions``) are the
-decoding specs of :mod:`dflash.inference.decode_layers` (``sdpa``, ``flex``, ``X+Y``, ...);
-``--one-cache`` sizes one cache for every prompt (no short / long split). ``--profile`` lists the
+decoding specs of :mod:`dflash.inference.decode_layers` (``sdpa``, ``flex``, ``X+Y``, ...), each
+with the caches a regeneration worker gives it
+(:func:`dflash.inference.regeneration.generators.short_prompt_tokens_for`: one cache for ``flex``,
+a short and a long one otherwise); ``--one-cache`` sizes one cache for every attention. ``--profile`` lists the
 costliest kernels of the decoding steps of the first width's batch (torch.profiler; CUDA only).
 
 Writes ``bench_regenerate.json`` under ``--out`` after each attention. Also runs on CPU (small
@@ -52,14 +54,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1024, help="rows of the static caches (prompts per batch)")
     p.add_argument("--widths", type=_positive_ints, default=[64, 480, 900],
                    help="comma-separated prompt lengths in tokens, one timed set of batches each")
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128, help="new tokens a row (no stop token: every row runs them all)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompts are shorter than this")
     p.add_argument("--attentions", default="sdpa", help="comma-separated decoding attention specs")
-    p.add_argument("--one-cache", action="store_true", help="one cache for every prompt length")
+    p.add_argument("--one-cache", action="store_true",
+                   help="one cache for every prompt length, whatever the attention (default: as regeneration)")
     p.add_argument("--compile-long", action="store_true", help="compile the long cache's step too")
     p.add_argument("--repeats", type=int, default=2, help="timed batches per width")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the target's dtype")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
+                   help="cuda (the current GPU: steps compiled into CUDA graphs) or cpu (eager)")
     p.add_argument("--profile", action="store_true", help="kernels of the first width's decoding (CUDA only)")
     p.add_argument("--out", default=None, help="write bench_regenerate.json here")
     args = p.parse_args(argv)
@@ -69,12 +73,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     too_long = [w for w in args.widths if w >= args.max_prompt_tokens]
     if too_long:
         p.error(f"--widths {too_long}: must be below --max-prompt-tokens {args.max_prompt_tokens}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU is visible")
     args.attentions = [a for a in args.attentions.split(",") if a]
+    if not args.attentions:
+        p.error("--attentions: name at least one attention spec")
     for spec in args.attentions:
         try:
             split_attention(spec)
         except ValueError as e:
-            p.error(f"--attentions: {e}")
+            p.error(f"--attentions: {str(e).removeprefix('attention: ')}")
     return args
 
 
@@ -117,12 +125,12 @@ def _profile(generator: Any, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def run_attention(spec: str, target: Any, args: argparse.Namespace, vocab: int) -> dict:
     """Every width's batches through a fresh generator decoding with ``spec``."""
-    from dflash.inference.regeneration.generators import StaticGreedyGenerator
+    from dflash.inference.regeneration.generators import StaticGreedyGenerator, short_prompt_tokens_for
 
     cuda = target.device.type == "cuda"
     torch._dynamo.reset()
     generator = StaticGreedyGenerator(target.model, [], vocab, args.batch, args.max_prompt_tokens, args.new_tokens,
-                                      short_prompt_tokens=None if args.one_cache else 512,
+                                      short_prompt_tokens=None if args.one_cache else short_prompt_tokens_for(spec),
                                       compile=cuda, compile_long=args.compile_long, attention=spec)
     gen = torch.Generator().manual_seed(0)
     row: dict[str, Any] = {"widths": {}}

@@ -17,8 +17,9 @@ def test_small_run_times_each_width_and_cache(tmp_path):
     assert bench.main([*SMALL, "--widths", "9,520", "--attentions", "sdpa,flex", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "bench_regenerate.json").read_text())
     assert list(res["attentions"]) == ["sdpa", "flex"]
+    assert set(res["attentions"]["sdpa"]["warmup_s"]) == {"short", "long"}  # 9 tokens: short cache; 520: long
+    assert set(res["attentions"]["flex"]["warmup_s"]) == {"short"}  # flex: one cache, as regeneration gives it
     for row in res["attentions"].values():
-        assert set(row["warmup_s"]) == {"short", "long"}  # 9 tokens: the short cache; 520: the long one
         for width in ("9", "520"):
             t = row["widths"][width]
             assert t["wall_s"] + 0.002 >= t["prefill_s"] + t["decode_s"] > 0  # each rounded to 1 ms
@@ -34,7 +35,9 @@ def test_one_cache_warms_once(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--widths", "0,5"], "--widths: expected comma-separated whole numbers >= 1"),
     (["--widths", "700"], "--widths [700]: must be below --max-prompt-tokens 600"),
-    (["--attentions", "sdpa,cudnn"], "--attentions: attention: one of"),
+    (["--attentions", "sdpa,cudnn"], "--attentions: one of"),
+    (["--attentions", ","], "--attentions: name at least one attention spec"),
+    (["--device", "tpu"], "--device: invalid choice"),
     (["--batch", "0"], "--batch: must be >= 1, got 0"),
 ])
 def test_bad_flags_exit_2(extra, message, capsys):

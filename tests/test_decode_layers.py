@@ -1,7 +1,7 @@
 """The fused decoder layers of static-cache decoding (dflash/inference/decode_layers.py) against the
 transformers layers they replace: same tokens, top-2 logits and context features in fp32, for
-Llama, Qwen2 (projection biases), Qwen3 (q/k norms) and Qwen3 with sliding-window layers, and
-against the naive full-forward greedy loop."""
+Llama, Qwen2 (projection biases), Qwen3 (q/k norms), Qwen3 with sliding-window layers and Mistral
+(a window on every layer, no ``layer_types``), and against the naive full-forward greedy loop."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ SMALL = dict(vocab_size=257, hidden_size=48, intermediate_size=80, num_hidden_la
 
 
 def _model(kind: str, **shape) -> torch.nn.Module:
-    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2, "qwen3-sliding": 3}[kind])
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2, "qwen3-sliding": 3, "mistral": 4}[kind])
     small = {**SMALL, **shape}
     if kind == "llama":
         cfg = transformers.LlamaConfig(**small)
+    elif kind == "mistral":  # a window on every layer, without layer_types
+        cfg = transformers.MistralConfig(**small, sliding_window=5)
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**small)
     else:
@@ -44,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("attention", ["matmul", "sdpa", "flex", "reduce", "flex+sdpa", "matmul+flex", "reduce+sdpa"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding", "mistral"])
 def test_fused_decoding_equals_transformers_layers_and_naive(kind, attention):
     model = _model(kind)
     layer_ids = [0, 2, 3]
@@ -364,7 +366,7 @@ def test_causal_prefill_attention_equals_naive(window):
     torch.testing.assert_close(got, _naive_causal(q, k, v, 0.4, window), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding", "mistral"])
 def test_causal_prefill_equals_prefill_over_the_cache(kind, monkeypatch):
     """The fused layers' prefill (causal attention over the prompts' own keys, in chunks of a few
     rows) writes the keys/values, features, first tokens and logit stats of the prefill that
@@ -444,3 +446,14 @@ def test_compiled_flex_step_with_block_mask_equals_naive():
     finally:
         torch._dynamo.reset()
     assert [o.tokens for o in out] == naive
+
+
+def test_layer_types_follow_what_each_model_applies():
+    from dflash.models.target import layer_types_of
+
+    assert layer_types_of(_model("mistral").config, 4) == ["sliding_attention"] * 4
+    assert layer_types_of(_model("llama").config, 4) == ["full_attention"] * 4
+    assert layer_types_of(_model("qwen3-sliding").config, 4) == ["sliding_attention", "full_attention"] * 2
+    off = transformers.Qwen2Config(**SMALL, sliding_window=5, use_sliding_window=False)
+    assert layer_types_of(off, 4) == ["full_attention"] * 4
+    assert Generator(_model("mistral"), [], 32, compile=False).layer_types == ["sliding_attention"] * 4

@@ -290,6 +290,34 @@ def test_drafter_flops_shape_errors():
 
 # --------------------------------------------------------------------------- peak and MFU
 
+def test_cpu_rate_is_measured_again_and_keeps_the_fastest(monkeypatch):
+    """A probe taken while the cores are busy reads low: the next one after CPU_PROBE_EVERY_S
+    replaces it when faster, and a slower one never lowers it."""
+    from types import SimpleNamespace
+
+    times = iter([0.5, 0.25, 1.0])  # seconds of the timed products, one probe at a time
+    monkeypatch.setattr(fl, "CPU_PROBE_REPEATS", 1)
+    monkeypatch.setattr(fl, "CPU_PROBE_SIZE", 8)
+    clock = {"t": 1000.0}
+    calls = []
+
+    def perf_counter():
+        calls.append(None)
+        return 0.0 if len(calls) % 2 else next(times)
+
+    monkeypatch.setattr(fl, "time", SimpleNamespace(monotonic=lambda: clock["t"], perf_counter=perf_counter))
+    monkeypatch.setattr(fl, "_cpu_flops", None)
+    flops = 2.0 * 8 ** 3
+    assert fl.measured_cpu_flops() == flops / 0.5
+    clock["t"] += 1.0
+    assert fl.measured_cpu_flops() == flops / 0.5  # cached: no new probe within CPU_PROBE_EVERY_S
+    clock["t"] += fl.CPU_PROBE_EVERY_S
+    assert fl.measured_cpu_flops() == flops / 0.25  # faster: replaces
+    clock["t"] += fl.CPU_PROBE_EVERY_S
+    assert fl.measured_cpu_flops() == flops / 0.25  # slower (1.0 s): kept the fastest
+    monkeypatch.setattr(fl, "_cpu_flops", None)
+
+
 def test_peak_flops_sources(monkeypatch):
     monkeypatch.delenv(fl.PEAK_ENV, raising=False)
     monkeypatch.setattr(fl, "_cpu_flops", None)

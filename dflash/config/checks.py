@@ -258,7 +258,7 @@ def _check_regenerate(cfg: RunConfig) -> None:
         try:
             split_attention(r.attention)
         except ValueError as e:
-            raise ConfigError(f"regenerate.attention: {e}") from None
+            raise ConfigError(f"regenerate.attention: {str(e).removeprefix('attention: ')}") from None
     if not r.enabled:
         return
     _need(bool(r.output), "regenerate.output", "is required when regenerate.enabled is true")

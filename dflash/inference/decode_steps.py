@@ -50,7 +50,7 @@ from dflash.inference.decode_layers import PREFILL_ATTENTION, default_attention,
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import DFlashProposer
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
-from dflash.models.target import _decoder
+from dflash.models.target import _decoder, layer_types_of
 
 __all__ = ["DecodeSteps"]
 
@@ -127,7 +127,7 @@ class DecodeSteps:
             raise ValueError(f"max_len: must be >= 2, got {max_len}")
         if batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        types = list(getattr(self.config, "layer_types", None) or [FULL] * self.num_layers)[: self.num_layers]
+        types = layer_types_of(self.config, self.num_layers)
         unknown = sorted(set(types) - {FULL, SLIDING})
         if unknown:
             raise ValueError(f"{type(model).__name__}: layer types {unknown} are not supported by static-cache decoding")

@@ -387,15 +387,23 @@ def peak_flops(device: Union[str, torch.device], override_tflops: Optional[float
 CPU_PROBE_SIZE = 512
 #: Products timed by :func:`measured_cpu_flops` (the fastest counts), after one untimed.
 CPU_PROBE_REPEATS = 8
+#: Seconds after which :func:`measured_cpu_flops` measures again (keeping the fastest).
+CPU_PROBE_EVERY_S = 60.0
 _cpu_flops: Optional[float] = None
+_cpu_probed_at = 0.0
 
 
 def measured_cpu_flops() -> float:
     """This process's fp32 matmul rate on the CPU in FLOP/s, at its current torch thread count:
     the fastest of :data:`CPU_PROBE_REPEATS` products of two random ``CPU_PROBE_SIZE``-square
-    matrices (``2·n³`` FLOPs each; about 40 ms on 2 cores). Measured once per process, then cached."""
-    global _cpu_flops
-    if _cpu_flops is None:
+    matrices (``2·n³`` FLOPs each; about 40 ms on 2 cores). Measured again when the last
+    measurement is :data:`CPU_PROBE_EVERY_S` old, keeping the fastest so far: a probe taken while
+    other processes load (a worker's start) or compute on the same cores reads low, and MFU against
+    it would exceed 1."""
+    global _cpu_flops, _cpu_probed_at
+    now = time.monotonic()
+    if _cpu_flops is None or now - _cpu_probed_at >= CPU_PROBE_EVERY_S:
+        _cpu_probed_at = now
         gen = torch.Generator().manual_seed(0)
         a = torch.randn(CPU_PROBE_SIZE, CPU_PROBE_SIZE, generator=gen)
         b = torch.randn(CPU_PROBE_SIZE, CPU_PROBE_SIZE, generator=gen)
@@ -405,7 +413,7 @@ def measured_cpu_flops() -> float:
             start = time.perf_counter()
             torch.mm(a, b)
             best = min(best, time.perf_counter() - start)
-        _cpu_flops = 2.0 * CPU_PROBE_SIZE ** 3 / max(best, 1e-9)
+        _cpu_flops = max(_cpu_flops or 0.0, 2.0 * CPU_PROBE_SIZE ** 3 / max(best, 1e-9))
     return _cpu_flops
 
 

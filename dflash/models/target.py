@@ -32,6 +32,7 @@ __all__ = [
     "TargetInfo",
     "TargetModel",
     "text_config",
+    "layer_types_of",
     "packed_attention_mask",
 ]
 
@@ -71,6 +72,29 @@ def text_config(config):
     """The text part of a (possibly multimodal) transformers config; the config itself otherwise."""
     getter = getattr(config, "get_text_config", None)
     return getter() if getter is not None else config
+
+
+def layer_types_of(config, num_layers: int) -> list[str]:
+    """Each of the first ``num_layers`` layers' attention type, as the model's own layers apply it.
+
+    ``config.layer_types`` when the config has it (Qwen2/3, Gemma, Qwen3.5 hybrids). Without it, a
+    set ``config.sliding_window`` is applied by every layer (transformers' Mistral, Mixtral, Phi-3,
+    Starcoder2 attentions pass it to each layer), unless ``config.use_sliding_window`` is false;
+    otherwise every layer attends fully (Llama).
+
+    Args:
+        config: a transformers (text) config.
+        num_layers: the decoder's layers.
+
+    Returns:
+        ``num_layers`` strings of ``full_attention`` / ``sliding_attention`` / ``linear_attention``
+        (or whatever else the config names: callers refuse types they do not support).
+    """
+    given = getattr(config, "layer_types", None)
+    if given:
+        return list(given)[:num_layers]
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return [SLIDING if sliding else FULL] * num_layers
 
 
 # --------------------------------------------------------------------------- the attention mask
@@ -135,7 +159,7 @@ class TargetModel(nn.Module):
         if impl not in SUPPORTED_ATTENTION:
             raise ValueError(f"attention implementation {impl!r} is not supported (use one of {SUPPORTED_ATTENTION})")
         self.attn_implementation = impl
-        types = list(getattr(self.config, "layer_types", None) or [FULL] * self.num_layers)[: self.num_layers]
+        types = layer_types_of(self.config, self.num_layers)
         unknown = sorted(set(types) - {FULL, SLIDING, LINEAR})
         if unknown:
             raise ValueError(f"{type(model).__name__}: layer types {unknown} are not supported")

@@ -29,7 +29,7 @@ from dflash.models.gguf_cache import gguf_dims, gguf_hf_dir, resolve_gguf_path
 from dflash.models.layer_ids import resolve_layer_ids
 from dflash.models.linear_attention import resolve_backend
 from dflash.models.random_target import build_random_config, build_random_model, random_embedding_and_head
-from dflash.models.target import TargetInfo, TargetModel, _decoder, text_config
+from dflash.models.target import TargetInfo, TargetModel, _decoder, layer_types_of, text_config
 
 __all__ = ["resolve_dtype", "describe_target", "target_layer_types", "load_embedding_and_head", "load_target"]
 
@@ -110,8 +110,7 @@ def target_layer_types(cfg: TargetConfig) -> list[str]:
         n = gguf_dims(resolve_gguf_path(cfg.path))[0]
         return ["full_attention"] * int(n)
     tc = _source_text_config(cfg)
-    n = int(tc.num_hidden_layers)
-    return list(getattr(tc, "layer_types", None) or ["full_attention"] * n)[:n]
+    return layer_types_of(tc, int(tc.num_hidden_layers))
 
 
 # --------------------------------------------------------------------------- loading

@@ -115,9 +115,16 @@ class DrafterWorker:
         self._last_loss: Optional[float] = None  # rank 0: the last step's training loss
         self.stats.update(trained=0, wait_s=0.0, step_s=0.0, copy_s=0.0)
         #: this device's peak FLOP/s for the drafter's MFU (None: unknown)
-        self.peak_flops = peak_flops(self.device, cfg.cluster.peak_tflops)
+        self.peak_tflops = cfg.cluster.peak_tflops
+        peak_flops(self.device, self.peak_tflops)  # a bad override fails at start; read again at each
+        # use (on a CPU the measured rate can rise once the cores are less contended)
 
     # ------------------------------------------------------------------ collectives
+    def _peak(self) -> Optional[float]:
+        """This device's peak FLOP/s for MFU (:func:`dflash.models.flops.peak_flops`; on a CPU the
+        fastest rate measured so far)."""
+        return peak_flops(self.device, self.peak_tflops)
+
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             dist.all_reduce(t)
@@ -276,7 +283,7 @@ class DrafterWorker:
                                           "checkpoint_block_s": self.stats.get("checkpoint_block_s", 0.0),
                                           "mem_gib": self.stats["mem_gib"], "rerecords": delta.cudagraph_records,
                                           "recompiles": delta.compiles},
-               "compute": {"flops": float(metrics["flops"]), "seconds": step_s, "peak_flops": self.peak_flops}}
+               "compute": {"flops": float(metrics["flops"]), "seconds": step_s, "peak_flops": self._peak()}}
         if self.rank == 0:
             acc = total.block_pos_accuracy.tolist()
             self._last_loss = float(total.loss)

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import zmq
@@ -115,7 +115,14 @@ class TargetWorker:
         self.stats = ctx.stats
         self.stats.update(produced=0, busy_s=0.0, wait_slot_s=0.0)
         #: this device's peak FLOP/s for the target's MFU (None: unknown)
-        self.peak_flops = peak_flops(self.device, cfg.cluster.peak_tflops)
+        self.peak_tflops = cfg.cluster.peak_tflops
+        peak_flops(self.device, self.peak_tflops)  # a bad override fails at start; read again at each
+        # use (on a CPU the measured rate can rise once the cores are less contended)
+
+    def _peak(self) -> Optional[float]:
+        """This device's peak FLOP/s for MFU (:func:`dflash.models.flops.peak_flops`; on a CPU the
+        fastest rate measured so far)."""
+        return peak_flops(self.device, self.peak_tflops)
 
     def _run_forward(self):
         if self.graphs:
@@ -175,7 +182,7 @@ class TargetWorker:
         self.stats["recompiles"], self.stats["rerecords"] = delta.compiles, delta.cudagraph_records
         self.ctx.link.send(Produced(job_key=job.job_key, data_epoch=epoch, batch_id=batch_id, split=split,
                                     drafter=job.drafter, seconds=seconds, tokens=batch.num_tokens,
-                                    flops=float(self.target.flops(batch.doc_ids).total), peak_flops=self.peak_flops))
+                                    flops=float(self.target.flops(batch.doc_ids).total), peak_flops=self._peak()))
 
     def _report_lost(self) -> None:
         """Tell the coordinator about every batch the ring lost in flight (``dropped``: it re-assigns

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["STATIC_SLACK", "SHORT_PROMPT_TOKENS", "Generated", "BatchGenerator", "limit_vocab",
-           "StaticGreedyGenerator"]
+           "short_prompt_tokens_for", "StaticGreedyGenerator"]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,22 @@ class BatchGenerator:
 STATIC_SLACK = 8
 #: Prompts shorter than this (tokens) use :class:`StaticGreedyGenerator`'s short cache.
 SHORT_PROMPT_TOKENS = 512
+
+
+def short_prompt_tokens_for(attention: Optional[str]) -> Optional[int]:
+    """:class:`StaticGreedyGenerator`'s ``short_prompt_tokens`` for a decoding attention spec:
+    ``None`` (one cache for every prompt) when the one-token step runs ``flex``, which visits only
+    the cache blocks a row has written, so a step costs what the rows hold whatever the cache's
+    length; else :data:`SHORT_PROMPT_TOKENS` (the other attentions read the whole cache).
+
+    Raises:
+        ValueError: an attention spec :func:`dflash.inference.decode_layers.split_attention` refuses.
+    """
+    from dflash.inference.decode_layers import split_attention
+
+    if attention is not None and split_attention(attention)[0] == "flex":
+        return None
+    return SHORT_PROMPT_TOKENS
 
 
 def limit_vocab(model: Any, vocab_limit: int) -> None:

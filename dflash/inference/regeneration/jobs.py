@@ -86,7 +86,7 @@ class GenerationOptions:
             try:
                 split_attention(self.attention)
             except ValueError as e:
-                raise ConfigError(f"--attention: {e}") from None
+                raise ConfigError(f"--attention: {str(e).removeprefix('attention: ')}") from None
 
 
 def prompt_chars(row: SourceRow) -> int:

@@ -21,8 +21,7 @@ import torch
 from dflash.compile_watch import compile_counts
 from dflash.config import RunConfig, resolve_device
 from dflash.data.render import stop_token_ids
-from dflash.inference.decode_layers import split_attention
-from dflash.inference.regeneration.generators import SHORT_PROMPT_TOKENS, BatchGenerator, StaticGreedyGenerator
+from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator, short_prompt_tokens_for
 from dflash.inference.regeneration.jobs import GenerationOptions, prompt_chars, regenerate_rows
 from dflash.inference.regeneration.rows import SourceRow, iter_source, shard_of
 from dflash.inference.regeneration.shards import ShardWriter, done_ids, shard_path
@@ -107,13 +106,10 @@ def _generator(cfg: RunConfig, options: GenerationOptions, rows: list[SourceRow]
         return BatchGenerator(model, stop_ids, pad_token_id(tokenizer), len(tokenizer))
     rows.sort(key=prompt_chars)
     compile = cfg.target.compile and device.type == "cuda"
-    # flex visits only the blocks a row has written: a step costs what the rows hold, whatever the
-    # cache's length, so one cache serves every prompt.
-    one_cache = options.attention is not None and split_attention(options.attention)[0] == "flex"
     # Later turns' prompts hold the earlier turns: most of their batches go to the long cache.
     return StaticGreedyGenerator(model, stop_ids, len(tokenizer), min(options.batch_size, len(rows)),
                                  options.max_prompt_tokens, options.max_new_tokens,
-                                 short_prompt_tokens=None if one_cache else SHORT_PROMPT_TOKENS, compile=compile,
+                                 short_prompt_tokens=short_prompt_tokens_for(options.attention), compile=compile,
                                  compile_long=compile and options.max_turns != 1, attention=options.attention)
 
 
