@@ -91,7 +91,8 @@ def _prompts(width: int, batch: int, vocab: int, gen: torch.Generator) -> list[l
 
 
 def _timed(generator: Any, prompts: list[list[int]], new_tokens: int, cuda: bool) -> dict:
-    """One batch: wall, prefill and decoding seconds (the generator's own split), new tokens/s."""
+    """One batch: wall, prefill and decoding seconds (the generator's own split), milliseconds a
+    decoding step (the prefill gives each row its first token, the steps the rest), new tokens/s."""
     before = dict(generator.timings)
     start = time.perf_counter()
     out = generator.generate(prompts, new_tokens)
@@ -99,8 +100,9 @@ def _timed(generator: Any, prompts: list[list[int]], new_tokens: int, cuda: bool
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     tokens = sum(len(o.ids) for o in out)
+    decode_s = generator.timings["decode_s"] - before["decode_s"]
     return {"wall_s": round(wall, 3), "prefill_s": round(generator.timings["prefill_s"] - before["prefill_s"], 3),
-            "decode_s": round(generator.timings["decode_s"] - before["decode_s"], 3),
+            "decode_s": round(decode_s, 3), "ms_per_step": round(1e3 * decode_s / max(1, new_tokens - 1), 3),
             "new_tok_s": round(tokens / wall, 1)}
 
 

@@ -23,6 +23,7 @@ def test_small_run_times_each_width_and_cache(tmp_path):
         for width in ("9", "520"):
             t = row["widths"][width]
             assert t["wall_s"] + 0.002 >= t["prefill_s"] + t["decode_s"] > 0  # each rounded to 1 ms
+            assert t["ms_per_step"] == pytest.approx(1e3 * t["decode_s"] / 2, abs=0.3)  # decode_s rounded to 1 ms
             assert t["new_tok_s"] == pytest.approx(2 * 3 / t["wall_s"], rel=0.01, abs=0.06)  # rounded to 0.1
 
 
