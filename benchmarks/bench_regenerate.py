@@ -47,7 +47,7 @@ def _positive_ints(text: str) -> list[int]:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    from dflash.inference.decode_layers import split_attention
+    from dflash.inference.decode_layers import attention_spec_error
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -79,10 +79,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if not args.attentions:
         p.error("--attentions: name at least one attention spec")
     for spec in args.attentions:
-        try:
-            split_attention(spec)
-        except ValueError as e:
-            p.error(f"--attentions: {str(e).removeprefix('attention: ')}")
+        error = attention_spec_error(spec)
+        if error is not None:
+            p.error(f"--attentions: {error}")
     return args
 
 
@@ -107,22 +106,16 @@ def _timed(generator: Any, prompts: list[list[int]], new_tokens: int, cuda: bool
 
 
 def _profile(generator: Any, prompts: list[list[int]], new_tokens: int) -> dict:
-    """The costliest kernels of one batch's decoding, per decoding step (the prefill's excluded)."""
+    """The costliest kernels of one batch (its prefill's among them), per decoding step
+    (:func:`scripts.decode_speed.kernel_table`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from scripts.decode_speed import kernel_table
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         generator.generate(prompts, new_tokens)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, tuple[int, float]] = {}
-    for e in kernels:
-        n, t = by_name.get(e.name, (0, 0.0))
-        by_name[e.name] = (n + 1, t + e.device_time)
-    steps = max(1, new_tokens - 1)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:16]
-    return {"kernel_ms_per_step": round(sum(e.device_time for e in kernels) / steps / 1e3, 3),
-            "top": [{"name": k[:100], "per_step": round(n / steps, 2), "us_per_step": round(t / steps, 1)}
-                    for k, (n, t) in top]}
+    return kernel_table(prof, max(1, new_tokens - 1), "step", rows=16)
 
 
 def run_attention(spec: str, target: Any, args: argparse.Namespace, vocab: int) -> dict:

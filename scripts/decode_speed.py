@@ -203,15 +203,22 @@ def profile_greedy(gen, prompts: list, tokens: int = 32) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         gen.greedy(prompts, tokens + 1)
         torch.cuda.synchronize()
+    return kernel_table(prof, tokens, "token")
+
+
+def kernel_table(prof, per: int, unit: str, rows: int = 12) -> dict:
+    """The CUDA kernels of a ``torch.profiler`` run, per ``unit`` (``per`` of them ran): their count
+    and µs (``kernels_per_<unit>``, ``kernel_us_per_<unit>``) and the ``rows`` costliest by name
+    (``top``: name, calls and µs per ``unit``)."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total_us = sum(e.device_time for e in kernels)
     by_name: dict = {}
     for e in kernels:
         n, t = by_name.get(e.name, (0, 0.0))
         by_name[e.name] = (n + 1, t + e.device_time)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"kernels_per_token": len(kernels) / tokens, "kernel_us_per_token": total_us / tokens,
-            "top": [{"name": k[:90], "per_token": n / tokens, "us_per_token": t / tokens} for k, (n, t) in top]}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:rows]
+    return {f"kernels_per_{unit}": len(kernels) / per,
+            f"kernel_us_per_{unit}": sum(e.device_time for e in kernels) / per,
+            "top": [{"name": k[:90], f"per_{unit}": n / per, f"us_per_{unit}": t / per} for k, (n, t) in top]}
 
 
 if __name__ == "__main__":

@@ -253,12 +253,10 @@ def _check_regenerate(cfg: RunConfig) -> None:
     _need(0 < r.top_p <= 1, "regenerate.top_p", f"must be in (0, 1], got {r.top_p}")
     _need(r.limit is None or r.limit >= 1, "regenerate.limit", f"must be >= 1, got {r.limit}")
     if r.attention is not None:
-        from dflash.inference.decode_layers import split_attention
+        from dflash.inference.decode_layers import attention_spec_error
 
-        try:
-            split_attention(r.attention)
-        except ValueError as e:
-            raise ConfigError(f"regenerate.attention: {str(e).removeprefix('attention: ')}") from None
+        error = attention_spec_error(r.attention)
+        _need(error is None, "regenerate.attention", error or "")
     if not r.enabled:
         return
     _need(bool(r.output), "regenerate.output", "is required when regenerate.enabled is true")

@@ -48,7 +48,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflash.models.modeling_dflash import apply_rope
 
 __all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FLEX_KV_BLOCK", "FusedDecoderLayer", "PREFILL_ATTENTION",
-           "REDUCE_MAX_BATCH", "causal_prefill_attention", "decode_block_mask", "decode_score_mod",
+           "REDUCE_MAX_BATCH", "attention_spec_error", "causal_prefill_attention", "decode_block_mask", "decode_score_mod",
            "default_attention", "fusable", "fuse_layers", "reduce_attention", "split_attention"]
 
 #: Decoding's default attention spec (:func:`split_attention`): ``"reduce"`` in the one-token step,
@@ -99,6 +99,16 @@ def split_attention(spec: str) -> tuple[str, str]:
         raise ValueError(f"attention: one of {ATTENTIONS} or 'X+Y' of them (one-token step + multi-token "
                          f"forwards), got {spec!r}")
     return parts[0], parts[1]
+
+def attention_spec_error(spec: str) -> Optional[str]:
+    """What is wrong with an attention spec, for a message that names the option (``None`` when
+    :func:`split_attention` takes it)."""
+    try:
+        split_attention(spec)
+    except ValueError as e:
+        return str(e).removeprefix("attention: ")
+    return None
+
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -359,8 +369,9 @@ class FusedDecoderLayer(nn.Module):
             positions: ``[b', T]`` int64 positions of the new tokens.
             mask: ``[b', 1, g·T, T_max]`` bool, True = the query may read that cache slot; query
                 row ``j·T + t`` is query head ``j`` of a key/value group at token ``t``. Unused
-                (may be ``None``) by ``"flex"``, which applies the same rule from ``positions``,
-                and by ``"causal"``.
+                (may be ``None``) by ``"causal"``, and by ``"flex"``, which applies the same rule
+                from ``positions`` and takes here the cache blocks to visit (a
+                :func:`decode_block_mask`; ``None`` = every block).
             window: the layer's sliding window in tokens (``None`` = full attention); read by
                 ``"flex"`` and ``"causal"`` only (the other attentions take it from ``mask``).
             attention: this call's attention (one of :data:`ATTENTIONS`, or
@@ -398,8 +409,7 @@ class FusedDecoderLayer(nn.Module):
         q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
         q = q.to(keys.dtype)
         if attention == "flex":
-            block_mask = decode_block_mask(positions, g * t, keys.shape[2]) if torch.compiler.is_compiling() else None
-            out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling, block_mask)
+            out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling, mask)
         elif attention == "sdpa":
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
         elif attention == "reduce":

@@ -46,7 +46,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.decode_layers import PREFILL_ATTENTION, default_attention, fuse_layers, split_attention
+from dflash.inference.decode_layers import (PREFILL_ATTENTION, decode_block_mask, default_attention, fuse_layers,
+                                            split_attention)
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import DFlashProposer
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
@@ -272,6 +273,10 @@ class DecodeSteps:
         attention = attention or self.block_attention
         maskless = self.fused is not None and attention in ("flex", PREFILL_ATTENTION)
         masks = {} if maskless else self._masks(positions)
+        if self.fused is not None and attention == "flex" and torch.compiler.is_compiling():
+            # The cache blocks each row has written, for every layer (the window is the score_mod's).
+            blocks = decode_block_mask(positions, self.group * positions.shape[1], self.max_len)
+            masks = {kind: blocks for kind in set(self.layer_types)}
         width = hidden.shape[-1]
         feats = hidden.new_empty(*hidden.shape[:2], len(self.layer_ids) * width) if features else None
         last = self.num_layers - 1

@@ -81,12 +81,11 @@ class GenerationOptions:
         if self.max_prompt_tokens < 1:
             raise ConfigError(f"--max-prompt-tokens: must be >= 1, got {self.max_prompt_tokens}")
         if self.attention is not None:
-            from dflash.inference.decode_layers import split_attention
+            from dflash.inference.decode_layers import attention_spec_error
 
-            try:
-                split_attention(self.attention)
-            except ValueError as e:
-                raise ConfigError(f"--attention: {str(e).removeprefix('attention: ')}") from None
+            error = attention_spec_error(self.attention)
+            if error is not None:
+                raise ConfigError(f"--attention: {error}")
 
 
 def prompt_chars(row: SourceRow) -> int:
