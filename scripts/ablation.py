@@ -62,6 +62,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "block-8": (["drafter.block_size=8"], "block size 8 (γ 4 by default)"),
     "labels-data": (["drafter.labels=data"], "labels from the dataset's tokens, not the target's greedy ones"),
     "dpace": (["drafter.loss_weighting=dpace"], "D-PACE position weights (α 0.5)"),
+    "distill": (["drafter.distillation=1.0"], "forward KL to the target's whole distribution, no hard labels"),
+    "distill-0.5": (["drafter.distillation=0.5"], "half cross entropy, half forward KL to the target's distribution"),
 }
 
 #: What a variant's name may be (it names its folders).

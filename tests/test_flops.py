@@ -282,6 +282,34 @@ def test_train_step_flops_match_what_autograd_runs(overrides, checkpointing, mlp
     assert ("recompute" in steps) == checkpointing
 
 
+def test_distillation_step_counts_the_teacher_logits(monkeypatch):
+    """With ``drafter.distillation`` the step's count adds the head over the teacher rows: every
+    product through the LM head's weight counted as it runs (logits, teacher logits, hidden gradient)."""
+    from dflash.config import TrainConfig
+    import torch.nn.functional as F
+
+    model = tiny_model()
+    batch, anchors, keep = _drafter_batch(seed=3)
+    batch["target_hidden"] = torch.randn(*batch["doc_ids"].shape, model.lm_head.weight.shape[1])
+    trainer = DrafterTrainer(model, TrainConfig(), drafter_cfg(anchors_per_row=5, distillation=0.5), 4, "cpu")
+    head_weight = model.lm_head.weight
+    counted = []
+    linear = F.linear
+
+    def counting_linear(x, weight, bias=None):
+        if weight is head_weight:
+            counted.append(2 * x.shape[0] * weight.numel())
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", counting_linear)
+    m = trainer.step(batch, 0, 0, anchors=(anchors, keep))
+    monkeypatch.undo()
+    n = anchors.numel() * (B - 1)
+    steps = model.flops(anchors, keep, batch["doc_ids"], distillation=True).to_dict()
+    assert steps["teacher"] == 2 * head_weight.numel() * n == sum(counted) // 2  # drafter and teacher logits
+    assert int(m["flops"]) == int(model.flops(anchors, keep, batch["doc_ids"]).total) + steps["teacher"]
+
+
 def test_drafter_flops_shape_errors():
     model = tiny_model()
     with pytest.raises(ValueError, match="anchors"):

@@ -19,6 +19,7 @@ from dflash.training.objective import (
     build_block_labels,
     dflash_loss,
     dpace_weights,
+    teacher_rows,
 )
 
 
@@ -217,6 +218,128 @@ def test_dpace_loss_equals_per_block_loop(chunk: int) -> None:
     assert not torch.allclose(out.loss, decay.loss)
     with pytest.raises(ValueError, match="weighting"):
         dflash_loss(hidden, head, labels, valid, 2.0, weighting="focal")
+
+
+# --------------------------------------------------------------------------- distillation
+
+
+def naive_distill_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, valid: torch.Tensor,
+                       teacher_hidden: torch.Tensor, anchors: torch.Tensor, gamma: float,
+                       lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """By loops, in float64: Σ w_k ((1 − λ) CE + λ KL(p ‖ q)) over valid block positions, the teacher
+    p = softmax(head(target hidden at a + k − 1)), q = softmax(head(drafter hidden))."""
+    num = torch.zeros((), dtype=torch.float64)
+    den = 0.0
+    r, a, bs, _ = hidden.shape
+    seq = teacher_hidden.shape[1]
+    w64, b64 = head.weight.double(), head.bias.double()
+    for row in range(r):
+        for i in range(a):
+            for k in range(1, bs):
+                if not valid[row, i, k]:
+                    continue
+                w = math.exp(-(k - 1) / gamma)
+                logq = torch.log_softmax(hidden[row, i, k].double() @ w64.T + b64, dim=-1)
+                pos = min(int(anchors[row, i]) + k - 1, seq - 1)
+                p = torch.softmax(teacher_hidden[row, pos].double() @ w64.T + b64, dim=-1)
+                kl = sum(p[v] * (torch.log(p[v]) - logq[v]) for v in range(p.numel()))
+                ce = -logq[labels[row, i, k]]
+                num = num + w * ((1 - lam) * ce + lam * kl)
+                den += w
+    return num, torch.tensor(den, dtype=torch.float64)
+
+
+def test_teacher_rows_are_the_target_state_before_each_label() -> None:
+    g = torch.Generator().manual_seed(5)
+    target_hidden = torch.randn(2, 11, 3, generator=g)
+    anchors = torch.tensor([[0, 4, 9], [2, 3, 10]])
+    rows = teacher_rows(target_hidden, anchors, block_size=4)
+    assert rows.shape == (2, 3, 3, 3)
+    for r in range(2):
+        for i in range(3):
+            for k in range(1, 4):
+                assert torch.equal(rows[r, i, k - 1], target_hidden[r, min(int(anchors[r, i]) + k - 1, 10)])
+
+
+@pytest.mark.parametrize("lam,chunk", [(1.0, 7), (0.3, 1), (0.3, 4096)])
+def test_distillation_loss_equals_the_naive_loop(lam: float, chunk: int) -> None:
+    """The KL-mixed loss and its gradient against loops in float64, on random states, labels and anchors."""
+    torch.manual_seed(3)
+    r, a, bs, d, v, s = 2, 4, 5, 16, 40, 30
+    head = nn.Linear(d, v, bias=True)
+    hidden = torch.randn(r, a, bs, d, requires_grad=True)
+    target_hidden = 2 * torch.randn(r, s, d)
+    anchors = torch.sort(torch.randint(0, s, (r, a)), dim=1).values
+    anchors[0, -1] = s - 2  # its last block positions run past the row
+    labels = torch.randint(0, v, (r, a, bs))
+    valid = torch.rand(r, a, bs) < 0.7
+    valid[..., 0] = False
+    gamma = 2.5
+    teacher = teacher_rows(target_hidden, anchors, bs)
+    out = dflash_loss(hidden, head, labels, valid, gamma, chunk=chunk, teacher=teacher, distillation=lam)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    hidden2 = hidden.detach().clone().requires_grad_(True)
+    num, den = naive_distill_loss(hidden2, head, labels, valid, target_hidden, anchors, gamma, lam)
+    (grad_ref,) = torch.autograd.grad(num / den, hidden2)
+    assert torch.allclose(out.loss_sum.double(), num, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out.weight_sum.double(), den)
+    assert torch.allclose(grad, grad_ref, rtol=1e-4, atol=1e-6)
+    plain = dflash_loss(hidden.detach(), head, labels, valid, gamma, chunk=chunk)
+    assert torch.equal(out.tau_sum, plain.tau_sum) and torch.equal(out.block_pos_correct, plain.block_pos_correct)
+    assert not torch.allclose(out.loss, plain.loss)
+
+
+def test_distillation_to_a_one_hot_teacher_is_cross_entropy() -> None:
+    """A teacher whose distribution is (numerically) one-hot on the label: KL equals CE, any λ."""
+    torch.manual_seed(4)
+    r, a, bs, d, v = 1, 3, 4, 8, 12
+    head = nn.Linear(d, v, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(v, d) * 1.0 + 0.01 * torch.randn(v, d))
+    hidden = torch.randn(r, a, bs, d)
+    labels = torch.randint(0, d, (r, a, bs))  # rows of the head that the teacher can pick out
+    valid = torch.ones(r, a, bs, dtype=torch.bool)
+    teacher = 1e4 * F.one_hot(labels[:, :, 1:], d).float()  # logits ≈ 1e4 on the label, ≈ 0 elsewhere
+    plain = dflash_loss(hidden, head, labels, valid, 3.0)
+    mixed = dflash_loss(hidden, head, labels, valid, 3.0, teacher=teacher, distillation=0.6)
+    assert torch.allclose(mixed.loss_sum, plain.loss_sum, rtol=1e-5)
+
+
+def test_distillation_arguments_are_checked() -> None:
+    head = nn.Linear(8, 20, bias=False)
+    hidden = torch.randn(1, 2, 3, 8)
+    labels = torch.randint(0, 20, (1, 2, 3))
+    valid = torch.ones(1, 2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="teacher rows"):
+        dflash_loss(hidden, head, labels, valid, 4.0, distillation=0.5)
+    with pytest.raises(ValueError, match="teacher rows"):
+        dflash_loss(hidden, head, labels, valid, 4.0, teacher=torch.randn(1, 2, 3, 8), distillation=0.5)
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+        dflash_loss(hidden, head, labels, valid, 4.0, teacher=torch.randn(1, 2, 2, 8), distillation=1.5)
+    with pytest.raises(ValueError, match="decay"):
+        dflash_loss(hidden, head, labels, valid, 4.0, teacher=torch.randn(1, 2, 2, 8), distillation=0.5,
+                    weighting="dpace")
+
+
+def test_compiled_distillation_chunks_equal_eager() -> None:
+    from dflash.training.chunked_ce import compiled_linear_kd_chunk
+
+    torch.manual_seed(6)
+    r, a, bs, d, v = 2, 5, 6, 16, 40
+    head = nn.Linear(d, v, bias=True)
+    labels = torch.randint(0, v, (r, a, bs))
+    valid = torch.rand(r, a, bs) < 0.7
+    teacher = torch.randn(r, a, bs - 1, d)
+    hidden = torch.randn(r, a, bs, d, requires_grad=True)
+    out = dflash_loss(hidden, head, labels, valid, 2.5, chunk=8, chunk_fn=compiled_linear_kd_chunk(),
+                      teacher=teacher, distillation=0.7)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    hidden2 = hidden.detach().clone().requires_grad_(True)
+    eager = dflash_loss(hidden2, head, labels, valid, 2.5, chunk=8, teacher=teacher, distillation=0.7)
+    (grad_eager,) = torch.autograd.grad(eager.loss, hidden2)
+    assert torch.allclose(out.loss_sum, eager.loss_sum, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grad, grad_eager, rtol=1e-4, atol=1e-6)
+    assert torch.equal(out.tau_sum, eager.tau_sum)
 
 
 def test_compiled_loss_chunks_equal_the_loop_and_compile_once_per_shape() -> None:

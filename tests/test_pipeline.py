@@ -85,7 +85,8 @@ def eval_rows(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("objective", [[], ["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=3",
-                                              "drafter.loss_weighting=dpace"]], ids=["row+decay", "conversation+dpace"])
+                                              "drafter.loss_weighting=dpace"], ["drafter.distillation=0.5"]],
+                         ids=["row+decay", "conversation+dpace", "row+distillation"])
 def test_one_drafter_matches_reference(tmp_path, objective):
     extra = ["cluster.drafters=[0]", "train.eval_head_tokens=16", f"cluster.peak_tflops={PEAK_TFLOPS}", *objective]
     out = run_cluster(tmp_path / "run", extra)
@@ -96,6 +97,9 @@ def test_one_drafter_matches_reference(tmp_path, objective):
     for step, loss in enumerate(ref, start=1):
         assert got[step] == pytest.approx(loss, rel=1e-6, abs=1e-6), (step, got, ref)
     assert ref[0] > 0 and len(set(ref)) == len(ref)  # real, changing losses
+    if objective:  # the option changes what is trained (same batches and anchors, another loss)
+        base = [o for o in extra if o not in objective]
+        assert reference_losses(base, 1)[0] != pytest.approx(ref[0], rel=1e-3)
     # held-out evaluation at the start and the end: the same sums through the drafter's report
     evals = eval_rows(tmp_path / "run")
     assert sorted(evals) == [e["step"] for e in reference.evals] == [0, len(ref)]

@@ -136,6 +136,22 @@ def test_features_equal_hidden_states_sliced_by_hand(arch):
     assert torch.equal(tokens, out.logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("arch", TINY)
+def test_final_hidden_is_the_lm_heads_input(arch):
+    """``forward_with_hidden``'s third output is the final-normed state transformers feeds its LM
+    head: its logits are the model's, and the features and tokens are ``forward_features``'s."""
+    target = _tiny(arch)
+    ids, pos, doc = _single_doc_batch(2, 40, target.vocab_size, seed=7)
+    features, tokens, hidden = target.forward_with_hidden(ids, pos, doc)
+    assert hidden.shape == (2, 40, target.hidden_size) and hidden.dtype == target.dtype
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    assert hidden.std() > 1e-3
+    torch.testing.assert_close(target.lm_head(hidden), out.logits, atol=1e-5, rtol=1e-5)
+    f2, t2 = target.forward_features(ids, pos, doc)
+    assert torch.equal(features, f2) and torch.equal(tokens, t2)
+
+
 def test_last_valid_layer_is_input_of_last_layer():
     """id = N-2 → hidden_states[N-1] (the input of the last layer); id = N-1 has no feature in an
     engine (hidden_states[N] is past its layers) and is refused."""

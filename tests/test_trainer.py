@@ -44,6 +44,7 @@ def random_batch(r: int = 4, s: int = 20, seed: int = 0) -> dict[str, torch.Tens
         "doc_ids": doc_ids,
         "loss_mask": (torch.rand(r, s, generator=g) < 0.8) & (doc_ids > 0),
         "features": torch.randn(r, s, L * D, generator=g),
+        "target_hidden": torch.randn(r, s, D, generator=g),  # read only by a drafter trained by distillation
     }
 
 
@@ -113,6 +114,7 @@ VARIANTS = {
     "default": {},
     "conversation+dpace": dict(anchor_sampling="conversation", anchors_per_conversation=2, loss_weighting="dpace",
                                dpace_alpha=0.3),
+    "distillation": dict(distillation=0.7),
 }
 
 
@@ -184,7 +186,7 @@ def test_reference_draw_equals_the_trainers_own(variant: str) -> None:
     assert all(torch.equal(p, q) for p, q in zip(worker.params, ref.params))
     row = sample_anchors(batch["loss_mask"], batch["doc_ids"], 7, anchor_generator(5, 2, 0))
     drawn = worker.draw_anchors(batch["loss_mask"], batch["doc_ids"], 2, 0)
-    assert torch.equal(drawn[0], row[0]) == (variant == "default")  # the configured rule, not always the row's
+    assert torch.equal(drawn[0], row[0]) == (opts.get("anchor_sampling", "row") == "row")  # the configured rule
 
 
 def many_conversations_batch(r: int = 3, s: int = 30) -> dict[str, torch.Tensor]:
@@ -232,6 +234,11 @@ def test_loss_falls_on_a_learnable_pattern(variant: str) -> None:
                         30, "cpu")
     batch = pattern_batch()
     held_out = pattern_batch(seed=1)
+    if "distillation" in opts:  # a teacher whose head logits put 8 on the pattern's next token
+        head = tr.module.lm_head.weight.detach()  # [V, D], square here
+        for b in (batch, held_out):
+            logits = 8.0 * torch.nn.functional.one_hot(b["target_tokens"], V).float()
+            b["target_hidden"] = torch.linalg.solve(head, logits.reshape(-1, V).T).T.reshape(*logits.shape[:2], D)
     before = tr.evaluate(held_out, 0)
     losses = [tr.step(batch, 0, i)["loss"].item() for i in range(30)]
     after = tr.evaluate(held_out, 0)

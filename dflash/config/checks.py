@@ -121,6 +121,10 @@ def _check_drafter(d: DrafterConfig) -> None:
           f"applies only to drafter.loss_weighting: dpace (got loss_weighting: {d.loss_weighting}); set it to null")
     _need(d.dpace_alpha is None or 0.0 <= d.dpace_alpha <= 1.0, "drafter.dpace_alpha",
           f"must be in [0, 1], got {d.dpace_alpha}")
+    _need(0.0 <= d.distillation <= 1.0, "drafter.distillation", f"must be in [0, 1], got {d.distillation}")
+    _need(d.distillation == 0 or d.loss_weighting == "decay", "drafter.distillation",
+          f"applies only to drafter.loss_weighting: decay (D-PACE weights come from the cross entropy alone; "
+          f"got loss_weighting: {d.loss_weighting})")
     _need(d.sliding_window >= 1, "drafter.sliding_window", f"must be >= 1, got {d.sliding_window}")
     _need(d.loss_gamma is None or d.loss_gamma > 0, "drafter.loss_gamma", f"must be > 0, got {d.loss_gamma}")
     _need(d.mask_token_id is None or d.mask_token_id >= 0, "drafter.mask_token_id", f"must be >= 0, got {d.mask_token_id}")

@@ -108,6 +108,12 @@ class DrafterConfig:
     intermediate_size: Optional[int] = None
     #: Labels: ``target`` = the target's greedy tokens (default), ``data`` = dataset tokens.
     labels: Literal["target", "data"] = "target"
+    #: Knowledge distillation λ in [0, 1]: each block position's loss is ``(1 - λ)·CE(label) +
+    #: λ·KL(target ‖ drafter)``, the target's whole next-token distribution at that position as the
+    #: teacher (forward KL, as DistillSpec). ``0`` = cross entropy alone (the DFlash paper). Above 0
+    #: the target workers also ship their final-normed hidden state (one more ``[R, S, D]`` slot
+    #: tensor) and the drafter runs the frozen LM head once more over the teacher rows.
+    distillation: float = 0.0
     #: ``torch.compile(mode="reduce-overhead")`` the drafter forward/backward (GPU); ``false`` = eager.
     #: Off by default (compiling costs warm-up time and pays on GPUs only); ``configs/h200-2gpu.yaml``
     #: turns it on: 1.39× the eager step, same losses (docs/benchmarks.md, Drafter train step).

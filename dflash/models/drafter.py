@@ -132,10 +132,12 @@ class DFlashDraftModel(nn.Module):
         """Parameters that train (the shared embedding and LM head are not among them)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
-    def flops(self, anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, training: bool = True):
+    def flops(self, anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, training: bool = True,
+              distillation: bool = False):
         """Model FLOPs of a train step (``training``) or of one forward with the LM head's logits,
         on a batch with these anchors: :func:`dflash.models.flops.drafter_flops` (activation
-        checkpointing's recompute counted when :attr:`gradient_checkpointing` is on).
+        checkpointing's recompute counted when :attr:`gradient_checkpointing` is on; the
+        teacher's logits with ``distillation``).
 
         Args:
             anchors, anchor_keep: ``[R, A]`` int64 / bool; doc_ids: ``[R, S]``.
@@ -147,7 +149,8 @@ class DFlashDraftModel(nn.Module):
         from dflash.models.flops import drafter_flops
 
         return drafter_flops(self, anchors, anchor_keep, doc_ids, training=training,
-                             recompute=training and self.gradient_checkpointing)
+                             recompute=training and self.gradient_checkpointing,
+                             distillation=training and distillation)
 
     def checkpointed(self, index: int) -> bool:
         """Whether decoder layer ``index`` (0-based) is recomputed in the backward: gradient

@@ -260,7 +260,7 @@ def target_forward_flops(layers: Sequence[nn.Module], layer_types: Sequence[str]
 
 
 def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, *,
-                  training: bool = True, recompute: bool = False) -> FlopCount:
+                  training: bool = True, recompute: bool = False, distillation: bool = False) -> FlopCount:
     """FLOPs of the drafter's train step, or of its forward, on one batch.
 
     With ``T = R·S`` context positions, ``Q = R·A·B`` block tokens (every anchor slot, dropped
@@ -282,7 +282,9 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
     outputs no backward needs (``torch.utils.checkpoint``'s non-reentrant recompute stops after
     the last tensor the backward uses; :meth:`dflash.models.drafter.DFlashDraftModel._checkpointed_layer`
     checkpoints the two sub-layers as separate regions), over the layers the model checkpoints
-    (:meth:`~dflash.models.drafter.DFlashDraftModel.checkpointed`). ``training=False``: the forward alone.
+    (:meth:`~dflash.models.drafter.DFlashDraftModel.checkpointed`), and with ``distillation``
+    (``drafter.distillation > 0``) a ``teacher`` part: the head once more over the target's hidden
+    rows of the ``N`` positions, ``2 · V · D · N`` (no gradient). ``training=False``: the forward alone.
 
     Args:
         model: a :class:`dflash.models.drafter.DFlashDraftModel` (its config, ``fc``, ``layers``
@@ -291,6 +293,7 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
         doc_ids: ``[R, S]``.
         training: count the train step instead of one forward.
         recompute: activation checkpointing is on (``training`` only).
+        distillation: the step also computes the target's logits (``training`` only).
 
     Returns:
         a :class:`FlopCount` whose ``attention`` part is a tensor on the anchors' device.
@@ -329,6 +332,8 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
         parts = {"fc": 2 * fc, "layers": 3 * layers, "attention": 3 * attention, "lm_head": 2 * head}
         if recompute:
             parts["recompute"] = recomputed
+        if distillation:
+            parts["teacher"] = head
         return FlopCount(parts)
     return FlopCount({"fc": fc, "layers": layers, "attention": attention, "lm_head": head})
 

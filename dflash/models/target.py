@@ -264,6 +264,7 @@ class TargetModel(nn.Module):
     def forward_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                          doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Context features and greedy target tokens for a packed batch (docs/ARCHITECTURE.md).
+        :meth:`forward_with_hidden` also returns the final-normed hidden state.
 
         Runs the decoder layer by layer (embedding, rotary embedding from ``position_ids``, each
         attention layer with the per-document mask of its type, each linear-attention layer with
@@ -289,6 +290,15 @@ class TargetModel(nn.Module):
                 ``layer_ids`` order. target_tokens: ``[R, S]`` int64, ``argmax`` of the logits at
                 each position (the target's prediction for position p + 1).
         """
+        features, tokens, _ = self.forward_with_hidden(input_ids, position_ids, doc_ids)
+        return features, tokens
+
+    def forward_with_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward_features` plus ``final_hidden [R, S, D]`` (``self.dtype``): the final-normed
+        hidden state, the LM head's input, from which the drafter computes the target's whole
+        next-token distribution when it trains by distillation (``drafter.distillation``). Same
+        arguments, same guarantees (fixed shapes, compilable)."""
         decoder = self._decoder[0]
         width = self.hidden_size
         with torch.no_grad():
@@ -319,7 +329,7 @@ class TargetModel(nn.Module):
             for slot in self._slot_of.get(last, ()):
                 features[..., slot * width:(slot + 1) * width] = hidden
             tokens = self.greedy_tokens(hidden)
-        return features, tokens
+        return features, tokens, hidden
 
     forward = forward_features
 

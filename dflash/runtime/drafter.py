@@ -91,7 +91,7 @@ class DrafterWorker:
         self.identity = run_identity(plans.tokenizer, tc, layer_ids, cfg.data.enable_thinking,
                                      tokenizer_identity=plans.tokenizer_identity)
         feature_dtype = resolve_dtype(cfg.target.dtype, self.device)
-        self.spec = slot_spec(cfg, len(layer_ids) * int(text.hidden_size), feature_dtype)
+        self.spec = slot_spec(cfg, len(layer_ids) * int(text.hidden_size), feature_dtype, int(text.hidden_size))
         embed, head = load_embedding_and_head(cfg.target, self.device)
         self.model = build_drafter(cfg, embed, head, plans.tokenizer_size, self.device, tc)
         self.trainer = DrafterTrainer(self.model, cfg.train, cfg.drafter, max(1, self.total_steps), self.device,
@@ -185,6 +185,9 @@ class DrafterWorker:
         gen = torch.Generator(device=self.device).manual_seed(0)
         tensors["features"] = torch.randn(shape, generator=gen, device=self.device).to(dtype)
         tensors["target_tokens"] = torch.roll(tensors["input_ids"], -1, dims=1)
+        if "target_hidden" in self.spec:
+            shape, dtype = self.spec["target_hidden"]
+            tensors["target_hidden"] = torch.randn(shape, generator=gen, device=self.device).to(dtype)
         for i in range(WARMUP_ITERS):
             self.trainer.forward_backward(tensors, -2, i, weight_sum_reduce=lambda w: w)
             self.trainer.optimizer.zero_grad(set_to_none=True)

@@ -28,7 +28,7 @@ import zmq
 
 from dflash.compile_watch import CompileWatch
 from dflash.models.flops import peak_flops
-from dflash.training.factory import build_batch_plans, slot_spec
+from dflash.training.factory import TARGET_OUTPUTS, build_batch_plans, slot_spec
 from dflash.runtime.base import WorkerContext, memory_gib, run_worker
 from dflash.runtime.messages import Dropped, Flush, Produce, Produced, Ready, Stop
 
@@ -89,11 +89,15 @@ class TargetWorker:
         self.device = ctx.device
         self.plans = build_batch_plans(cfg, log_report=False, cache_dir=ctx.data_cache)
         self.target = load_target(cfg.target, self.device, num_drafter_layers=cfg.drafter.num_layers)
-        self.spec = slot_spec(cfg, self.target.feature_size, self.target.dtype)
+        self.spec = slot_spec(cfg, self.target.feature_size, self.target.dtype, self.target.hidden_size)
         # Static inputs: the compiled forward always reads the same addresses.
         self.inputs = {k: torch.zeros(shape, dtype=dtype, device=self.device)
-                       for k, (shape, dtype) in self.spec.items() if k not in ("features", "target_tokens")}
-        self.forward: Callable[..., Any] = self.target.forward_features
+                       for k, (shape, dtype) in self.spec.items() if k not in TARGET_OUTPUTS}
+        #: the slot tensors the forward fills, in the order it returns them (the final-normed
+        #: hidden state only for a drafter that trains by distillation)
+        self.outputs = [k for k in TARGET_OUTPUTS if k in self.spec]
+        forward = self.target.forward_with_hidden if "target_hidden" in self.spec else self.target.forward_features
+        self.forward: Callable[..., Any] = forward
         self.compiled = bool(cfg.target.compile and self.device.type == "cuda")
         #: CUDA graphs of the whole forward (``compile_scope: forward``); per-layer compile has none.
         self.graphs = False
@@ -101,7 +105,7 @@ class TargetWorker:
             if compile_scope(cfg.target, self.target) == "layer":
                 self.target.compile_layers()
             else:
-                self.forward = torch.compile(self.target.forward_features, mode="reduce-overhead", dynamic=False)
+                self.forward = torch.compile(forward, mode="reduce-overhead", dynamic=False)
                 self.graphs = True
         self.warmup_s = self._warm_up()
         self.watch = CompileWatch("target forward")
@@ -155,12 +159,12 @@ class TargetWorker:
         started = time.perf_counter()
         batch = plan.batch(epoch, batch_id)
         self._load_inputs(batch)
-        features, tokens = self._run_forward()
+        results = self._run_forward()
         out = self.producer.slots[ring_slot]
         for key in self.inputs:
             out[key].copy_(self.inputs[key], non_blocking=True)
-        out["features"].copy_(features, non_blocking=True)
-        out["target_tokens"].copy_(tokens, non_blocking=True)
+        for key, value in zip(self.outputs, results):
+            out[key].copy_(value, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         seconds = time.perf_counter() - started

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSS_CHUNK_ROWS", "LOSS_CHUNK_ELEMENTS", "LOSS_CHUNK_ALIGN", "loss_chunk_rows", "linear_ce_chunk", "compiled_linear_ce_chunk", "chunked_linear_ce"]
+__all__ = ["LOSS_CHUNK_ROWS", "LOSS_CHUNK_ELEMENTS", "LOSS_CHUNK_ALIGN", "loss_chunk_rows", "linear_ce_chunk",
+           "linear_kd_chunk", "compiled_linear_ce_chunk", "compiled_linear_kd_chunk", "chunked_linear_ce"]
 
 #: Most rows of ``hidden @ lm_head.T`` computed at once.
 LOSS_CHUNK_ROWS = 2048
@@ -75,7 +76,49 @@ def linear_ce_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor
     return total, pred, grad, ce
 
 
+def linear_kd_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, w: Tensor, need_grad: bool,
+                    target_h: Tensor, distillation: float) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+    """Weighted mix of cross entropy and forward KL to the target's distribution, one chunk of rows.
+
+    Knowledge distillation with the target as teacher (forward KL, as DistillSpec, arXiv
+    2310.08461, §3; Hinton et al., arXiv 1503.02531): besides the label ``y``, each row learns
+    the target's whole next-token distribution ``p = softmax(target_h Wᵀ + b)``, computed here
+    through the same frozen head from the target's final-normed hidden state. With
+    ``z = h Wᵀ + b``, ``q = softmax(z)`` and λ = ``distillation``, the row's loss is
+    ``ℓ = (1 − λ)·CE(z, y) + λ·KL(p ‖ q)``, ``KL = Σ_v p_v (log p_v − log q_v)``, and
+    ``d ℓ / d z = q − (1 − λ)·onehot(y) − λ·p``. Logits, log-sum-exps and probabilities in fp32.
+
+    Args:
+        h: ``[c, D]`` drafter hidden states; weight: ``[V, D]``; bias: ``[V]`` or ``None``.
+        y: ``[c]`` int64 labels; w: ``[c]`` fp32 row weights.
+        need_grad: also return the ``[c, D]`` gradient (in ``h``'s dtype).
+        target_h: ``[c, D]`` the target's final-normed hidden state at the position *before* each
+            row's label (the one whose logits predict it).
+        distillation: λ in ``[0, 1]``.
+
+    Returns:
+        ``(Σ w·ℓ fp32 scalar, argmax [c] int64, gradient [c, D] or None, ℓ [c] fp32 unweighted)``.
+    """
+    logits = F.linear(h.to(weight.dtype), weight, bias).float()  # [c, V]
+    lse = torch.logsumexp(logits, dim=-1)
+    teacher = F.linear(target_h.to(weight.dtype), weight, bias).float()
+    teacher_logp = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    p = torch.exp(teacher_logp)
+    kl = (p * (teacher_logp - logits)).sum(-1) + lse  # Σ p (log p − z) + lse: Σ p = 1
+    ce = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    loss = (1.0 - distillation) * ce + distillation * kl
+    total = (loss * w).sum()
+    pred = logits.argmax(dim=-1)
+    if not need_grad:
+        return total, pred, None, loss
+    dz = torch.exp(logits - lse.unsqueeze(1)) - distillation * p
+    dz.scatter_add_(1, y.unsqueeze(1), torch.full_like(w, distillation - 1.0).unsqueeze(1))
+    grad = ((dz * w.unsqueeze(1)).to(weight.dtype) @ weight).to(h.dtype)
+    return total, pred, grad, loss
+
+
 _compiled_ce_chunk: Optional[Callable[..., Any]] = None
+_compiled_kd_chunk: Optional[Callable[..., Any]] = None
 
 
 def compiled_linear_ce_chunk() -> Callable[..., Any]:
@@ -91,13 +134,23 @@ def compiled_linear_ce_chunk() -> Callable[..., Any]:
     return _compiled_ce_chunk
 
 
+def compiled_linear_kd_chunk() -> Callable[..., Any]:
+    """:func:`linear_kd_chunk` under ``torch.compile(dynamic=False)``, one per process, as
+    :func:`compiled_linear_ce_chunk`."""
+    global _compiled_kd_chunk
+    if _compiled_kd_chunk is None:
+        _compiled_kd_chunk = torch.compile(linear_kd_chunk, dynamic=False)
+    return _compiled_kd_chunk
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """``Σ_n w_n · CE(h_n W^T + b, y_n)`` and ``argmax`` over row chunks, gradient computed in forward.
 
     For one row, ``d CE / d h = (softmax(z) − onehot(y)) W`` (z = logits). The forward pass keeps
     only that ``[N, D]`` gradient (scaled by ``w``); backward multiplies it by the incoming scalar
     gradient. The frozen head (``W``, ``b``) gets no gradient. Each chunk runs
-    ``chunk_fn`` (:func:`linear_ce_chunk` or its compiled form).
+    ``chunk_fn`` (:func:`linear_ce_chunk` or its compiled form; with ``target_hidden``,
+    :func:`linear_kd_chunk` or its compiled form, which also get the chunk's teacher rows and λ).
 
     With ``reweight`` (weights that depend on the CE itself, e.g. D-PACE), the chunks run with
     ``row_weights`` as a 0/1 mask; then ``w = reweight(CE [N])`` (detached) scales the per-row CE
@@ -107,7 +160,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                 row_weights: Tensor, chunk: int, need_grad: bool, chunk_fn: Callable[..., Any],
-                reweight: Optional[Callable[[Tensor], Tensor]] = None) -> tuple[Tensor, Tensor]:
+                reweight: Optional[Callable[[Tensor], Tensor]] = None, target_hidden: Optional[Tensor] = None,
+                distillation: float = 0.0) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = []
@@ -116,8 +170,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
+                teacher = () if target_hidden is None else (target_hidden[start:end], distillation)
                 part, pred, grad, ce = chunk_fn(hidden[start:end], weight, bias, labels[start:end],
-                                                row_weights[start:end], need_grad)
+                                                row_weights[start:end], need_grad, *teacher)
                 total = total + part
                 preds.append(pred)
                 ces.append(ce)
@@ -143,13 +198,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         if ctx.need_grad:
             (g,) = ctx.saved_tensors
             grad_hidden = g * grad_total.to(g.dtype)
-        return grad_hidden, None, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, row_weights: Tensor,
                       chunk: int, need_grad: bool, chunk_fn: Callable[..., Any] = linear_ce_chunk,
-                      reweight: Optional[Callable[[Tensor], Tensor]] = None) -> tuple[Tensor, Tensor]:
-    """``Σ_n w_n · CE(h_n Wᵀ + b, y_n)`` and ``argmax`` of every row, over chunks of ``chunk`` rows.
+                      reweight: Optional[Callable[[Tensor], Tensor]] = None, target_hidden: Optional[Tensor] = None,
+                      distillation: float = 0.0) -> tuple[Tensor, Tensor]:
+    """``Σ_n w_n · CE(h_n Wᵀ + b, y_n)`` and ``argmax`` of every row, over chunks of ``chunk`` rows;
+    with ``target_hidden``, ``Σ_n w_n · ((1 − λ)·CE + λ·KL(p_n ‖ q_n))`` (:func:`linear_kd_chunk`).
 
     Args:
         hidden: ``[N, D]`` hidden states (any float dtype); the only input that gets a gradient.
@@ -160,8 +217,13 @@ def chunked_linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], la
         chunk_fn: :func:`linear_ce_chunk` or :func:`compiled_linear_ce_chunk`'s result.
         reweight: ``CE [N] fp32 -> w [N]``: weights that depend on the CE itself (D-PACE), applied
             after every chunk has run, detached.
+        target_hidden: ``[N, D]`` the target's final-normed hidden state that predicts each row's
+            label (the teacher's rows), or ``None`` (cross entropy alone); ``chunk_fn`` must then be
+            :func:`linear_kd_chunk` or its compiled form.
+        distillation: λ in ``[0, 1]``, the forward KL's share (with ``target_hidden`` only).
 
     Returns:
         ``(Σ w·CE fp32 scalar with a gradient to hidden, argmax [N] int64)``.
     """
-    return _ChunkedLinearCE.apply(hidden, weight, bias, labels, row_weights, chunk, need_grad, chunk_fn, reweight)
+    return _ChunkedLinearCE.apply(hidden, weight, bias, labels, row_weights, chunk, need_grad, chunk_fn, reweight,
+                                  target_hidden, distillation)

@@ -16,7 +16,7 @@ import torch
 from dflash.data.batching import BatchPlan, batch_tensor_specs
 from dflash.config import RunConfig
 
-__all__ = ["DataPlans", "build_batch_plans", "slot_spec", "target_hf_config", "build_drafter", "pad_token_id",
+__all__ = ["DataPlans", "TARGET_OUTPUTS", "build_batch_plans", "slot_spec", "target_hf_config", "build_drafter", "pad_token_id",
            "tokenizer_facts"]
 
 log = logging.getLogger(__name__)
@@ -105,16 +105,27 @@ def build_batch_plans(cfg: RunConfig, tokenizer: Any = None, log_report: bool = 
                      tokenizer_size=int(facts["size"]), tokenizer_identity=dict(facts["identity"]))
 
 
-def slot_spec(cfg: RunConfig, feature_size: int, feature_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+#: The slot tensors a target worker fills from its forward, in the order
+#: :meth:`dflash.models.target.TargetModel.forward_with_hidden` returns them (``target_hidden``
+#: only with ``drafter.distillation > 0``); the rest of a slot is the batch itself.
+TARGET_OUTPUTS = ("features", "target_tokens", "target_hidden")
+
+
+def slot_spec(cfg: RunConfig, feature_size: int, feature_dtype: torch.dtype,
+              hidden_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors of one slot: the batch contract plus the target's outputs.
 
     ``features [R, S, L·D]`` (target dtype) and ``target_tokens [R, S]`` int64 beside
-    ``input_ids``, ``position_ids``, ``doc_ids``, ``loss_mask`` (docs/ARCHITECTURE.md).
+    ``input_ids``, ``position_ids``, ``doc_ids``, ``loss_mask`` (docs/ARCHITECTURE.md); with
+    ``drafter.distillation > 0`` also ``target_hidden [R, S, D]`` (target dtype), the target's
+    final-normed hidden state (``hidden_size`` = D).
     """
     rows, seq = cfg.rows_per_batch, cfg.data.max_length
     spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = dict(batch_tensor_specs(rows, seq))
     spec["features"] = ((rows, seq, feature_size), feature_dtype)
     spec["target_tokens"] = ((rows, seq), torch.int64)
+    if cfg.drafter.distillation > 0:
+        spec["target_hidden"] = ((rows, seq, hidden_size), feature_dtype)
     return spec
 
 

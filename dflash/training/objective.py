@@ -16,6 +16,10 @@ from :mod:`dflash.models.masks`, the chunked LM-head cross-entropy from
   by the number of blocks. :func:`dflash_loss` returns numerator and denominator separately so
   data-parallel ranks can all-reduce the denominator (:func:`loss_denominator`: known before
   the forward pass).
+* **Distillation** (optional, ``drafter.distillation`` λ > 0): each block position also learns
+  the target's whole next-token distribution at its label, ``softmax(lm_head(target_hidden[a + k − 1]))``
+  (:func:`teacher_rows`), by forward KL: the per-position loss is ``(1 − λ)·CE + λ·KL``
+  (:func:`dflash.training.chunked_ce.linear_kd_chunk`).
 * **τ** (acceptance length, greedy, per block): ``1 +`` the number of leading block positions
   ``k = 1, 2, …`` whose argmax equals the label; a block stops at its first invalid position.
 """
@@ -28,13 +32,14 @@ from typing import Any, Callable, Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from dflash.training.chunked_ce import LOSS_CHUNK_ROWS, chunked_linear_ce, linear_ce_chunk
+from dflash.training.chunked_ce import LOSS_CHUNK_ROWS, chunked_linear_ce, linear_ce_chunk, linear_kd_chunk
 
 __all__ = [
     "LOSS_WEIGHTINGS",
     "DPACE_ALPHA",
     "LossOutput",
     "build_block_labels",
+    "teacher_rows",
     "block_position_weights",
     "label_weights",
     "dpace_weights",
@@ -92,6 +97,30 @@ def build_block_labels(input_ids: Tensor, target_tokens: Optional[Tensor], loss_
         lab = input_ids.gather(1, safe).view(r, num_anchors, block_size)
     lab = torch.where(valid, lab, torch.zeros_like(lab))
     return lab.long(), valid
+
+
+def teacher_rows(target_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """The target's final-normed hidden state that predicts each block position's label.
+
+    Block position ``k ≥ 1`` of the block at anchor ``a`` is labelled by the target's prediction
+    *for* ``a + k``, made at position ``a + k − 1`` (:func:`build_block_labels`), so its teacher row
+    is ``target_hidden[a + k − 1]``, clamped to ``S − 1`` (positions past the row are invalid and
+    weigh 0 in the loss).
+
+    Args:
+        target_hidden: ``[R, S, D]`` the target's final-normed hidden states (the LM head's input).
+        anchors: ``[R, A]`` int64.
+        block_size: ``B``.
+
+    Returns:
+        ``[R, A, B − 1, D]`` in ``target_hidden``'s dtype, for block positions ``1 … B − 1``.
+    """
+    r, s, d = target_hidden.shape
+    num_anchors = anchors.shape[1]
+    k = torch.arange(block_size - 1, device=anchors.device)
+    pos = (anchors.unsqueeze(-1) + k).clamp(max=s - 1).reshape(r, num_anchors * (block_size - 1))
+    rows = target_hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, d))
+    return rows.view(r, num_anchors, block_size - 1, d)
 
 
 def block_position_weights(block_size: int, gamma: float, device: Optional[torch.device] = None) -> Tensor:
@@ -231,7 +260,8 @@ def acceptance_lengths(correct: Tensor, valid: Tensor) -> Tensor:
 def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tensor, gamma: float,
                 chunk: int = LOSS_CHUNK_ROWS, block_keep: Optional[Tensor] = None,
                 chunk_fn: Optional[Callable[..., Any]] = None, weighting: str = "decay",
-                dpace_alpha: float = DPACE_ALPHA) -> LossOutput:
+                dpace_alpha: float = DPACE_ALPHA, teacher: Optional[Tensor] = None,
+                distillation: float = 0.0) -> LossOutput:
     """Position-weighted cross entropy of the drafter's block predictions, with accuracy and τ.
 
     ``loss_sum = Σ_{r,i,k} w · valid · CE(lm_head(hidden[r,i,k]), labels[r,i,k])`` over block
@@ -240,6 +270,8 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
     block's own confidences ``exp(−CE)`` (detached: no gradient flows through the weights) and
     ``weight_sum`` = the number of blocks with a valid block position (:func:`loss_denominator`). Logits
     are computed once, in chunks of ``chunk`` rows over block positions 1 … B−1 only; CE and softmax in fp32.
+    With ``distillation`` λ > 0 the CE of every row becomes ``(1 − λ)·CE + λ·KL(p ‖ q)``, ``p`` the
+    target's distribution from ``teacher`` (:func:`dflash.training.chunked_ce.linear_kd_chunk`).
 
     Args:
         hidden: ``[R, A, B, D]`` final-normed drafter states (any float dtype).
@@ -254,15 +286,22 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
             :func:`~dflash.training.chunked_ce.compiled_linear_ce_chunk` when it compiles).
         weighting: ``"decay"`` or ``"dpace"`` (``drafter.loss_weighting``).
         dpace_alpha: α of :func:`dpace_weights` (``"dpace"`` only).
+        teacher: ``[R, A, B − 1, D]`` the target's hidden rows of :func:`teacher_rows` (needed when
+            ``distillation > 0``, else unused); ``chunk_fn`` must then take them
+            (:func:`~dflash.training.chunked_ce.linear_kd_chunk` or its compiled form).
+        distillation: λ in ``[0, 1]`` (``drafter.distillation``; decay weighting only).
 
     Returns:
         :class:`LossOutput` (with ``block_tau``); only ``loss_sum`` carries a gradient (to ``hidden``).
 
     Raises:
-        ValueError: shape mismatch, ``chunk < 1``, unknown ``weighting`` or α outside ``[0, 1]``.
+        ValueError: shape mismatch, ``chunk < 1``, unknown ``weighting``, α or λ outside ``[0, 1]``,
+            distillation without ``teacher`` or with D-PACE weights.
     """
     if chunk < 1:
         raise ValueError(f"chunk: must be >= 1, got {chunk}")
+    if not 0.0 <= distillation <= 1.0:
+        raise ValueError(f"distillation: must be in [0, 1], got {distillation}")
     r, a, b, d = hidden.shape
     if labels.shape != (r, a, b) or valid.shape != (r, a, b):
         raise ValueError(f"labels {tuple(labels.shape)} / valid {tuple(valid.shape)} do not match hidden "
@@ -280,12 +319,21 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
                                             dpace_alpha).reshape(n)
     else:
         raise ValueError(f"weighting: must be one of {list(LOSS_WEIGHTINGS)}, got {weighting!r}")
+    teacher_h = None
+    if distillation > 0:
+        if weighting != "decay":
+            raise ValueError("distillation: needs weighting='decay' (D-PACE weights come from the CE alone)")
+        if teacher is None or teacher.shape[:3] != (r, a, b - 1):
+            raise ValueError(f"distillation: needs teacher rows [R, A, B-1, D] = [{r}, {a}, {b - 1}, D], got "
+                             f"{None if teacher is None else tuple(teacher.shape)}")
+        teacher_h = teacher.reshape(n, teacher.shape[-1])
     h = hidden[:, :, 1:].reshape(n, d)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     bias = getattr(lm_head, "bias", None)
     loss_sum, pred = chunked_linear_ce(h, lm_head.weight, bias, labels[:, :, 1:].reshape(n),
                                        weights[:, :, 1:].reshape(n), chunk, need_grad,
-                                       chunk_fn or linear_ce_chunk, reweight)
+                                       chunk_fn or (linear_ce_chunk if teacher_h is None else linear_kd_chunk),
+                                       reweight, teacher_h, distillation)
     with torch.no_grad():
         pred = torch.cat([labels[:, :, :1], pred.view(r, a, b - 1)], dim=2)  # block position 0: placeholder
         correct = (pred == labels) & valid

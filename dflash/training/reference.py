@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from dflash.config import RunConfig, load_config
-from dflash.training.factory import DataPlans, build_batch_plans, build_drafter
+from dflash.training.factory import TARGET_OUTPUTS, DataPlans, build_batch_plans, build_drafter
 from dflash.training.evaluation import aggregate_eval, eval_sums
 from dflash.data.schedule import StepPlan
 from dflash.training.trainer import DrafterTrainer, metrics_to_host
@@ -41,12 +41,13 @@ class ReferenceResult:
     trainer: Any = None
 
 
-def target_tensors(target: Any, batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """A batch's tensors plus the target's ``features [R, S, L·D]`` and ``target_tokens [R, S]``."""
+def target_tensors(target: Any, batch: Any, device: torch.device, final_hidden: bool = False) -> dict[str, torch.Tensor]:
+    """A batch's tensors plus the target's ``features [R, S, L·D]`` and ``target_tokens [R, S]``
+    (and, with ``final_hidden``, ``target_hidden [R, S, D]``: a drafter trained by distillation),
+    as a target worker fills a slot (:data:`dflash.training.factory.TARGET_OUTPUTS`)."""
     t = {k: v.to(device) for k, v in batch.to_dict().items()}
-    features, tokens = target.forward_features(t["input_ids"], t["position_ids"], t["doc_ids"])
-    t["features"] = features
-    t["target_tokens"] = tokens
+    forward = target.forward_with_hidden if final_hidden else target.forward_features
+    t.update(zip(TARGET_OUTPUTS, forward(t["input_ids"], t["position_ids"], t["doc_ids"])))
     return t
 
 
@@ -58,7 +59,8 @@ def evaluate_heldout(trainer: DrafterTrainer, target: Any, plans: DataPlans, num
         return {}
     n = plans.heldout.num_batches(0)
     n = n if num_batches is None else min(n, num_batches)
-    sums = [eval_sums(trainer.evaluate(target_tensors(target, plans.heldout.batch(0, b), device), b))
+    sums = [eval_sums(trainer.evaluate(target_tensors(target, plans.heldout.batch(0, b), device,
+                                                      bool(trainer.distillation)), b))
             for b in range(n)]
     return aggregate_eval(sums)
 
@@ -102,7 +104,7 @@ def run_reference(cfg: RunConfig, device: str | torch.device = "cpu", num_replic
         for batch_id in batch_ids:
             if batch_id is None:
                 continue
-            t = target_tensors(target, plans.train.batch(epoch, batch_id), device)
+            t = target_tensors(target, plans.train.batch(epoch, batch_id), device, bool(trainer.distillation))
             anc, keep = trainer.draw_anchors(t["loss_mask"], t["doc_ids"], epoch, batch_id)
             parts.append(t)
             anchors.append(anc)

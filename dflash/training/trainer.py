@@ -43,9 +43,10 @@ from dflash.config import default_gamma
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.masks import AttentionMask, drafter_attention_masks, restage_attention_mask
 from dflash.training.anchors import anchor_generator, draw_anchors, response_offsets
-from dflash.training.chunked_ce import compiled_linear_ce_chunk, loss_chunk_rows
+from dflash.training.chunked_ce import compiled_linear_ce_chunk, compiled_linear_kd_chunk, loss_chunk_rows
 from dflash.training.evaluation import EvalOutput, leading_tau, position_tau, walked_tau_sums
-from dflash.training.objective import DPACE_ALPHA, LossOutput, build_block_labels, dflash_loss, loss_denominator
+from dflash.training.objective import (DPACE_ALPHA, LossOutput, build_block_labels, dflash_loss, loss_denominator,
+                                       teacher_rows)
 from dflash.training.optim import LRSchedule, build_optimizer, build_scheduler
 
 __all__ = ["EVAL_EPOCH", "REQUIRED_KEYS", "PreparedBatch", "DrafterTrainer", "metrics_to_host"]
@@ -77,6 +78,9 @@ class PreparedBatch:
     weight_sum: Tensor
     #: ``{layer type: mask}`` (:func:`dflash.models.masks.drafter_attention_masks`).
     attn_masks: dict[str, AttentionMask]
+    #: ``[R, A, B − 1, D]`` the target's hidden rows that teach block positions 1 … B − 1
+    #: (:func:`dflash.training.objective.teacher_rows`); ``None`` without distillation.
+    teacher: Optional[Tensor] = None
 
 
 def metrics_to_host(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +151,8 @@ class DrafterTrainer:
         self.loss_weighting = drafter_cfg.loss_weighting
         self.dpace_alpha = drafter_cfg.dpace_alpha if drafter_cfg.dpace_alpha is not None else DPACE_ALPHA
         self.labels = drafter_cfg.labels
+        #: λ of the forward KL to the target's distribution (0: cross entropy alone)
+        self.distillation = float(getattr(drafter_cfg, "distillation", 0.0))
         #: evaluation's head: anchors within this many tokens of their response's start
         self.eval_head_tokens = train_cfg.eval_head_tokens
         #: evaluation also walks decoding's anchors over every held-out response (eval/tau_walk)
@@ -194,9 +200,9 @@ class DrafterTrainer:
                      else f"D-PACE alpha={self.dpace_alpha:.3g}")
         sampling = "per row" if self.anchor_sampling == "row" else (
             f"per conversation (at most {self.anchors_per_conversation or self.num_anchors} each)")
-        logger.info("drafter trainer: %d trainable params, B=%d, A=%d drawn %s, %s, labels=%s, %d steps",
+        logger.info("drafter trainer: %d trainable params, B=%d, A=%d drawn %s, %s, labels=%s%s, %d steps",
                     self.module.num_trainable_params(), self.block_size, self.num_anchors, sampling, weighting,
-                    self.labels, total_steps)
+                    self.labels, f", distillation {self.distillation:g}" if self.distillation else "", total_steps)
 
     # ----------------------------------------------------------------------- pieces
 
@@ -204,6 +210,8 @@ class DrafterTrainer:
         missing = [k for k in REQUIRED_KEYS if k not in tensors]
         if self.labels == "target" and "target_tokens" not in tensors:
             missing.append("target_tokens")
+        if self.distillation and "target_hidden" not in tensors:
+            missing.append("target_hidden")
         if missing:
             raise KeyError(f"batch is missing tensor(s) {missing}")
         return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items() if isinstance(v, Tensor)}
@@ -249,9 +257,10 @@ class DrafterTrainer:
             anc, keep = (x.to(self.device) for x in anchors)
         labels, valid = build_block_labels(t["input_ids"], t.get("target_tokens"), t["loss_mask"], t["doc_ids"],
                                            anc, keep, self.block_size, self.labels)
+        teacher = teacher_rows(t["target_hidden"], anc, self.block_size) if self.distillation else None
         return PreparedBatch(tensors=t, anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
                              weight_sum=loss_denominator(valid, self.gamma, self.loss_weighting),
-                             attn_masks=drafter_attention_masks(self.module, anc, keep, t["doc_ids"]))
+                             attn_masks=drafter_attention_masks(self.module, anc, keep, t["doc_ids"]), teacher=teacher)
 
     def _stage(self, name: Any, x: Tensor) -> Tensor:
         """Copy a compiled-forward input into this trainer's persistent buffer ``name``.
@@ -300,10 +309,13 @@ class DrafterTrainer:
             hidden = forward(*args, prepared.attn_masks)
         # Compiled runs also compile the LM-head loss chunks (fused fp32 softmax passes); the
         # eval path (compiled=False) stays eager, so it never triggers a compile after warm-up.
-        chunk_fn = compiled_linear_ce_chunk() if compiled and self.compiled else None
+        chunk_fn = None
+        if compiled and self.compiled:
+            chunk_fn = compiled_linear_kd_chunk() if self.distillation else compiled_linear_ce_chunk()
         return dflash_loss(hidden, self.module.lm_head, prepared.labels, prepared.valid, self.gamma,
                            chunk=self.loss_chunk, block_keep=prepared.anchor_keep, chunk_fn=chunk_fn,
-                           weighting=self.loss_weighting, dpace_alpha=self.dpace_alpha)
+                           weighting=self.loss_weighting, dpace_alpha=self.dpace_alpha,
+                           teacher=prepared.teacher, distillation=self.distillation)
 
     def forward_backward(self, tensors: dict[str, Tensor], epoch: int, batch_id: int, *,
                          anchors: Optional[tuple[Tensor, Tensor]] = None,
@@ -371,7 +383,8 @@ class DrafterTrainer:
         """
         lr = self.scheduler.get_last_lr()[0]
         prepared = self.prepare(tensors, epoch, batch_id, anchors)
-        flops = self.module.flops(prepared.anchors, prepared.anchor_keep, prepared.tensors["doc_ids"]).total
+        flops = self.module.flops(prepared.anchors, prepared.anchor_keep, prepared.tensors["doc_ids"],
+                                  distillation=bool(self.distillation)).total
         out, w_global = self.forward_backward(tensors, epoch, batch_id, weight_sum_reduce=weight_sum_reduce,
                                               prepared=prepared)
         # Clone: with CUDA graphs the outputs live in memory the next replay overwrites.
