@@ -110,6 +110,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from benchmarks.gpu_busy import GpuBusySampler, smi_index  # noqa: E402
+from dflash.training.factory import TARGET_OUTPUTS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -276,27 +277,32 @@ def drafter_flops(model: Any, batch: Any, anchors: torch.Tensor, keep: torch.Ten
 class TargetStage:
     """The target forward with static input buffers (compiled: ``reduce-overhead``, as the worker does)."""
 
-    def __init__(self, target: Any, device: torch.device, rows: int, seq: int, compiled: bool):
+    def __init__(self, target: Any, device: torch.device, rows: int, seq: int, compiled: bool,
+                 final_hidden: bool = False):
         self.target = target
         self.device = device
         self.compiled = compiled
         self.inputs = {"input_ids": torch.zeros(rows, seq, dtype=torch.int64, device=device),
                        "position_ids": torch.zeros(rows, seq, dtype=torch.int64, device=device),
                        "doc_ids": torch.zeros(rows, seq, dtype=torch.int32, device=device)}
-        self.fn = (torch.compile(target.forward_features, mode="reduce-overhead", dynamic=False) if compiled
-                   else target.forward_features)
+        # a drafter trained by distillation also reads the target's final-normed hidden state
+        forward = target.forward_with_hidden if final_hidden else target.forward_features
+        self.fn = torch.compile(forward, mode="reduce-overhead", dynamic=False) if compiled else forward
 
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The target's outputs by slot name (:data:`dflash.training.factory.TARGET_OUTPUTS`)."""
         for key, buf in self.inputs.items():
             buf.copy_(getattr(batch, key), non_blocking=True)
         if self.compiled:
             torch.compiler.cudagraph_mark_step_begin()
-        return self.fn(self.inputs["input_ids"], self.inputs["position_ids"], self.inputs["doc_ids"])
+        return dict(zip(TARGET_OUTPUTS, self.fn(self.inputs["input_ids"], self.inputs["position_ids"],
+                                                self.inputs["doc_ids"])))
 
 
-def ship(features: torch.Tensor, tokens: torch.Tensor, batch: Any, dst: torch.device,
+def ship(outputs: dict[str, torch.Tensor], batch: Any, dst: torch.device,
          copy_stream: Optional[Any]) -> tuple[dict[str, torch.Tensor], Optional[Any]]:
-    """The drafter's tensors on ``dst``: the batch (from the host), features and greedy tokens.
+    """The drafter's tensors on ``dst``: the batch (from the host) and the target's ``outputs``
+    (features, greedy tokens, and with distillation the final hidden state).
 
     CUDA: fresh buffers on ``dst`` (compiled outputs are overwritten by the next replay). With a
     ``copy_stream`` on ``dst`` (threaded mode) everything is allocated and copied there, so the
@@ -305,24 +311,25 @@ def ship(features: torch.Tensor, tokens: torch.Tensor, batch: Any, dst: torch.de
     """
     host = {k: v for k, v in batch.to_dict().items()}
     if dst.type != "cuda":
-        return dict(host, features=features, target_tokens=tokens), None
-    src_stream = torch.cuda.current_stream(features.device)
+        return dict(host, **outputs), None
+    src = outputs["features"].device
+    src_stream = torch.cuda.current_stream(src)
     ctx = torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext()
     if copy_stream is not None:
         copy_stream.wait_stream(src_stream)
     with ctx:
         out = {k: v.to(dst, non_blocking=True) for k, v in host.items()}
-        for key, src in (("features", features), ("target_tokens", tokens)):
-            buf = torch.empty(src.shape, dtype=src.dtype, device=dst)
-            buf.copy_(src, non_blocking=True)
+        for key, value in outputs.items():
+            buf = torch.empty(value.shape, dtype=value.dtype, device=dst)
+            buf.copy_(value, non_blocking=True)
             out[key] = buf
         event = None
         if copy_stream is not None:
             event = torch.cuda.Event()
             event.record(copy_stream)
-            if features.device == dst:  # same-device copy read the sources on copy_stream
-                features.record_stream(copy_stream)
-                tokens.record_stream(copy_stream)
+            if src == dst:  # same-device copy read the sources on copy_stream
+                for value in outputs.values():
+                    value.record_stream(copy_stream)
     return out, event
 
 
@@ -367,7 +374,7 @@ class Setup:
                                                           b.batch_id))
         sync(d_dev)
         rows, seq = cfg.rows_per_batch, cfg.data.max_length
-        self.stage = TargetStage(self.target, t_dev, rows, seq, compiled)
+        self.stage = TargetStage(self.target, t_dev, rows, seq, compiled, final_hidden=cfg.drafter.distillation > 0)
         self.t_flops = [target_flops(self.target, b) for b in self.batches]
         self.d_flops = [drafter_flops(self.model, b, a, k) for b, (a, k) in zip(self.batches, self.anchors)]
         RESULT.update(
@@ -404,9 +411,9 @@ def run_sequential(s: Setup, warmup: int, clock: "Clock") -> list[dict]:
         RESULT["phase"] = f"step {i}" + (" (warm-up)" if i < warmup else "")
         rec = s.step_record(i)
         rec["start"] = clock.now()
-        features, tokens = s.stage.forward(s.batches[i])
-        tensors, _ = ship(features, tokens, s.batches[i], s.d_dev, None)
-        del features, tokens
+        outputs = s.stage.forward(s.batches[i])
+        tensors, _ = ship(outputs, s.batches[i], s.d_dev, None)
+        del outputs
         sync(s.t_dev), sync(s.d_dev)
         rec["target_end"] = clock.now()
         rec["target_s"] = rec["target_end"] - rec["start"]
@@ -450,9 +457,9 @@ def run_threaded(s: Setup, warmup: int, clock: "Clock", queue_size: int, first: 
                 rec = {"start": clock.now()}
                 if copy_stream is not None and s.t_dev == s.d_dev:  # the last copy read the graph outputs
                     torch.cuda.current_stream(s.t_dev).wait_stream(copy_stream)
-                features, tokens = s.stage.forward(s.batches[i])
-                tensors, event = ship(features, tokens, s.batches[i], s.d_dev, copy_stream)
-                del features, tokens
+                outputs = s.stage.forward(s.batches[i])
+                tensors, event = ship(outputs, s.batches[i], s.d_dev, copy_stream)
+                del outputs
                 if event is not None:
                     event.synchronize()
                 rec["target_end"] = clock.now()

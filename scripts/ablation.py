@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets
 
@@ -166,7 +166,8 @@ def decode_summary(bench: dict[str, Any]) -> dict[str, Any]:
 GAIN_MARGIN = 0.02
 
 
-def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN) -> dict[str, Any]:
+def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN,
+                   check: Optional[Callable[[list[str]], Optional[str]]] = None) -> dict[str, Any]:
     """The recipe the ablation suggests: the overrides of every decoded variant whose decoding τ
     exceeds the baseline's by more than ``margin``, the largest gain first; a config key set by two
     of them keeps the larger gain's value. Each gain was measured alone: whether they add up is for
@@ -175,10 +176,14 @@ def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN) -
     Args:
         results: ``result.json`` contents (``variant``, ``overrides``, ``ok``, ``decode_tau``).
         margin: τ gain needed (tokens a verification pass).
+        check: the error of a stacked override list, ``None`` when it makes a valid config
+            (:func:`config_error`); a winner whose overrides would make the stack invalid (two options
+            that exclude each other, e.g. D-PACE weights and distillation) is left out, with the
+            reason, and the larger gains keep their place.
 
     Returns:
         ``{"baseline_tau", "margin", "variants": [names, largest gain first], "gains": {name: gain},
-        "overrides": [key=value, ...]}``.
+        "overrides": [key=value, ...], "left_out": {name: reason}}``.
 
     Raises:
         ValueError: no decoded ``baseline`` among ``results``.
@@ -191,11 +196,20 @@ def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN) -
     better = sorted((n for n, g in gains.items() if g > margin), key=lambda n: -gains[n])
     by_name = {r["variant"]: r for r in ok}
     overrides: dict[str, str] = {}
+    kept: list[str] = []
+    left_out: dict[str, str] = {}
     for name in better:
+        stacked = dict(overrides)
         for item in by_name[name]["overrides"]:
-            overrides.setdefault(item.split("=", 1)[0], item)
-    return {"baseline_tau": base["decode_tau"], "margin": margin, "variants": better,
-            "gains": {n: gains[n] for n in better}, "overrides": list(overrides.values())}
+            stacked.setdefault(item.split("=", 1)[0], item)
+        error = check(list(stacked.values())) if check is not None else None
+        if error is not None:
+            left_out[name] = error
+            continue
+        overrides = stacked
+        kept.append(name)
+    return {"baseline_tau": base["decode_tau"], "margin": margin, "variants": kept,
+            "gains": {n: gains[n] for n in kept}, "overrides": list(overrides.values()), "left_out": left_out}
 
 
 def table(variants: list[Variant], meta: dict[str, Any]) -> str:
@@ -237,13 +251,26 @@ def check_configs(config: str, common: list[str], variants: list[Variant], share
     Raises:
         ValueError: the variant's name and the config error.
     """
+    error = config_error(config, common + (placement() if shared_gpu else []))
+    for v in variants:
+        message = error(v.overrides)
+        if message is not None:
+            raise ValueError(f"variant {v.name}: {message}")
+
+
+def config_error(config: str, common: list[str]) -> Callable[[list[str]], Optional[str]]:
+    """A :func:`stacked_recipe` check: the config error of ``config`` with ``common`` and the given
+    overrides, ``None`` when it loads."""
     from dflash.config import ConfigError, load_config
 
-    for v in variants:
+    def error(overrides: list[str]) -> Optional[str]:
         try:
-            load_config(config, common + v.overrides + (placement() if shared_gpu else []))
+            load_config(config, common + overrides)
         except (ConfigError, OSError) as e:
-            raise ValueError(f"variant {v.name}: {e}") from e
+            return str(e)
+        return None
+
+    return error
 
 
 def placement() -> list[str]:
@@ -454,7 +481,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                       indent=1))
         (out / "ablation.md").write_text(table(variants, meta))
         try:
-            (out / "recipe.json").write_text(json.dumps(stacked_recipe([v.result for v in variants if v.result]),
+            (out / "recipe.json").write_text(json.dumps(stacked_recipe([v.result for v in variants if v.result],
+                                                                       check=config_error(args.config, args.overrides)),
                                                         indent=1))
         except ValueError:  # no baseline decoded yet
             pass

@@ -153,6 +153,21 @@ def test_stacked_recipe_against_a_naive_reading(ablation):
         ablation.stacked_recipe([{"variant": "v0", "overrides": [], "ok": True, "decode_tau": 2.0}])
 
 
+def test_stacked_recipe_leaves_out_a_winner_that_breaks_the_config(ablation):
+    """D-PACE weights and distillation exclude each other: the smaller gain stays out, with the
+    config's reason, and the next winner still stacks."""
+    results = [{"variant": "baseline", "overrides": [], "ok": True, "decode_tau": 2.0},
+               {"variant": "distill", "overrides": ["drafter.distillation=1.0"], "ok": True, "decode_tau": 2.3},
+               {"variant": "dpace", "overrides": ["drafter.loss_weighting=dpace"], "ok": True, "decode_tau": 2.2},
+               {"variant": "lr", "overrides": ["train.lr=1.2e-3"], "ok": True, "decode_tau": 2.1}]
+    check = ablation.config_error(str(ablation.REPO / "configs" / "smollm2-135m-cpu.yaml"), ["log.wandb=disabled"])
+    got = ablation.stacked_recipe(results, margin=0.02, check=check)
+    assert got["variants"] == ["distill", "lr"]
+    assert got["overrides"] == ["drafter.distillation=1.0", "train.lr=1.2e-3"]
+    assert list(got["left_out"]) == ["dpace"] and "drafter.distillation" in got["left_out"]["dpace"]
+    assert ablation.stacked_recipe(results, margin=0.02)["variants"] == ["distill", "dpace", "lr"]  # unchecked
+
+
 def test_prompt_sets_reach_the_decoding_check_and_the_table(ablation, tmp_path, capsys):
     """Each ``--prompt-set`` is handed to decode_bench; each set's per-response τ gets its cell;
     a missing file is refused with exit 2 before anything runs."""

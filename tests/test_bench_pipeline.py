@@ -105,3 +105,17 @@ def test_failing_thread_is_reported(setup):
     err = r["error"]
     assert err["stage"] == "drafter" and err["type"] == "RuntimeError" and "injected" in err["message"]
     assert err["where"] and err["step"] == 0 and err["warmup"] is True
+
+
+def test_distillation_runs_through_both_designs(setup, runs):
+    """With ``drafter.distillation`` the stages hand the target's final hidden state over too: both
+    designs train, to the same losses, and differ from the cross-entropy-only run."""
+    tmp, overrides = setup
+    got = {}
+    for mode in ("sequential", "threaded"):
+        rc, r, log = _run(tmp, [*overrides, "drafter.distillation=0.5"], mode)
+        assert rc == 0 and r["status"] == "ok", log[-3000:]
+        got[mode] = r["losses"]
+    assert got["threaded"] == pytest.approx(got["sequential"], rel=1e-5)
+    assert len(got["sequential"]) == STEPS and all(_positive(x) for x in got["sequential"])
+    assert got["sequential"][0] != pytest.approx(runs["sequential"][1]["losses"][0], rel=1e-3)

@@ -86,7 +86,9 @@ def linear_kd_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor
     through the same frozen head from the target's final-normed hidden state. With
     ``z = h Wᵀ + b``, ``q = softmax(z)`` and λ = ``distillation``, the row's loss is
     ``ℓ = (1 − λ)·CE(z, y) + λ·KL(p ‖ q)``, ``KL = Σ_v p_v (log p_v − log q_v)``, and
-    ``d ℓ / d z = q − (1 − λ)·onehot(y) − λ·p``. Logits, log-sum-exps and probabilities in fp32.
+    ``d ℓ / d z = q − (1 − λ)·onehot(y) − λ·p``. Logits, log-sum-exps and probabilities in fp32;
+    three ``[c, V]`` fp32 arrays live at once (the CE chunk's two and ``p``), the gradient built in
+    the logits' memory.
 
     Args:
         h: ``[c, D]`` drafter hidden states; weight: ``[V, D]``; bias: ``[V]`` or ``None``.
@@ -101,20 +103,27 @@ def linear_kd_chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor
     """
     logits = F.linear(h.to(weight.dtype), weight, bias).float()  # [c, V]
     lse = torch.logsumexp(logits, dim=-1)
-    teacher = F.linear(target_h.to(weight.dtype), weight, bias).float()
-    teacher_logp = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
-    p = torch.exp(teacher_logp)
-    kl = (p * (teacher_logp - logits)).sum(-1) + lse  # Σ p (log p − z) + lse: Σ p = 1
+    pred = logits.argmax(dim=-1)
     ce = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    logp = F.linear(target_h.to(weight.dtype), weight, bias).float()
+    logp = logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))  # log p, in place
+    p = torch.exp(logp)
+    # KL = Σ p log p − Σ p z + lse (Σ p = 1); row dot products as batched matmuls: no [c, V] product
+    kl = _row_dot(p, logp) - _row_dot(p, logits) + lse
+    del logp
     loss = (1.0 - distillation) * ce + distillation * kl
     total = (loss * w).sum()
-    pred = logits.argmax(dim=-1)
     if not need_grad:
         return total, pred, None, loss
-    dz = torch.exp(logits - lse.unsqueeze(1)) - distillation * p
+    dz = logits.sub_(lse.unsqueeze(1)).exp_().sub_(p, alpha=distillation)  # q − λ p, in the logits' memory
     dz.scatter_add_(1, y.unsqueeze(1), torch.full_like(w, distillation - 1.0).unsqueeze(1))
-    grad = ((dz * w.unsqueeze(1)).to(weight.dtype) @ weight).to(h.dtype)
+    grad = (dz.mul_(w.unsqueeze(1)).to(weight.dtype) @ weight).to(h.dtype)
     return total, pred, grad, loss
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``Σ_v a[n, v] · b[n, v]`` of every row ``n``: ``[c, V] × [c, V] → [c]``."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
 _compiled_ce_chunk: Optional[Callable[..., Any]] = None

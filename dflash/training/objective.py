@@ -203,7 +203,8 @@ class LossOutput:
     accuracy per block position ``= block_pos_correct / block_pos_count``.
     """
 
-    #: ``Σ CE·w`` over valid block positions (the only field with a gradient).
+    #: ``Σ CE·w`` over valid block positions, with distillation ``Σ ((1 − λ)·CE + λ·KL)·w`` (the only
+    #: field with a gradient).
     loss_sum: Tensor
     #: The loss denominator (no gradient): ``Σ w``, or with D-PACE weights the number of blocks
     #: with a valid block position (:func:`loss_denominator`).

@@ -228,7 +228,7 @@ class DrafterTrainer:
                             self.anchors_per_conversation, gen)
 
     def prepare(self, tensors: dict[str, Tensor], epoch: int, batch_id: int,
-                anchors: Optional[tuple[Tensor, Tensor]] = None) -> PreparedBatch:
+                anchors: Optional[tuple[Tensor, Tensor]] = None, teacher: bool = True) -> PreparedBatch:
         """A batch on this trainer's device with its anchors, labels, loss denominator and masks.
 
         In order: anchors (seeded by ``(seed, epoch, batch_id)``, or given;
@@ -246,6 +246,8 @@ class DrafterTrainer:
         Args:
             tensors: the batch contract's tensors plus ``features`` / ``target_tokens``.
             anchors: ``(anchors [R, A], keep [R, A])`` to use instead of drawing them.
+            teacher: gather the distillation teacher's rows (``drafter.distillation > 0``); ``False``
+                for a pass that computes no loss (the walked τ).
 
         Raises:
             KeyError: a required tensor is missing.
@@ -257,10 +259,10 @@ class DrafterTrainer:
             anc, keep = (x.to(self.device) for x in anchors)
         labels, valid = build_block_labels(t["input_ids"], t.get("target_tokens"), t["loss_mask"], t["doc_ids"],
                                            anc, keep, self.block_size, self.labels)
-        teacher = teacher_rows(t["target_hidden"], anc, self.block_size) if self.distillation else None
+        rows = teacher_rows(t["target_hidden"], anc, self.block_size) if self.distillation and teacher else None
         return PreparedBatch(tensors=t, anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
                              weight_sum=loss_denominator(valid, self.gamma, self.loss_weighting),
-                             attn_masks=drafter_attention_masks(self.module, anc, keep, t["doc_ids"]), teacher=teacher)
+                             attn_masks=drafter_attention_masks(self.module, anc, keep, t["doc_ids"]), teacher=rows)
 
     def _stage(self, name: Any, x: Tensor) -> Tensor:
         """Copy a compiled-forward input into this trainer's persistent buffer ``name``.
@@ -454,7 +456,7 @@ class DrafterTrainer:
         t = self._batch(tensors)
 
         def block_tau(anchors: Tensor, keep: Tensor) -> Tensor:
-            prepared = self.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep))
+            prepared = self.prepare(t, EVAL_EPOCH, 0, anchors=(anchors, keep), teacher=False)
             p = prepared.tensors
             hidden = self._hidden(p["features"], p["input_ids"], p["position_ids"], p["doc_ids"], prepared.anchors,
                                   prepared.anchor_keep, prepared.attn_masks)
