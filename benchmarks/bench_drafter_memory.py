@@ -38,15 +38,18 @@ REFERENCE_LAYER_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
 
 
 def synthetic_batch(rows: int, seq: int, vocab: int, feature_size: int, gen: torch.Generator,
-                    device: torch.device) -> dict[str, torch.Tensor]:
+                    device: torch.device, hidden_size: int = 0) -> dict[str, torch.Tensor]:
     """:func:`benchmarks.bench_compile.synthetic_batch`'s packed rows with random context features
-    ``[rows, seq, feature_size]`` (bf16 on CUDA, fp32 on CPU) and random target tokens."""
+    ``[rows, seq, feature_size]`` (bf16 on CUDA, fp32 on CPU) and random target tokens; with
+    ``hidden_size`` also a random final hidden state ``[rows, seq, hidden_size]`` (distillation)."""
     from benchmarks.bench_compile import synthetic_batch as packed_rows
 
     batch = packed_rows(rows, seq, vocab, gen, device)
     batch["target_tokens"] = torch.randint(0, vocab, (rows, seq), generator=gen).to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batch["features"] = torch.randn(rows, seq, feature_size, device=device, dtype=dtype)
+    if hidden_size:
+        batch["target_hidden"] = torch.randn(rows, seq, hidden_size, device=device, dtype=dtype)
     return batch
 
 
@@ -92,7 +95,8 @@ FLAG_OF_KEY = {"target.arch": "--arch", "drafter.num_layers": "--drafter-layers"
                "drafter.mlp_chunks": "--mlp-chunks", "drafter.checkpoint_layers": "--checkpoint-layers",
                "drafter.activation_memory_budget": "--activation-memory-budget",
                "drafter.gradient_checkpointing": "--gradient-checkpointing", "drafter.compile": "--compile",
-               "data.max_length": "--seq", "data.token_budget": "--rows", "train.max_steps": "--steps"}
+               "data.max_length": "--seq", "data.token_budget": "--rows", "train.max_steps": "--steps",
+               "drafter.distillation": "--distillation"}
 
 
 def result_name(args: argparse.Namespace, compiled: bool) -> str:
@@ -106,6 +110,8 @@ def result_name(args: argparse.Namespace, compiled: bool) -> str:
         parts.append(f"amb{args.activation_memory_budget:g}")
     if args.expandable_segments:
         parts.append("es")
+    if args.distillation:
+        parts.append(f"kd{args.distillation:g}")
     return "_".join(parts) + f"{args.tag}.json"
 
 
@@ -132,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expandable-segments", action="store_true",
                    help="the CUDA caching allocator's expandable_segments (less fragmentation)")
     p.add_argument("--memory-fraction", type=float, default=None)
+    p.add_argument("--distillation", type=float, default=0.0,
+                   help="drafter.distillation: λ of the forward KL to the target's distribution (default: 0)")
     p.add_argument("--snapshot", action="store_true", help="the tensors alive at one step's peak, by site")
     p.add_argument("--profile", action="store_true", help="one more step: GPU ms by phase and the top CUDA kernels")
     p.add_argument("--tag", default="", help="suffix of the result file's name")
@@ -171,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gradient_checkpointing": args.gradient_checkpointing, "mlp_chunks": args.mlp_chunks,
                     "checkpoint_layers": args.checkpoint_layers,
                     "activation_memory_budget": args.activation_memory_budget,
-                    "compile": args.compile, "compile_mode": args.compile_mode},
+                    "compile": args.compile, "compile_mode": args.compile_mode,
+                    "distillation": args.distillation},
         "data": {"max_length": args.seq, "token_budget": args.rows * args.seq},
         "train": {"max_steps": args.steps},
         "cluster": {"device": args.device, "targets": [0], "drafters": [0], "allow_shared_gpu": True},
@@ -190,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     embed, head = load_embedding_and_head(cfg.target, dev)
     model = build_drafter(cfg, embed, head, args.mask_token_id, dev)
     trainer = DrafterTrainer(model, cfg.train, cfg.drafter, args.steps, dev, loss_chunk=args.loss_chunk)
-    batch = synthetic_batch(args.rows, args.seq, info.vocab_size, info.feature_size, torch.Generator().manual_seed(0), dev)
+    batch = synthetic_batch(args.rows, args.seq, info.vocab_size, info.feature_size, torch.Generator().manual_seed(0), dev,
+                            hidden_size=info.hidden_size if args.distillation else 0)
     cap = torch.cuda.get_device_properties(dev).total_memory * (args.memory_fraction or 1.0) if on_gpu else 0
     res: dict = {"args": {k: str(v) for k, v in vars(args).items()},
                  "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",

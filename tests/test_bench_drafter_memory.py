@@ -15,6 +15,13 @@ TINY = ["--device", "cpu", "--arch", "tiny-qwen3.6", "--drafter-layers", "2", "-
         "--anchors", "4", "--block", "4", "--steps", "2", "--mask-token-id", "500"]
 
 
+def test_tiny_distillation_run_on_cpu(tmp_path):
+    assert bench.main([*TINY, "--distillation", "0.5", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.iterdir()
+    assert path.name == "drafter_memory_eager_c1_kd0.5.json"
+    assert all(math.isfinite(x) and x > 0 for x in json.loads(path.read_text())["losses"])
+
+
 def test_tiny_run_on_cpu_writes_a_named_result(tmp_path, capsys):
     assert bench.main([*TINY, "--gradient-checkpointing", "--checkpoint-layers", "1", "--loss-chunk", "7",
                        "--out", str(tmp_path)]) == 0
@@ -31,6 +38,7 @@ def test_tiny_run_on_cpu_writes_a_named_result(tmp_path, capsys):
     (["--steps", "0"], "--steps: must be >= 1, got 0"),
     (["--block", "1"], "--block: must be >= 2, got 1"),
     (["--memory-fraction", "1.5"], "--memory-fraction: must be in (0, 1], got 1.5"),
+    (["--distillation", "2"], "--distillation (drafter.distillation: must be in [0, 1], got 2.0)"),
     (["--checkpoint-layers", "1"], "--checkpoint-layers (drafter.checkpoint_layers: applies only with"),
     (["--gradient-checkpointing", "--checkpoint-layers", "3"], "--checkpoint-layers (drafter.checkpoint_layers: must be"),
     (["--activation-memory-budget", "0.5"], "--activation-memory-budget (drafter.activation_memory_budget: applies"),
