@@ -405,7 +405,9 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="built-in variants: " + ", ".join(f"{k} ({a})" for k, (_, a) in VARIANTS.items()))
-    p.add_argument("--config", default="configs/smollm2-135m-h200-regen.yaml", help="base config (default: %(default)s)")
+    p.add_argument("--config", default=None,
+                   help="base config (default: configs/smollm2-135m-h200-regen.yaml on GPUs, "
+                        "configs/smollm2-135m-cpu.yaml with --gpus cpu)")
     p.add_argument("--gpus", default=None, help="comma-separated GPU ids, --per-gpu variants on each at a time; "
                                                 "`cpu`: one variant at a time on CPU (default: every visible GPU, "
                                                 "else cpu)")
@@ -448,6 +450,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         if missing:
             p.error(f"--gpus {args.gpus}: this machine has {visible} visible GPU(s), no GPU {', '.join(missing)} "
                     "(`--gpus cpu` runs on CPU)")
+    if args.config is None:
+        args.config = "configs/smollm2-135m-cpu.yaml" if args.gpu_list is None else "configs/smollm2-135m-h200-regen.yaml"
     args.decode_dtype = args.decode_dtype or ("float32" if args.gpu_list is None else "bfloat16")
     args.work = args.work or str(Path(args.out) / "runs")
     for name in ("out", "work"):

@@ -197,3 +197,9 @@ def test_prompt_sets_reach_the_decoding_check_and_the_table(ablation, tmp_path, 
     with pytest.raises(SystemExit) as exc:
         ablation.parse_args(["--gpus", "cpu", "--prompt-set", str(tmp_path / "none.jsonl")])
     assert exc.value.code == 2 and "none.jsonl" in capsys.readouterr().err
+
+
+def test_the_default_base_config_follows_the_device(ablation):
+    """`--gpus cpu` without `--config` takes the CPU default, GPUs the GPU recipe; a given one wins."""
+    assert ablation.parse_args(["--gpus", "cpu"]).config == "configs/smollm2-135m-cpu.yaml"
+    assert ablation.parse_args(["--gpus", "cpu", "--config", "x.yaml"]).config == "x.yaml"

@@ -136,6 +136,23 @@ def test_plan_launch_rebuilds_a_changed_schedule_and_says_so():
     assert launch_lr.schedule.lr == 1e-4 and "train.lr 0.0006 -> 0.0001" in notes_lr[0]
 
 
+def test_a_changed_objective_is_said_at_resume():
+    """A resume may change what the steps train towards (distillation, labels, anchors): one line
+    names each changed key with its old and new value; an unchanged config says nothing of it."""
+    before = cfg_with("cluster.drafters=[0]", "drafter.distillation=0.5")
+    bpe = [50]
+    sched = LRSchedule.nominal(50, before.train)
+    state = _state(7, [0, 7], 1, sched)
+    after = cfg_with("cluster.drafters=[0]", "drafter.distillation=1.0", "drafter.anchors_per_row=32")
+    notes = plan_launch(after, bpe, state, before.to_dict())[2]
+    assert notes == ["the objective changes at step 7: drafter.distillation 0.5 -> 1.0, drafter.anchors_per_row "
+                     f"{before.drafter.anchors_per_row} -> 32 (the steps before it were trained with the old values)"]
+    assert plan_launch(before, bpe, state, before.to_dict())[2] == []
+    old_file = before.to_dict()
+    del old_file["drafter"]["distillation"]  # a run directory written before the key existed
+    assert plan_launch(after, bpe, state, old_file)[2] == [notes[0].replace("drafter.distillation 0.5 -> 1.0, ", "")]
+
+
 def test_max_steps_the_data_cannot_give_is_said_at_start():
     cfg = cfg_with("cluster.drafters=[0, 1]", "train.max_steps=3", "train.epochs=1")
     plan, _, notes = plan_launch(cfg, [3])

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 PLAN_FILE = "plan.json"
 #: Config keys that define the learning-rate schedule: a change at ``--resume`` rebuilds it.
 SCHEDULE_KEYS = ("train.max_steps", "train.epochs", "train.lr", "train.warmup_ratio", "train.min_lr_ratio")
+#: What each step trains towards: a resume may change them (the drafter's shape stays), and says so.
+OBJECTIVE_KEYS = ("drafter.labels", "drafter.distillation", "drafter.loss_weighting", "drafter.loss_gamma",
+                  "drafter.dpace_alpha", "drafter.anchor_sampling", "drafter.anchors_per_row",
+                  "drafter.anchors_per_conversation")
 
 
 @dataclass
@@ -113,8 +117,8 @@ def plan_launch(cfg: Any, batches_per_epoch: Sequence[int], state: Optional[dict
             with), to tell a changed :data:`SCHEDULE_KEYS` entry.
 
     Returns:
-        ``(plan, launch, notes)``: ``notes`` are the lines to log (a changed schedule or number
-        of drafters; ``train.max_steps`` the data cannot give).
+        ``(plan, launch, notes)``: ``notes`` are the lines to log (a changed schedule, objective
+        (:data:`OBJECTIVE_KEYS`) or number of drafters; ``train.max_steps`` the data cannot give).
 
     Raises:
         ValueError: a checkpoint position past this config's data (fewer epochs or batches).
@@ -134,6 +138,11 @@ def plan_launch(cfg: Any, batches_per_epoch: Sequence[int], state: Optional[dict
         before, now = flat_config(saved_cfg), flat_config(cfg.to_dict())
         changed = [f"{k} {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in SCHEDULE_KEYS
                    if k in before and before[k] != now[k]]
+        objective = [f"{k} {json.dumps(before[k])} -> {json.dumps(now[k])}" for k in OBJECTIVE_KEYS
+                     if k in before and k in now and before[k] != now[k]]
+        if objective:
+            notes.append(f"the objective changes at step {step}: {', '.join(objective)} (the steps before it were "
+                         "trained with the old values)")
         if old is not None and old_d is not None and old_d != d:
             notes.append(f"resuming with {d} drafter(s) where the checkpoint was trained with {old_d}: continuing "
                          f"at data position epoch {position.epoch} batch {position.batch} (every batch trained once)")
