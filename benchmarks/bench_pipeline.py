@@ -110,7 +110,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from benchmarks.gpu_busy import GpuBusySampler, smi_index  # noqa: E402
-from dflash.training.factory import TARGET_OUTPUTS  # noqa: E402
+from dflash.training.factory import TARGET_OUTPUTS, target_forward  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -286,7 +286,7 @@ class TargetStage:
                        "position_ids": torch.zeros(rows, seq, dtype=torch.int64, device=device),
                        "doc_ids": torch.zeros(rows, seq, dtype=torch.int32, device=device)}
         # a drafter trained by distillation also reads the target's final-normed hidden state
-        forward = target.forward_with_hidden if final_hidden else target.forward_features
+        forward = target_forward(target, final_hidden)
         self.fn = torch.compile(forward, mode="reduce-overhead", dynamic=False) if compiled else forward
 
     def forward(self, batch: Any) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ import zmq
 
 from dflash.compile_watch import CompileWatch
 from dflash.models.flops import peak_flops
-from dflash.training.factory import TARGET_OUTPUTS, build_batch_plans, slot_spec
+from dflash.training.factory import TARGET_OUTPUTS, build_batch_plans, slot_spec, target_forward
 from dflash.runtime.base import WorkerContext, memory_gib, run_worker
 from dflash.runtime.messages import Dropped, Flush, Produce, Produced, Ready, Stop
 
@@ -96,7 +96,7 @@ class TargetWorker:
         #: the slot tensors the forward fills, in the order it returns them (the final-normed
         #: hidden state only for a drafter that trains by distillation)
         self.outputs = [k for k in TARGET_OUTPUTS if k in self.spec]
-        forward = self.target.forward_with_hidden if "target_hidden" in self.spec else self.target.forward_features
+        forward = target_forward(self.target, "target_hidden" in self.outputs)
         self.forward: Callable[..., Any] = forward
         self.compiled = bool(cfg.target.compile and self.device.type == "cuda")
         #: CUDA graphs of the whole forward (``compile_scope: forward``); per-layer compile has none.

@@ -9,14 +9,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from dflash.data.batching import BatchPlan, batch_tensor_specs
 from dflash.config import RunConfig
 
-__all__ = ["DataPlans", "TARGET_OUTPUTS", "build_batch_plans", "slot_spec", "target_hf_config", "build_drafter", "pad_token_id",
+__all__ = ["DataPlans", "TARGET_OUTPUTS", "build_batch_plans", "target_forward", "slot_spec", "target_hf_config", "build_drafter", "pad_token_id",
            "tokenizer_facts"]
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,12 @@ def build_batch_plans(cfg: RunConfig, tokenizer: Any = None, log_report: bool = 
 #: :meth:`dflash.models.target.TargetModel.forward_with_hidden` returns them (``target_hidden``
 #: only with ``drafter.distillation > 0``); the rest of a slot is the batch itself.
 TARGET_OUTPUTS = ("features", "target_tokens", "target_hidden")
+
+
+def target_forward(target: Any, with_hidden: bool) -> Callable[..., tuple]:
+    """The target's forward that returns :data:`TARGET_OUTPUTS` in order: ``forward_with_hidden``
+    when the slot carries ``target_hidden`` (``drafter.distillation > 0``), else ``forward_features``."""
+    return target.forward_with_hidden if with_hidden else target.forward_features
 
 
 def slot_spec(cfg: RunConfig, feature_size: int, feature_dtype: torch.dtype,

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from dflash.config import RunConfig, load_config
-from dflash.training.factory import TARGET_OUTPUTS, DataPlans, build_batch_plans, build_drafter
+from dflash.training.factory import TARGET_OUTPUTS, DataPlans, build_batch_plans, build_drafter, target_forward
 from dflash.training.evaluation import aggregate_eval, eval_sums
 from dflash.data.schedule import StepPlan
 from dflash.training.trainer import DrafterTrainer, metrics_to_host
@@ -46,8 +46,7 @@ def target_tensors(target: Any, batch: Any, device: torch.device, final_hidden: 
     (and, with ``final_hidden``, ``target_hidden [R, S, D]``: a drafter trained by distillation),
     as a target worker fills a slot (:data:`dflash.training.factory.TARGET_OUTPUTS`)."""
     t = {k: v.to(device) for k, v in batch.to_dict().items()}
-    forward = target.forward_with_hidden if final_hidden else target.forward_features
-    t.update(zip(TARGET_OUTPUTS, forward(t["input_ids"], t["position_ids"], t["doc_ids"])))
+    t.update(zip(TARGET_OUTPUTS, target_forward(target, final_hidden)(t["input_ids"], t["position_ids"], t["doc_ids"])))
     return t
 
 

@@ -152,7 +152,7 @@ class DrafterTrainer:
         self.dpace_alpha = drafter_cfg.dpace_alpha if drafter_cfg.dpace_alpha is not None else DPACE_ALPHA
         self.labels = drafter_cfg.labels
         #: λ of the forward KL to the target's distribution (0: cross entropy alone)
-        self.distillation = float(getattr(drafter_cfg, "distillation", 0.0))
+        self.distillation = float(drafter_cfg.distillation)
         #: evaluation's head: anchors within this many tokens of their response's start
         self.eval_head_tokens = train_cfg.eval_head_tokens
         #: evaluation also walks decoding's anchors over every held-out response (eval/tau_walk)
