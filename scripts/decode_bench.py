@@ -74,6 +74,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
                         "one-token step, Y in verification and prefill; unset: reduce+sdpa at batch 1, sdpa "
                         "above, dflash.inference.decode_layers.default_attention)")
+    p.add_argument("--pass-schedules", default="predicted",
+                   help="speculative decoding's host-check schedules, comma-separated, of ('predicted', 'certain'): "
+                        "the report is the first's; each further one decodes the prompts again for its time "
+                        "(dflash.inference.generation.passes_before_check)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--force", action="store_true",
                    help="use a checkpoint trained with another tokenizer, chat template or thinking mode")
@@ -97,6 +101,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     bad = [d for d in args.dtypes if d not in DTYPES] + [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown dtype/mode {bad}: dtypes are {DTYPES}, modes {MODES}")
+    from dflash.inference.generation import PASS_SCHEDULES
+    args.pass_schedules = [x for x in args.pass_schedules.split(",") if x]
+    if not args.pass_schedules or any(x not in PASS_SCHEDULES for x in args.pass_schedules):
+        p.error(f"--pass-schedules: comma-separated, of {PASS_SCHEDULES}; got {args.pass_schedules}")
     for name in ("prompts", "max_new_tokens", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1")
@@ -230,7 +238,7 @@ def _run(args: argparse.Namespace) -> int:
             report = decode_report(target, drafter, cases, max_new_tokens=args.max_new_tokens, stop_ids=stops,
                                    batch=args.batch, compile=mode == "compiled", offline=not args.no_offline,
                                    labels=cfg.drafter.labels, attention=args.attention,
-                                   length_bucket=args.length_bucket)
+                                   length_bucket=args.length_bucket, pass_schedules=args.pass_schedules)
             report["summary"].update(run_s=time.perf_counter() - t0, **trained)
             print(f"\n== {dtype}, {mode}\n{format_report(report)}", flush=True)
             failed |= report["summary"]["failures"] > 0

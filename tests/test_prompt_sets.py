@@ -380,8 +380,17 @@ def test_decode_bench_runs_as_a_module_with_two_sets(smollm2, tmp_path, capsys):
     code = decode_bench.main(["--config", str(cfg_path), "--checkpoint", str(ckpt), "--prompt-set", "mt-bench",
                               "--prompt-set", "humaneval", "--prompts", "1", "--max-new-tokens", "4", "--dtypes",
                               "float32", "--modes", "eager", "--device", "cpu", "--no-offline",
-                              "--out", str(tmp_path / "out")])
+                              "--pass-schedules", "predicted,certain", "--out", str(tmp_path / "out")])
     assert code == 0
+    # both host-check schedules decoded the same prompts to the same tokens, each timed
+    schedules = json.loads((tmp_path / "out" / "decode_bench.json").read_text())["runs"][0]["summary"]["pass_schedules"]
+    assert [x["schedule"] for x in schedules] == ["predicted", "certain"]
+    assert all(x["same_tokens"] == 2 and x["spec_s"] > 0 and x["checks"] >= 2 for x in schedules)
+    assert set(schedules[1]["sets"]) == {"mt-bench", "humaneval", POOLED}
+    assert "host checks between verification passes" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        decode_bench.parse_args(["--pass-schedules", "predicted,eager"])
+    assert bad.value.code == 2
     md = (tmp_path / "out" / "decode_bench.md").read_text()
     assert "2 prompts (mt-bench 1, humaneval 1)" in md
     set_rows = [line for line in md.splitlines() if line.startswith("| float32 | eager | ")]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dflash.config import DrafterConfig, TargetConfig, TrainConfig
-from dflash.inference.generation import Generation, Generator
+from dflash.inference.generation import PASS_SCHEDULES, Generation, Generator, passes_before_check
 from dflash.inference.oracle import naive_greedy_decode
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DFlashConfig
@@ -224,7 +224,9 @@ def test_lossless_with_scripted_proposer_random_acceptance(target, prompts, refe
         proposer = ScriptedProposer(block_size, [prompt.numel()], [ref], lambda _: rng.randint(0, block_size - 1))
         res = speculative(target, proposer, prompt, MAX_NEW)
         assert res.tokens == ref[:MAX_NEW]
-        assert res.accepted == [k + 1 for k in proposer.made_right[0]]
+        # passes the schedule predicted past the row's end draft too (and change nothing): the
+        # row's passes are the proposer's first calls
+        assert res.accepted == [k + 1 for k in proposer.made_right[0][:len(res.accepted)]]
 
 
 # --------------------------------------------------------------------------- τ by hand
@@ -304,8 +306,9 @@ def _first_from(ref: list[int], i: int) -> int:
 
 @pytest.mark.parametrize("kind", ["greedy", "scripted", "dflash"])
 def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, references, trained_drafter, kind):
-    """The host reads the device's stop flags every N target forwards: whatever N, each row's tokens,
-    top-2 logits and passes are those of checking after every forward (N = 1), and its tokens are
+    """The host reads the device's stop flags every N target forwards: whatever N and pass schedule,
+    each row's tokens, top-2 logits and passes are those of checking after every forward (N = 1), and
+    the predicted schedule checks no more often than the certain one; each row's tokens are
     the oracle's cut after the first stop token. Three rows of one batch, stops at various positions
     (the first token, mid-block, past max_new_tokens) and a stop list longer than the device's slots."""
     rows, refs = prompts[:3], references[:3]
@@ -323,13 +326,22 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
              {_first_from(refs[0], 7), _first_from(refs[1], 8), _first_from(refs[2], 16)},
              {_first_from(refs[2], 20)}, many]
     for stops in cases:
-        outs = {}
+        outs, checks = {}, {}
         for n in (1, 2, 5, 8, 64):
-            gen.sync_every = n
-            scripted.calls = 0
-            outs[n] = [(g.tokens, g.top2, g.accepted, g.anchors, g.target_forwards, g.spread)
-                       for g in run(rows, MAX_NEW, sorted(stops))]
-        assert all(out == outs[1] for out in outs.values()), f"stops {sorted(stops)}"
+            for schedule in PASS_SCHEDULES if kind != "greedy" else PASS_SCHEDULES[:1]:
+                gen.sync_every, gen.pass_schedule = n, schedule
+                scripted.calls = 0
+                gens = run(rows, MAX_NEW, sorted(stops))
+                outs[n, schedule] = [(g.tokens, g.top2, g.accepted, g.anchors, g.target_forwards, g.spread)
+                                     for g in gens]
+                checks[n, schedule] = gens[0].checks
+        first = outs[1, "predicted"]
+        assert all(out == first for out in outs.values()), f"stops {sorted(stops)}"
+        if kind != "greedy":  # the prediction never checks more often than the certain need alone
+            assert all(checks[n, "predicted"] <= checks[n, "certain"] for n in (1, 2, 5, 8, 64))
+            if not stops:  # rows that run to max_new_tokens: fewer syncs
+                assert checks[64, "predicted"] < checks[64, "certain"], checks
+        outs = {1: first}
         assert [o[0] for o in outs[1]] == [_cut(r, stops, MAX_NEW) for r in refs]
         # The device stopped each row itself: its anchor is at (greedy) or within a block past
         # (speculative) its last token, and every row is inactive.
@@ -349,6 +361,52 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
             assert len(got[5]) == len(got[0])
             torch.testing.assert_close(torch.tensor(got[5]), torch.tensor(want.spread), atol=1e-4, rtol=1e-4)
     assert any(len(_cut(r, c, MAX_NEW)) < MAX_NEW for c in cases for r in refs)  # stops really cut
+
+
+def _naive_passes(remaining: list[int], emitted: list[int], done: int, b: int, cap: int, schedule: str) -> int:
+    """Passes before the next check, counted one pass at a time: a row certainly needs passes while
+    ``b`` tokens a pass have not covered its remaining tokens, and is predicted to need them while
+    its rate so far (``emitted / done`` a pass) has not."""
+    need = 0
+    for r, (rem, out) in enumerate(zip(remaining, emitted)):
+        k = 0
+        while k * b < rem:
+            k += 1
+        if schedule == "predicted" and done > 0 and out > 0:
+            j = 0
+            while (j + 1) * out <= rem * done:  # (j + 1) passes at out / done tokens a pass fit in rem
+                j += 1
+            k = max(k, j)
+        need = max(need, k)
+    return min(cap, max(1, need))
+
+
+def test_passes_before_check_against_a_naive_count():
+    """Random rows (remaining 0-200 tokens, 0-300 emitted over 0-60 passes), block sizes 1-16 and
+    caps 1-64: the closed form equals counting pass by pass; ``predicted`` is never below ``certain``,
+    and before the first pass the two agree."""
+    rng = random.Random(11)
+    for _ in range(3000):
+        rows = rng.randint(1, 4)
+        remaining = [rng.randint(0, 200) for _ in range(rows)]
+        done = rng.randint(0, 60)
+        emitted = [rng.randint(done, 16 * done) if done else 0 for _ in range(rows)]
+        b, cap = rng.randint(1, 16), rng.randint(1, 64)
+        for schedule in PASS_SCHEDULES:
+            want = _naive_passes(remaining, emitted, done, b, cap, schedule)
+            assert passes_before_check(remaining, emitted, done, b, cap, schedule) == want
+        assert (passes_before_check(remaining, emitted, done, b, cap, "predicted")
+                >= passes_before_check(remaining, emitted, done, b, cap, "certain"))
+        assert passes_before_check(remaining, emitted, 0, b, cap) == passes_before_check(remaining, emitted, 0, b, cap,
+                                                                                        "certain")
+    # a row at τ = 2.5 with 90 tokens to go: 36 passes predicted, capped at 8; 6 certain with B = 16
+    assert passes_before_check([90], [25], 10, 16, 8) == 8
+    assert passes_before_check([90], [25], 10, 16, 64) == 36
+    assert passes_before_check([90], [25], 10, 16, 64, "certain") == 6
+    with pytest.raises(ValueError, match="schedule"):
+        passes_before_check([1], [1], 1, 4, 8, "eager")
+    with pytest.raises(ValueError, match="differ in length"):
+        passes_before_check([1, 2], [1], 1, 4, 8)
 
 
 def test_bad_inputs(target, prompts):

@@ -13,9 +13,14 @@ device→host sync (gpt-fast keeps its decode loop on the device the same way). 
 ``anchor`` and ``active`` every ``sync_every`` target forwards, to learn when every row is done,
 and reads the tokens, their top-2 logits (so the lossless check can judge a difference between two
 runs by the target's own margin) and the passes once at the end, cutting a row's tokens after its
-first stop token. It never enqueues more forwards than the longest row can still need (target-only:
-its remaining tokens; speculative: ``⌈remaining / B⌉``), so only a stop token can leave forwards
-that change nothing, and the output does not depend on ``sync_every``.
+first stop token. Target-only decoding never enqueues more steps than the longest row still needs,
+so only a stop token can leave steps that change nothing. Speculative decoding enqueues, between two
+checks, as many passes as the rows' acceptance so far predicts they still need (never fewer than
+``⌈remaining / B⌉``, which a pass cannot beat; :func:`passes_before_check`): a check is a
+device→host sync that drains the GPU's queue, and with ``⌈remaining / B⌉`` alone a 96-token
+response at τ ≈ 2.4 checks about every other pass. A predicted pass that turns out not to be
+needed runs on inactive rows and changes nothing, so the output depends neither on ``sync_every``
+nor on the schedule.
 """
 
 from __future__ import annotations
@@ -31,14 +36,51 @@ from torch import Tensor, nn
 from dflash.inference.decode_state import SLACK
 from dflash.inference.decode_steps import DecodeSteps
 
-__all__ = ["Generation", "Generator"]
+__all__ = ["Generation", "Generator", "PASS_SCHEDULES", "passes_before_check"]
 
 log = logging.getLogger(__name__)
+
+#: How speculative decoding chooses the passes between two host checks (:func:`passes_before_check`).
+PASS_SCHEDULES = ("predicted", "certain")
 
 #: Target forwards between two host checks of the decoding state (the only device→host syncs of a
 #: compiled decode). Larger: more forwards queued without the host waiting; smaller: fewer forwards
 #: wasted after a stop token (a row that stops is masked on the device; the batch ends at a check).
 SYNC_EVERY = 8
+
+
+def passes_before_check(remaining: Sequence[int], emitted: Sequence[int], passes_done: int, block_size: int,
+                        cap: int, schedule: str = "predicted") -> int:
+    """Verification passes to enqueue before the host next reads the decoding state.
+
+    A pass emits between 1 and ``block_size`` tokens per active row, so every row still needs at
+    least ``⌈remaining / block_size⌉`` passes (``certain``). ``predicted`` also counts on each row
+    going on at the rate it has had so far in this decode: ``⌊remaining · passes_done / emitted⌋``
+    passes (the floor keeps the guess at or under the expected need). The largest need over the
+    rows, capped at ``cap``, at least 1.
+
+    Args:
+        remaining: per active row, tokens still to emit before its last position (≥ 0).
+        emitted: per active row (same order), tokens emitted by the ``passes_done`` passes so far.
+        passes_done: passes run in this decode (0 before the first: only the certain need counts).
+        block_size: the drafter's block size ``B`` (tokens per pass at most).
+        cap: at most this many passes (``Generator.sync_every``).
+        schedule: ``predicted`` or ``certain`` (:data:`PASS_SCHEDULES`).
+
+    Returns:
+        a whole number in ``[1, cap]``.
+
+    Raises:
+        ValueError: an unknown ``schedule``, or ``remaining`` and ``emitted`` of different lengths.
+    """
+    if schedule not in PASS_SCHEDULES:
+        raise ValueError(f"schedule: must be one of {PASS_SCHEDULES}, got {schedule!r}")
+    if len(remaining) != len(emitted):
+        raise ValueError(f"remaining ({len(remaining)} rows) and emitted ({len(emitted)} rows) differ in length")
+    need = max((-(-rem // block_size) for rem in remaining), default=0)
+    if schedule == "predicted" and passes_done > 0:
+        need = max([need] + [rem * passes_done // out for rem, out in zip(remaining, emitted) if out > 0])
+    return max(1, min(cap, need))
 
 
 # --------------------------------------------------------------------------- results
@@ -59,6 +101,8 @@ class Generation:
             target-only decoding.
         anchors: per verification pass, the anchor's position.
         target_forwards: target forward passes (prefill included).
+        checks: the host's reads of the decoding state during speculative decoding (each a
+            device→host sync; the batch's count); 0 for target-only decoding.
         seconds / draft_seconds / verify_seconds: wall time of the whole decode (the batch's,
             for batched decoding), and the device time of drafting and of verification, in s.
         prefill_seconds / decode_seconds: wall time of the batch's prefill (to its first tokens
@@ -72,6 +116,7 @@ class Generation:
     accepted: list[int] = field(default_factory=list)
     anchors: list[int] = field(default_factory=list)
     target_forwards: int = 0
+    checks: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -138,20 +183,27 @@ class Generator(DecodeSteps):
         sync_every: target forwards (steps or verification passes) the host enqueues between two
             reads of the decoding state (:data:`SYNC_EVERY`); any value gives the same outputs.
             Settable on the instance (:attr:`sync_every`) without recompiling.
+        pass_schedule: how speculative decoding chooses the passes between two checks
+            (:func:`passes_before_check`: ``predicted``, the default, or ``certain``); any value
+            gives the same outputs. Settable on the instance (:attr:`pass_schedule`).
 
     Raises:
-        ValueError: ``sync_every < 1``, or a bad argument of
+        ValueError: ``sync_every < 1``, an unknown ``pass_schedule``, or a bad argument of
             :class:`dflash.inference.decode_steps.DecodeSteps`.
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
-                 fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None) -> None:
+                 fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
+                 pass_schedule: str = "predicted") -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
+        if pass_schedule not in PASS_SCHEDULES:
+            raise ValueError(f"pass_schedule: must be one of {PASS_SCHEDULES}, got {pass_schedule!r}")
         super().__init__(model, layer_ids, max_len, batch_size=batch_size, drafter=drafter, compile=compile,
                          fuse=fuse, attention=attention, compile_prefill=compile_prefill)
         self.sync_every = int(sync_every)
+        self.pass_schedule = pass_schedule
         self._stops: frozenset[int] = frozenset()
 
     # ----------------------------------------------------------------------- decoding
@@ -322,9 +374,9 @@ class Generator(DecodeSteps):
         ``max_new_tokens`` cuts its tokens); the prefill is not a pass.
 
         Acceptance runs on the device (:meth:`_verify_step_impl`); the host reads the anchors and
-        active flags every :attr:`sync_every` passes, never more passes than the longest row
-        certainly still needs (``⌈remaining / B⌉``: a pass emits at most ``B`` tokens), so only a
-        stop token can leave passes that change nothing.
+        active flags after at most :attr:`sync_every` passes, as many as :func:`passes_before_check`
+        gives under :attr:`pass_schedule` (the rows' acceptance so far, or only what they certainly
+        still need). :attr:`Generation.checks` counts the reads.
 
         Args / Returns / Raises: as :meth:`greedy`; ``ValueError`` too when no drafter was given.
         """
@@ -340,12 +392,14 @@ class Generator(DecodeSteps):
         anchor = list(lens)
         shown = [0] * n
         timer = _Timer(self.device)
-        forwards = 0
+        forwards = checks = 0
         while any(active):
             self._bound(forwards, max_new_tokens)
-            need = max(-(-(limit[r] - anchor[r]) // b_sz) for r in range(n) if active[r])
-            passes = max(1, min(self.sync_every, need))
+            live = [r for r in range(n) if active[r]]
+            passes = passes_before_check([limit[r] - anchor[r] for r in live], [anchor[r] - lens[r] for r in live],
+                                         forwards, b_sz, self.sync_every, self.pass_schedule)
             forwards += passes
+            checks += 1
             for _ in range(passes):
                 t = timer.start("draft")
                 if self.compiled:
@@ -365,6 +419,7 @@ class Generator(DecodeSteps):
         elapsed = time.perf_counter() - start
         for g in gens:
             g.seconds = elapsed
+            g.checks = checks
             g.draft_seconds = split.get("draft", 0.0)
             g.verify_seconds = split.get("verify", 0.0)
             g.prefill_seconds = prefilled - start

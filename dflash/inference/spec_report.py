@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.inference.acceptance import Walk, measured_per_position, offline_tau, walk_tau
-from dflash.inference.generation import Generation, Generator
+from dflash.inference.generation import PASS_SCHEDULES, Generation, Generator
 from dflash.inference.lossless import first_difference
 from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
@@ -146,7 +146,8 @@ def default_length_bucket(compiled: bool) -> int:
 
 def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
                      stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: Optional[str],
-                     length_bucket: int) -> tuple[dict[int, Generator], list[int], float]:
+                     length_bucket: int, pass_schedule: str = "predicted"
+                     ) -> tuple[dict[int, Generator], list[int], float]:
     """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run once
     both ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA).
 
@@ -166,7 +167,7 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
     bar = Progress(2 * len(set(sizes)), desc="warm-up", unit="decoder pass", interval_s=PROGRESS_LOG_S, logger=log)
     for size in sorted(set(sizes)):
         gen = Generator(target.model, target.layer_ids, size, batch_size=batch, drafter=drafter, compile=compile,
-                        attention=attention)
+                        attention=attention, pass_schedule=pass_schedule)
         warm = [c.prompt_ids for c, n in zip(cases, sizes) if n == size][:batch]
         gen.greedy(warm, WARMUP_TOKENS, stop_ids)
         bar.advance()
@@ -181,16 +182,19 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
 
 
 def _decode_both(gens: dict[int, Generator], sizes: Sequence[int], cases: Sequence[PromptCase], max_new_tokens: int,
-                 stop_ids: Sequence[int], batch: int
+                 stop_ids: Sequence[int], batch: int, methods: Sequence[str] = ("greedy", "speculative")
                  ) -> tuple[list[Generation], list[Generation], list[list[int]]]:
     """``(target-only, speculative)`` generations of ``cases`` (in their order), ``batch`` prompts of
-    one length bucket at a time, and those batches as lists of case indices."""
+    one length bucket at a time, and those batches as lists of case indices; a method left out of
+    ``methods`` gives an empty list."""
     groups = [grp for size in sorted(gens) for grp in _batches([i for i, n in enumerate(sizes) if n == size], batch)]
-    base: list[Optional[Generation]] = [None] * len(cases)
-    spec: list[Optional[Generation]] = [None] * len(cases)
-    bar = Progress(2 * len(cases) * max_new_tokens, desc="decoding", unit="tok", interval_s=PROGRESS_LOG_S,
-                   logger=log)
+    base: list[Optional[Generation]] = [None] * len(cases) if "greedy" in methods else []
+    spec: list[Optional[Generation]] = [None] * len(cases) if "speculative" in methods else []
+    bar = Progress(len(methods) * len(cases) * max_new_tokens, desc="decoding", unit="tok",
+                   interval_s=PROGRESS_LOG_S, logger=log)
     for out, method in ((base, "greedy"), (spec, "speculative")):
+        if method not in methods:
+            continue
         for grp in groups:
             decode = getattr(gens[sizes[grp[0]]], method)
             for i, g in zip(grp, decode([cases[i].prompt_ids for i in grp], max_new_tokens, stop_ids,
@@ -300,10 +304,24 @@ def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: An
 
 
 @torch.no_grad()
+def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Generation], groups: Sequence[Sequence[int]],
+                  rows: Sequence[dict[str, Any]], target_s: float) -> dict[str, Any]:
+    """One row of the summary's ``pass_schedules``: speculative decoding's time under ``schedule``
+    (``spec``, against the target-only time ``target_s`` and the first schedule's outputs ``ref``)."""
+    p = _pooled(spec, groups)
+    sets, pooled = set_summaries(rows)
+    return {"schedule": schedule, "checks": sum(spec[grp[0]].checks for grp in groups),
+            "passes": sum(g.steps for g in spec), "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
+            "spec_s": p["seconds"], "host_s": p["host_s"], "draft_s": p["draft_s"], "verify_s": p["verify_s"],
+            "speedup": target_s / p["seconds"] if p["seconds"] else float("nan"),
+            "sets": {x["set"]: {"spec_ms_per_token": x["spec_ms_per_token"], "speedup": x["speedup"]}
+                     for x in sets + [pooled]}}
+
+
 def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], *, max_new_tokens: int,
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
-                  labels: str = "target", attention: Optional[str] = None, length_bucket: Optional[int] = None
-                  ) -> dict[str, Any]:
+                  labels: str = "target", attention: Optional[str] = None, length_bucket: Optional[int] = None,
+                  pass_schedules: Sequence[str] = ("predicted",)) -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
     Args:
@@ -322,17 +340,28 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         length_bucket: prompts are decoded by a decoder sized to their length bucket
             (:func:`length_buckets`; 0 = one decoder sized for the longest), target-only and
             speculative alike; ``None``: :func:`default_length_bucket`.
+        pass_schedules: speculative decoding's host-check schedules
+            (:func:`dflash.inference.generation.passes_before_check`); the report is the first's,
+            and each further one decodes the prompts speculatively again with the same warm
+            generators, for its time alone (the summary's ``pass_schedules``, one row each).
 
     Returns:
         ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
         speedup, time split, the first difference and its margins, per-position acceptance; the
-        summary's ``sets`` and ``sets_pooled``: :func:`set_summaries`.
+        summary's ``sets`` and ``sets_pooled``: :func:`set_summaries`; ``pass_schedules``: per
+        schedule its host checks, passes, outputs equal to the first schedule's, speculative
+        seconds (host, draft, verify) and speedups (pooled, and per set as :func:`set_summaries`).
+
+    Raises:
+        ValueError: an empty or unknown ``pass_schedules`` entry.
     """
+    if not pass_schedules or any(p not in PASS_SCHEDULES for p in pass_schedules):
+        raise ValueError(f"pass_schedules: each of {PASS_SCHEDULES}, at least one; got {list(pass_schedules)}")
     if length_bucket is None:
         device = next(target.model.parameters()).device
         length_bucket = default_length_bucket(compile if compile is not None else device.type == "cuda")
     gens, sizes, warmup_s = _warm_generators(target, drafter, cases, max_new_tokens, stop_ids, batch, compile,
-                                             attention, length_bucket)
+                                             attention, length_bucket, pass_schedules[0])
     base, spec, groups = _decode_both(gens, sizes, cases, max_new_tokens, stop_ids, batch)
     gen = next(iter(gens.values()))
     b_sz = int(drafter.block_size)
@@ -357,6 +386,15 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         "host_s": ps["host_s"], "warmup_s": warmup_s,
         "per_position_measured": measured_per_position(all_accepted, b_sz)}
     summary["sets"], summary["sets_pooled"] = set_summaries(rows)
+    summary["pass_schedules"] = [_schedule_row(pass_schedules[0], spec, spec, groups, rows, pt["seconds"])]
+    for schedule in pass_schedules[1:]:
+        for g in gens.values():
+            g.pass_schedule = schedule
+        _, again, _ = _decode_both(gens, sizes, cases, max_new_tokens, stop_ids, batch, methods=("speculative",))
+        again_rows = [_prompt_row(case, t, s2, gen.num_layers, dtype) for case, t, s2 in zip(cases, base, again)]
+        summary["pass_schedules"].append(_schedule_row(schedule, again, spec, groups, again_rows, pt["seconds"]))
+    for g in gens.values():
+        g.pass_schedule = pass_schedules[0]
     if offline:
         _add_offline(summary, rows, target, drafter, cases, base, spec, labels)
     return {"summary": summary, "prompts": rows}
@@ -413,6 +451,17 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
               f"(speedup {_fmt(s['speedup'], 2)}x)",
               f"speculative time: {_fmt(s['spec_s'], 3)} s = draft {_fmt(s['draft_s'], 3)} + verify "
               f"{_fmt(s['verify_s'], 3)} + host {_fmt(s['host_s'], 3)}"]
+    schedules = s.get("pass_schedules") or []
+    if len(schedules) > 1:
+        names = [k for k in schedules[0]["sets"]]
+        lines += ["", "host checks between verification passes (each a device->host sync), the same prompts decoded "
+                      "again under each schedule:",
+                  f"{'schedule':<10} {'checks':>6} {'passes':>6} {'same':>5} {'spec s':>7} {'host s':>7} "
+                  + " ".join(f"{n[:12]:>12}" for n in names)]
+        for x in schedules:
+            lines.append(f"{x['schedule']:<10} {x['checks']:>6} {x['passes']:>6} {x['same_tokens']:>5} "
+                         f"{_fmt(x['spec_s'], 3):>7} {_fmt(x['host_s'], 3):>7} "
+                         + " ".join(f"{_fmt(x['sets'][n]['speedup'], 2) + 'x':>12}" for n in names))
     if "offline_tau_own" in s:
         lines += [f"offline tau on the target's own continuation: every anchor {_fmt(s['offline_tau_own'], 3)} "
                   f"({s['offline_blocks_own']} blocks; the drafter's average position); walked "
