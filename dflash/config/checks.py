@@ -8,6 +8,7 @@ Also here: :func:`resolve_device`, the device the cluster checks depend on.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -256,6 +257,8 @@ def _check_regenerate(cfg: RunConfig) -> None:
     _need(r.temperature >= 0, "regenerate.temperature", f"must be >= 0, got {r.temperature}")
     _need(0 < r.top_p <= 1, "regenerate.top_p", f"must be in (0, 1], got {r.top_p}")
     _need(r.limit is None or r.limit >= 1, "regenerate.limit", f"must be >= 1, got {r.limit}")
+    _need(r.max_seconds is None or (math.isfinite(r.max_seconds) and r.max_seconds > 0), "regenerate.max_seconds",
+          f"must be a finite number of seconds > 0 (null = no limit), got {r.max_seconds}")
     if r.attention is not None:
         from dflash.inference.decode_layers import attention_spec_error
 

@@ -8,8 +8,8 @@ launcher, and each worker with the internal ``--worker-rank``).
 
 ``python -m dflash.inference.regenerate --config configs/X.yaml --output data/regen.jsonl [--max-new-tokens 256]
 [--temperature 0] [--top-p 1] [--seed 0] [--limit 200] [--batch-size 16] [--max-turns K]
-[--max-prompt-tokens T] [--gpus 0,1] [--overwrite] [section.key=value ...]`` (also ``python -m launch.cluster
---mode regenerate ...``). As the first stage of training: the config's ``regenerate`` section
+[--max-prompt-tokens T] [--gpus 0,1] [--max-seconds S] [--overwrite] [section.key=value ...]`` (also
+``python -m launch.cluster --mode regenerate ...``). As the first stage of training: the config's ``regenerate`` section
 (:class:`dflash.config.RegenerateConfig`, off by default) makes ``python -m launch.cluster --config X.yaml``
 call :func:`run_stage` before it trains, on ``regenerate.output``.
 
@@ -30,14 +30,28 @@ token (not stored: the template adds it back) or after ``--max-new-tokens``. Tok
 tokenizer does not have (padding rows of the embedding) are never generated. Responses are decoded
 with special tokens kept, so that re-tokenising the stored text gives the generated ids back; rows
 count the turns where it does not (``regen.retokenize_mismatch``). Workers log rows, new tokens/s
-and an ETA at least every 30 s; the launcher shows the same over all workers, with each worker's rate.
+and an ETA at least every 30 s; the launcher shows the same over all workers, with each worker's rate
+(and the time budget left).
+
+**Time budget** (``--max-seconds S``, default ``regenerate.max_seconds``; unset = no limit; a
+finite number > 0). One run lasts about S seconds of wall clock, model loads included: the launcher
+takes its deadline when it starts and hands it to the workers (internal ``--deadline``), and each
+worker stops before its next generation round once it has passed (conversations in flight are not
+written: a later run regenerates them), logs what it wrote and left, and exits 0. The launcher then
+merges the finished rows into ``<output>`` as after a complete run, records ``time_limited: true``
+and ``rows_left`` in ``last_run``, logs a warning with the command that continues (the same one
+without the budget) and exits 0. The budget is not one of the options an output is "made with": any
+later run, with or without one, continues it. As the training stage with ``regenerate.max_seconds``
+set, an output whose last run was time-limited is used as it is (no worker, no model load), so a
+resumed training run trains on the same rows; continue it with the standalone command.
 
 **Files** (:mod:`dflash.inference.regeneration.shards`). ``<output>`` (the merged result),
 ``<output>.rank<k>`` (worker k's shard, appended), ``<output>.rank<k>.lock`` (held by worker k while
 it appends), ``<output>.rank<k>.log`` (its log), ``<output>.skipped`` (the skip records of merged
 shards), ``<output>.regen.json`` (options, checked on restart, and the last run's report: rows,
 skips, new tokens, overall new tokens/s and ``per_worker`` rows, new tokens, seconds and new
-tokens/s), ``<output>.lock`` (held by the launcher). Every line is one JSON object with a stable
+tokens/s; ``time_limited`` and ``rows_left`` when the time budget ended it), ``<output>.lock`` (held
+by the launcher). Every line is one JSON object with a stable
 ``id`` (:mod:`dflash.inference.regeneration.rows`):
 
 * a regenerated row (ShareGPT form, read by :func:`dflash.data.conversations.normalize_row`):
@@ -65,7 +79,10 @@ Known limits: sharding by id balances the rows, not the work, and a restart keep
 shard that had finished idles); a response cut at ``--max-new-tokens`` is kept (``finish: length``);
 a greedy batch runs until its longest row ends (finished rows ride along on the static cache) and
 each prompt's prefill is its own eager forward; a worker's ETA is optimistic early on (short prompts first);
-thinking templates that strip earlier turns' reasoning are rendered as the template does.
+thinking templates that strip earlier turns' reasoning are rendered as the template does; the time
+budget is checked between rounds, so a run overshoots it by up to one round (a greedy batch runs to its
+longest row) plus the merge, and a time-limited output (greedy: the shortest prompts first) is not a
+uniform sample of the data.
 """
 
 from __future__ import annotations
@@ -73,6 +90,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -81,7 +99,8 @@ from typing import Optional
 
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.inference.regeneration.jobs import GenerationOptions
-from dflash.inference.regeneration.launcher import EXIT_CONFIG, EXIT_OK, option_flags, run_launcher
+from dflash.inference.regeneration.launcher import (EXIT_CONFIG, EXIT_OK, continue_command, option_flags,
+                                                    run_launcher, time_limited_run)
 from dflash.inference.regeneration.worker import run_worker
 from dflash.logs import setup_logging
 from dflash.runtime.base import exit_on_sigterm
@@ -103,7 +122,8 @@ def _gpu_list(text: str) -> list[int]:
 
 
 def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> argparse.Namespace:
-    """The command line of the launcher and of each worker (``--worker-rank``, ``--world``: internal);
+    """The command line of the launcher and of each worker (``--worker-rank``, ``--world``,
+    ``--deadline``: internal);
     ``prog``: the name ``--help`` shows (default ``python -m dflash.inference.regenerate``)."""
     p = argparse.ArgumentParser(prog=prog or "python -m dflash.inference.regenerate",
                                 description="The target rewrites the assistant turns of data.dataset.")
@@ -130,26 +150,35 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
                    help="the greedy generator's decoding attention: sdpa, flex, matmul, reduce or X+Y (default "
                         "regenerate.attention, else the batch size's default); flex visits only the cache blocks a "
                         "row has written and uses one cache for every prompt length")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-clock budget of this run in seconds, model loads included: then the workers stop "
+                        "before their next round, the finished rows are merged into the output and a later run "
+                        "continues (default regenerate.max_seconds: no limit)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing output and its shards first")
     p.add_argument("--gpus", type=_gpu_list, default=None,
                    help="comma-separated GPU ids, one worker each (default cluster.targets; on CPU: the worker count)")
     p.add_argument("--worker-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # the launcher's, epoch seconds
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     return p.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
 def _options(args: argparse.Namespace, cfg: RunConfig) -> GenerationOptions:
     """The checked options of a command line; options not given are filled in ``args`` from the
-    config's ``regenerate`` section (``--limit`` then from ``data.max_conversations``).
+    config's ``regenerate`` section (``--limit`` then from ``data.max_conversations``), also
+    ``args.max_seconds`` (the time budget: not a generation option).
 
     Raises:
         ConfigError: an option out of range (named).
     """
     for key in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "max_turns", "max_prompt_tokens",
-                "limit", "attention"):
+                "limit", "attention", "max_seconds"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(cfg.regenerate, key))
+    if args.max_seconds is not None and not (math.isfinite(args.max_seconds) and args.max_seconds > 0):
+        raise ConfigError(f"--max-seconds: must be a finite number of seconds > 0 (or leave it out: no limit), "
+                          f"got {args.max_seconds}")
     if args.output is None:
         if not cfg.regenerate.output:
             raise ConfigError("--output: required (or regenerate.output in the config)")
@@ -181,7 +210,11 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
     ``regenerate`` section as its options and one worker per GPU of :func:`stage_workers` (the
     workers read ``config_path`` with ``overrides``, as the caller did). Resumable like the command line: rows already in the output
     (or in a shard, or skipped) are not generated again, and a complete output starts no worker and
-    loads no model.
+    loads no model. With ``regenerate.max_seconds`` the launcher stops at that budget and the stage
+    trains on the finished rows; an output whose last run was stopped so is then used as it is (no
+    worker, no model: a resumed training run trains on the same data) and the log says how to
+    continue it (the standalone command, :func:`dflash.inference.regeneration.launcher.continue_command`).
+    Without ``regenerate.max_seconds`` such an output, or one left by Ctrl-C, is continued.
 
     Args:
         cfg: the validated run config.
@@ -204,11 +237,17 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
     except ConfigError as exc:
         log.error("config error: %s", exc)
         return EXIT_CONFIG, cfg
-    log.info("stage 1: regenerating %s into %s on %d worker(s)", cfg.data.dataset, r.output, len(args.gpus))
-    code = run_launcher(args, cfg, options)
-    if code != EXIT_OK:
-        return code, cfg
     output = str(Path(r.output).resolve())
+    last = time_limited_run(Path(output), cfg, options) if args.max_seconds is not None else None
+    if last is not None:
+        log.info("stage 1: %s is the output of a regeneration stopped by its time budget (%s rows, %s left); "
+                 "regenerate.max_seconds is set, so the stage uses it as it is. Continue it with: %s", output,
+                 last.get("rows"), last.get("rows_left"), continue_command(args, cfg))
+    else:
+        log.info("stage 1: regenerating %s into %s on %d worker(s)", cfg.data.dataset, r.output, len(args.gpus))
+        code = run_launcher(args, cfg, options)
+        if code != EXIT_OK:
+            return code, cfg
     log.info("stage 2: training on %s", output)
     return EXIT_OK, dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=output),
                                         regenerate=dataclasses.replace(r, enabled=False))
@@ -237,7 +276,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     setup_logging(name, cfg.log.level)
     output = Path(args.output).resolve()
     if worker:
-        return run_worker(cfg, options, output, args.worker_rank, args.world, args.limit, args.gpus)
+        return run_worker(cfg, options, output, args.worker_rank, args.world, args.limit, args.gpus, args.deadline)
     return run_launcher(args, cfg, options)
 
 

@@ -11,15 +11,18 @@ response is empty, or when the template fails; a row with no regenerated turn be
 **Batching** (:func:`regenerate_rows`): a worker keeps up to ``batch_size`` conversations active;
 each round generates the next turn of every active conversation in one batch
 (:mod:`dflash.inference.regeneration.generators`) and refills the pool from its queue as
-conversations finish. Sampling seeds come from :func:`dflash.inference.regeneration.rows.turn_seed`
-(seed, row id, turn), so a sampled row depends neither on batching nor on sharding.
+conversations finish; given a deadline, it stops before the first round that would start past it
+(the conversations in flight are not written). Sampling seeds come from
+:func:`dflash.inference.regeneration.rows.turn_seed` (seed, row id, turn), so a sampled row depends
+neither on batching nor on sharding.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from jinja2.exceptions import TemplateError
 
@@ -240,13 +243,22 @@ def _accept_all(jobs: list[ConversationJob], outs: list[Generated], tokenizer: A
 
 
 def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGreedyGenerator, tokenizer: Any,
-                    options: GenerationOptions) -> Iterator[list[dict]]:
+                    options: GenerationOptions, deadline: Optional[float] = None,
+                    clock: Callable[[], float] = time.time) -> Iterator[list[dict]]:
     """Regenerate ``rows``; yield the records of the conversations that finish, as soon as they do.
 
     A pool of at most ``options.batch_size`` active conversations, each with its next prompt ready,
     generates one turn per round (one batch); finished conversations leave the pool and the queue
     refills it. Rows skipped before any generation are yielded before the round that replaces them.
     Each round tokenises its prompts, and decodes and re-tokenises its turns, one call each.
+
+    Args:
+        deadline: when given, ``clock()`` is read before each generation round, and once it is at or
+            past ``deadline`` the generator ends without that round: the conversations in flight
+            (and the rows never started) are not yielded. Every row is yielded exactly once
+            otherwise, so the rows left are ``len(rows)`` minus the records yielded.
+        clock: the time that is compared with ``deadline``, in the same unit (default
+            :func:`time.time`, seconds since the epoch; tests pass a fake one).
     """
     queue = list(reversed(rows))
     active: list[tuple[ConversationJob, list[int]]] = []
@@ -264,6 +276,10 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
             yield skipped
         if not active:
             continue
+        if deadline is not None and clock() >= deadline:
+            log.debug("deadline passed: %d conversations in flight and %d not started are left", len(active),
+                      len(queue))
+            return
         seeds = [turn_seed(options.seed, job.row.id, job.turns) for job, _ in active]
         outs = generator.generate([prompt for _, prompt in active], options.max_new_tokens, options.temperature,
                                   options.top_p, seeds)

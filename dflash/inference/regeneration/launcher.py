@@ -10,6 +10,17 @@ to ``<output>.rank<k>.log``. It polls the shards for progress (rows, new tokens/
 rate) and the workers for their exit; when every worker has finished it merges the shards
 (:func:`dflash.inference.regeneration.shards.merge_outputs`) and writes the run's report into
 ``<output>.regen.json``.
+
+**Time budget** (``--max-seconds`` / ``regenerate.max_seconds``). The launcher takes one wall-clock
+deadline when it starts (``time.time() + max_seconds``: model loads count) and hands it to every
+worker (``--deadline EPOCH_S``); its progress line shows the budget left. A worker stops once the
+deadline has come, before loading the model or before its next generation round (conversations in
+flight are not written), and exits 0 saying so in its stats. When rows are left *because* workers
+stopped there, the launcher still merges the finished rows into ``<output>``, records
+``time_limited: true`` and ``rows_left`` in ``last_run``, says how to continue
+(:func:`continue_command`) and returns :data:`EXIT_OK`; rows missing for any other reason are an
+error. A round in flight at the deadline runs to its end, so a run overshoots its budget by up to
+one round (plus the merge).
 """
 
 from __future__ import annotations
@@ -17,21 +28,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from dflash.config import RunConfig
 from dflash.inference.regeneration.jobs import GenerationOptions
 from dflash.inference.regeneration.rows import SourceRow, iter_source
 from dflash.inference.regeneration.shards import (SHARD_INFIX, done_ids, existing_shards, merge_outputs, read_lines,
                                                   shard_path, skipped_path, wait_for_shard_locks)
+from dflash.progress import format_duration
 from dflash.runtime.supervisor import Supervisor, WorkerProcess, WorkerSpec
 from dflash.utils import LockTimeout, atomic_write_text, file_lock
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_CONFIG", "EXIT_INTERRUPTED", "RESUME_KEYS", "IDENTITY_KEYS",
-           "option_flags", "run_launcher"]
+           "option_flags", "continue_command", "time_limited_run", "run_launcher"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +59,8 @@ WORKER_MODULE = "dflash.inference.regenerate"
 POLL_S = 0.5
 #: Seconds a worker gets to exit after SIGTERM before SIGKILL.
 STOP_GRACE_S = 20.0
-#: Options that must match for a restart to continue an existing output.
+#: Options that must match for a restart to continue an existing output (never the time budget,
+#: ``max_seconds``: it does not change what a row holds).
 RESUME_KEYS = ("dataset", "target", "tokenizer", "enable_thinking", "max_new_tokens", "temperature", "top_p",
                "seed", "max_turns", "max_prompt_tokens")
 #: Compared on a restart only when the previous run recorded them: what the tokenizer and its chat
@@ -57,9 +71,11 @@ VALUE_FLAGS = ("max_new_tokens", "temperature", "top_p", "seed", "batch_size")
 OPTIONAL_FLAGS = ("limit", "max_turns", "max_prompt_tokens", "attention")
 
 
-def option_flags(source: Any) -> list[str]:
+def option_flags(source: Any, budget: bool = True) -> list[str]:
     """The generation options of ``source`` (command-line arguments, or the config's ``regenerate``
-    section: the same attribute names) as command-line flags; floats in ``repr`` (exact)."""
+    section: the same attribute names) as command-line flags; floats in ``repr`` (exact).
+    ``budget``: also ``--max-seconds`` when ``source.max_seconds`` is set (workers get the launcher's
+    deadline instead)."""
     argv: list[str] = []
     for key in VALUE_FLAGS:
         value = getattr(source, key)
@@ -68,15 +84,35 @@ def option_flags(source: Any) -> list[str]:
         value = getattr(source, key)
         if value is not None:
             argv += [f"--{key.replace('_', '-')}", str(value)]
+    if budget and getattr(source, "max_seconds", None) is not None:
+        argv += ["--max-seconds", repr(float(source.max_seconds))]
     return argv
 
 
-def _worker_spec(args: argparse.Namespace, output: Path, rank: int, world: int) -> WorkerSpec:
-    """How to start worker ``rank`` of ``world``: the launcher's command line plus its rank."""
-    argv = ["--config", str(args.config), "--output", str(args.output), *option_flags(args),
+def continue_command(args: argparse.Namespace, cfg: RunConfig) -> str:
+    """The standalone command that continues ``args.output`` with the same options, workers and
+    overrides and without a time budget (``regenerate.max_seconds=null`` added when the config sets
+    one), as one shell-quoted line."""
+    argv = ["python", "-m", WORKER_MODULE, "--config", str(args.config), "--output", str(args.output),
+            *option_flags(args, budget=False)]
+    if args.gpus is not None:
+        argv += ["--gpus", ",".join(str(g) for g in args.gpus)]
+    argv += list(args.overrides)
+    if cfg.regenerate.max_seconds is not None:
+        argv.append("regenerate.max_seconds=null")
+    return shlex.join(argv)
+
+
+def _worker_spec(args: argparse.Namespace, output: Path, rank: int, world: int,
+                 deadline: Optional[float] = None) -> WorkerSpec:
+    """How to start worker ``rank`` of ``world``: the launcher's command line (without its
+    ``--max-seconds``) plus its rank and ``deadline`` (seconds since the epoch; None = none)."""
+    argv = ["--config", str(args.config), "--output", str(args.output), *option_flags(args, budget=False),
             "--worker-rank", str(rank), "--world", str(world)]
     if args.gpus is not None:
         argv += ["--gpus", ",".join(str(g) for g in args.gpus)]
+    if deadline is not None:
+        argv += ["--deadline", repr(deadline)]
     shard = shard_path(output, rank)
     return WorkerSpec(f"regen.{rank}", "regen", rank, WORKER_MODULE, argv + list(args.overrides),
                       log_path=shard.with_name(shard.name + ".log"))
@@ -100,6 +136,28 @@ def _options_record(cfg: RunConfig, options: GenerationOptions) -> dict:
     }
 
 
+def time_limited_run(output: Path, cfg: RunConfig, options: GenerationOptions) -> Optional[dict]:
+    """The report (``last_run`` of ``<output>.regen.json``) of ``output``'s last run when that run
+    was stopped by its time budget (``time_limited``) and made with the options of ``cfg`` and
+    ``options`` (:data:`RESUME_KEYS`); None otherwise: no output or sidecar, an unreadable sidecar,
+    a complete, interrupted or running regeneration, or other options (the launcher then says which).
+    Loads nothing (the tokenizer's identity is not compared)."""
+    sidecar = output.with_name(output.name + ".regen.json")
+    if not output.is_file() or not sidecar.is_file():
+        return None
+    try:
+        record = json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        return None
+    last = record.get("last_run") if isinstance(record, dict) else None
+    if not isinstance(last, dict) or not last.get("time_limited"):
+        return None
+    previous, wanted = record.get("options") or {}, _options_record(cfg, options)
+    if any(previous.get(k) != wanted.get(k) for k in RESUME_KEYS):
+        return None
+    return last
+
+
 def _stats_files(output: Path) -> list[Path]:
     """Every worker's ``<output>.rank<k>.stats.json`` on disk."""
     return list(output.parent.glob(output.name + SHARD_INFIX + "*.stats.json"))
@@ -108,11 +166,17 @@ def _stats_files(output: Path) -> list[Path]:
 def run_launcher(args: argparse.Namespace, cfg: RunConfig, options: GenerationOptions) -> int:
     """Start one worker per ``--gpus`` entry (default ``cluster.targets``), show progress, merge the shards.
 
+    With ``args.max_seconds`` (seconds), the run's deadline is ``time.time() + args.max_seconds``
+    taken here; when it stops the workers with rows left, the finished rows are merged anyway and
+    the run counts as done (this module's docstring, Time budget).
+
     Returns:
-        :data:`EXIT_OK`, :data:`EXIT_FAILED` (a worker failed; shards are kept for a restart),
+        :data:`EXIT_OK` (also when the time budget left rows: ``last_run.time_limited`` says so),
+        :data:`EXIT_FAILED` (a worker failed, rows missing; shards are kept for a restart),
         :data:`EXIT_CONFIG` (options differ from the existing output's, output locked) or
         :data:`EXIT_INTERRUPTED` (Ctrl-C; finished rows are kept).
     """
+    deadline = None if args.max_seconds is None else time.time() + args.max_seconds
     output = Path(args.output).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = file_lock(output.with_name(output.name + ".lock"))
@@ -122,7 +186,7 @@ def run_launcher(args: argparse.Namespace, cfg: RunConfig, options: GenerationOp
         log.error("%s is being regenerated by another launcher", output)
         return EXIT_CONFIG
     try:
-        return _launch_locked(args, cfg, options, output)
+        return _launch_locked(args, cfg, options, output, deadline)
     finally:
         lock.release()
 
@@ -153,8 +217,10 @@ def _wanted_options(args: argparse.Namespace, cfg: RunConfig, options: Generatio
     return wanted
 
 
-def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: GenerationOptions, output: Path) -> int:
-    """:func:`run_launcher` once ``<output>.lock`` is held."""
+def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: GenerationOptions, output: Path,
+                   deadline: Optional[float] = None) -> int:
+    """:func:`run_launcher` once ``<output>.lock`` is held; ``deadline``: the time budget's end
+    (seconds since the epoch; None = no limit)."""
     started = time.monotonic()
     sidecar = output.with_name(output.name + ".regen.json")
     wanted = _wanted_options(args, cfg, options, output)
@@ -171,36 +237,47 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
     reasons = ", ".join(f"{k}={v}" for k, v in sorted(dropped.items())) or "none"
     log.info("%s: %d usable rows (dropped %d: %s); %d already done, %d to regenerate", cfg.data.dataset,
              len(source), sum(dropped.values()), reasons, len(source) - len(pending), len(pending))
+    if deadline is not None and pending:
+        log.info("time budget: %s s (--max-seconds / regenerate.max_seconds), %s left", repr(args.max_seconds),
+                 format_duration(max(deadline - time.time(), 0.0)))
     atomic_write_text(sidecar, json.dumps({"options": wanted}, indent=1))
 
     world = len(args.gpus or cfg.cluster.targets)
-    code = _run_workers(args, output, world, len(pending))
+    code = _run_workers(args, output, world, len(pending), deadline)
     if code != EXIT_OK:
         return code
     summary = _merge_and_report(output, source, dropped, len(pending), world)
     if summary is None:
         return EXIT_FAILED
     summary["wall_s"] = round(time.monotonic() - started, 2)
+    summary["max_seconds"] = args.max_seconds
     atomic_write_text(sidecar, json.dumps({"options": wanted, "last_run": summary}, indent=1))
     _log_summary(output, summary, reasons)
+    if summary["time_limited"]:
+        log.warning("the time budget (--max-seconds / regenerate.max_seconds = %s s) ran out: %d conversations "
+                    "regenerated in this run, %d left; %s holds the %d finished rows. Continue with: %s",
+                    repr(args.max_seconds), summary["regenerated_now"], summary["rows_left"], output,
+                    summary["rows"], continue_command(args, cfg))
     return EXIT_OK
 
 
-def _run_workers(args: argparse.Namespace, output: Path, world: int, pending: int) -> int:
-    """Start ``world`` workers when ``pending`` rows remain; poll their shards (progress) and their
-    exits until all have finished (:data:`EXIT_OK`), one has failed (:data:`EXIT_FAILED`, its log's
-    tail shown) or Ctrl-C (:data:`EXIT_INTERRUPTED`); the workers are stopped in every case."""
+def _run_workers(args: argparse.Namespace, output: Path, world: int, pending: int,
+                 deadline: Optional[float] = None) -> int:
+    """Start ``world`` workers (with ``deadline``, seconds since the epoch) when ``pending`` rows
+    remain; poll their shards (progress, budget left) and their exits until all have finished
+    (:data:`EXIT_OK`, also when the deadline stopped them), one has failed (:data:`EXIT_FAILED`,
+    its log's tail shown) or Ctrl-C (:data:`EXIT_INTERRUPTED`); the workers are stopped in every case."""
     from dflash.progress import Progress
 
     supervisor = Supervisor(output.parent, emit=lambda line: None)  # worker output: its log file only
     workers: list[WorkerProcess] = []
-    progress = _ShardProgress(output, world)
+    progress = _ShardProgress(output, world, deadline)
     bar = Progress(pending, desc="regenerate", unit="row")  # a live line, or a log line every 30 s
     exit_code = EXIT_OK
     try:
         if pending:
             for k in range(world):
-                workers.append(supervisor.start(_worker_spec(args, output, k, world)))
+                workers.append(supervisor.start(_worker_spec(args, output, k, world, deadline)))
                 log.info("regen.%d logs to %s", k, workers[-1].log_path)
         while workers:
             codes = [w.returncode() for w in workers]
@@ -227,14 +304,16 @@ def _run_workers(args: argparse.Namespace, output: Path, world: int, pending: in
 
 class _ShardProgress:
     """Rows and new tokens appended to each worker's shard since the launcher started (read
-    incrementally from each shard's last complete line)."""
+    incrementally from each shard's last complete line); ``deadline``: the time budget's end
+    (seconds since the epoch, :func:`time.time`; None = no limit)."""
 
-    def __init__(self, output: Path, world: int) -> None:
+    def __init__(self, output: Path, world: int, deadline: Optional[float] = None) -> None:
         self.paths = [shard_path(output, k) for k in range(world)]
         self.offsets = [read_lines(path)[1] for path in self.paths]
         self.new_tokens = [0] * world
         self.rows = 0
         self.started = time.monotonic()
+        self.deadline = deadline
 
     def poll(self) -> None:
         """Read the lines appended since the last poll."""
@@ -249,14 +328,27 @@ class _ShardProgress:
         """The progress line's tail: new tokens/s over all workers and per worker."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
         per_worker = ", ".join(f"regen.{k} {n / elapsed:.0f}" for k, n in enumerate(self.new_tokens))
-        return f"rows | {sum(self.new_tokens) / elapsed:.0f} new tok/s ({per_worker})"
+        return f"rows | {sum(self.new_tokens) / elapsed:.0f} new tok/s ({per_worker}){self.budget()}"
+
+    def budget(self) -> str:
+        """``", budget left 4:10"`` (or that it is spent), ``""`` without a deadline."""
+        if self.deadline is None:
+            return ""
+        left = self.deadline - time.time()
+        if left <= 0:
+            return ", time budget spent: workers stop before their next round"
+        return f", budget left {format_duration(left)}"
 
 
 def _merge_and_report(output: Path, source: list[SourceRow], dropped: dict[str, int], pending: int,
                       world: int) -> dict | None:
     """Collect the workers' stats, check every source row is done, merge the shards; the run's
-    summary (``last_run`` of ``<output>.regen.json``, without ``wall_s``), or None (logged) when
-    rows are missing (the shards are then kept)."""
+    summary (``last_run`` of ``<output>.regen.json``, without ``wall_s`` and ``max_seconds``), or
+    None (logged) when rows are missing (the shards are then kept).
+
+    Rows left by workers that stopped at the time budget (their stats: ``stopped_at_deadline``,
+    ``rows_left``) are not missing: when they are exactly the rows not done, the finished rows are
+    merged and the summary says ``time_limited: true`` and ``rows_left``."""
     stats = []
     for path in _stats_files(output):
         stats.append(json.loads(path.read_text()))
@@ -264,8 +356,11 @@ def _merge_and_report(output: Path, source: list[SourceRow], dropped: dict[str, 
     stats.sort(key=lambda st: st.get("rank", 0))
     finished = done_ids(output)  # one read of the output and the shards (not one per row)
     remaining = [r.id for r in source if r.id not in finished]
-    if remaining:
-        log.error("%d rows were not written (first: %s); shards kept", len(remaining), remaining[0])
+    time_limited = any(st.get("stopped_at_deadline") for st in stats)
+    left_by_workers = sum(st.get("rows_left") or 0 for st in stats if st.get("stopped_at_deadline"))
+    if remaining and not (time_limited and left_by_workers == len(remaining)):
+        explained = f", {left_by_workers} of them left at the time budget" if time_limited else ""
+        log.error("%d rows were not written (first: %s)%s; shards kept", len(remaining), remaining[0], explained)
         return None
     report = merge_outputs(output)
     tokens = sum(s["new_tokens"] for s in stats)
@@ -273,12 +368,13 @@ def _merge_and_report(output: Path, source: list[SourceRow], dropped: dict[str, 
     return {
         "rows_read": len(source) + sum(dropped.values()), "dropped": dropped, "rows": report.rows,
         "skipped": report.skipped, "duplicates": report.duplicates, "bad_lines": report.bad_lines,
-        "regenerated_now": pending, "new_tokens_now": tokens, "generate_s": round(gen_s, 2),
+        "regenerated_now": pending - len(remaining), "new_tokens_now": tokens, "generate_s": round(gen_s, 2),
         "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
-        "wall_s": None, "workers": world,
+        "wall_s": None, "workers": world, "time_limited": bool(remaining), "rows_left": len(remaining),
         "per_worker": [{k: st.get(k) for k in ("rank", "device", "rows", "new_tokens", "load_s", "generate_s",
                                                "tokens_per_s", "prefill_s", "decode_s", "batches", "compiles",
-                                               "cudagraph_records")} for st in stats],
+                                               "cudagraph_records", "rows_left", "stopped_at_deadline")}
+                       for st in stats],
     }
 
 

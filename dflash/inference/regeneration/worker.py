@@ -5,6 +5,9 @@ Started by :mod:`dflash.inference.regeneration.launcher` as ``python -m dflash.i
 (:func:`dflash.inference.regeneration.rows.shard_of`), loads the target on ``cuda:<gpus[k]>`` (CPU:
 cores / N torch threads; the training layout's ``cluster.cpu_threads_per_target`` is not used) and
 appends finished rows to its shard (:class:`dflash.inference.regeneration.shards.ShardWriter`).
+With ``--deadline EPOCH_S`` (the launcher's time budget) it stops once that wall-clock time has come:
+before loading the model, or before its next generation round; it exits 0 and its stats say
+``stopped_at_deadline``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -46,17 +49,18 @@ def _cores() -> int:
 
 
 def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, tokenizer: Any,
-                    options: GenerationOptions, stats: dict[str, Any]) -> None:
-    """Regenerate ``rows`` into ``shard``; count rows, new tokens and seconds into ``stats``;
-    a progress line (rows, new tokens/s, the generator's prefill and decoding seconds where it
-    times them, ETA) at least every 30 s."""
+                    options: GenerationOptions, stats: dict[str, Any], deadline: Optional[float] = None,
+                    clock: Callable[[], float] = time.time) -> None:
+    """Regenerate ``rows`` into ``shard`` until done or ``deadline`` (:func:`regenerate_rows`); count
+    rows, new tokens and seconds into ``stats``; a progress line (rows, new tokens/s, the
+    generator's prefill and decoding seconds where it times them, ETA) at least every 30 s."""
     from dflash.progress import Progress
 
     started = time.perf_counter()
     timings = getattr(generator, "timings", None)  # updated in place by the generator
     bar = Progress(len(rows), desc="regenerate", unit="row", logger=log)
     try:
-        for records in regenerate_rows(rows, generator, tokenizer, options):
+        for records in regenerate_rows(rows, generator, tokenizer, options, deadline, clock):
             shard.append(records)
             stats["rows"] += len(records)
             stats["new_tokens"] += sum(sum(r["regen"].get("new_tokens", [])) for r in records)
@@ -113,18 +117,33 @@ def _generator(cfg: RunConfig, options: GenerationOptions, rows: list[SourceRow]
                                  compile_long=compile and options.max_turns != 1, attention=options.attention)
 
 
+def _past(deadline: Optional[float], clock: Callable[[], float]) -> bool:
+    """Whether ``deadline`` (None = none) has come."""
+    return deadline is not None and clock() >= deadline
+
+
 def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: int, world: int,
-               limit: Optional[int], gpus: Optional[list[int]] = None) -> int:
+               limit: Optional[int], gpus: Optional[list[int]] = None, deadline: Optional[float] = None,
+               clock: Callable[[], float] = time.time) -> int:
     """One worker process: load the target, regenerate the pending rows of shard ``rank``, append them.
 
     Runs on ``cuda:<gpus[rank]>`` (``gpus`` defaults to ``cluster.targets``) or the CPU. Greedy
     generation goes through :class:`StaticGreedyGenerator` (one per worker, ``options.batch_size``
     rows), sampling through :class:`BatchGenerator`. Logs a progress line (rows, new tokens/s, ETA)
     at least every 30 s and writes :func:`stats_path` (rows, new tokens, seconds, new tokens/s,
-    device) at the end. The shard's lock is held from before the shard is read until the end.
+    device, ``rows_left`` and ``stopped_at_deadline``) at the end. The shard's lock is held from
+    before the shard is read until the end.
+
+    Args:
+        deadline: the launcher's time budget as a ``clock()`` time (seconds since the epoch; None =
+            no limit). Once it has come the worker stops: before loading the model, or before its
+            next generation round (the conversations in flight are not written; a later run
+            regenerates them). It then logs what it wrote and what it left, and its stats say
+            ``stopped_at_deadline: true``.
+        clock: the time compared with ``deadline`` (default :func:`time.time`; tests pass a fake one).
 
     Returns:
-        0 when every row of the shard is written.
+        0 when every row of the shard is written, or when the deadline stopped it.
     Raises:
         TimeoutError: the shard stays locked by another process.
     """
@@ -138,13 +157,13 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
                  torch.get_num_threads(), len(rows))
         stats: dict[str, Any] = {"rank": rank, "device": str(device), "rows": 0, "new_tokens": 0, "load_s": 0.0,
                                  "generate_s": 0.0, "tokens_per_s": None}
-        if rows:
+        if rows and not _past(deadline, clock):
             started = time.perf_counter()
             tokenizer = load_tokenizer(cfg.target)
             generator = _generator(cfg, options, rows, device, tokenizer)
             stats["load_s"] = time.perf_counter() - started
             before = compile_counts()
-            _generate_shard(shard, rows, generator, tokenizer, options, stats)
+            _generate_shard(shard, rows, generator, tokenizer, options, stats, deadline, clock)
             after = compile_counts()
             stats["compiles"] = after.compiles - before.compiles
             stats["cudagraph_records"] = after.cudagraph_records - before.cudagraph_records
@@ -153,5 +172,12 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
                 stats.update({k: round(v, 2) for k, v in timings.items()})
             log.info("shard %d: %d rows, %d new tokens in %.1f s (%.1f new tokens/s)%s", rank, stats["rows"],
                      stats["new_tokens"], stats["generate_s"], stats["tokens_per_s"], _split(stats))
+        # regenerate_rows writes every row unless the deadline stopped it
+        stats["rows_left"] = len(rows) - stats["rows"]
+        stats["stopped_at_deadline"] = stats["rows_left"] > 0 and _past(deadline, clock)
+        if stats["stopped_at_deadline"]:
+            log.warning("shard %d: stopped at the time budget (--max-seconds): wrote %d rows, left %d of %d "
+                        "(conversations in flight are not written; a later run regenerates them)", rank,
+                        stats["rows"], stats["rows_left"], len(rows))
         stats_path(output, rank).write_text(json.dumps(stats))
     return 0

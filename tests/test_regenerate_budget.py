@@ -1,0 +1,361 @@
+"""The time budget of regeneration (``--max-seconds`` / ``regenerate.max_seconds``), on CPU.
+
+- :func:`regenerate_rows` with a fake clock that passes the deadline after k rounds yields exactly
+  the records the unbudgeted run yields before its (k+1)-th round, for every k;
+- a worker stops there too (its shard holds only finished rows, its stats say so), and before
+  loading the model when the deadline has already come;
+- end to end (a launcher in this process, its workers as processes, a tiny random target): a run
+  whose budget is spent before the workers load merges the rows done so far, records
+  ``time_limited`` and ``rows_left``, exits 0 and names the command that continues; the training
+  stage with ``regenerate.max_seconds`` then reuses that output (no worker); the same command
+  without the budget completes it, every id once;
+- the budget is not an option an output is "made with", travels to the workers as a deadline, and
+  bad values are refused before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash.config import ConfigError, RegenerateConfig, load_config
+from dflash.inference.regeneration.generators import Generated
+from dflash.inference.regeneration.jobs import GenerationOptions, regenerate_rows
+from dflash.inference.regeneration.rows import SourceRow, iter_source
+from dflash.inference.regeneration.shards import existing_shards, read_lines, shard_path, skipped_path
+
+QWEN3_VOCAB = 151669  # len(qwen3 tokenizer): the random target's vocabulary matches it
+
+
+class _RoundPastBudget(Exception):
+    """Raised by :class:`CountingGenerator` at the round it is told not to run."""
+
+
+class CountingGenerator:
+    """A stand-in for the generators: a fixed answer per prompt length, counting its rounds
+    (``calls``); with ``stop_at`` it raises :class:`_RoundPastBudget` instead of running round
+    ``stop_at + 1``."""
+
+    def __init__(self, tokenizer, stop_at: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stop_at = stop_at
+        self.calls = 0
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seeds=None):
+        if self.stop_at is not None and self.calls >= self.stop_at:
+            raise _RoundPastBudget
+        self.calls += 1
+        return [Generated(self.tokenizer(f"answer {len(p)}", add_special_tokens=False)["input_ids"], "stop")
+                for p in prompts]
+
+
+def _rows() -> list[SourceRow]:
+    """10 conversations of 1 to 3 turns, one whose first prompt is too long (a skip) and one with
+    only a leading assistant turn (a skip)."""
+    rows = []
+    for i in range(10):
+        messages = []
+        for t in range(1 + i % 3):
+            messages += [{"role": "user", "content": f"Question {t} of {i}?"},
+                         {"role": "assistant", "content": f"Old answer {t}."}]
+        rows.append(SourceRow(i, f"r{i}", messages))
+    rows.insert(3, SourceRow(10, "long", [{"role": "user", "content": " ".join(["word"] * 80)},
+                                          {"role": "assistant", "content": "ok"}]))
+    rows.insert(6, SourceRow(11, "leading", [{"role": "assistant", "content": "Continuing."}]))
+    return rows
+
+
+def _finished_before_round(rows, tokenizer, options, k: int) -> list[dict]:
+    """The naive expectation: what the run without a budget yields before its (k+1)-th round."""
+    got: list[dict] = []
+    try:
+        for records in regenerate_rows(rows, CountingGenerator(tokenizer, stop_at=k), tokenizer, options):
+            got += records
+    except _RoundPastBudget:
+        pass
+    return got
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_regenerate_rows_stops_at_the_deadline(qwen3, batch_size):
+    rows = _rows()
+    options = GenerationOptions(max_new_tokens=8, batch_size=batch_size, max_prompt_tokens=60, enable_thinking=False)
+    unlimited = CountingGenerator(qwen3)
+    everything = [r for records in regenerate_rows(rows, unlimited, qwen3, options) for r in records]
+    assert sorted(r["id"] for r in everything) == sorted(r.id for r in rows)
+    assert {r.get("skipped") for r in everything} >= {"prompt_too_long", "no_user_turn"}
+    rounds = unlimited.calls
+    partial = 0
+    for k in range(rounds + 2):
+        generator = CountingGenerator(qwen3)
+        # the clock reads the rounds done: the deadline k has come once k rounds have run
+        got = [r for records in regenerate_rows(rows, generator, qwen3, options, deadline=k,
+                                                clock=lambda: generator.calls) for r in records]
+        assert got == _finished_before_round(rows, qwen3, options, k), k
+        assert generator.calls == min(k, rounds)  # no round starts at or past the deadline
+        assert len({r["id"] for r in got}) == len(got)
+        partial += 0 < len(got) < len(rows)
+    assert got == everything  # a deadline after the last round changes nothing
+    assert partial >= 2  # the budget did cut conversations short
+
+
+def _cpu_config(tmp_path: Path, source: Path, regenerate: dict) -> Path:
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "regen-budget",
+        "target": {"kind": "random", "arch": "tiny-llama", "arch_overrides": {"vocab_size": QWEN3_VOCAB},
+                   "tokenizer": "qwen3", "compile": False},
+        "data": {"dataset": str(source), "max_length": 128, "enable_thinking": False},
+        "cluster": {"device": "cpu", "targets": [0], "drafters": [1], "cpu_threads_per_target": 1},
+        "regenerate": {"max_new_tokens": 8, "max_turns": 2, "batch_size": 2, "max_prompt_tokens": 64, **regenerate},
+        "log": {"wandb": "disabled"},
+    }))
+    return path
+
+
+def _write_source(path: Path) -> list[str]:
+    """9 conversations (1 or 2 turns) and one whose prompt is too long; the ids the reader keeps."""
+    rows = []
+    for i in range(9):
+        turns = [{"from": "human", "value": f"What is {i} + {i}?"}, {"from": "gpt", "value": "Someone's answer."}]
+        if i % 2:
+            turns += [{"from": "human", "value": "And twice that?"}, {"from": "gpt", "value": "Another."}]
+        rows.append({"id": f"c{i}", "conversations": turns})
+    rows.insert(5, {"id": "long", "conversations": [{"from": "human", "value": " ".join(["word"] * 200)},
+                                                    {"from": "gpt", "value": "ok"}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [r.id for r in iter_source(str(path), None)]
+
+
+def test_worker_stops_at_the_deadline(tmp_path, monkeypatch, caplog):
+    from dflash.inference.regeneration import worker
+
+    source = tmp_path / "source.jsonl"
+    ids = _write_source(source)
+    cfg = load_config(_cpu_config(tmp_path, source, {}), gpu_count=0)
+    options = GenerationOptions(max_new_tokens=8, batch_size=2, max_turns=2, max_prompt_tokens=64,
+                                enable_thinking=False)
+    out = tmp_path / "out.jsonl"
+    generators: list[CountingGenerator] = []
+
+    def fake_generator(cfg, options, rows, device, tokenizer):
+        generators.append(CountingGenerator(tokenizer))
+        return generators[-1]
+
+    monkeypatch.setattr(worker, "_generator", fake_generator)
+    threads = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.WARNING, logger=worker.log.name):
+            # the deadline comes after 2 rounds (the clock reads the rounds done)
+            assert worker.run_worker(cfg, options, out, 0, 1, None, deadline=2,
+                                     clock=lambda: generators[-1].calls if generators else 0) == 0
+        written = [r["id"] for r in read_lines(shard_path(out, 0))[0]]
+        stats = json.loads(worker.stats_path(out, 0).read_text())
+        assert generators[0].calls == 2 and 0 < len(written) < len(ids)
+        assert stats["stopped_at_deadline"] is True and stats["rows"] == len(written)
+        assert stats["rows_left"] == len(ids) - len(written)
+        assert f"wrote {len(written)} rows, left {len(ids) - len(written)}" in caplog.text
+
+        # a deadline that has come before the model loads: no model, nothing written, the rest left
+        def no_model(*args, **kwargs):
+            raise AssertionError("a model was loaded past the deadline")
+
+        monkeypatch.setattr(worker, "_generator", no_model)
+        assert worker.run_worker(cfg, options, out, 0, 1, None, deadline=time.time() - 1) == 0
+        stats = json.loads(worker.stats_path(out, 0).read_text())
+        assert stats == {**stats, "rows": 0, "rows_left": len(ids) - len(written), "stopped_at_deadline": True}
+        # without a deadline nothing is "stopped"
+        monkeypatch.setattr(worker, "_generator", fake_generator)
+        assert worker.run_worker(cfg, options, out, 0, 1, None) == 0
+        stats = json.loads(worker.stats_path(out, 0).read_text())
+        assert stats["rows_left"] == 0 and stats["stopped_at_deadline"] is False
+        assert sorted(r["id"] for r in read_lines(shard_path(out, 0))[0]) == sorted(ids)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _regenerate(config: Path, out: Path, *flags: str) -> int:
+    """``python -m dflash.inference.regenerate --config C --output O --gpus 0 FLAGS`` in this process
+    (its logging left as pytest's); the workers are processes."""
+    from dflash.inference.regenerate import _options, parse_args
+    from dflash.inference.regeneration.launcher import run_launcher
+
+    args = parse_args(["--config", str(config), "--output", str(out), "--gpus", "0", *flags])
+    cfg = load_config(args.config, args.overrides, gpu_count=0)
+    return run_launcher(args, cfg, _options(args, cfg))
+
+
+def test_time_limited_run_merges_then_continues(tmp_path, monkeypatch, caplog):
+    from dflash.inference import regenerate
+    from dflash.inference.regeneration import launcher
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    source = tmp_path / "source.jsonl"
+    ids = _write_source(source)
+    config = _cpu_config(tmp_path, source, {})
+    out = tmp_path / "regen.jsonl"
+    sidecar = out.with_name(out.name + ".regen.json")
+
+    # 1) the first 3 rows, complete
+    assert _regenerate(config, out, "--limit", "3") == 0
+    first = [r["id"] for r in read_lines(out)[0]]
+    assert first == ids[:3]
+
+    # 2) every row, with a budget spent before any worker has loaded: the workers stop at once,
+    #    the rows done are merged, the sidecar says the run was time-limited
+    with caplog.at_level(logging.INFO):
+        assert _regenerate(config, out, "--max-seconds", "0.001") == 0
+    assert [r["id"] for r in read_lines(out)[0]] == first and not existing_shards(out)
+    last = json.loads(sidecar.read_text())["last_run"]
+    assert last["time_limited"] is True and last["rows_left"] == len(ids) - 3 and last["max_seconds"] == 0.001
+    assert last["regenerated_now"] == 0 and last["rows"] == 3
+    assert [w["stopped_at_deadline"] for w in last["per_worker"]] == [True]
+    warning = [r for r in caplog.records if r.levelno == logging.WARNING and "time budget" in r.getMessage()]
+    assert len(warning) == 1, caplog.text
+    message = warning[0].getMessage()
+    assert f"{len(ids) - 3} left" in message and "--max-seconds" in message
+    command = message.split("Continue with: ")[1]
+    assert command.startswith("python -m dflash.inference.regenerate --config ") and "--max-seconds" not in command
+
+    # 3) the training stage with regenerate.max_seconds set uses that output as it is: no worker
+    stamp = out.stat().st_mtime_ns, out.read_bytes()
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started for a time-limited output")
+
+    stage = ["regenerate.enabled=true", f"regenerate.output={out}", "regenerate.max_seconds=60"]
+    cfg = load_config(config, stage, gpu_count=0)
+    with monkeypatch.context() as patch, caplog.at_level(logging.INFO):
+        patch.setattr(subprocess, "Popen", no_worker)
+        code, trained = regenerate.run_stage(cfg, config, stage)
+    assert code == 0 and trained.data.dataset == str(out.resolve()) and trained.regenerate.enabled is False
+    assert (out.stat().st_mtime_ns, out.read_bytes()) == stamp
+    assert "regenerate.max_seconds=null" in caplog.text.split("Continue it with: ")[1]
+
+    # 4) the same command without the budget completes it: every id once
+    assert _regenerate(config, out) == 0
+    records = read_lines(out)[0]
+    skipped = read_lines(skipped_path(out))[0]
+    done = [r["id"] for r in records] + [r["id"] for r in skipped]
+    assert sorted(done) == sorted(ids) and len(set(done)) == len(done)
+    assert [r["id"] for r in skipped] == ["long"]
+    last = json.loads(sidecar.read_text())["last_run"]
+    assert last["time_limited"] is False and last["rows_left"] == 0 and last["regenerated_now"] == len(ids) - 3
+    assert launcher.time_limited_run(out, cfg, regenerate._options(regenerate.parse_args(
+        ["--config", str(config)]), cfg)) is None
+
+
+def test_stage_reuses_a_time_limited_output_only_with_a_budget(tmp_path, monkeypatch):
+    """``run_stage`` decides from the sidecar alone: a time-limited output made with the same
+    options is reused while ``regenerate.max_seconds`` is set; otherwise the launcher runs (and
+    continues it, or says which option differs)."""
+    from dflash.inference import regenerate
+    from dflash.inference.regeneration import launcher
+
+    source = tmp_path / "source.jsonl"
+    _write_source(source)
+    out = tmp_path / "regen.jsonl"
+    out.write_text('{"id": "c0", "conversations": []}\n')
+    config = _cpu_config(tmp_path, source, {"enabled": True, "output": str(out), "max_seconds": 30})
+    cfg = load_config(config, gpu_count=0)
+    options = regenerate._options(regenerate.parse_args(["--config", str(config)]), cfg)
+    sidecar = out.with_name(out.name + ".regen.json")
+    launched: list[list[str]] = []
+
+    def fake_launcher(args, cfg, options):
+        launched.append(launcher.option_flags(args))
+        return 0
+
+    monkeypatch.setattr(regenerate, "run_launcher", fake_launcher)
+    record = {"options": launcher._options_record(cfg, options), "last_run": {"time_limited": True, "rows": 1,
+                                                                             "rows_left": 9}}
+    sidecar.write_text(json.dumps(record))
+    assert regenerate.run_stage(cfg, config, [])[0] == 0 and launched == []
+    # without a budget: continued by the launcher
+    unlimited = load_config(config, ["regenerate.max_seconds=null"], gpu_count=0)
+    assert regenerate.run_stage(unlimited, config, ["regenerate.max_seconds=null"])[0] == 0
+    assert len(launched) == 1 and "--max-seconds" not in launched[0]
+    # the budget goes to the launcher as --max-seconds
+    sidecar.write_text(json.dumps({**record, "last_run": {**record["last_run"], "time_limited": False}}))
+    assert regenerate.run_stage(cfg, config, [])[0] == 0
+    assert launched[-1][-2:] == ["--max-seconds", "30.0"]
+    # other options: the launcher runs (and refuses with the option's name)
+    sidecar.write_text(json.dumps({**record, "options": {**record["options"], "max_new_tokens": 9}}))
+    assert regenerate.run_stage(cfg, config, [])[0] == 0 and len(launched) == 3
+    # an interrupted run (no last_run yet) and no sidecar: the launcher runs
+    sidecar.write_text(json.dumps({"options": record["options"]}))
+    assert regenerate.run_stage(cfg, config, [])[0] == 0 and len(launched) == 4
+    sidecar.unlink()
+    assert regenerate.run_stage(cfg, config, [])[0] == 0 and len(launched) == 5
+
+
+def test_budget_is_no_output_option_and_reaches_workers_as_a_deadline(tmp_path):
+    from dflash.inference.regenerate import _options, parse_args
+    from dflash.inference.regeneration import launcher
+
+    assert "max_seconds" not in launcher.RESUME_KEYS
+    section = RegenerateConfig(max_seconds=0.1 + 0.2)
+    args = parse_args(["--config", "c.yaml", *launcher.option_flags(section)])
+    assert args.max_seconds == section.max_seconds  # exact
+    assert parse_args(["--config", "c.yaml", *launcher.option_flags(args)]) == args
+    assert "--max-seconds" not in launcher.option_flags(args, budget=False)
+
+    source = tmp_path / "source.jsonl"
+    _write_source(source)
+    config = _cpu_config(tmp_path, source, {"max_seconds": 45})
+    args = parse_args(["--config", str(config), "--output", str(tmp_path / "o.jsonl"), "x.y=1"])
+    cfg = load_config(config, gpu_count=0)
+    options = _options(args, cfg)
+    assert args.max_seconds == 45.0  # from the config
+    assert "max_seconds" not in launcher._options_record(cfg, options)
+    deadline = time.time() + 45.0
+    spec = launcher._worker_spec(args, tmp_path / "o.jsonl", 1, 2, deadline)
+    worker = parse_args(spec.args)
+    assert worker.deadline == deadline and worker.max_seconds is None and worker.worker_rank == 1
+    command = launcher.continue_command(args, cfg).split()
+    assert "--max-seconds" not in command and command[-2:] == ["x.y=1", "regenerate.max_seconds=null"]
+
+    progress = launcher._ShardProgress(tmp_path / "o.jsonl", 1, time.time() + 125.4)
+    assert progress.text().endswith(", budget left 2:05")
+    progress.deadline = time.time() - 1
+    assert "time budget spent" in progress.text()
+    assert "budget" not in launcher._ShardProgress(tmp_path / "o.jsonl", 1).text()
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf"])
+def test_bad_budget_is_refused_before_any_model(tmp_path, monkeypatch, caplog, bad):
+    from dflash.inference import regenerate
+    import dflash.models.target_loader
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(dflash.models.target_loader, "load_target", no_model)
+    source = tmp_path / "source.jsonl"
+    _write_source(source)
+    config = _cpu_config(tmp_path, source, {})
+    with pytest.raises(ConfigError, match="^regenerate.max_seconds: must be a finite number of seconds > 0"):
+        load_config(config, [f"regenerate.max_seconds={bad}"], gpu_count=0)
+    with pytest.raises(ConfigError, match="^regenerate.max_seconds:"):
+        load_config(_cpu_config(tmp_path, source, {"max_seconds": float(bad)}), gpu_count=0)
+    config = _cpu_config(tmp_path, source, {})
+    # the command line: exit 2 with the flag named, nothing loaded
+    monkeypatch.setattr(regenerate, "setup_logging", lambda *args, **kwargs: None)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with caplog.at_level(logging.ERROR):
+            assert regenerate.main(["--config", str(config), "--output", str(tmp_path / "o.jsonl"),
+                                    "--max-seconds", bad]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "--max-seconds: must be a finite number of seconds > 0" in caplog.text
+    assert not (tmp_path / "o.jsonl.regen.json").exists()
