@@ -137,6 +137,27 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def schedule_table(runs: list[dict[str, Any]]) -> str:
+    """Markdown table, one row per run and host-check schedule (the summary's ``pass_schedules``):
+    host checks, passes (emitted / enqueued), outputs equal to the run's first schedule, speculative
+    and host seconds, and the speedup per prompt set and pooled; empty when no run compared two."""
+    runs = [r for r in runs if len(r["summary"].get("pass_schedules") or []) > 1]
+    if not runs:
+        return ""
+    names = list(runs[0]["summary"]["pass_schedules"][0]["sets"])
+    head = ("| dtype | mode | schedule | host checks | passes / enqueued | same outputs | speculative s | host s | "
+            + " | ".join(f"speedup {n}" for n in names) + " |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in runs:
+        s = r["summary"]
+        for x in s["pass_schedules"]:
+            lines.append(f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {x['schedule']} | "
+                         f"{x['checks']} | {x['passes']} / {x['passes_enqueued']} | {x['same_tokens']} / "
+                         f"{s['prompts']} | {_num(x['spec_s'])} | {_num(x['host_s'])} | "
+                         + " | ".join(f"{_num(x['sets'].get(n, {}).get('speedup'), 2)}×" for n in names) + " |")
+    return "\nHost-check schedules (the rows above are the first's):\n\n" + "\n".join(lines) + "\n"
+
+
 def set_table(runs: list[dict[str, Any]]) -> str:
     """Markdown table, one row per run and prompt set, then the run's pooled row
     (:func:`dflash.inference.spec_report.set_summaries`)."""
@@ -248,11 +269,11 @@ def _run(args: argparse.Namespace) -> int:
             (out / "decode_bench.md").write_text(
                 f"Decoding benchmark: {meta['device']}, {len(cases)} prompts ({sets}), {args.max_new_tokens} new "
                 f"tokens, batch {args.batch}, drafter {args.checkpoint or 'random'}\n\n" + table(runs)
-                + "\nPer prompt set:\n\n" + set_table(runs))
+                + "\nPer prompt set:\n\n" + set_table(runs) + schedule_table(runs))
         del target, drafter
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print("\n" + table(runs) + "\n" + set_table(runs))
+    print("\n" + table(runs) + "\n" + set_table(runs) + schedule_table(runs))
     return 1 if failed else 0
 
 

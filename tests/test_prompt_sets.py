@@ -387,11 +387,16 @@ def test_decode_bench_runs_as_a_module_with_two_sets(smollm2, tmp_path, capsys):
     assert [x["schedule"] for x in schedules] == ["predicted", "certain"]
     assert all(x["same_tokens"] == 2 and x["spec_s"] > 0 and x["checks"] >= 2 for x in schedules)
     assert set(schedules[1]["sets"]) == {"mt-bench", "humaneval", POOLED}
+    assert all(x["passes_enqueued"] >= x["passes"] for x in schedules)
     assert "host checks between verification passes" in capsys.readouterr().out
+    schedule_rows = [line for line in (tmp_path / "out" / "decode_bench.md").read_text().splitlines()
+                     if line.startswith("| float32 | eager | predicted") or line.startswith("| float32 | eager | certain")]
+    assert len(schedule_rows) == 2 and all("| 2 / 2 |" in line for line in schedule_rows)
     with pytest.raises(SystemExit) as bad:
         decode_bench.parse_args(["--pass-schedules", "predicted,eager"])
     assert bad.value.code == 2
     md = (tmp_path / "out" / "decode_bench.md").read_text()
     assert "2 prompts (mt-bench 1, humaneval 1)" in md
-    set_rows = [line for line in md.splitlines() if line.startswith("| float32 | eager | ")]
+    per_set = md.split("Host-check schedules")[0]
+    set_rows = [line for line in per_set.splitlines() if line.startswith("| float32 | eager | ")]
     assert [line.split("|")[3].strip() for line in set_rows] == ["mt-bench", "humaneval", POOLED]

@@ -103,6 +103,8 @@ class Generation:
         target_forwards: target forward passes (prefill included).
         checks: the host's reads of the decoding state during speculative decoding (each a
             device→host sync; the batch's count); 0 for target-only decoding.
+        passes_enqueued: verification passes the host enqueued for the batch (at least the most
+            any of its rows needed: the rest ran on inactive rows); 0 for target-only decoding.
         seconds / draft_seconds / verify_seconds: wall time of the whole decode (the batch's,
             for batched decoding), and the device time of drafting and of verification, in s.
         prefill_seconds / decode_seconds: wall time of the batch's prefill (to its first tokens
@@ -117,6 +119,7 @@ class Generation:
     anchors: list[int] = field(default_factory=list)
     target_forwards: int = 0
     checks: int = 0
+    passes_enqueued: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -420,6 +423,7 @@ class Generator(DecodeSteps):
         for g in gens:
             g.seconds = elapsed
             g.checks = checks
+            g.passes_enqueued = forwards
             g.draft_seconds = split.get("draft", 0.0)
             g.verify_seconds = split.get("verify", 0.0)
             g.prefill_seconds = prefilled - start

@@ -311,7 +311,7 @@ def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Gener
     p = _pooled(spec, groups)
     sets, pooled = set_summaries(rows)
     return {"schedule": schedule, "checks": sum(spec[grp[0]].checks for grp in groups),
-            "passes": sum(g.steps for g in spec), "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
+            "passes": sum(g.steps for g in spec), "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups), "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
             "spec_s": p["seconds"], "host_s": p["host_s"], "draft_s": p["draft_s"], "verify_s": p["verify_s"],
             "speedup": target_s / p["seconds"] if p["seconds"] else float("nan"),
             "sets": {x["set"]: {"spec_ms_per_token": x["spec_ms_per_token"], "speedup": x["speedup"]}
@@ -412,7 +412,8 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     lines = [f"{s['prompts']} prompts{f' ({counts})' if counts else ''}, max {s['max_new_tokens']} new tokens, "
              f"B={s['block_size']}, "
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
-             f"attention {s.get('attention', '?')}, decoders of {s.get('decoder_lengths', '?')} positions",
+             f"attention {s.get('attention', '?')}, decoders of {s.get('decoder_lengths', '?')} positions"
+             + (f", host checks {s['pass_schedules'][0]['schedule']}" if s.get("pass_schedules") else ""),
              "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
     width = max([len("set")] + [len(r.get("set", "")) for r in rows])
     lines.append(f"{'set':<{width}} {'prompt':>6} {'row':>6} {'P':>4} {'new':>4} {'result':>9} {'tau':>5} {'steps':>5} "
@@ -456,10 +457,11 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
         names = [k for k in schedules[0]["sets"]]
         lines += ["", "host checks between verification passes (each a device->host sync), the same prompts decoded "
                       "again under each schedule:",
-                  f"{'schedule':<10} {'checks':>6} {'passes':>6} {'same':>5} {'spec s':>7} {'host s':>7} "
+                  f"{'schedule':<10} {'checks':>6} {'passes':>6} {'enqueued':>8} {'same':>5} {'spec s':>7} {'host s':>7} "
                   + " ".join(f"{n[:12]:>12}" for n in names)]
         for x in schedules:
-            lines.append(f"{x['schedule']:<10} {x['checks']:>6} {x['passes']:>6} {x['same_tokens']:>5} "
+            lines.append(f"{x['schedule']:<10} {x['checks']:>6} {x['passes']:>6} {x['passes_enqueued']:>8} "
+                         f"{x['same_tokens']:>5} "
                          f"{_fmt(x['spec_s'], 3):>7} {_fmt(x['host_s'], 3):>7} "
                          + " ".join(f"{_fmt(x['sets'][n]['speedup'], 2) + 'x':>12}" for n in names))
     if "offline_tau_own" in s:

@@ -255,7 +255,8 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
     _log_summary(output, summary, reasons)
     if summary["time_limited"]:
         log.warning("the time budget (--max-seconds / regenerate.max_seconds = %s s) ran out: %d conversations "
-                    "regenerated in this run, %d left; %s holds the %d finished rows. Continue with: %s",
+                    "done in this run (regenerated or skipped), %d left; %s holds the %d regenerated rows "
+                    "(skips: <output>.skipped). Continue with: %s",
                     repr(args.max_seconds), summary["regenerated_now"], summary["rows_left"], output,
                     summary["rows"], continue_command(args, cfg))
     return EXIT_OK
