@@ -75,7 +75,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "one-token step, Y in verification and prefill; unset: reduce+sdpa at batch 1, sdpa "
                         "above, dflash.inference.decode_layers.default_attention)")
     p.add_argument("--pass-schedules", default="predicted",
-                   help="speculative decoding's host-check schedules, comma-separated, of ('predicted', 'certain'): "
+                   help="speculative decoding's host-check schedules, comma-separated, of ('predicted', 'certain', "
+                        "'pipelined'): "
                         "the report is the first's; each further one decodes the prompts again for its time "
                         "(dflash.inference.generation.passes_before_check)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
@@ -145,14 +146,14 @@ def schedule_table(runs: list[dict[str, Any]]) -> str:
     if not runs:
         return ""
     names = list(runs[0]["summary"]["pass_schedules"][0]["sets"])
-    head = ("| dtype | mode | schedule | host checks | passes / enqueued | same outputs | speculative s | host s | "
+    head = ("| dtype | mode | schedule | host checks (GPU idle) | passes / enqueued | same outputs | speculative s | host s | "
             + " | ".join(f"speedup {n}" for n in names) + " |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         s = r["summary"]
         for x in s["pass_schedules"]:
             lines.append(f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {x['schedule']} | "
-                         f"{x['checks']} | {x['passes']} / {x['passes_enqueued']} | {x['same_tokens']} / "
+                         f"{x['checks']} ({x['idle_checks']}) | {x['passes']} / {x['passes_enqueued']} | {x['same_tokens']} / "
                          f"{s['prompts']} | {_num(x['spec_s'])} | {_num(x['host_s'])} | "
                          + " | ".join(f"{_num(x['sets'].get(n, {}).get('speedup'), 2)}×" for n in names) + " |")
     return "\nHost-check schedules (the rows above are the first's):\n\n" + "\n".join(lines) + "\n"

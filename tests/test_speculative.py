@@ -326,7 +326,7 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
              {_first_from(refs[0], 7), _first_from(refs[1], 8), _first_from(refs[2], 16)},
              {_first_from(refs[2], 20)}, many]
     for stops in cases:
-        outs, checks = {}, {}
+        outs, checks, idle = {}, {}, {}
         for n in (1, 2, 5, 8, 64):
             for schedule in PASS_SCHEDULES if kind != "greedy" else PASS_SCHEDULES[:1]:
                 gen.sync_every, gen.pass_schedule = n, schedule
@@ -335,12 +335,17 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
                 outs[n, schedule] = [(g.tokens, g.top2, g.accepted, g.anchors, g.target_forwards, g.spread)
                                      for g in gens]
                 checks[n, schedule] = gens[0].checks
+                idle[n, schedule] = gens[0].idle_checks
         first = outs[1, "predicted"]
         assert all(out == first for out in outs.values()), f"stops {sorted(stops)}"
         if kind != "greedy":  # the prediction never checks more often than the certain need alone
             assert all(checks[n, "predicted"] <= checks[n, "certain"] for n in (1, 2, 5, 8, 64))
+            # pipelined: the host reads a chunk's outcome while the next one runs, so the GPU waits
+            # for the host at fewer checks
+            assert all(idle[n, "pipelined"] <= idle[n, "predicted"] == checks[n, "predicted"] for n in (1, 2, 5, 8, 64))
             if not stops:  # rows that run to max_new_tokens: fewer syncs
                 assert checks[64, "predicted"] < checks[64, "certain"], checks
+                assert idle[8, "pipelined"] < idle[8, "predicted"], idle
         outs = {1: first}
         assert [o[0] for o in outs[1]] == [_cut(r, stops, MAX_NEW) for r in refs]
         # The device stopped each row itself: its anchor is at (greedy) or within a block past
@@ -372,7 +377,7 @@ def _naive_passes(remaining: list[int], emitted: list[int], done: int, b: int, c
         k = 0
         while k * b < rem:
             k += 1
-        if schedule == "predicted" and done > 0 and out > 0:
+        if schedule != "certain" and done > 0 and out > 0:
             j = 0
             while (j + 1) * out <= rem * done:  # (j + 1) passes at out / done tokens a pass fit in rem
                 j += 1
@@ -1168,7 +1173,8 @@ def test_compiled_prefill_falls_back_to_eager(target, caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_compiled_decoding_equals_eager_on_gpu():
     """fp32 on CUDA: the CUDA-graph steps give the eager steps' tokens, target-only and speculative,
-    batched, with and without a stop token, whether the host checks every forward or every 8."""
+    batched, with and without a stop token, whether the host checks every forward or every 8, under
+    each host-check schedule (pipelined: pinned snapshots read while the next chunk runs)."""
     target = load_target(TargetConfig(kind="random", arch="tiny-llama", dtype="float32"), "cuda", num_drafter_layers=2)
     drafter = make_drafter(target, 4, num_layers=2).cuda()
     g = torch.Generator().manual_seed(5)
@@ -1178,11 +1184,11 @@ def test_compiled_decoding_equals_eager_on_gpu():
     outs = {}
     for compiled in (False, True):
         gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter, compile=compiled)
-        for every in (1, 8):
-            gen.sync_every = every
+        for every, schedule in ((1, "predicted"), (8, "predicted"), (8, "certain"), (4, "pipelined")):
+            gen.sync_every, gen.pass_schedule = every, schedule
             for stops in (set(), stop):
                 runs = [o for grp in (prompts[:2], prompts[2:]) for o in gen.greedy(grp, 24, sorted(stops))]
                 runs += [o for grp in (prompts[:2], prompts[2:]) for o in gen.speculative(grp, 24, sorted(stops))]
-                outs[compiled, every, bool(stops)] = [o.tokens for o in runs]
+                outs[compiled, every, schedule, bool(stops)] = [o.tokens for o in runs]
                 assert [o.tokens for o in runs] == [_cut(r, stops, 24) for r in refs] * 2
-    assert all(out == outs[False, 1, key[2]] for key, out in outs.items())
+    assert all(out == outs[False, 1, "predicted", key[-1]] for key, out in outs.items())

@@ -18,9 +18,11 @@ so only a stop token can leave steps that change nothing. Speculative decoding e
 checks, as many passes as the rows' acceptance so far predicts they still need (never fewer than
 ``⌈remaining / B⌉``, which a pass cannot beat; :func:`passes_before_check`): a check is a
 device→host sync that drains the GPU's queue, and with ``⌈remaining / B⌉`` alone a 96-token
-response at τ ≈ 2.4 checks about every other pass. A predicted pass that turns out not to be
-needed runs on inactive rows and changes nothing, so the output depends neither on ``sync_every``
-nor on the schedule.
+response at τ ≈ 2.4 checks about every other pass. The ``pipelined`` schedule sizes its chunks
+the same way but enqueues the next chunk before it waits for the state after the previous one
+(copied into pinned host memory behind it), so the GPU idles only where the prediction says no
+chunk is needed. A predicted pass that turns out not to be needed runs on inactive rows and
+changes nothing, so the output depends neither on ``sync_every`` nor on the schedule.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ __all__ = ["Generation", "Generator", "PASS_SCHEDULES", "passes_before_check"]
 log = logging.getLogger(__name__)
 
 #: How speculative decoding chooses the passes between two host checks (:func:`passes_before_check`).
-PASS_SCHEDULES = ("predicted", "certain")
+PASS_SCHEDULES = ("predicted", "certain", "pipelined")
 
 #: Target forwards between two host checks of the decoding state (the only device→host syncs of a
 #: compiled decode). Larger: more forwards queued without the host waiting; smaller: fewer forwards
@@ -54,10 +56,10 @@ def passes_before_check(remaining: Sequence[int], emitted: Sequence[int], passes
     """Verification passes to enqueue before the host next reads the decoding state.
 
     A pass emits between 1 and ``block_size`` tokens per active row, so every row still needs at
-    least ``⌈remaining / block_size⌉`` passes (``certain``). ``predicted`` also counts on each row
-    going on at the rate it has had so far in this decode: ``⌊remaining · passes_done / emitted⌋``
-    passes (the floor keeps the guess at or under the expected need). The largest need over the
-    rows, capped at ``cap``, at least 1.
+    least ``⌈remaining / block_size⌉`` passes (``certain``). ``predicted`` (and ``pipelined``, which
+    sizes its chunks the same way) also counts on each row going on at the rate it has had so far in
+    this decode: ``⌊remaining · passes_done / emitted⌋`` passes (the floor keeps the guess at or under
+    the expected need). The largest need over the rows, capped at ``cap``, at least 1.
 
     Args:
         remaining: per active row, tokens still to emit before its last position (≥ 0).
@@ -78,7 +80,7 @@ def passes_before_check(remaining: Sequence[int], emitted: Sequence[int], passes
     if len(remaining) != len(emitted):
         raise ValueError(f"remaining ({len(remaining)} rows) and emitted ({len(emitted)} rows) differ in length")
     need = max((-(-rem // block_size) for rem in remaining), default=0)
-    if schedule == "predicted" and passes_done > 0:
+    if schedule != "certain" and passes_done > 0:
         need = max([need] + [rem * passes_done // out for rem, out in zip(remaining, emitted) if out > 0])
     return max(1, min(cap, need))
 
@@ -103,6 +105,8 @@ class Generation:
         target_forwards: target forward passes (prefill included).
         checks: the host's reads of the decoding state during speculative decoding (each a
             device→host sync; the batch's count); 0 for target-only decoding.
+        idle_checks: those of :attr:`checks` with no pass enqueued behind the state read, where
+            the GPU waits for the host (every check but under the ``pipelined`` schedule).
         passes_enqueued: verification passes the host enqueued for the batch (at least the most
             any of its rows needed: the rest ran on inactive rows); 0 for target-only decoding.
         seconds / draft_seconds / verify_seconds: wall time of the whole decode (the batch's,
@@ -119,6 +123,7 @@ class Generation:
     anchors: list[int] = field(default_factory=list)
     target_forwards: int = 0
     checks: int = 0
+    idle_checks: int = 0
     passes_enqueued: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -187,8 +192,10 @@ class Generator(DecodeSteps):
             reads of the decoding state (:data:`SYNC_EVERY`); any value gives the same outputs.
             Settable on the instance (:attr:`sync_every`) without recompiling.
         pass_schedule: how speculative decoding chooses the passes between two checks
-            (:func:`passes_before_check`: ``predicted``, the default, or ``certain``); any value
-            gives the same outputs. Settable on the instance (:attr:`pass_schedule`).
+            (:func:`passes_before_check`: ``predicted``, the default, or ``certain``; ``pipelined``
+            sizes chunks as ``predicted`` does but enqueues the next chunk before reading the state
+            after the previous one, so the GPU does not idle at a check); any value gives the same
+            outputs. Settable on the instance (:attr:`pass_schedule`).
 
     Raises:
         ValueError: ``sync_every < 1``, an unknown ``pass_schedule``, or a bad argument of
@@ -207,6 +214,10 @@ class Generator(DecodeSteps):
                          fuse=fuse, attention=attention, compile_prefill=compile_prefill)
         self.sync_every = int(sync_every)
         self.pass_schedule = pass_schedule
+        # pinned host copies of (anchor, active) for the checks, reused in turn (at most two chunks in flight)
+        pin = self.device.type == "cuda"
+        self._snapshots = [torch.empty(2 * batch_size, dtype=torch.long, pin_memory=pin) for _ in range(3)]
+        self._next_snapshot = 0
         self._stops: frozenset[int] = frozenset()
 
     # ----------------------------------------------------------------------- decoding
@@ -252,6 +263,28 @@ class Generator(DecodeSteps):
         limits = [p.numel() + max_new_tokens - 1 for p in prompts] + [0] * len(pad)
         st.limit.copy_(torch.tensor(limits, dtype=torch.long))
         return active
+
+    def _snapshot(self, n: int) -> tuple[Tensor, Any]:
+        """Enqueue a copy of rows ``0 … n−1``'s anchors and active flags into a pinned host buffer
+        (after the work enqueued so far); :meth:`_read_snapshot` waits for it."""
+        st = self.state
+        buf = self._snapshots[self._next_snapshot][:2 * n].view(2, n)  # contiguous: an asynchronous copy
+        self._next_snapshot = (self._next_snapshot + 1) % len(self._snapshots)
+        buf.copy_(torch.stack([st.anchor[:n], st.active[:n].long()]), non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return buf, event
+
+    @staticmethod
+    def _read_snapshot(snapshot: tuple[Tensor, Any]) -> tuple[list[int], list[bool]]:
+        """The anchors and active flags of :meth:`_snapshot`: the one device→host wait of a check."""
+        buf, event = snapshot
+        if event is not None:
+            event.synchronize()
+        both = buf.tolist()
+        return both[0], [bool(x) for x in both[1]]
 
     def _poll(self, n: int) -> tuple[list[int], list[bool]]:
         """Anchors and active flags of rows ``0 … n−1``: the one device→host sync of a check."""
@@ -395,15 +428,18 @@ class Generator(DecodeSteps):
         anchor = list(lens)
         shown = [0] * n
         timer = _Timer(self.device)
-        forwards = checks = 0
+        pipelined = self.pass_schedule == "pipelined"
+        forwards = checks = idle = 0  # passes enqueued, host checks, checks with nothing enqueued behind them
+        known = 0  # passes whose outcome (anchor, active) the host has read
+        in_flight: list[tuple[int, tuple[Tensor, Any]]] = []  # (forwards after a chunk, its snapshot)
         while any(active):
-            self._bound(forwards, max_new_tokens)
+            self._bound(known, max_new_tokens)
             live = [r for r in range(n) if active[r]]
-            passes = passes_before_check([limit[r] - anchor[r] for r in live], [anchor[r] - lens[r] for r in live],
-                                         forwards, b_sz, self.sync_every, self.pass_schedule)
-            forwards += passes
-            checks += 1
-            for _ in range(passes):
+            ahead = forwards - known  # passes enqueued past the state the host knows
+            need = passes_before_check([limit[r] - anchor[r] for r in live], [anchor[r] - lens[r] for r in live],
+                                       known, b_sz, ahead + self.sync_every, self.pass_schedule)
+            chunk = need - ahead if in_flight else max(1, need - ahead)
+            for _ in range(max(0, chunk)):
                 t = timer.start("draft")
                 if self.compiled:
                     self._draft_step()
@@ -413,7 +449,15 @@ class Generator(DecodeSteps):
                 t = timer.start("verify")
                 self._verify_step()
                 timer.stop("verify", t)
-            anchor, active = self._poll(n)
+            if chunk > 0:
+                forwards += chunk
+                in_flight.append((forwards, self._snapshot(n)))
+            if pipelined and chunk > 0 and len(in_flight) < 2:
+                continue  # the GPU runs this chunk while the host sizes the next one
+            known, snapshot = in_flight.pop(0)
+            anchor, active = self._read_snapshot(snapshot)
+            checks += 1
+            idle += known == forwards  # nothing enqueued behind what was read: the GPU waits for the host
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
         decoded = time.perf_counter()  # the last poll synchronised
         gens = self._collect(prompts, max_new_tokens, passes=True)
@@ -423,6 +467,7 @@ class Generator(DecodeSteps):
         for g in gens:
             g.seconds = elapsed
             g.checks = checks
+            g.idle_checks = idle
             g.passes_enqueued = forwards
             g.draft_seconds = split.get("draft", 0.0)
             g.verify_seconds = split.get("verify", 0.0)

@@ -311,6 +311,7 @@ def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Gener
     p = _pooled(spec, groups)
     sets, pooled = set_summaries(rows)
     return {"schedule": schedule, "checks": sum(spec[grp[0]].checks for grp in groups),
+            "idle_checks": sum(spec[grp[0]].idle_checks for grp in groups),
             "passes": sum(g.steps for g in spec), "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups), "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
             "spec_s": p["seconds"], "host_s": p["host_s"], "draft_s": p["draft_s"], "verify_s": p["verify_s"],
             "speedup": target_s / p["seconds"] if p["seconds"] else float("nan"),
@@ -349,7 +350,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
         speedup, time split, the first difference and its margins, per-position acceptance; the
         summary's ``sets`` and ``sets_pooled``: :func:`set_summaries`; ``pass_schedules``: per
-        schedule its host checks, passes, outputs equal to the first schedule's, speculative
+        schedule its host checks (all, and those where the GPU waited for the host), passes, outputs equal to the first schedule's, speculative
         seconds (host, draft, verify) and speedups (pooled, and per set as :func:`set_summaries`).
 
     Raises:
@@ -457,10 +458,11 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
         names = [k for k in schedules[0]["sets"]]
         lines += ["", "host checks between verification passes (each a device->host sync), the same prompts decoded "
                       "again under each schedule:",
-                  f"{'schedule':<10} {'checks':>6} {'passes':>6} {'enqueued':>8} {'same':>5} {'spec s':>7} {'host s':>7} "
-                  + " ".join(f"{n[:12]:>12}" for n in names)]
+                  f"{'schedule':<10} {'checks':>6} {'idle':>5} {'passes':>6} {'enqueued':>8} {'same':>5} {'spec s':>7} "
+                  f"{'host s':>7} " + " ".join(f"{n[:12]:>12}" for n in names)]
         for x in schedules:
-            lines.append(f"{x['schedule']:<10} {x['checks']:>6} {x['passes']:>6} {x['passes_enqueued']:>8} "
+            lines.append(f"{x['schedule']:<10} {x['checks']:>6} {x['idle_checks']:>5} {x['passes']:>6} "
+                         f"{x['passes_enqueued']:>8} "
                          f"{x['same_tokens']:>5} "
                          f"{_fmt(x['spec_s'], 3):>7} {_fmt(x['host_s'], 3):>7} "
                          + " ".join(f"{_fmt(x['sets'][n]['speedup'], 2) + 'x':>12}" for n in names))
