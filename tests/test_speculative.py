@@ -768,7 +768,7 @@ def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, reference
         assert "(step 7): every anchor 2.500, response heads 2.250, walked 2.000, walked over the heads 1.750" in text
         assert f"measured / walked heads = {s['tau'] / 1.75:.3f}" in text
         table = text[text.index("acceptance per block position"):].splitlines()
-        assert table[1].split()[-1] == "training"
+        assert table[1].split()[-2:] == ["training", "acc"] and "eval/acc_block_pos_k" in table[0]
         assert table[2].split()[-1] == "0.625" and table[3].split()[-1] == "–"
         assert len(table) == 2 + block_size - 1
 

@@ -495,10 +495,12 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
         lines.append(f"per prompt, tok/s is the row's tokens over its batch's time (rows of a batch of {s['batch']} "
                      "share it); the pooled lines count each batch's time once")
     trained = s.get("per_position_training_eval") or []
-    lines += ["", "acceptance per block position k (fraction of passes / blocks with m >= k):",
+    lines += ["", "acceptance per block position k (fraction of passes / blocks with m >= k"
+              + ("; training: the held-out accuracy at position k alone, eval/acc_block_pos_k, which does not "
+                 "need the positions before it right):" if trained else "):"),
               f"{'k':>3} {'decoding':>9}" + (f" {'replay':>7} {'own':>7} {'dataset':>7}"
                                              if "per_position_offline_own" in s else "")
-              + (f" {'training':>8}" if trained else "")]
+              + (f" {'training acc':>12}" if trained else "")]
     for k, meas in enumerate(s["per_position_measured"], start=1):
         extra = ""
         if "per_position_offline_own" in s:
@@ -506,6 +508,6 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                      f"{_fmt(s['per_position_offline_own'][k - 1], 3):>7} "
                      f"{_fmt(s['per_position_offline_dataset'][k - 1], 3):>7}")
         if trained:
-            extra += f" {_fmt(trained[k - 1] if k <= len(trained) else None, 3):>8}"
+            extra += f" {_fmt(trained[k - 1] if k <= len(trained) else None, 3):>12}"
         lines.append(f"{k:>3} {_fmt(meas, 3):>9}{extra}")
     return "\n".join(lines)
