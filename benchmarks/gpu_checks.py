@@ -60,13 +60,20 @@ SWITCH_SETTINGS = ("ablation_raw", "decode_long")
 
 def setting_error(name: str, value: str) -> Optional[str]:
     """Why ``--set name=value`` is refused (:data:`POSITIVE_INT_SETTINGS`, :data:`SWITCH_SETTINGS`, and
-    ``ablation_sets``: prompt sets that resolve, each once), or ``None``."""
+    ``ablation_sets`` / ``decode_sets``: prompt sets that resolve, each once; ``pass_schedules``:
+    host-check schedules of :data:`dflash.inference.generation.PASS_SCHEDULES`), or ``None``."""
     if name in POSITIVE_INT_SETTINGS and not (name == "regen_new_tokens" and value == ""):
         if not (value.isdigit() and int(value) >= 1):
             return "must be a whole number >= 1" + (" (or empty: the config's)" if name == "regen_new_tokens" else "")
     if name in SWITCH_SETTINGS and value not in ("0", "1"):
         return "must be 0 or 1"
-    if name == "ablation_sets":
+    if name == "pass_schedules":
+        from dflash.inference.generation import PASS_SCHEDULES
+
+        picked = value.split(",")
+        if not value or any(x not in PASS_SCHEDULES for x in picked):
+            return f"must be comma-separated, of {PASS_SCHEDULES}"
+    if name in ("ablation_sets", "decode_sets"):
         from dflash.inference.prompt_sets import PromptSetError, resolve_prompt_sets
 
         if not value.split():
@@ -98,6 +105,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "speed_modes": ("compiled,compiled-reduce,compiled-reduce+sdpa",
                     "decode_one: decode_speed's modes first (none: skip it)"),
     "decode_long": ("1", "decode_one: 0 skips the 512-token bench"),
+    "decode_sets": ("sharegpt", "decode_one: the 96-token benches' prompt sets, space-separated (--prompt-set)"),
+    "pass_schedules": ("predicted", "decode_one: the 96-token benches' host-check schedules (--pass-schedules)"),
     "decode_checkpoint": ("", "decode: the drafter checkpoint (empty: a randomly initialised drafter)"),
     "reference_budget": ("12288", "reference_one_gpu: data.token_budget (the reference config's 49,152 over 4)"),
 }
@@ -158,6 +167,7 @@ class Context:
             "ablation_raw": lambda: ["--variant", f"raw-sharegpt=data.dataset={self.sharegpt}"]
             if v["ablation_raw"] != "0" else [],
             "ablation_sets": lambda: [a for name in v["ablation_sets"].split() for a in ("--prompt-set", name)],
+            "decode_sets": lambda: [a for name in v["decode_sets"].split() for a in ("--prompt-set", name)],
             "decode_checkpoint": lambda: ["--checkpoint", v["decode_checkpoint"]] if v["decode_checkpoint"] else [],
             "recipe": lambda: recipe_overrides(Path(self.root), self.dry_run),
         }
@@ -451,10 +461,10 @@ def _pipeline(run: str, *args: str, warm: str = "5") -> Steps:
 
 
 def _decode_bench(config: str, checkpoint: str, new_tokens: str, dtypes: str, attention: str, out: str,
-                  gpu: Optional[str] = None) -> Proc:
+                  gpu: Optional[str] = None, more: tuple[str, ...] = ()) -> Proc:
     return _py("-m", "scripts.decode_bench", "--config", config, "--checkpoint", checkpoint, "--prompts", "16",
                "--max-new-tokens", new_tokens, "--modes", "compiled", "--dtypes", dtypes,
-               *(("--attention", attention) if attention else ()), "--out", "{out}/" + out,
+               *(("--attention", attention) if attention else ()), *more, "--out", "{out}/" + out,
                log=out + ".log", gpu=gpu)
 
 
@@ -469,7 +479,8 @@ def _decode_one(ctx: Context) -> Steps:
     cfg, ckpt = "{checkpoint}/config.yaml", "{checkpoint}"
     for i, spec in enumerate(specs):
         name = "decode-96-" + _safe(spec)
-        steps.append((_decode_bench(cfg, ckpt, "96", "bfloat16,float32" if i == 0 else "bfloat16", spec, name),))
+        steps.append((_decode_bench(cfg, ckpt, "96", "bfloat16,float32" if i == 0 else "bfloat16", spec, name,
+                                    more=("{decode_sets}", "--pass-schedules", "{pass_schedules}")),))
     if specs and (ctx.symbolic or v["decode_long"] != "0"):
         steps.append((_decode_bench(cfg, ckpt, "512", "bfloat16", specs[0], "decode-512-" + _safe(specs[0])),))
     return tuple(steps)

@@ -76,7 +76,9 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     for item, why in (("steps=0", "whole number >= 1"), ("steps=3e3", "whole number >= 1"),
                       ("regen_new_tokens=-5", "or empty"), ("ablation_raw=yes", "0 or 1"), ("decode_long=2", "0 or 1"),
                       ("ablation_sets=", "at least one"), ("ablation_sets=sharegpt sharegpt", "more than once"),
-                      (f"ablation_sets=sharegpt {tmp_path / 'no.jsonl'}", "neither a name")):
+                      (f"ablation_sets=sharegpt {tmp_path / 'no.jsonl'}", "neither a name"),
+                      ("decode_sets=sharegpt sharegpt", "more than once"), ("pass_schedules=", "comma-separated"),
+                      ("pass_schedules=predicted,eager", "comma-separated")):
         assert gc.main(["compile", "--dry-run", "--set", item]) == 2, item
         assert f"--set {item}: " in (err := capsys.readouterr().err) and why in err, err
     assert gc.main(["compile", "--dry-run", "--set", "regen_new_tokens=", "--set", "steps=12"]) == 0
@@ -206,13 +208,16 @@ def test_every_check_resolves_to_runnable_commands(tmp_path):
 
 def test_settings_fill_the_commands(tmp_path):
     values = {k: v for k, (v, _) in gc.VARIABLES.items()}
-    values.update(attention="reduce+sdpa", speed_modes="none", decode_long="0", checkpoint="/r/run-best")
+    values.update(attention="reduce+sdpa", speed_modes="none", decode_long="0", checkpoint="/r/run-best",
+                  decode_sets="sharegpt humaneval", pass_schedules="predicted,pipelined")
     ctx = ctx_for(tmp_path, gpus=1, gguf="/m.gguf", sharegpt="/s.jsonl", values=values)
     steps = gc.BY_NAME["decode_one"].commands(ctx)
     assert len(steps) == 1  # no speed step, one spec, no 512-token bench
     argv = steps[0][0][0]
     assert argv[argv.index("--attention") + 1] == "reduce+sdpa"
     assert argv[argv.index("--config") + 1] == "/r/run-best/config.yaml"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--prompt-set"] == ["sharegpt", "humaneval"]
+    assert argv[argv.index("--pass-schedules") + 1] == "predicted,pipelined"
     assert argv[argv.index("--out") + 1] == str(tmp_path / "out" / "decode_one" / "decode-96-reduce-sdpa")
 
 
