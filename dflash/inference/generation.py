@@ -66,8 +66,9 @@ def passes_before_check(remaining: Sequence[int], emitted: Sequence[int], passes
         emitted: per active row (same order), tokens emitted by the ``passes_done`` passes so far.
         passes_done: passes run in this decode (0 before the first: only the certain need counts).
         block_size: the drafter's block size ``B`` (tokens per pass at most).
-        cap: at most this many passes (``Generator.sync_every``).
-        schedule: ``predicted`` or ``certain`` (:data:`PASS_SCHEDULES`).
+        cap: at most this many passes (``Generator.sync_every``, plus the passes already enqueued
+            past the rows' known state under ``pipelined``).
+        schedule: one of :data:`PASS_SCHEDULES` (``pipelined`` predicts as ``predicted`` does).
 
     Returns:
         a whole number in ``[1, cap]``.
@@ -150,24 +151,26 @@ class Generation:
 
 
 class _Timer:
-    """Device time of labelled sections: CUDA events (no sync until :meth:`totals`), perf_counter on CPU."""
+    """Device time of labelled sections: CUDA events on ``device``'s current stream (no sync until
+    :meth:`totals`; the device need not be the current one), perf_counter on CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         self.marks: dict[str, list[Any]] = {}
         self.cpu: dict[str, float] = {}
 
     def start(self, name: str) -> Any:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
             return ev
         return time.perf_counter()
 
     def stop(self, name: str, token: Any) -> None:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
             self.marks.setdefault(name, []).append((token, ev))
         else:
             self.cpu[name] = self.cpu.get(name, 0.0) + time.perf_counter() - token
@@ -274,7 +277,7 @@ class Generator(DecodeSteps):
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the copy's stream, also off the current device
         return buf, event
 
     @staticmethod
@@ -459,7 +462,9 @@ class Generator(DecodeSteps):
             checks += 1
             idle += known == forwards  # nothing enqueued behind what was read: the GPU waits for the host
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
-        decoded = time.perf_counter()  # the last poll synchronised
+        for _, snapshot in in_flight:  # a chunk enqueued behind the last read (pipelined): its time is decoding's
+            self._read_snapshot(snapshot)
+        decoded = time.perf_counter()  # every enqueued pass has run
         gens = self._collect(prompts, max_new_tokens, passes=True)
         self._report(progress, shown, [max(0, len(g.tokens) - 1) for g in gens])
         split = timer.totals()
