@@ -289,12 +289,6 @@ class Generator(DecodeSteps):
         both = buf.tolist()
         return both[0], [bool(x) for x in both[1]]
 
-    def _poll(self, n: int) -> tuple[list[int], list[bool]]:
-        """Anchors and active flags of rows ``0 … n−1``: the one device→host sync of a check."""
-        st = self.state
-        both = torch.stack([st.anchor[:n], st.active[:n].long()]).tolist()
-        return both[0], [bool(x) for x in both[1]]
-
     def _collect(self, prompts: Sequence[Tensor], max_new_tokens: int, passes: bool,
                  logit_stats: bool = True) -> list[Generation]:
         """Read each row's tokens, top-2 logits (unless not ``logit_stats``) and passes off the
@@ -389,7 +383,7 @@ class Generator(DecodeSteps):
             for _ in range(steps):
                 self._greedy_step()
             forwards += steps
-            anchor, active = self._poll(n)
+            anchor, active = self._read_snapshot(self._snapshot(n))
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
         decoded = time.perf_counter()  # the last poll synchronised
         gens = self._collect(prompts, max_new_tokens, passes=False, logit_stats=logit_stats)
