@@ -106,7 +106,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
                     "decode_one: decode_speed's modes first (none: skip it)"),
     "decode_long": ("1", "decode_one: 0 skips the 512-token bench"),
     "decode_sets": ("sharegpt", "decode_one: the 96-token benches' prompt sets, space-separated (--prompt-set)"),
-    "pass_schedules": ("predicted", "decode_one: the 96-token benches' host-check schedules (--pass-schedules)"),
+    "pass_schedules": ("certain", "decode_one: the 96-token benches' host-check schedules (--pass-schedules)"),
     "decode_checkpoint": ("", "decode: the drafter checkpoint (empty: a randomly initialised drafter)"),
     "reference_budget": ("12288", "reference_one_gpu: data.token_budget (the reference config's 49,152 over 4)"),
 }

@@ -271,9 +271,13 @@ def test_set_summaries_against_a_naive_count():
     for i in range(23):
         accepted = [rng.randint(1, 6) for _ in range(rng.randint(0, 7))]
         new = sum(accepted) + 1
+        target_new = new if rng.random() < 0.5 else rng.randint(1, 40)  # a tie may change the length
+        t_decode, s_decode = rng.uniform(0.5, 2.0), rng.uniform(0.2, 1.5)
         rows.append({"set": rng.choice(["a", "b", "mt-bench"]), "result": rng.choice(["identical", "tie", "FAIL"]),
                      "accepted": accepted, "tau": sum(accepted) / len(accepted) if accepted else float("nan"),
-                     "new_tokens": new, "target_s": rng.uniform(0.5, 2.0), "spec_s": rng.uniform(0.2, 1.5)})
+                     "new_tokens": new, "target_new_tokens": target_new, "target_decode_s": t_decode,
+                     "spec_decode_s": s_decode, "target_s": t_decode + rng.uniform(0.01, 0.1),
+                     "spec_s": s_decode + rng.uniform(0.01, 0.1)})
     per_set, pooled = set_summaries(rows)
     order = []
     for r in rows:
@@ -282,21 +286,26 @@ def test_set_summaries_against_a_naive_count():
     assert [x["set"] for x in per_set] == order and pooled["set"] == POOLED
     for x, name in zip(per_set + [pooled], order + [None]):
         mine = [r for r in rows if name is None or r["set"] == name]
-        passes, total, taus, t_tpot, s_tpot = 0, 0, [], 0.0, 0.0
+        passes, total, taus, t_tpot, s_tpot, t_e2e, s_e2e = 0, 0, [], 0.0, 0.0, 0.0, 0.0
         for r in mine:
             passes += len(r["accepted"])
             total += sum(r["accepted"])
             if r["accepted"]:
                 taus.append(r["tau"])
-            t_tpot += r["target_s"] / r["new_tokens"] / len(mine)
-            s_tpot += r["spec_s"] / r["new_tokens"] / len(mine)
+            # the reference benchmark's time per output token: decoding after the prefill, each side's own tokens
+            t_tpot += r["target_decode_s"] / r["target_new_tokens"] / len(mine)
+            s_tpot += r["spec_decode_s"] / r["new_tokens"] / len(mine)
+            t_e2e += r["target_s"] / r["target_new_tokens"] / len(mine)
+            s_e2e += r["spec_s"] / r["new_tokens"] / len(mine)
         assert x["prompts"] == len(mine) and x["verification_steps"] == passes
         assert (x["identical"], x["ties"], x["failures"]) == tuple(
             sum(r["result"] == k for r in mine) for k in ("identical", "tie", "FAIL"))
         assert x["tau"] == pytest.approx(total / passes)
         assert x["tau_per_response"] == pytest.approx(sum(taus) / len(taus))
         assert x["target_ms_per_token"] == pytest.approx(1e3 * t_tpot)
+        assert x["spec_ms_per_token"] == pytest.approx(1e3 * s_tpot)
         assert x["speedup"] == pytest.approx(t_tpot / s_tpot)
+        assert x["speedup_end_to_end"] == pytest.approx(t_e2e / s_e2e)
     assert math.isnan(set_summaries([dict(rows[0], accepted=[], tau=float("nan"))])[1]["tau"])
 
 

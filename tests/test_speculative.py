@@ -164,6 +164,7 @@ def test_static_greedy_without_logit_stats_gives_the_same_tokens(target, prompts
         assert out.top2 == [] and out.spread == []
         assert out.prefill_seconds > 0 and out.decode_seconds > 0
         assert out.prefill_seconds + out.decode_seconds <= out.seconds
+        assert 0 < out.enqueue_seconds <= out.decode_seconds  # eagerly on CPU, enqueuing a step is running it
 
 
 def test_static_greedy_records_the_logit_spread(target, prompts, references):
@@ -336,7 +337,7 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
                                      for g in gens]
                 checks[n, schedule] = gens[0].checks
                 idle[n, schedule] = gens[0].idle_checks
-        first = outs[1, "predicted"]
+        first = outs[1, PASS_SCHEDULES[0]]
         assert all(out == first for out in outs.values()), f"stops {sorted(stops)}"
         if kind != "greedy":  # the prediction never checks more often than the certain need alone
             assert all(checks[n, "predicted"] <= checks[n, "certain"] for n in (1, 2, 5, 8, 64))
@@ -405,9 +406,9 @@ def test_passes_before_check_against_a_naive_count():
         assert passes_before_check(remaining, emitted, 0, b, cap) == passes_before_check(remaining, emitted, 0, b, cap,
                                                                                         "certain")
     # a row at τ = 2.5 with 90 tokens to go: 36 passes predicted, capped at 8; 6 certain with B = 16
-    assert passes_before_check([90], [25], 10, 16, 8) == 8
-    assert passes_before_check([90], [25], 10, 16, 64) == 36
-    assert passes_before_check([90], [25], 10, 16, 64, "certain") == 6
+    assert passes_before_check([90], [25], 10, 16, 8, "predicted") == 8
+    assert passes_before_check([90], [25], 10, 16, 64, "predicted") == 36
+    assert passes_before_check([90], [25], 10, 16, 64) == 6  # certain, the default
     with pytest.raises(ValueError, match="schedule"):
         passes_before_check([1], [1], 1, 4, 8, "eager")
     with pytest.raises(ValueError, match="differ in length"):
@@ -789,8 +790,10 @@ def test_decode_report_survives_a_one_token_response(target, prompts, references
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         mask[prompt.numel():] = True
         cases.append(PromptCase(i, i, prompt, ids, mask))
-    report = decode_report(target, trained_drafter, cases, max_new_tokens=MAX_NEW, stop_ids=[stop], compile=False)
+    report = decode_report(target, trained_drafter, cases, max_new_tokens=MAX_NEW, stop_ids=[stop], compile=False,
+                           repeats=3)
     s, rows = report["summary"], report["prompts"]
+    assert s["repeats"] == 3 and s["repeat_differences"] == {"greedy": 0, "speculative": 0}
     assert rows[0]["new_tokens"] == 1 and rows[0]["steps"] == 0 and rows[0]["result"] == "identical"
     assert math.isnan(rows[0]["tau"]) and math.isnan(rows[0]["offline_tau_own"])
     assert rows[1]["steps"] > 0
@@ -798,12 +801,48 @@ def test_decode_report_survives_a_one_token_response(target, prompts, references
         kept = [r[row_key] for r in rows if not math.isnan(r[row_key])]
         assert len(kept) == 1 and s[key] == pytest.approx(kept[0], abs=1e-12)
     text = format_report(report)
-    assert "nan" not in text
+    assert "nan" not in text and "the median of 3 runs" in text
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
     import decode_bench
 
     s["warmup_s"] = 1.5
     assert "nan" not in decode_bench.table([report])
+
+
+@pytest.mark.parametrize("repeats", [1, 2, 3, 4, 5])
+def test_repeated_decoding_keeps_the_median_run_of_each_batch(monkeypatch, repeats):
+    """Per batch and way, the run kept is the one whose decoding time is the median (the lower middle
+    for an even count), against a naive sort of random times; differing tokens are counted."""
+    import random
+
+    from dflash.inference import spec_report
+
+    rng = random.Random(repeats)
+    groups = [[0, 1], [2], [3, 4, 5]]
+    runs = []
+    for k in range(repeats):
+        both = []
+        for method in ("greedy", "speculative"):
+            out = []
+            for grp in groups:
+                t = rng.uniform(0.1, 1.0)  # a batch's rows share its time
+                for i in grp:
+                    tokens = [i, k] if method == "speculative" and i == 4 and k > 0 else [i]
+                    out.append(Generation(tokens=tokens, decode_seconds=t, seconds=t + 0.01))
+            both.append(out)
+        runs.append((both[0], both[1], groups))
+    calls = iter(runs)
+    monkeypatch.setattr(spec_report, "_decode_both", lambda *a, **k: next(calls))
+    base, spec, got_groups, differing = spec_report._decode_repeated({}, [], [None] * 6, 8, [], 3, repeats)
+    assert got_groups == groups
+    assert differing == {"greedy": 0, "speculative": repeats - 1}
+    for m, picked in enumerate((base, spec)):
+        for grp in groups:
+            times = sorted(runs[k][m][grp[0]].decode_seconds for k in range(repeats))
+            want = times[(repeats - 1) // 2]
+            assert all(picked[i].decode_seconds == want for i in grp)
+            k = next(k for k in range(repeats) if runs[k][m][grp[0]].decode_seconds == want)
+            assert all(picked[i] is runs[k][m][i] for i in grp)
 
 
 def test_length_buckets_round_up_and_stay_few():

@@ -15,14 +15,16 @@ and reads the tokens, their top-2 logits (so the lossless check can judge a diff
 runs by the target's own margin) and the passes once at the end, cutting a row's tokens after its
 first stop token. Target-only decoding never enqueues more steps than the longest row still needs,
 so only a stop token can leave steps that change nothing. Speculative decoding enqueues, between two
-checks, as many passes as the rows' acceptance so far predicts they still need (never fewer than
-``⌈remaining / B⌉``, which a pass cannot beat; :func:`passes_before_check`): a check is a
-device→host sync that drains the GPU's queue, and with ``⌈remaining / B⌉`` alone a 96-token
-response at τ ≈ 2.4 checks about every other pass. The ``pipelined`` schedule sizes its chunks
-the same way but enqueues the next chunk before it waits for the state after the previous one
-(copied into pinned host memory behind it), so the GPU idles only where the prediction says no
-chunk is needed. A predicted pass that turns out not to be needed runs on inactive rows and
-changes nothing, so the output depends neither on ``sync_every`` nor on the schedule.
+checks, the passes every row still certainly needs (``⌈remaining / B⌉``, which a pass cannot beat;
+:func:`passes_before_check`), so no pass runs after the rows are done unless a stop token ends
+them. Two other schedules trade checks for passes: ``predicted`` also counts on the rows going on
+at their acceptance so far (fewer checks, a few passes past the end), and ``pipelined`` sizes its
+chunks the same way but enqueues the next chunk before it waits for the state after the previous
+one (copied into pinned host memory behind it), so the GPU idles only where the prediction says no
+chunk is needed. Measured on SmolLM2-135M on one H200 (96 new tokens, batch 1), the passes they add
+cost more than the checks they save: ``certain`` is the default. A pass that turns out not to be
+needed runs on inactive rows and changes nothing, so the output depends neither on ``sync_every``
+nor on the schedule.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ __all__ = ["Generation", "Generator", "PASS_SCHEDULES", "passes_before_check"]
 
 log = logging.getLogger(__name__)
 
-#: How speculative decoding chooses the passes between two host checks (:func:`passes_before_check`).
-PASS_SCHEDULES = ("predicted", "certain", "pipelined")
+#: How speculative decoding chooses the passes between two host checks (:func:`passes_before_check`);
+#: the first is the default.
+PASS_SCHEDULES = ("certain", "predicted", "pipelined")
 
 #: Target forwards between two host checks of the decoding state (the only device→host syncs of a
 #: compiled decode). Larger: more forwards queued without the host waiting; smaller: fewer forwards
@@ -52,7 +55,7 @@ SYNC_EVERY = 8
 
 
 def passes_before_check(remaining: Sequence[int], emitted: Sequence[int], passes_done: int, block_size: int,
-                        cap: int, schedule: str = "predicted") -> int:
+                        cap: int, schedule: str = "certain") -> int:
     """Verification passes to enqueue before the host next reads the decoding state.
 
     A pass emits between 1 and ``block_size`` tokens per active row, so every row still needs at
@@ -114,7 +117,13 @@ class Generation:
             for batched decoding), and the device time of drafting and of verification, in s.
         prefill_seconds / decode_seconds: wall time of the batch's prefill (to its first tokens
             on the host) and of the decoding loop after it (steps or passes), in s; ``seconds``
-            minus both is the host's reading of the results.
+            minus both is the host's reading of the results. ``decode_seconds`` over the tokens is
+            the time per output token of the reference benchmark (z-lab/dflash ``dflash/model.py``,
+            ``dflash_generate``: the clock starts after the prefill).
+        enqueue_seconds: host time spent enqueuing the decoding loop's steps or passes (the Python
+            calls that launch them, CUDA graph replays on a compiled CUDA decoder), in s. Against the
+            device time of the same steps it says which side bounds decoding: where enqueuing a
+            pass takes as long as running it, the GPU waits for the host.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -131,6 +140,7 @@ class Generation:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    enqueue_seconds: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -195,7 +205,7 @@ class Generator(DecodeSteps):
             reads of the decoding state (:data:`SYNC_EVERY`); any value gives the same outputs.
             Settable on the instance (:attr:`sync_every`) without recompiling.
         pass_schedule: how speculative decoding chooses the passes between two checks
-            (:func:`passes_before_check`: ``predicted``, the default, or ``certain``; ``pipelined``
+            (:func:`passes_before_check`: ``certain``, the default, or ``predicted``; ``pipelined``
             sizes chunks as ``predicted`` does but enqueues the next chunk before reading the state
             after the previous one, so the GPU does not idle at a check); any value gives the same
             outputs. Settable on the instance (:attr:`pass_schedule`).
@@ -208,7 +218,7 @@ class Generator(DecodeSteps):
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
                  fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
-                 pass_schedule: str = "predicted") -> None:
+                 pass_schedule: str = "certain") -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
         if pass_schedule not in PASS_SCHEDULES:
@@ -377,11 +387,14 @@ class Generator(DecodeSteps):
         anchor = list(lens)
         shown = [0] * n
         forwards = 0
+        enqueue = 0.0
         while any(active):
             self._bound(forwards, max_new_tokens)
             steps = max(1, min(self.sync_every, max(limit[r] - anchor[r] for r in range(n) if active[r])))
+            t = time.perf_counter()
             for _ in range(steps):
                 self._greedy_step()
+            enqueue += time.perf_counter() - t
             forwards += steps
             anchor, active = self._read_snapshot(self._snapshot(n))
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
@@ -393,6 +406,7 @@ class Generator(DecodeSteps):
             g.seconds = elapsed
             g.prefill_seconds = prefilled - start
             g.decode_seconds = decoded - prefilled
+            g.enqueue_seconds = enqueue
         return gens
 
     @torch.no_grad()
@@ -428,6 +442,7 @@ class Generator(DecodeSteps):
         pipelined = self.pass_schedule == "pipelined"
         forwards = checks = idle = 0  # passes enqueued, host checks, checks with nothing enqueued behind them
         known = 0  # passes whose outcome (anchor, active) the host has read
+        enqueue = 0.0
         in_flight: list[tuple[int, tuple[Tensor, Any]]] = []  # (forwards after a chunk, its snapshot)
         while any(active):
             self._bound(known, max_new_tokens)
@@ -436,6 +451,7 @@ class Generator(DecodeSteps):
             need = passes_before_check([limit[r] - anchor[r] for r in live], [anchor[r] - lens[r] for r in live],
                                        known, b_sz, ahead + self.sync_every, self.pass_schedule)
             chunk = need - ahead if in_flight else max(1, need - ahead)
+            launched = time.perf_counter()
             for _ in range(max(0, chunk)):
                 t = timer.start("draft")
                 if self.compiled:
@@ -446,6 +462,7 @@ class Generator(DecodeSteps):
                 t = timer.start("verify")
                 self._verify_step()
                 timer.stop("verify", t)
+            enqueue += time.perf_counter() - launched
             if chunk > 0:
                 forwards += chunk
                 in_flight.append((forwards, self._snapshot(n)))
@@ -472,4 +489,5 @@ class Generator(DecodeSteps):
             g.verify_seconds = split.get("verify", 0.0)
             g.prefill_seconds = prefilled - start
             g.decode_seconds = decoded - prefilled
+            g.enqueue_seconds = enqueue
         return gens

@@ -48,13 +48,18 @@ def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
 
 def _pooled(gens: Sequence[Generation], groups: Sequence[Sequence[int]]) -> dict[str, float]:
     """Tokens/s and time split over prompts decoded in ``groups`` (batches of indices into ``gens``;
-    a batch's time counted once)."""
+    a batch's time counted once): whole seconds, prefill, decoding loop (the reference benchmark's
+    clock), device time of drafting and verification, host time enqueuing the loop's work."""
     tokens = sum(len(g.tokens) for g in gens)
-    seconds = sum(gens[grp[0]].seconds for grp in groups)
-    draft = sum(gens[grp[0]].draft_seconds for grp in groups)
-    verify = sum(gens[grp[0]].verify_seconds for grp in groups)
+
+    def total(key: str) -> float:
+        return sum(getattr(gens[grp[0]], key) for grp in groups)
+
+    seconds, draft, verify = total("seconds"), total("draft_seconds"), total("verify_seconds")
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds if seconds else float("nan"),
-            "draft_s": draft, "verify_s": verify, "host_s": max(0.0, seconds - draft - verify)}
+            "draft_s": draft, "verify_s": verify, "host_s": max(0.0, seconds - draft - verify),
+            "prefill_s": total("prefill_seconds"), "decode_s": total("decode_seconds"),
+            "enqueue_s": total("enqueue_seconds")}
 
 
 def _per_response(rows: Sequence[dict[str, Any]], key: str) -> float:
@@ -66,32 +71,46 @@ def _per_response(rows: Sequence[dict[str, Any]], key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _tpot(rows: Sequence[dict[str, Any]], seconds: str, tokens: str) -> float:
+    """Mean over ``rows`` with tokens of ``row[seconds] / row[tokens]`` (s), NaN when none has any."""
+    timed = [r for r in rows if r[tokens]]
+    return sum(r[seconds] / r[tokens] for r in timed) / len(timed) if timed else float("nan")
+
+
 def _set_summary(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One row of :func:`set_summaries` over ``rows``."""
     accepted = [a for r in rows for a in r["accepted"]]
-    timed = [r for r in rows if r["new_tokens"]]
-    target_tpot = sum(r["target_s"] / r["new_tokens"] for r in timed) / len(timed) if timed else float("nan")
-    spec_tpot = sum(r["spec_s"] / r["new_tokens"] for r in timed) / len(timed) if timed else float("nan")
+    # each side over its own tokens: at a numerical tie the two outputs may differ in length
+    target_tpot = _tpot(rows, "target_decode_s", "target_new_tokens")
+    spec_tpot = _tpot(rows, "spec_decode_s", "new_tokens")
+    target_e2e = _tpot(rows, "target_s", "target_new_tokens")
+    spec_e2e = _tpot(rows, "spec_s", "new_tokens")
     return {"set": name, "prompts": len(rows), "identical": sum(r["result"] == "identical" for r in rows),
             "ties": sum(r["result"] == "tie" for r in rows), "failures": sum(r["result"] == "FAIL" for r in rows),
             "new_tokens": sum(r["new_tokens"] for r in rows), "verification_steps": len(accepted),
             "tau": sum(accepted) / len(accepted) if accepted else float("nan"),
             "tau_per_response": _per_response(rows, "tau"),
             "target_ms_per_token": 1e3 * target_tpot, "spec_ms_per_token": 1e3 * spec_tpot,
-            "speedup": target_tpot / spec_tpot if spec_tpot > 0 else float("nan")}
+            "speedup": target_tpot / spec_tpot if spec_tpot > 0 else float("nan"),
+            "target_ms_per_token_end_to_end": 1e3 * target_e2e, "spec_ms_per_token_end_to_end": 1e3 * spec_e2e,
+            "speedup_end_to_end": target_e2e / spec_e2e if spec_e2e > 0 else float("nan")}
 
 
 def set_summaries(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per prompt set (in the order the rows first name them) and pooled over all rows: prompts,
     identical / tie / FAIL, τ pooled (Σ τ / Σ passes) and per response (:func:`_per_response`), the
-    mean time per output token both ways (ms; each response's seconds over its new tokens, then the
-    mean over responses) and the speedup as their ratio, target-only over speculative: the reference
-    benchmark's (z-lab/dflash ``dflash/benchmark.py``, ``_print_decode_summary``). At batch > 1 a
-    response's seconds are its batch's.
+    mean time per output token both ways and the speedup as their ratio, target-only over
+    speculative, as the reference benchmark takes them: each response's decoding time (the clock
+    starting once the prefill's first token is on the host, z-lab/dflash ``dflash/model.py``,
+    ``dflash_generate``) over its output tokens (the prefill's first token counted), then the mean
+    over responses (``dflash/benchmark.py``, ``_print_decode_summary``); ms. Beside them the same
+    with the prefill and the reading of the results counted (``*_end_to_end``). Each side divides
+    by its own tokens. At batch > 1 a response's seconds are its batch's.
 
     Args:
         rows: :func:`decode_report`'s ``prompts`` rows (``set``, ``result``, ``accepted``, ``tau``,
-            ``new_tokens``, ``target_s``, ``spec_s``).
+            ``new_tokens``, ``target_new_tokens``, ``target_s``, ``spec_s``, ``target_decode_s``,
+            ``spec_decode_s``).
 
     Returns:
         ``(per set, pooled)``; the pooled row's ``set`` is :data:`POOLED`.
@@ -146,7 +165,7 @@ def default_length_bucket(compiled: bool) -> int:
 
 def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
                      stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: Optional[str],
-                     length_bucket: int, pass_schedule: str = "predicted"
+                     length_bucket: int, pass_schedule: str = "certain"
                      ) -> tuple[dict[int, Generator], list[int], float]:
     """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run once
     both ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA).
@@ -182,15 +201,15 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
 
 
 def _decode_both(gens: dict[int, Generator], sizes: Sequence[int], cases: Sequence[PromptCase], max_new_tokens: int,
-                 stop_ids: Sequence[int], batch: int, methods: Sequence[str] = ("greedy", "speculative")
-                 ) -> tuple[list[Generation], list[Generation], list[list[int]]]:
+                 stop_ids: Sequence[int], batch: int, methods: Sequence[str] = ("greedy", "speculative"),
+                 desc: str = "decoding") -> tuple[list[Generation], list[Generation], list[list[int]]]:
     """``(target-only, speculative)`` generations of ``cases`` (in their order), ``batch`` prompts of
     one length bucket at a time, and those batches as lists of case indices; a method left out of
     ``methods`` gives an empty list."""
     groups = [grp for size in sorted(gens) for grp in _batches([i for i, n in enumerate(sizes) if n == size], batch)]
     base: list[Optional[Generation]] = [None] * len(cases) if "greedy" in methods else []
     spec: list[Optional[Generation]] = [None] * len(cases) if "speculative" in methods else []
-    bar = Progress(len(methods) * len(cases) * max_new_tokens, desc="decoding", unit="tok",
+    bar = Progress(len(methods) * len(cases) * max_new_tokens, desc=desc, unit="tok",
                    interval_s=PROGRESS_LOG_S, logger=log)
     for out, method in ((base, "greedy"), (spec, "speculative")):
         if method not in methods:
@@ -206,6 +225,45 @@ def _decode_both(gens: dict[int, Generator], sizes: Sequence[int], cases: Sequen
     return base, spec, groups  # type: ignore[return-value]
 
 
+def _decode_repeated(gens: dict[int, Generator], sizes: Sequence[int], cases: Sequence[PromptCase],
+                     max_new_tokens: int, stop_ids: Sequence[int], batch: int, repeats: int,
+                     methods: Sequence[str] = ("greedy", "speculative")
+                     ) -> tuple[list[Generation], list[Generation], list[list[int]], dict[str, int]]:
+    """:func:`_decode_both` ``repeats`` times (each time every method in turn, so a slow stretch of the
+    machine falls on both); per batch and method, the run whose decoding time is the median (the
+    lower of the two middle ones for an even count) is kept whole, its tokens and its times.
+
+    Returns:
+        ``(target-only, speculative, batches, differing)``; ``differing[method]`` counts the
+        responses of later runs whose tokens differ from the first run's (0 when decoding is
+        deterministic, as it is on one device with fixed shapes).
+    """
+    runs = [_decode_both(gens, sizes, cases, max_new_tokens, stop_ids, batch, methods,
+                         desc="decoding" if repeats == 1 else f"decoding (run {k + 1}/{repeats})")
+            for k in range(repeats)]
+    groups = runs[0][2]
+    picked: list[list[Generation]] = []
+    differing: dict[str, int] = {}
+    for m, method in enumerate(("greedy", "speculative")):
+        if method not in methods:
+            picked.append([])
+            continue
+        first = runs[0][m]
+        differing[method] = sum(run[m][i].tokens != first[i].tokens for run in runs[1:] for i in range(len(cases)))
+        out = list(first)
+        for grp in groups:
+            order = sorted(range(repeats), key=lambda k: runs[k][m][grp[0]].decode_seconds)
+            keep = runs[order[(repeats - 1) // 2]][m]
+            for i in grp:
+                out[i] = keep[i]
+        picked.append(out)
+    for method, n in differing.items():
+        if n:
+            log.warning("%s decoding: %d response(s) of runs 2..%d differ from run 1's tokens (the median run's "
+                        "tokens are reported)", method, n, repeats)
+    return picked[0], picked[1], groups, differing
+
+
 def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int, dtype: torch.dtype
                 ) -> dict[str, Any]:
     """One prompt's row of the report: the comparison of ``s`` (speculative) with ``t``
@@ -218,7 +276,10 @@ def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int,
            "tau": s.tau, "steps": s.steps, "accepted": s.accepted, "anchors": s.anchors,
            "spec_tok_s": s.tokens_per_s, "target_tok_s": t.tokens_per_s,
            "spec_s": s.seconds, "target_s": t.seconds, "draft_s": s.draft_seconds,
-           "verify_s": s.verify_seconds, "target_tokens": t.tokens}
+           "verify_s": s.verify_seconds, "target_tokens": t.tokens, "target_new_tokens": len(t.tokens),
+           "spec_decode_s": s.decode_seconds, "target_decode_s": t.decode_seconds,
+           "spec_prefill_s": s.prefill_seconds, "target_prefill_s": t.prefill_seconds,
+           "spec_enqueue_s": s.enqueue_seconds, "target_enqueue_s": t.enqueue_seconds}
     if diff is not None:
         (log.warning if diff.tie else log.error)(
             "prompt %d: speculative output differs from target-only greedy at token %d (%d vs %d): margins "
@@ -305,16 +366,20 @@ def _add_offline(summary: dict[str, Any], rows: list[dict[str, Any]], target: An
 
 @torch.no_grad()
 def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Generation], groups: Sequence[Sequence[int]],
-                  rows: Sequence[dict[str, Any]], target_s: float) -> dict[str, Any]:
+                  rows: Sequence[dict[str, Any]], target: dict[str, float]) -> dict[str, Any]:
     """One row of the summary's ``pass_schedules``: speculative decoding's time under ``schedule``
-    (``spec``, against the target-only time ``target_s`` and the first schedule's outputs ``ref``)."""
+    (``spec``, against the target-only times ``target`` (:func:`_pooled`) and the first schedule's
+    outputs ``ref``)."""
     p = _pooled(spec, groups)
+    target_s = target["seconds"]
     sets, pooled = set_summaries(rows)
     return {"schedule": schedule, "checks": sum(spec[grp[0]].checks for grp in groups),
             "idle_checks": sum(spec[grp[0]].idle_checks for grp in groups),
             "passes": sum(g.steps for g in spec), "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups), "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
             "spec_s": p["seconds"], "host_s": p["host_s"], "draft_s": p["draft_s"], "verify_s": p["verify_s"],
+            "decode_s": p["decode_s"], "enqueue_s": p["enqueue_s"],
             "speedup": target_s / p["seconds"] if p["seconds"] else float("nan"),
+            "speedup_decode": target["decode_s"] / p["decode_s"] if p["decode_s"] else float("nan"),
             "sets": {x["set"]: {"spec_ms_per_token": x["spec_ms_per_token"], "speedup": x["speedup"]}
                      for x in sets + [pooled]}}
 
@@ -322,7 +387,7 @@ def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Gener
 def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], *, max_new_tokens: int,
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
                   labels: str = "target", attention: Optional[str] = None, length_bucket: Optional[int] = None,
-                  pass_schedules: Sequence[str] = ("predicted",)) -> dict[str, Any]:
+                  pass_schedules: Sequence[str] = ("certain",), repeats: int = 1) -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
     Args:
@@ -345,6 +410,9 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
             (:func:`dflash.inference.generation.passes_before_check`); the report is the first's,
             and each further one decodes the prompts speculatively again with the same warm
             generators, for its time alone (the summary's ``pass_schedules``, one row each).
+        repeats: decode the prompts this many times each way and keep, per batch and way, the run
+            with the median decoding time (:func:`_decode_repeated`): the timings of one run on a
+            busy host scatter by tens of percent from prompt to prompt.
 
     Returns:
         ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
@@ -354,16 +422,18 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         seconds (host, draft, verify) and speedups (pooled, and per set as :func:`set_summaries`).
 
     Raises:
-        ValueError: an empty or unknown ``pass_schedules`` entry.
+        ValueError: an empty or unknown ``pass_schedules`` entry, ``repeats < 1``.
     """
     if not pass_schedules or any(p not in PASS_SCHEDULES for p in pass_schedules):
         raise ValueError(f"pass_schedules: each of {PASS_SCHEDULES}, at least one; got {list(pass_schedules)}")
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
     if length_bucket is None:
         device = next(target.model.parameters()).device
         length_bucket = default_length_bucket(compile if compile is not None else device.type == "cuda")
     gens, sizes, warmup_s = _warm_generators(target, drafter, cases, max_new_tokens, stop_ids, batch, compile,
                                              attention, length_bucket, pass_schedules[0])
-    base, spec, groups = _decode_both(gens, sizes, cases, max_new_tokens, stop_ids, batch)
+    base, spec, groups, differing = _decode_repeated(gens, sizes, cases, max_new_tokens, stop_ids, batch, repeats)
     gen = next(iter(gens.values()))
     b_sz = int(drafter.block_size)
     dtype = target.dtype
@@ -385,15 +455,23 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         "speedup": pt["seconds"] / ps["seconds"] if ps["seconds"] else float("nan"),
         "spec_s": ps["seconds"], "target_s": pt["seconds"], "draft_s": ps["draft_s"], "verify_s": ps["verify_s"],
         "host_s": ps["host_s"], "warmup_s": warmup_s,
+        "speedup_decode": pt["decode_s"] / ps["decode_s"] if ps["decode_s"] else float("nan"),
+        "spec_prefill_s": ps["prefill_s"], "target_prefill_s": pt["prefill_s"],
+        "spec_decode_s": ps["decode_s"], "target_decode_s": pt["decode_s"],
+        "spec_enqueue_s": ps["enqueue_s"], "target_enqueue_s": pt["enqueue_s"],
+        "target_steps": sum(max(len(base[i].tokens) - 1 for i in grp) for grp in groups),
+        "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups),
+        "repeats": repeats, "repeat_differences": differing,
         "per_position_measured": measured_per_position(all_accepted, b_sz)}
     summary["sets"], summary["sets_pooled"] = set_summaries(rows)
-    summary["pass_schedules"] = [_schedule_row(pass_schedules[0], spec, spec, groups, rows, pt["seconds"])]
+    summary["pass_schedules"] = [_schedule_row(pass_schedules[0], spec, spec, groups, rows, pt)]
     for schedule in pass_schedules[1:]:
         for g in gens.values():
             g.pass_schedule = schedule
-        _, again, _ = _decode_both(gens, sizes, cases, max_new_tokens, stop_ids, batch, methods=("speculative",))
+        _, again, _, _ = _decode_repeated(gens, sizes, cases, max_new_tokens, stop_ids, batch, repeats,
+                                          methods=("speculative",))
         again_rows = [_prompt_row(case, t, s2, gen.num_layers, dtype) for case, t, s2 in zip(cases, base, again)]
-        summary["pass_schedules"].append(_schedule_row(schedule, again, spec, groups, again_rows, pt["seconds"]))
+        summary["pass_schedules"].append(_schedule_row(schedule, again, spec, groups, again_rows, pt))
     for g in gens.values():
         g.pass_schedule = pass_schedules[0]
     if offline:
@@ -403,6 +481,16 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
 
 def _fmt(x: Optional[float], digits: int = 2) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _times(x: Optional[float]) -> str:
+    """``1.23x``; ``–`` for None or NaN."""
+    return "–" if x is None or x != x else f"{x:.2f}x"
+
+
+def _ms_each(seconds: float, count: int) -> str:
+    """``seconds`` over ``count`` in ms (3 decimals), ``–`` when there is nothing to divide by."""
+    return _fmt(1e3 * seconds / count, 3) if count else "–"
 
 
 def format_report(report: dict[str, Any], show_text: bool = False) -> str:
@@ -434,38 +522,53 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
         if show_text and "text" in r:
             lines.append(f"       {r['text']!r}")
     if sets:
-        lines += ["", "per prompt set (tau pooled over passes and per response; time per output token, each response "
-                      "alike, and the speedup as its ratio, as the reference benchmark):",
+        lines += ["", "per prompt set (tau pooled over passes and per response; time per output token as the reference "
+                      "benchmark takes it: each response's decoding after its prefill over its tokens, then the mean "
+                      "over responses; the speedup is the ratio; end to end: prefill and reading the results counted):",
                   f"{'set':<{max(width, len(POOLED))}} {'prompts':>7} {'same':>5} {'tie':>4} {'FAIL':>4} {'tau':>6} "
-                  f"{'tau/resp':>8} {'target ms/tok':>13} {'spec ms/tok':>11} {'speedup':>7}"]
+                  f"{'tau/resp':>8} {'target ms/tok':>13} {'spec ms/tok':>11} {'speedup':>7} {'end to end':>10}"]
         for x in sets + [s["sets_pooled"]]:
+            e2e = x.get("speedup_end_to_end")
             lines.append(f"{x['set']:<{max(width, len(POOLED))}} {x['prompts']:>7} {x['identical']:>5} {x['ties']:>4} "
                          f"{x['failures']:>4} {_fmt(x['tau'], 3):>6} {_fmt(x['tau_per_response'], 3):>8} "
                          f"{_fmt(x['target_ms_per_token'], 3):>13} {_fmt(x['spec_ms_per_token'], 3):>11} "
-                         f"{_fmt(x['speedup'], 2) + ('x' if x['speedup'] == x['speedup'] else ''):>7}")  # NaN: no x
+                         f"{_times(x['speedup']):>7} {_times(e2e):>10}")
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
                   f"{s['failures']} FAIL (of {s['prompts']})",
               f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes "
               f"({s['new_tokens']} new tokens: the passes' and each prompt's first, from the prefill); per "
               f"response {_fmt(s['tau_per_response'], 3)} (each response's tau, then their mean, as the reference "
               "benchmark averages)",
-              f"tokens/s: speculative {_fmt(s['spec_tok_s'], 1)}, target-only {_fmt(s['target_tok_s'], 1)} "
-              f"(speedup {_fmt(s['speedup'], 2)}x)",
+              f"tokens/s end to end: speculative {_fmt(s['spec_tok_s'], 1)}, target-only {_fmt(s['target_tok_s'], 1)} "
+              f"(speedup {_fmt(s['speedup'], 2)}x; decoding alone, after the prefills: "
+              f"{_fmt(s.get('speedup_decode'), 2)}x)",
               f"speculative time: {_fmt(s['spec_s'], 3)} s = draft {_fmt(s['draft_s'], 3)} + verify "
               f"{_fmt(s['verify_s'], 3)} + host {_fmt(s['host_s'], 3)}"]
+    if s.get("spec_decode_s") is not None:
+        passes, steps = s.get("passes_enqueued") or 0, s.get("target_steps") or 0
+        lines += [f"  prefill {_fmt(s['spec_prefill_s'], 3)} s, decoding {_fmt(s['spec_decode_s'], 3)} s, "
+                  f"{passes} passes enqueued: {_ms_each(s['spec_decode_s'], passes)} ms a pass on the clock, "
+                  f"{_ms_each(s['draft_s'] + s['verify_s'], passes)} on the device (draft + verify), "
+                  f"{_ms_each(s['spec_enqueue_s'], passes)} for the host to enqueue it",
+                  f"target-only time: {_fmt(s['target_s'], 3)} s: prefill {_fmt(s['target_prefill_s'], 3)} s, decoding "
+                  f"{_fmt(s['target_decode_s'], 3)} s, {steps} steps: {_ms_each(s['target_decode_s'], steps)} ms a "
+                  f"step on the clock, {_ms_each(s['target_enqueue_s'], steps)} for the host to enqueue it "
+                  "(enqueuing as long as running: the GPU waits for the host)"]
+        if s.get("repeats", 1) > 1:
+            lines.append(f"  timings: the median of {s['repeats']} runs each way, per prompt")
     schedules = s.get("pass_schedules") or []
     if len(schedules) > 1:
         names = [k for k in schedules[0]["sets"]]
         lines += ["", "host checks between verification passes (each a device->host sync), the same prompts decoded "
                       "again under each schedule:",
                   f"{'schedule':<10} {'checks':>6} {'idle':>5} {'passes':>6} {'enqueued':>8} {'same':>5} {'spec s':>7} "
-                  f"{'host s':>7} " + " ".join(f"{n[:12]:>12}" for n in names)]
+                  f"{'host s':>7} {'decode s':>8} " + " ".join(f"{n[:12]:>12}" for n in names)]
         for x in schedules:
             lines.append(f"{x['schedule']:<10} {x['checks']:>6} {x['idle_checks']:>5} {x['passes']:>6} "
                          f"{x['passes_enqueued']:>8} "
                          f"{x['same_tokens']:>5} "
-                         f"{_fmt(x['spec_s'], 3):>7} {_fmt(x['host_s'], 3):>7} "
-                         + " ".join(f"{_fmt(x['sets'][n]['speedup'], 2) + 'x':>12}" for n in names))
+                         f"{_fmt(x['spec_s'], 3):>7} {_fmt(x['host_s'], 3):>7} {_fmt(x.get('decode_s'), 3):>8} "
+                         + " ".join(f"{_times(x['sets'][n]['speedup']):>12}" for n in names))
     if "offline_tau_own" in s:
         lines += [f"offline tau on the target's own continuation: every anchor {_fmt(s['offline_tau_own'], 3)} "
                   f"({s['offline_blocks_own']} blocks; the drafter's average position); walked "
