@@ -10,8 +10,9 @@ Modes: ``eager``, ``compiled`` (fused decoder layers, :mod:`dflash.inference.dec
 attention), ``compiled-ATTN`` (the same with the attention spec ``ATTN`` of
 :func:`dflash.inference.decode_layers.split_attention`: ``matmul``, ``flex``, or ``flex+sdpa`` for
 flex in the one-token step and SDPA in verification) and ``compiled-plain`` (the transformers
-layers). ``--profile`` also counts the GPU kernels of one compiled target-only token and lists the
-costliest (torch.profiler). A mode that fails (a kernel inductor cannot lower on this machine) is
+layers). ``--profile`` also counts the GPU kernels of one compiled target-only token and of one
+verification pass (draft and verification) and lists the costliest (torch.profiler); each mode's
+``enqueue_s`` beside ``decode_s`` says whether the host or the GPU bounds decoding. A mode that fails (a kernel inductor cannot lower on this machine) is
 logged with its error and the others still run; the exit status is then 1.
 
     python -m scripts.decode_speed --out results/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
@@ -87,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write speed.json here")
-    p.add_argument("--profile", action="store_true", help="kernels of one compiled target-only token (CUDA only)")
+    p.add_argument("--profile", action="store_true",
+                   help="kernels of one compiled target-only token and one verification pass (CUDA only)")
     args = p.parse_args(argv)
     for name in ("prompts", "prompt_tokens", "new_tokens", "batch", "block_size", "drafter_layers"):
         if getattr(args, name) < 1:
@@ -188,10 +190,14 @@ def run_mode(mode: str, target, drafter, prompts: list, max_len: int, args: argp
             "draft_s": sum(grp[0].draft_seconds for grp in groups),
             "verify_s": sum(grp[0].verify_seconds for grp in groups), "seconds": seconds,
             "prefill_s": sum(grp[0].prefill_seconds for grp in groups),
-            "decode_s": sum(grp[0].decode_seconds for grp in groups)}
+            "decode_s": sum(grp[0].decode_seconds for grp in groups),
+            # host time launching the steps / passes: as long as decode_s, the GPU waits for the host
+            "enqueue_s": sum(grp[0].enqueue_seconds for grp in groups)}
         tokens_by_mode.setdefault(mode, {})[kind] = [o.tokens for o in outs]
     if args.profile and gen.compiled:
         row["profile"] = profile_greedy(gen, prompts[:args.batch])
+        if "speculative" in kinds:
+            row["profile_speculative"] = profile_speculative(gen, prompts[:args.batch])
     return row
 
 
@@ -204,6 +210,24 @@ def profile_greedy(gen, prompts: list, tokens: int = 32) -> dict:
         gen.greedy(prompts, tokens + 1)
         torch.cuda.synchronize()
     return kernel_table(prof, tokens, "token")
+
+
+def profile_speculative(gen, prompts: list, tokens: int = 64) -> dict:
+    """GPU kernels per verification pass (its draft and verification) over a ``tokens``-token
+    speculative decode, as :func:`profile_greedy` gives them per token; with the clock's time per
+    pass beside it (``clock_us_per_pass``), the difference is the GPU idling between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen.speculative(prompts, 8)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        outs = gen.speculative(prompts, tokens)
+        torch.cuda.synchronize()
+    passes = max(1, max(o.steps for o in outs))
+    table = kernel_table(prof, passes, "pass")
+    table["passes"] = passes
+    table["clock_us_per_pass"] = 1e6 * outs[0].decode_seconds / passes
+    table["enqueue_us_per_pass"] = 1e6 * outs[0].enqueue_seconds / passes
+    return table
 
 
 def kernel_table(prof, per: int, unit: str, rows: int = 12) -> dict:

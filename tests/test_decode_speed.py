@@ -27,6 +27,7 @@ def test_target_only_batch_of_one_length_reports_prefill_and_decoding(tmp_path):
     greedy = row["greedy"]
     assert greedy["prefill_s"] > 0 and greedy["decode_s"] > 0
     assert greedy["prefill_s"] + greedy["decode_s"] <= greedy["seconds"] + 1e-6
+    assert 0 < greedy["enqueue_s"] <= greedy["decode_s"]
     assert "speculative_equals_greedy_eager" not in report
 
 
