@@ -553,7 +553,7 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                   f"target-only time: {_fmt(s['target_s'], 3)} s: prefill {_fmt(s['target_prefill_s'], 3)} s, decoding "
                   f"{_fmt(s['target_decode_s'], 3)} s, {steps} steps: {_ms_each(s['target_decode_s'], steps)} ms a "
                   f"step on the clock, {_ms_each(s['target_enqueue_s'], steps)} for the host to enqueue it "
-                  "(enqueuing as long as running: the GPU waits for the host)"]
+                  "(where enqueuing takes as long as running, the GPU waits for the host)"]
         if s.get("repeats", 1) > 1:
             lines.append(f"  timings: the median of {s['repeats']} runs each way, per prompt")
     schedules = s.get("pass_schedules") or []
