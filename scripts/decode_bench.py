@@ -74,14 +74,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
                         "one-token step, Y in verification and prefill; unset: reduce+sdpa at batch 1, sdpa "
                         "above, dflash.inference.decode_layers.default_attention)")
-    p.add_argument("--pass-schedules", default="certain",
-                   help="speculative decoding's host-check schedules, comma-separated, of ('predicted', 'certain', "
-                        "'pipelined'): "
+    from dflash.inference.generation import PASS_SCHEDULES
+
+    p.add_argument("--pass-schedules", default=PASS_SCHEDULES[0],
+                   help=f"speculative decoding's host-check schedules, comma-separated, of {PASS_SCHEDULES}: "
                         "the report is the first's; each further one decodes the prompts again for its time "
                         "(dflash.inference.generation.passes_before_check)")
     p.add_argument("--repeats", type=int, default=3,
                    help="decode the prompts this many times each way; each prompt's timings are those of its "
-                        "median run (the outputs do not change)")
+                        "median run (the lower median for an even count), its outputs too (runs whose tokens "
+                        "differ from the first's are counted and warned about)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline tau values")
     p.add_argument("--force", action="store_true",
                    help="use a checkpoint trained with another tokenizer, chat template or thinking mode")
@@ -105,7 +107,6 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     bad = [d for d in args.dtypes if d not in DTYPES] + [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown dtype/mode {bad}: dtypes are {DTYPES}, modes {MODES}")
-    from dflash.inference.generation import PASS_SCHEDULES
     args.pass_schedules = [x for x in args.pass_schedules.split(",") if x]
     if not args.pass_schedules or any(x not in PASS_SCHEDULES for x in args.pass_schedules):
         p.error(f"--pass-schedules: comma-separated, of {PASS_SCHEDULES}; got {args.pass_schedules}")
@@ -150,15 +151,15 @@ def schedule_table(runs: list[dict[str, Any]]) -> str:
     if not runs:
         return ""
     names = list(runs[0]["summary"]["pass_schedules"][0]["sets"])
-    head = ("| dtype | mode | schedule | host checks (GPU idle) | passes / enqueued | same outputs | speculative s | host s | "
-            + " | ".join(f"speedup {n}" for n in names) + " |")
+    head = ("| dtype | mode | schedule | host checks (GPU idle) | passes / enqueued | same outputs | speculative s, end to end "
+            "| host s | decoding s | " + " | ".join(f"speedup {n} (time per output token)" for n in names) + " |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         s = r["summary"]
         for x in s["pass_schedules"]:
             lines.append(f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {x['schedule']} | "
                          f"{x['checks']} ({x['idle_checks']}) | {x['passes']} / {x['passes_enqueued']} | {x['same_tokens']} / "
-                         f"{s['prompts']} | {_num(x['spec_s'])} | {_num(x['host_s'])} | "
+                         f"{s['prompts']} | {_num(x['spec_s'])} | {_num(x['host_s'])} | {_num(x.get('decode_s'))} | "
                          + " | ".join(f"{_num(x['sets'].get(n, {}).get('speedup'), 2)}×" for n in names) + " |")
     return "\nHost-check schedules (the rows above are the first's):\n\n" + "\n".join(lines) + "\n"
 
@@ -199,7 +200,7 @@ def _run(args: argparse.Namespace) -> int:
                                                     training_eval_summary)
     from dflash.data.render import stop_token_ids
     from dflash.inference.prompt_sets import load_prompt_sets
-    from dflash.inference.spec_report import decode_report, format_report
+    from dflash.inference.spec_report import decode_report, format_report, repeats_phrase
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
@@ -276,7 +277,8 @@ def _run(args: argparse.Namespace) -> int:
             sets = ", ".join(f"{name} {v['prompts']}" for name, v in set_info.items())
             (out / "decode_bench.md").write_text(
                 f"Decoding benchmark: {meta['device']}, {len(cases)} prompts ({sets}), {args.max_new_tokens} new "
-                f"tokens, batch {args.batch}, drafter {args.checkpoint or 'random'}\n\n" + table(runs)
+                f"tokens, batch {args.batch}, drafter {args.checkpoint or 'random'}; timings per prompt: the "
+                f"{repeats_phrase(args.repeats)} each way\n\n" + table(runs)
                 + "\nPer prompt set:\n\n" + set_table(runs) + schedule_table(runs))
         del target, drafter
         if device.type == "cuda":

@@ -202,9 +202,11 @@ def run_mode(mode: str, target, drafter, prompts: list, max_len: int, args: argp
 
 
 def profile_greedy(gen, prompts: list, tokens: int = 32) -> dict:
-    """GPU kernels per target-only token over ``tokens`` compiled steps: count, µs, the top 12 by time."""
+    """GPU kernels per target-only token over ``tokens`` compiled steps: count, µs, the top 12 by time.
+    ``tokens`` is capped by the decoder's room (its ``max_len`` was sized for ``--new-tokens``)."""
     from torch.profiler import ProfilerActivity, profile
 
+    tokens = max(1, min(tokens, _room(gen, prompts) - 1))
     gen.greedy(prompts, 8)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         gen.greedy(prompts, tokens + 1)
@@ -212,36 +214,57 @@ def profile_greedy(gen, prompts: list, tokens: int = 32) -> dict:
     return kernel_table(prof, tokens, "token")
 
 
+def _room(gen, prompts: list) -> int:
+    """The most new tokens every prompt of ``prompts`` has room for in ``gen`` (``Generator._check``'s rule)."""
+    from dflash.inference.decode_state import SLACK
+
+    return gen.max_len - max(p.numel() for p in prompts) - gen.block_size - SLACK
+
+
 def profile_speculative(gen, prompts: list, tokens: int = 64) -> dict:
     """GPU kernels per verification pass (its draft and verification) over a ``tokens``-token
-    speculative decode, as :func:`profile_greedy` gives them per token; with the clock's time per
-    pass beside it (``clock_us_per_pass``), the difference is the GPU idling between kernels."""
+    speculative decode (capped by the decoder's room), as :func:`profile_greedy` gives them per
+    token, the prefill's kernels left out (a prefill-only decode profiled apart and subtracted);
+    with the clock's time per pass beside it (``clock_us_per_pass``, decoding after the prefill),
+    the difference is the GPU idling between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    tokens = max(2, min(tokens, _room(gen, prompts)))
     gen.speculative(prompts, 8)
+    with profile(activities=[ProfilerActivity.CUDA]) as prefill_only:
+        gen.speculative(prompts, 1)  # one token: the prefill's, no pass
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         outs = gen.speculative(prompts, tokens)
         torch.cuda.synchronize()
-    passes = max(1, max(o.steps for o in outs))
-    table = kernel_table(prof, passes, "pass")
+    passes = max(1, outs[0].passes_enqueued)
+    table = kernel_table(prof, passes, "pass", minus=prefill_only)
     table["passes"] = passes
     table["clock_us_per_pass"] = 1e6 * outs[0].decode_seconds / passes
     table["enqueue_us_per_pass"] = 1e6 * outs[0].enqueue_seconds / passes
     return table
 
 
-def kernel_table(prof, per: int, unit: str, rows: int = 12) -> dict:
+def _kernels(prof) -> list:
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_table(prof, per: int, unit: str, rows: int = 12, minus=None) -> dict:
     """The CUDA kernels of a ``torch.profiler`` run, per ``unit`` (``per`` of them ran): their count
     and µs (``kernels_per_<unit>``, ``kernel_us_per_<unit>``) and the ``rows`` costliest by name
-    (``top``: name, calls and µs per ``unit``)."""
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    (``top``: name, calls and µs per ``unit``); ``minus``: another profile whose kernels are
+    taken away first (by name: calls and time)."""
     by_name: dict = {}
-    for e in kernels:
+    for e in _kernels(prof):
         n, t = by_name.get(e.name, (0, 0.0))
         by_name[e.name] = (n + 1, t + e.device_time)
+    for e in _kernels(minus) if minus is not None else []:
+        n, t = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n - 1, t - e.device_time)
+    by_name = {k: (n, t) for k, (n, t) in by_name.items() if n > 0}
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:rows]
-    return {f"kernels_per_{unit}": len(kernels) / per,
-            f"kernel_us_per_{unit}": sum(e.device_time for e in kernels) / per,
+    return {f"kernels_per_{unit}": sum(n for n, _ in by_name.values()) / per,
+            f"kernel_us_per_{unit}": sum(t for _, t in by_name.values()) / per,
             "top": [{"name": k[:90], f"per_{unit}": n / per, f"us_per_{unit}": t / per} for k, (n, t) in top]}
 
 

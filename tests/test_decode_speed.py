@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from scripts import decode_speed
 
@@ -40,3 +41,26 @@ def test_bad_prompt_shapes_are_refused_before_any_model_loads(argv, needle, caps
         decode_speed.main(["--device", "cpu"] + argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_kernel_table_takes_the_prefill_profile_away():
+    """Per-unit kernel counts and times after subtracting another profile, against a naive count."""
+    import random
+    from types import SimpleNamespace
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def fake(events):
+        return SimpleNamespace(events=lambda: [SimpleNamespace(name=n, device_time=t, device_type=cuda) for n, t in events]
+                               + [SimpleNamespace(name="cpu op", device_time=99.0, device_type=torch.autograd.DeviceType.CPU)])
+
+    rng = random.Random(0)
+    names = ["gemm", "softmax", "norm", "argmax"]
+    prefill = [(rng.choice(names[:3]), rng.uniform(1, 9)) for _ in range(20)]
+    passes = [(rng.choice(names), rng.uniform(1, 9)) for _ in range(70)]
+    table = decode_speed.kernel_table(fake(prefill + passes), 7, "pass", minus=fake(prefill))
+    assert table["kernels_per_pass"] == pytest.approx(70 / 7)
+    assert table["kernel_us_per_pass"] == pytest.approx(sum(t for _, t in passes) / 7)
+    for row in table["top"]:
+        mine = [t for n, t in passes if n == row["name"]]
+        assert row["per_pass"] == pytest.approx(len(mine) / 7) and row["us_per_pass"] == pytest.approx(sum(mine) / 7)

@@ -337,6 +337,9 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
                                      for g in gens]
                 checks[n, schedule] = gens[0].checks
                 idle[n, schedule] = gens[0].idle_checks
+                if kind == "greedy":  # the batch's steps: the longest row's, and at most one check's more
+                    need = max(len(g.tokens) for g in gens) - 1
+                    assert need <= gens[0].passes_enqueued <= need + n - 1, (n, need, gens[0].passes_enqueued)
         first = outs[1, PASS_SCHEDULES[0]]
         assert all(out == first for out in outs.values()), f"stops {sorted(stops)}"
         if kind != "greedy":  # the prediction never checks more often than the certain need alone

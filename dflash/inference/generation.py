@@ -111,8 +111,9 @@ class Generation:
             device→host sync; the batch's count); 0 for target-only decoding.
         idle_checks: those of :attr:`checks` with no pass enqueued behind the state read, where
             the GPU waits for the host (every check but under the ``pipelined`` schedule).
-        passes_enqueued: verification passes the host enqueued for the batch (at least the most
-            any of its rows needed: the rest ran on inactive rows); 0 for target-only decoding.
+        passes_enqueued: target forwards the host enqueued for the batch after the prefill:
+            verification passes, or one-token steps for target-only decoding (at least the most any
+            of its rows needed: the rest ran on inactive rows, e.g. after a stop token).
         seconds / draft_seconds / verify_seconds: wall time of the whole decode (the batch's,
             for batched decoding), and the device time of drafting and of verification, in s.
         prefill_seconds / decode_seconds: wall time of the batch's prefill (to its first tokens
@@ -121,9 +122,11 @@ class Generation:
             the time per output token of the reference benchmark (z-lab/dflash ``dflash/model.py``,
             ``dflash_generate``: the clock starts after the prefill).
         enqueue_seconds: host time spent enqueuing the decoding loop's steps or passes (the Python
-            calls that launch them, CUDA graph replays on a compiled CUDA decoder), in s. Against the
-            device time of the same steps it says which side bounds decoding: where enqueuing a
-            pass takes as long as running it, the GPU waits for the host.
+            calls that launch them, CUDA graph replays on a compiled CUDA decoder), in s. On a
+            compiled decoder, against the device time of the same steps it says which side bounds
+            decoding: where enqueuing a pass takes as long as running it, the GPU waits for the
+            host. An eager decoder runs its ops as it launches them (and an eager draft reads the
+            anchors off the device, outside this time), so there it is most of the decoding time.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -407,6 +410,7 @@ class Generator(DecodeSteps):
             g.prefill_seconds = prefilled - start
             g.decode_seconds = decoded - prefilled
             g.enqueue_seconds = enqueue
+            g.passes_enqueued = forwards
         return gens
 
     @torch.no_grad()
@@ -451,18 +455,19 @@ class Generator(DecodeSteps):
             need = passes_before_check([limit[r] - anchor[r] for r in live], [anchor[r] - lens[r] for r in live],
                                        known, b_sz, ahead + self.sync_every, self.pass_schedule)
             chunk = need - ahead if in_flight else max(1, need - ahead)
-            launched = time.perf_counter()
             for _ in range(max(0, chunk)):
+                width = None if self.compiled else int(self.state.anchor[:n].max()) + 1  # eager: a device read
+                launched = time.perf_counter()
                 t = timer.start("draft")
-                if self.compiled:
+                if width is None:
                     self._draft_step()
                 else:
-                    self._draft_step(int(self.state.anchor[:n].max()) + 1)
+                    self._draft_step(width)
                 timer.stop("draft", t)
                 t = timer.start("verify")
                 self._verify_step()
                 timer.stop("verify", t)
-            enqueue += time.perf_counter() - launched
+                enqueue += time.perf_counter() - launched
             if chunk > 0:
                 forwards += chunk
                 in_flight.append((forwards, self._snapshot(n)))

@@ -24,7 +24,7 @@ from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
 from dflash.progress import Progress
 
-__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "set_summaries",
+__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "repeats_phrase", "set_summaries",
            "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
@@ -375,7 +375,8 @@ def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Gener
     sets, pooled = set_summaries(rows)
     return {"schedule": schedule, "checks": sum(spec[grp[0]].checks for grp in groups),
             "idle_checks": sum(spec[grp[0]].idle_checks for grp in groups),
-            "passes": sum(g.steps for g in spec), "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups), "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
+            "passes": sum(g.steps for g in spec), "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups),
+            "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
             "spec_s": p["seconds"], "host_s": p["host_s"], "draft_s": p["draft_s"], "verify_s": p["verify_s"],
             "decode_s": p["decode_s"], "enqueue_s": p["enqueue_s"],
             "speedup": target_s / p["seconds"] if p["seconds"] else float("nan"),
@@ -459,7 +460,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         "spec_prefill_s": ps["prefill_s"], "target_prefill_s": pt["prefill_s"],
         "spec_decode_s": ps["decode_s"], "target_decode_s": pt["decode_s"],
         "spec_enqueue_s": ps["enqueue_s"], "target_enqueue_s": pt["enqueue_s"],
-        "target_steps": sum(max(len(base[i].tokens) - 1 for i in grp) for grp in groups),
+        "target_steps": sum(base[grp[0]].passes_enqueued for grp in groups),
         "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups),
         "repeats": repeats, "repeat_differences": differing,
         "per_position_measured": measured_per_position(all_accepted, b_sz)}
@@ -481,6 +482,12 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
 
 def _fmt(x: Optional[float], digits: int = 2) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def repeats_phrase(repeats: int) -> str:
+    """``"median of 3 runs"`` (``"lower median of 4 runs"`` for an even count: the faster middle
+    run, :func:`_decode_repeated`)."""
+    return f"{'lower ' if repeats % 2 == 0 else ''}median of {repeats} runs"
 
 
 def _times(x: Optional[float]) -> str:
@@ -553,14 +560,15 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                   f"target-only time: {_fmt(s['target_s'], 3)} s: prefill {_fmt(s['target_prefill_s'], 3)} s, decoding "
                   f"{_fmt(s['target_decode_s'], 3)} s, {steps} steps: {_ms_each(s['target_decode_s'], steps)} ms a "
                   f"step on the clock, {_ms_each(s['target_enqueue_s'], steps)} for the host to enqueue it "
-                  "(where enqueuing takes as long as running, the GPU waits for the host)"]
+                  "(on a compiled decoder, where enqueuing takes as long as running, the GPU waits for the host)"]
         if s.get("repeats", 1) > 1:
-            lines.append(f"  timings: the median of {s['repeats']} runs each way, per prompt")
+            lines.append(f"  timings: per prompt, the {repeats_phrase(s['repeats'])} each way")
     schedules = s.get("pass_schedules") or []
     if len(schedules) > 1:
         names = [k for k in schedules[0]["sets"]]
         lines += ["", "host checks between verification passes (each a device->host sync), the same prompts decoded "
-                      "again under each schedule:",
+                      "again under each schedule (spec s end to end, decode s after the prefills; speedups in time "
+                      "per output token after the prefill):",
                   f"{'schedule':<10} {'checks':>6} {'idle':>5} {'passes':>6} {'enqueued':>8} {'same':>5} {'spec s':>7} "
                   f"{'host s':>7} {'decode s':>8} " + " ".join(f"{n[:12]:>12}" for n in names)]
         for x in schedules:
