@@ -12,8 +12,9 @@ attention), ``compiled-ATTN`` (the same with the attention spec ``ATTN`` of
 flex in the one-token step and SDPA in verification) and ``compiled-plain`` (the transformers
 layers). ``--profile`` also counts the GPU kernels of one compiled target-only token and of one
 verification pass (draft and verification) and lists the costliest (torch.profiler); each mode's
-``enqueue_s`` beside ``decode_s`` says whether the host or the GPU bounds decoding. A mode that fails (a kernel inductor cannot lower on this machine) is
-logged with its error and the others still run; the exit status is then 1.
+``enqueue_s`` beside ``decode_s`` says whether the host or the GPU bounds a compiled decoder. A
+mode that fails (a kernel inductor cannot lower on this machine) is logged with its error and the
+others still run; the exit status is then 1.
 
     python -m scripts.decode_speed --out results/speed [--dtype bfloat16] [--new-tokens 96] [--batch 1]
         [--modes eager,compiled,compiled-matmul,compiled-flex,compiled-flex+sdpa,compiled-plain] [--profile]

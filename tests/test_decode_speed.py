@@ -51,8 +51,9 @@ def test_kernel_table_takes_the_prefill_profile_away():
     cuda = torch.autograd.DeviceType.CUDA
 
     def fake(events):
-        return SimpleNamespace(events=lambda: [SimpleNamespace(name=n, device_time=t, device_type=cuda) for n, t in events]
-                               + [SimpleNamespace(name="cpu op", device_time=99.0, device_type=torch.autograd.DeviceType.CPU)])
+        cpu = SimpleNamespace(name="cpu op", device_time=99.0, device_type=torch.autograd.DeviceType.CPU)
+        return SimpleNamespace(events=lambda: [SimpleNamespace(name=n, device_time=t, device_type=cuda)
+                                               for n, t in events] + [cpu])
 
     rng = random.Random(0)
     names = ["gemm", "softmax", "norm", "argmax"]

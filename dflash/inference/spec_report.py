@@ -24,8 +24,8 @@ from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
 from dflash.progress import Progress
 
-__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "repeats_phrase", "set_summaries",
-           "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
+__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "repeats_phrase",
+           "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +375,8 @@ def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Gener
     sets, pooled = set_summaries(rows)
     return {"schedule": schedule, "checks": sum(spec[grp[0]].checks for grp in groups),
             "idle_checks": sum(spec[grp[0]].idle_checks for grp in groups),
-            "passes": sum(g.steps for g in spec), "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups),
+            "passes": sum(g.steps for g in spec),
+            "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups),
             "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
             "spec_s": p["seconds"], "host_s": p["host_s"], "draft_s": p["draft_s"], "verify_s": p["verify_s"],
             "decode_s": p["decode_s"], "enqueue_s": p["enqueue_s"],
