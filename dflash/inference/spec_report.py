@@ -62,6 +62,13 @@ def _pooled(gens: Sequence[Generation], groups: Sequence[Sequence[int]]) -> dict
             "enqueue_s": total("enqueue_seconds")}
 
 
+def _speedups(target: dict[str, float], spec: dict[str, float]) -> dict[str, float]:
+    """``speedup`` (whole seconds) and ``speedup_decode`` (the decoding loops alone) of two
+    :func:`_pooled` results, target-only over speculative (NaN where the speculative time is 0)."""
+    return {name: target[key] / spec[key] if spec[key] else float("nan")
+            for name, key in (("speedup", "seconds"), ("speedup_decode", "decode_s"))}
+
+
 def _per_response(rows: Sequence[dict[str, Any]], key: str) -> float:
     """Mean over responses of ``row[key]`` (rows without a value, or with NaN, skipped; NaN when none
     has one): the reference benchmark's average, each response's τ first, then their mean
@@ -371,7 +378,6 @@ def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Gener
     (``spec``, against the target-only times ``target`` (:func:`_pooled`) and the first schedule's
     outputs ``ref``)."""
     p = _pooled(spec, groups)
-    target_s = target["seconds"]
     sets, pooled = set_summaries(rows)
     return {"schedule": schedule, "checks": sum(spec[grp[0]].checks for grp in groups),
             "idle_checks": sum(spec[grp[0]].idle_checks for grp in groups),
@@ -379,9 +385,7 @@ def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Gener
             "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups),
             "same_tokens": sum(a.tokens == b.tokens for a, b in zip(spec, ref)),
             "spec_s": p["seconds"], "host_s": p["host_s"], "draft_s": p["draft_s"], "verify_s": p["verify_s"],
-            "decode_s": p["decode_s"], "enqueue_s": p["enqueue_s"],
-            "speedup": target_s / p["seconds"] if p["seconds"] else float("nan"),
-            "speedup_decode": target["decode_s"] / p["decode_s"] if p["decode_s"] else float("nan"),
+            "decode_s": p["decode_s"], "enqueue_s": p["enqueue_s"], **_speedups(target, p),
             "sets": {x["set"]: {"spec_ms_per_token": x["spec_ms_per_token"], "speedup": x["speedup"]}
                      for x in sets + [pooled]}}
 
@@ -454,10 +458,9 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         "tau": tau, "tau_per_response": _per_response(rows, "tau"), "verification_steps": steps,
         "new_tokens": ps["tokens"],
         "spec_tok_s": ps["tok_s"], "target_tok_s": pt["tok_s"],
-        "speedup": pt["seconds"] / ps["seconds"] if ps["seconds"] else float("nan"),
+        **_speedups(pt, ps),
         "spec_s": ps["seconds"], "target_s": pt["seconds"], "draft_s": ps["draft_s"], "verify_s": ps["verify_s"],
         "host_s": ps["host_s"], "warmup_s": warmup_s,
-        "speedup_decode": pt["decode_s"] / ps["decode_s"] if ps["decode_s"] else float("nan"),
         "spec_prefill_s": ps["prefill_s"], "target_prefill_s": pt["prefill_s"],
         "spec_decode_s": ps["decode_s"], "target_decode_s": pt["decode_s"],
         "spec_enqueue_s": ps["enqueue_s"], "target_enqueue_s": pt["enqueue_s"],
@@ -492,8 +495,9 @@ def repeats_phrase(repeats: int) -> str:
 
 
 def _times(x: Optional[float]) -> str:
-    """``1.23x``; ``–`` for None or NaN."""
-    return "–" if x is None or x != x else f"{x:.2f}x"
+    """``1.23x``; ``–`` for None or NaN (:func:`_fmt`)."""
+    text = _fmt(x, 2)
+    return text if text == "–" else text + "x"
 
 
 def _ms_each(seconds: float, count: int) -> str:
