@@ -1,7 +1,10 @@
 """The time budget of regeneration (``--max-seconds`` / ``regenerate.max_seconds``), on CPU.
 
 - :func:`regenerate_rows` with a fake clock that passes the deadline after k rounds yields exactly
-  the records the unbudgeted run yields before its (k+1)-th round, for every k;
+  the records the unbudgeted run yields before its (k+1)-th round, for every k, with one cache or
+  two (a round per cache, :func:`choose_round`);
+- :func:`choose_round` drains a pool at the least cost an exhaustive search finds, and a
+  two-cache run keeps its rounds full and writes the rows a one-cache run writes;
 - a worker stops there too (its shard holds only finished rows, its stats say so), and before
   loading the model when the deadline has already come;
 - end to end (a launcher in this process, its workers as processes, a tiny random target): a run
@@ -15,8 +18,11 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
+import random
 import signal
 import subprocess
 import time
@@ -28,7 +34,7 @@ import yaml
 
 from dflash.config import ConfigError, RegenerateConfig, load_config
 from dflash.inference.regeneration.generators import Generated
-from dflash.inference.regeneration.jobs import GenerationOptions, regenerate_rows
+from dflash.inference.regeneration.jobs import GenerationOptions, choose_round, regenerate_rows
 from dflash.inference.regeneration.rows import SourceRow, iter_source
 from dflash.inference.regeneration.shards import existing_shards, read_lines, shard_path, skipped_path
 
@@ -73,11 +79,11 @@ def _rows() -> list[SourceRow]:
     return rows
 
 
-def _finished_before_round(rows, tokenizer, options, k: int) -> list[dict]:
+def _finished_before_round(rows, tokenizer, options, k: int, kind=CountingGenerator) -> list[dict]:
     """The naive expectation: what the run without a budget yields before its (k+1)-th round."""
     got: list[dict] = []
     try:
-        for records in regenerate_rows(rows, CountingGenerator(tokenizer, stop_at=k), tokenizer, options):
+        for records in regenerate_rows(rows, kind(tokenizer, stop_at=k), tokenizer, options):
             got += records
     except _RoundPastBudget:
         pass
@@ -85,26 +91,149 @@ def _finished_before_round(rows, tokenizer, options, k: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_regenerate_rows_stops_at_the_deadline(qwen3, batch_size):
+@pytest.mark.parametrize("kind", ["one cache", "two caches"])
+def test_regenerate_rows_stops_at_the_deadline(qwen3, batch_size, kind):
+    kind = CountingGenerator if kind == "one cache" else TwoCacheGenerator
     rows = _rows()
     options = GenerationOptions(max_new_tokens=8, batch_size=batch_size, max_prompt_tokens=60, enable_thinking=False)
-    unlimited = CountingGenerator(qwen3)
+    unlimited = kind(qwen3)
     everything = [r for records in regenerate_rows(rows, unlimited, qwen3, options) for r in records]
     assert sorted(r["id"] for r in everything) == sorted(r.id for r in rows)
     assert {r.get("skipped") for r in everything} >= {"prompt_too_long", "no_user_turn"}
     rounds = unlimited.calls
     partial = 0
     for k in range(rounds + 2):
-        generator = CountingGenerator(qwen3)
+        generator = kind(qwen3)
         # the clock reads the rounds done: the deadline k has come once k rounds have run
         got = [r for records in regenerate_rows(rows, generator, qwen3, options, deadline=k,
                                                 clock=lambda: generator.calls) for r in records]
-        assert got == _finished_before_round(rows, qwen3, options, k), k
+        assert got == _finished_before_round(rows, qwen3, options, k, kind), k
         assert generator.calls == min(k, rounds)  # no round starts at or past the deadline
         assert len({r["id"] for r in got}) == len(got)
         partial += 0 < len(got) < len(rows)
     assert got == everything  # a deadline after the last round changes nothing
     assert partial >= 2  # the budget did cut conversations short
+
+
+class TwoCacheGenerator(CountingGenerator):
+    """:class:`CountingGenerator` with the two static caches of the greedy generator: prompts of
+    ``threshold`` tokens or more need the long one; each call is told its cache (recorded in
+    ``rounds`` as ``(cache, prompt lengths)``) and every prompt must fit it."""
+
+    def __init__(self, tokenizer, stop_at: int | None = None, threshold: int = 30) -> None:
+        super().__init__(tokenizer, stop_at)
+        self.threshold = threshold
+        self.cache_slots = (threshold + 16, 2 * threshold + 16)
+        self.rounds: list[tuple[int, list[int]]] = []
+
+    def cache_for(self, prompt_tokens: int) -> int:
+        return int(prompt_tokens >= self.threshold)
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seeds=None, cache=None):
+        assert cache is not None and all(self.cache_for(len(p)) <= cache for p in prompts)
+        out = super().generate(prompts, max_new_tokens, temperature, top_p, seeds)
+        self.rounds.append((cache, [len(p) for p in prompts]))
+        return out
+
+
+def _drain_cost(caches: list[int], slots: tuple[int, ...], batch_size: int) -> int:
+    """Cache positions read draining ``caches`` (no new turns) with :func:`choose_round`."""
+    cost = 0
+    while caches:
+        cache, take = choose_round(caches, batch_size)
+        assert len(take) <= batch_size and all(caches[i] <= cache for i in take)
+        cost += slots[cache]
+        caches = [c for i, c in enumerate(caches) if i not in set(take)]
+    return cost
+
+
+def _least_cost(counts: tuple[int, ...], slots: tuple[int, ...], batch_size: int) -> int:
+    """Exhaustive search: the fewest cache positions of any sequence of rounds that runs every row
+    once, each round a cache and at most ``batch_size`` rows that fit it."""
+    @functools.lru_cache(maxsize=None)
+    def best(left: tuple[int, ...]) -> int:
+        if not any(left):
+            return 0
+        options = []
+        for cache in range(len(slots)):
+            for take in itertools.product(*(range(n + 1) if j <= cache else (0,) for j, n in enumerate(left))):
+                if 0 < sum(take) <= batch_size:
+                    options.append(slots[cache] + best(tuple(n - t for n, t in zip(left, take))))
+        return min(options)
+
+    return best(tuple(counts))
+
+
+def test_choose_round_by_hand():
+    # a full batch of the long cache's own rows runs first, oldest first
+    assert choose_round([0, 1, 0, 1, 1, 0], 3) == (1, [1, 3, 4])
+    # only the short cache is full: it runs
+    assert choose_round([0, 1, 0, 0, 0], 3) == (0, [0, 2, 3])
+    # draining: the long cache, topped up with short rows oldest first
+    assert choose_round([0, 1, 0, 0], 4) == (1, [0, 1, 2, 3])
+    # three caches: the top-up takes the next smaller cache first
+    assert choose_round([0, 1, 2, 0, 1], 3) == (2, [1, 2, 4])
+    assert choose_round([0], 5) == (0, [0])
+    with pytest.raises(ValueError, match="empty"):
+        choose_round([], 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        choose_round([0], 0)
+    with pytest.raises(ValueError, match="indices are >= 0"):
+        choose_round([0, -1], 2)
+
+
+@pytest.mark.parametrize("slots", [(3, 5), (2, 7), (2, 3, 4), (1, 4, 9)])
+def test_choose_round_drains_a_pool_at_the_least_cost(slots):
+    rng = random.Random(len(slots) * 100 + slots[-1])
+    for _ in range(40):
+        batch_size = rng.randint(1, 4)
+        caches = [rng.randrange(len(slots)) for _ in range(rng.randint(1, 9))]
+        counts = tuple(caches.count(c) for c in range(len(slots)))
+        assert _drain_cost(caches, slots, batch_size) == _least_cost(counts, slots, batch_size), (caches, batch_size)
+
+
+def test_rounds_of_two_caches_stay_full_and_write_the_same_rows(qwen3):
+    """A pool of ``batch_size`` per cache: every round runs one cache over rows that fit it, full
+    until the pool drains; the rows written are those of one cache for every prompt."""
+    rows = _rows() * 3
+    rows = [SourceRow(i, f"{r.id}-{i}", r.messages) for i, r in enumerate(rows)]
+    options = GenerationOptions(max_new_tokens=8, batch_size=3, max_prompt_tokens=60, enable_thinking=False)
+    one = [r for records in regenerate_rows(rows, CountingGenerator(qwen3), qwen3, options) for r in records]
+    two = TwoCacheGenerator(qwen3)
+    got = [r for records in regenerate_rows(rows, two, qwen3, options) for r in records]
+    assert sorted(got, key=lambda r: r["id"]) == sorted(one, key=lambda r: r["id"])
+    assert {c for c, _ in two.rounds} == {0, 1}  # both caches ran
+    assert all(len(lengths) <= options.batch_size for _, lengths in two.rounds)
+    # every round but the last few of the drain is a full batch
+    sizes = [len(lengths) for _, lengths in two.rounds]
+    assert sizes[:-2] == [options.batch_size] * (len(sizes) - 2)
+    # each round runs its own cache's rows (a long round may carry short ones, never the reverse)
+    assert all(any(two.cache_for(n) == cache for n in lengths) for cache, lengths in two.rounds)
+
+
+def test_two_static_caches_write_what_the_batch_generator_writes(qwen3):
+    """The real greedy generator with two caches (prompts of 30 tokens or more in the long one),
+    rounds chosen per cache: the rows the left-padded batch generator writes, one round at a time
+    for every conversation in flight."""
+    from dflash.config import TargetConfig
+    from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator
+    from dflash.models.target_loader import load_target
+
+    torch.set_num_threads(1)
+    target = TargetConfig(kind="random", arch="tiny-llama", arch_overrides={"vocab_size": QWEN3_VOCAB}, seed=3)
+    model = load_target(target, "cpu", torch.float32).model
+    stops = [qwen3.convert_tokens_to_ids("<|im_end|>")]
+    rows = [SourceRow(i, f"{r.id}-{i}", r.messages) for i, r in enumerate(_rows() * 2)]
+    options = GenerationOptions(max_new_tokens=6, batch_size=3, max_prompt_tokens=60, enable_thinking=False)
+    static = StaticGreedyGenerator(model, stops, len(qwen3), options.batch_size, options.max_prompt_tokens,
+                                   options.max_new_tokens, short_prompt_tokens=30, compile=False)
+    assert len(static.cache_slots) == 2
+    got = [r for records in regenerate_rows(rows, static, qwen3, options) for r in records]
+    reference = BatchGenerator(model, stops, qwen3.pad_token_id or 0, len(qwen3))
+    want = [r for records in regenerate_rows(rows, reference, qwen3, options) for r in records]
+    assert sorted(got, key=lambda r: r["id"]) == sorted(want, key=lambda r: r["id"])
+    assert static.long is not None and static.timings["batch_rows"] > 0
+    assert sum(r.get("regen", {}).get("turns", 0) for r in got) > len(rows)  # later turns were regenerated
 
 
 def _cpu_config(tmp_path: Path, source: Path, regenerate: dict) -> Path:

@@ -1,8 +1,9 @@
 """Greedy regeneration through the static-cache generator and the regeneration stage of training.
 
 - :class:`StaticGreedyGenerator` gives the rows :class:`BatchGenerator` gives (and a naive
-  full-forward loop) on random prompts of several lengths, with a stop token hit mid-way, and never
-  emits an id the tokenizer lacks even when the model's head prefers one;
+  full-forward loop) on random prompts of several lengths, with a stop token hit mid-way, also
+  when a call runs short prompts in the long cache, and never emits an id the tokenizer lacks even
+  when the model's head prefers one;
 - the ``regenerate`` config section fails on bad keys and values before any model loads;
 - the stage regenerates, hands the training config the output, and is skipped (no worker, no model)
   when the output is complete.
@@ -84,6 +85,34 @@ def test_static_greedy_equals_batch_generator_and_naive_loop(model):
         static.generate(more, MAX_NEW + 1)
     with pytest.raises(ValueError, match=r"prompts\[0\]"):
         static.generate(_prompts([MAX_PROMPT], seed=5), MAX_NEW)  # a prompt the jobs never ask for
+
+
+def test_a_round_in_one_cache_gives_the_same_rows(model):
+    """``generate(..., cache=1)``: short prompts ride in the long cache (one batch of steps for the
+    call) and get the rows the two-cache split and the naive loop give; a prompt too long for the
+    chosen cache, or a cache that does not exist, is refused."""
+    prompts = _prompts([3, 17, 1, 29, 8], seed=3)
+    stops = [VOCAB_LIMIT - 1]
+    static = StaticGreedyGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts),
+                                   max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=16)
+    assert static.cache_slots == (16 - 1 + MAX_NEW + 8, MAX_PROMPT - 1 + MAX_NEW + 8)
+    assert [static.cache_for(len(p)) for p in prompts] == [0, 1, 0, 1, 0]
+    split = static.generate(prompts, MAX_NEW)
+    assert static.timings["batches"] == 2 and static.timings["batch_rows"] == 5
+    together = static.generate(prompts, MAX_NEW, cache=1)
+    assert static.timings["batches"] == 3 and static.timings["batch_rows"] == 10
+    assert together == split
+    for prompt, got in zip(prompts, together):
+        assert got == naive_greedy(model, prompt, set(stops), MAX_NEW, VOCAB_LIMIT)
+    short = [p for p in prompts if len(p) < 16]
+    assert static.generate(short, MAX_NEW, cache=0) == [g for p, g in zip(prompts, split) if len(p) < 16]
+    with pytest.raises(ValueError, match=r"prompts\[1\]: 17 tokens do not fit cache 0"):
+        static.generate(prompts, MAX_NEW, cache=0)
+    with pytest.raises(ValueError, match="cache: an index"):
+        static.generate(short, MAX_NEW, cache=2)
+    one = StaticGreedyGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=2, max_prompt_tokens=MAX_PROMPT,
+                                max_new_tokens=MAX_NEW, short_prompt_tokens=None)
+    assert len(one.cache_slots) == 1 and one.cache_for(MAX_PROMPT - 1) == 0
 
 
 def test_one_flex_cache_equals_batch_generator(model):

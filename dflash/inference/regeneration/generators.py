@@ -210,9 +210,10 @@ class StaticGreedyGenerator:
     (:class:`dflash.inference.regeneration.jobs.ConversationJob` never asks for more), in the
     *long* generator (``max_prompt_tokens`` in place of ``short_prompt_tokens``), built on first use
     and eager unless ``compile_long``: with first turns only it serves few batches, fewer than a
-    second compilation would pay for. Callers
-    that sort rows by prompt length (:func:`dflash.inference.regeneration.worker.run_worker` does)
-    give each call prompts of one kind.
+    second compilation would pay for. A call given prompts of both kinds runs two batches of
+    steps, each over a whole cache; :func:`dflash.inference.regeneration.jobs.regenerate_rows`
+    therefore gives each call one cache's prompts (``cache=``, :attr:`cache_slots`,
+    :meth:`cache_for`), topped up with shorter ones.
 
     Ids the tokenizer lacks are cut off the head (:func:`limit_vocab`; the model is changed in
     place) and every returned id is checked against ``vocab_limit``.
@@ -263,13 +264,28 @@ class StaticGreedyGenerator:
         self.long: Any = None
         self.compile_long = bool(compile_long) and self.short.compiled  # never where the short one is eager
         self.attention = attention
-        #: Wall seconds summed over :meth:`generate` calls: ``prefill_s`` (prompts into the cache),
-        #: ``decode_s`` (the one-token steps), ``batches`` (generator calls); where a regeneration's
-        #: time goes, beside its tokenisation and bookkeeping.
-        self.timings: dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "batches": 0}
+        #: Summed over :meth:`generate` calls: wall seconds of ``prefill_s`` (prompts into the cache)
+        #: and ``decode_s`` (the one-token steps), ``batches`` (batches of steps run) and ``batch_rows``
+        #: (prompts they held; ``batch_rows / (batches * batch_size)`` is how full they ran); where
+        #: a regeneration's time goes, beside its tokenisation and bookkeeping.
+        self.timings: dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "batches": 0, "batch_rows": 0}
 
     def _max_len(self, prompt_tokens: int) -> int:
         return prompt_tokens - 1 + self.max_new_tokens + STATIC_SLACK
+
+    @property
+    def cache_slots(self) -> tuple[int, ...]:
+        """Positions of each cache (its ``max_len``), smallest first: ``(short, long)``, or one
+        entry when one cache serves every prompt. A step of a cache reads all of its positions for
+        all of its ``batch_size`` rows, used or not, so its cost follows this length."""
+        if self.short_prompt_tokens >= self.max_prompt_tokens:
+            return (self._max_len(self.max_prompt_tokens),)
+        return (self._max_len(self.short_prompt_tokens), self._max_len(self.max_prompt_tokens))
+
+    def cache_for(self, prompt_tokens: int) -> int:
+        """Index into :attr:`cache_slots` of the smallest cache that holds a prompt of
+        ``prompt_tokens`` tokens (what :meth:`generate` picks for it without ``cache``)."""
+        return int(len(self.cache_slots) > 1 and prompt_tokens >= self.short_prompt_tokens)
 
     def _long(self) -> Any:
         if self.long is None:
@@ -281,14 +297,19 @@ class StaticGreedyGenerator:
         return self.long
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seeds: Optional[list[int]] = None) -> list[Generated]:
+                 seeds: Optional[list[int]] = None, cache: Optional[int] = None) -> list[Generated]:
         """Greedy turn for each prompt (``top_p`` and ``seeds`` are ignored: greedy needs neither).
 
+        Args:
+            cache: run every prompt in this cache (an index into :attr:`cache_slots`; each prompt
+                must fit it): one batch of steps. ``None``: each prompt in the smallest cache that
+                holds it (:meth:`cache_for`), one batch of steps per cache used.
         Returns:
             B :class:`Generated`, in prompt order (the stop token excluded, as :class:`BatchGenerator`).
         Raises:
             ValueError: ``temperature != 0``, ``max_new_tokens`` above the constructor's, more prompts
-                than ``batch_size``, an empty prompt or one of ``max_prompt_tokens`` tokens or more.
+                than ``batch_size``, an empty prompt or one of ``max_prompt_tokens`` tokens or more,
+                ``cache`` out of range or a prompt too long for it.
             RuntimeError: an id ``>= vocab_limit`` was generated (a head :func:`limit_vocab` did not cut).
         """
         if temperature != 0:
@@ -300,17 +321,26 @@ class StaticGreedyGenerator:
         for i, p in enumerate(prompts):
             if not 0 < len(p) < self.max_prompt_tokens:
                 raise ValueError(f"prompts[{i}]: need 1..{self.max_prompt_tokens - 1} tokens, got {len(p)}")
+        if cache is not None:
+            if not 0 <= cache < len(self.cache_slots):
+                raise ValueError(f"cache: an index into cache_slots {self.cache_slots}, got {cache}")
+            for i, p in enumerate(prompts):
+                if self.cache_for(len(p)) > cache:
+                    raise ValueError(f"prompts[{i}]: {len(p)} tokens do not fit cache {cache} "
+                                     f"({self.cache_slots[cache]} positions)")
         out: list[Optional[Generated]] = [None] * len(prompts)
-        short = [i for i, p in enumerate(prompts) if len(p) < self.short_prompt_tokens]
-        long = [i for i, p in enumerate(prompts) if len(p) >= self.short_prompt_tokens]
-        for rows, generator in ((short, self.short), (long, self.long if not long else self._long())):
+        chosen = [self.cache_for(len(p)) if cache is None else cache for p in prompts]
+        for index in range(len(self.cache_slots)):
+            rows = [i for i, c in enumerate(chosen) if c == index]
             if not rows:
                 continue
+            generator = self.short if index == 0 else self._long()
             runs = generator.greedy([torch.tensor(prompts[i], dtype=torch.long) for i in rows], max_new_tokens,
                                     self.stop_ids, logit_stats=False)
             self.timings["prefill_s"] += runs[0].prefill_seconds
             self.timings["decode_s"] += runs[0].decode_seconds
             self.timings["batches"] += 1
+            self.timings["batch_rows"] += len(rows)
             for i, run in zip(rows, runs):
                 out[i] = self._generated(list(run.tokens))
         return out  # type: ignore[return-value]

@@ -8,11 +8,17 @@ ends at its last regenerated turn, and stops early (keeping the turns done so fa
 response is empty, or when the template fails; a row with no regenerated turn becomes a skip record
 (:data:`SKIP_REASONS`). Leading assistant turns (nothing to answer) are dropped.
 
-**Batching** (:func:`regenerate_rows`): a worker keeps up to ``batch_size`` conversations active;
-each round generates the next turn of every active conversation in one batch
-(:mod:`dflash.inference.regeneration.generators`) and refills the pool from its queue as
-conversations finish; given a deadline, it stops before the first round that would start past it
-(the conversations in flight are not written). Sampling seeds come from
+**Batching** (:func:`regenerate_rows`): a worker keeps a pool of conversations in flight, each
+waiting for its next turn, and refills it from its queue as conversations finish. Each round
+generates the next turn of up to ``batch_size`` of them in one batch
+(:mod:`dflash.inference.regeneration.generators`). With one cache (sampling, or one static cache
+for every prompt) the pool holds ``batch_size`` conversations and every round takes them all. The
+greedy generator's two static caches (short and long prompts) cost a batch of steps each whatever
+rows they hold, so the pool holds ``batch_size`` per cache and each round runs one cache, chosen by
+:func:`choose_round`: a conversation whose prompts grow past the short cache moves to the long
+one, and rounds stay full where a round of every conversation in flight would run both caches half
+empty. Given a deadline, it stops before the first round that would start past it (the
+conversations in flight are not written). Sampling seeds come from
 :func:`dflash.inference.regeneration.rows.turn_seed` (seed, row id, turn), so a sampled row depends
 neither on batching nor on sharding.
 """
@@ -22,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from jinja2.exceptions import TemplateError
 
@@ -31,7 +37,7 @@ from dflash.inference.regeneration.generators import BatchGenerator, Generated, 
 from dflash.inference.regeneration.rows import SourceRow, turn_seed
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_BATCH_SIZE", "SKIP_REASONS", "SHAREGPT_ROLE", "GenerationOptions",
-           "prompt_chars", "ConversationJob", "regenerate_rows"]
+           "prompt_chars", "ConversationJob", "choose_round", "regenerate_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -242,15 +248,57 @@ def _accept_all(jobs: list[ConversationJob], outs: list[Generated], tokenizer: A
         job.accept(out, text, ids)
 
 
+def choose_round(caches: Sequence[int], batch_size: int) -> tuple[int, list[int]]:
+    """The next round's cache and conversations, from the pool of those waiting for a turn.
+
+    A step of a static cache reads all of its positions for all of its rows, used or not, so a
+    round costs what its cache's length costs whatever it holds; every waiting turn must run in a
+    cache that fits it, the smallest one it fits (its *own* cache) or a larger one. The round runs
+    the largest cache that has a full batch of its own rows, else (the pool is draining) the
+    largest cache that has any: its own rows oldest first, topped up with the rows of the next
+    smaller caches (larger first, oldest first within one), which ride along at no cost. A
+    conversation reaches a larger cache only after turns in smaller ones, so the larger cache's rows
+    are the ones that have waited longest. Draining a pool this way (no new turns) costs the fewest
+    cache positions any order of rounds can (``tests/test_regenerate_budget.py`` checks it against
+    an exhaustive search).
+
+    Args:
+        caches: per conversation of the pool, oldest first, the index of its own cache
+            (``generator.cache_for`` of its next prompt; caches ordered by size).
+        batch_size: rows of each cache.
+    Returns:
+        ``(cache, rows)``: the cache's index and the pool indices of the round's conversations,
+        ascending (at most ``batch_size``; each fits the cache).
+    Raises:
+        ValueError: an empty pool, a negative cache index, or ``batch_size < 1``.
+    """
+    if not caches:
+        raise ValueError("choose_round: the pool is empty")
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    if min(caches) < 0:
+        raise ValueError(f"caches: indices are >= 0, got {min(caches)}")
+    counts = {cache: sum(c == cache for c in caches) for cache in set(caches)}
+    full = [cache for cache, n in counts.items() if n >= batch_size]
+    cache = max(full) if full else max(counts)
+    fits = sorted((i for i, c in enumerate(caches) if c <= cache), key=lambda i: (-caches[i], i))
+    return cache, sorted(fits[:batch_size])
+
+
 def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGreedyGenerator, tokenizer: Any,
                     options: GenerationOptions, deadline: Optional[float] = None,
                     clock: Callable[[], float] = time.time) -> Iterator[list[dict]]:
     """Regenerate ``rows``; yield the records of the conversations that finish, as soon as they do.
 
-    A pool of at most ``options.batch_size`` active conversations, each with its next prompt ready,
-    generates one turn per round (one batch); finished conversations leave the pool and the queue
-    refills it. Rows skipped before any generation are yielded before the round that replaces them.
-    Each round tokenises its prompts, and decodes and re-tokenises its turns, one call each.
+    A pool of conversations, each with its next prompt ready, generates one turn of up to
+    ``options.batch_size`` of them per round (one batch); finished conversations leave the pool
+    and the queue refills it. A generator with several caches (``cache_slots`` and ``cache_for``,
+    :class:`dflash.inference.regeneration.generators.StaticGreedyGenerator`) gets a pool of
+    ``batch_size`` per cache and one cache's prompts a round (``generate(..., cache=c)``, the
+    cache and rows of :func:`choose_round`; the others wait in the pool); any other generator a
+    pool of ``batch_size``, all of it every round. Rows skipped before any generation are yielded
+    before the round that replaces them. Each round tokenises its prompts, and decodes and
+    re-tokenises its turns, one call each.
 
     Args:
         deadline: when given, ``clock()`` is read before each generation round, and once it is at or
@@ -260,38 +308,45 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
         clock: the time that is compared with ``deadline``, in the same unit (default
             :func:`time.time`, seconds since the epoch; tests pass a fake one).
     """
+    slots = tuple(getattr(generator, "cache_slots", ()))
+    cache_for = getattr(generator, "cache_for", None) if len(slots) > 1 else None
+    capacity = options.batch_size * (len(slots) if cache_for is not None else 1)
     queue = list(reversed(rows))
-    active: list[tuple[ConversationJob, list[int]]] = []
-    while queue or active:
+    pool: list[tuple[ConversationJob, list[int]]] = []  # in flight, oldest first
+    while queue or pool:
         skipped: list[dict] = []
-        while len(active) < options.batch_size and queue:
+        while len(pool) < capacity and queue:
             fresh = [ConversationJob(queue.pop(), tokenizer, options)
-                     for _ in range(min(options.batch_size - len(active), len(queue)))]
+                     for _ in range(min(capacity - len(pool), len(queue)))]
             for job, prompt in zip(fresh, _next_prompts(fresh, tokenizer)):
                 if prompt is None:
                     skipped.append(job.record())
                 else:
-                    active.append((job, prompt))
+                    pool.append((job, prompt))
         if skipped:
             yield skipped
-        if not active:
+        if not pool:
             continue
         if deadline is not None and clock() >= deadline:
-            log.debug("deadline passed: %d conversations in flight and %d not started are left", len(active),
+            log.debug("deadline passed: %d conversations in flight and %d not started are left", len(pool),
                       len(queue))
             return
-        seeds = [turn_seed(options.seed, job.row.id, job.turns) for job, _ in active]
-        outs = generator.generate([prompt for _, prompt in active], options.max_new_tokens, options.temperature,
-                                  options.top_p, seeds)
-        jobs = [job for job, _ in active]
+        extra: dict[str, Any] = {}
+        take = list(range(len(pool)))  # one cache: the pool is one batch
+        if cache_for is not None:
+            extra["cache"], take = choose_round([cache_for(len(prompt)) for _, prompt in pool], options.batch_size)
+        taken = set(take)
+        jobs = [pool[i][0] for i in take]
+        seeds = [turn_seed(options.seed, job.row.id, job.turns) for job in jobs]
+        outs = generator.generate([pool[i][1] for i in take], options.max_new_tokens, options.temperature,
+                                  options.top_p, seeds, **extra)
+        pool = [entry for i, entry in enumerate(pool) if i not in taken]
         _accept_all(jobs, outs, tokenizer)
         finished: list[dict] = []
-        still: list[tuple[ConversationJob, list[int]]] = []
         for job, prompt in zip(jobs, _next_prompts(jobs, tokenizer)):
             if prompt is None:
                 finished.append(job.record())
             else:
-                still.append((job, prompt))
-        active = still
+                pool.append((job, prompt))
         if finished:
             yield finished

@@ -74,14 +74,17 @@ def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, t
     stats["tokens_per_s"] = round(stats["new_tokens"] / max(stats["generate_s"], 1e-9), 1)
 
 
-def _split(stats: dict[str, Any]) -> str:
-    """``"; prefill X s, decoding Y s, host Z s over N batches; C graphs compiled, R CUDA graphs
-    recorded"`` when the generator timed its batches (the static-cache generator), else ``""``."""
+def _split(stats: dict[str, Any], batch_size: int) -> str:
+    """``"; prefill X s, decoding Y s, host Z s over N batches (F % full); C graphs compiled, R
+    CUDA graphs recorded"`` when the generator timed its batches (the static-cache generator), else
+    ``""``. A batch is full when it holds ``batch_size`` prompts (its cache's rows)."""
     if "prefill_s" not in stats:
         return ""
     host = stats["generate_s"] - stats["prefill_s"] - stats["decode_s"]
+    batches = int(stats["batches"])
+    full = 100 * stats.get("batch_rows", 0) / max(batches * batch_size, 1)
     return (f"; prefill {stats['prefill_s']:.1f} s, decoding {stats['decode_s']:.1f} s, tokenising and "
-            f"bookkeeping {host:.1f} s over {int(stats['batches'])} batches; {stats['compiles']} graphs "
+            f"bookkeeping {host:.1f} s over {batches} batches ({full:.0f} % full); {stats['compiles']} graphs "
             f"compiled, {stats['cudagraph_records']} CUDA graphs recorded")
 
 
@@ -171,7 +174,8 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
             if timings:
                 stats.update({k: round(v, 2) for k, v in timings.items()})
             log.info("shard %d: %d rows, %d new tokens in %.1f s (%.1f new tokens/s)%s", rank, stats["rows"],
-                     stats["new_tokens"], stats["generate_s"], stats["tokens_per_s"], _split(stats))
+                     stats["new_tokens"], stats["generate_s"], stats["tokens_per_s"],
+                     _split(stats, getattr(generator, "batch_size", options.batch_size)))
         # regenerate_rows writes every row unless the deadline stopped it
         stats["rows_left"] = len(rows) - stats["rows"]
         stats["stopped_at_deadline"] = stats["rows_left"] > 0 and _past(deadline, clock)
