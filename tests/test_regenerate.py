@@ -28,7 +28,8 @@ from dflash.data.render import stop_token_ids
 from dflash.inference.regeneration.generators import BatchGenerator, Generated
 from dflash.inference.regeneration.jobs import ConversationJob, GenerationOptions
 from dflash.inference.regeneration.rows import SourceRow, iter_source, row_id, shard_of
-from dflash.inference.regeneration.shards import ShardWriter, merge_outputs, read_lines, shard_lock_path, shard_path
+from dflash.inference.regeneration.shards import (ShardWriter, done_ids, merge_outputs, read_lines, shard_lock_path,
+                                                  shard_path)
 from dflash.utils import file_lock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +157,42 @@ def test_recover_shard_drops_a_cut_line(tmp_path):
     assert report.rows == 2 and report.skipped == {"x": 1} and report.duplicates == 0
     assert [r["id"] for r in read_lines(out)[0]] == ["c", "a"]  # source order first
     assert not path.exists() and not shard_lock_path(path).exists()
+
+
+def _row(rid: str, index: int, turns: int, partial: bool = False, tag: str = "") -> dict:
+    meta = {"source_index": index, "turns": turns, "new_tokens": [3] * turns}
+    if partial:
+        meta["partial"] = True
+    conversation = []
+    for t in range(turns):
+        conversation += [{"from": "human", "value": f"q{t}"}, {"from": "gpt", "value": f"a{t}{tag}"}]
+    return {"id": rid, "conversations": conversation, "regen": meta}
+
+
+def test_merge_prefers_whole_rows_to_partial_ones(tmp_path):
+    """Partial rows (a time budget cut the conversation) are not done; in the merge a finished row
+    replaces them, else the partial row with the most turns (the first seen among equals) stays."""
+    out = tmp_path / "out.jsonl"
+    files = {
+        out: [_row("r1", 0, 1, partial=True), _row("r2", 1, 2), _row("r3", 2, 1, partial=True)],
+        shard_path(out, 0): [_row("r1", 0, 3), _row("r3", 2, 2, partial=True), _row("r4", 3, 1, partial=True, tag="x"),
+                             _row("r2", 1, 2, tag="again"), {"id": "r5", "skipped": "empty_response",
+                                                              "regen": {"source_index": 4}}],
+        shard_path(out, 1): [_row("r4", 3, 1, partial=True, tag="y"), _row("r3", 2, 1, partial=True)],
+    }
+    for path, records in files.items():
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert done_ids(out) == {"r1", "r2", "r5"}
+    report = merge_outputs(out)
+    merged = {r["id"]: r for r in read_lines(out)[0]}
+    assert list(merged) == ["r1", "r2", "r3", "r4"]  # source order
+    assert merged["r1"] == files[shard_path(out, 0)][0]  # the finished row, though the output came first
+    assert merged["r2"] == files[out][1]  # finished twice: the first seen, the other a duplicate
+    assert merged["r3"] == files[shard_path(out, 0)][1]  # the partial row with the most turns
+    assert merged["r4"]["conversations"][-1]["value"] == "a0x"  # equal turns: the first seen
+    assert (report.rows, report.partial, report.duplicates, report.skipped) == (4, 2, 1, {"empty_response": 1})
+    assert report.new_tokens == 3 * (3 + 2 + 2 + 1)
+    assert done_ids(out) == {"r1", "r2", "r5"}  # partial rows stay to do after the merge
 
 
 # --------------------------------------------------------------------------- end to end

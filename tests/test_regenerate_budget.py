@@ -36,7 +36,8 @@ from dflash.config import ConfigError, RegenerateConfig, load_config
 from dflash.inference.regeneration.generators import Generated
 from dflash.inference.regeneration.jobs import GenerationOptions, choose_round, regenerate_rows
 from dflash.inference.regeneration.rows import SourceRow, iter_source
-from dflash.inference.regeneration.shards import existing_shards, read_lines, shard_path, skipped_path
+from dflash.inference.regeneration.shards import (done_ids, existing_shards, is_partial, merge_outputs, read_lines,
+                                                  shard_path, skipped_path)
 
 QWEN3_VOCAB = 151669  # len(qwen3 tokenizer): the random target's vocabulary matches it
 
@@ -100,19 +101,31 @@ def test_regenerate_rows_stops_at_the_deadline(qwen3, batch_size, kind):
     everything = [r for records in regenerate_rows(rows, unlimited, qwen3, options) for r in records]
     assert sorted(r["id"] for r in everything) == sorted(r.id for r in rows)
     assert {r.get("skipped") for r in everything} >= {"prompt_too_long", "no_user_turn"}
+    whole = {r["id"]: r for r in everything}
     rounds = unlimited.calls
-    partial = 0
+    cut = cut_rows = 0
     for k in range(rounds + 2):
         generator = kind(qwen3)
         # the clock reads the rounds done: the deadline k has come once k rounds have run
         got = [r for records in regenerate_rows(rows, generator, qwen3, options, deadline=k,
                                                 clock=lambda: generator.calls) for r in records]
-        assert got == _finished_before_round(rows, qwen3, options, k, kind), k
+        finished = [r for r in got if not is_partial(r)]
+        partial = [r for r in got if is_partial(r)]
+        assert finished == _finished_before_round(rows, qwen3, options, k, kind), k
+        assert got[len(finished):] == partial  # the partial rows come last, once the budget ran out
         assert generator.calls == min(k, rounds)  # no round starts at or past the deadline
         assert len({r["id"] for r in got}) == len(got)
-        partial += 0 < len(got) < len(rows)
+        for row in partial:  # the turns done so far: a prefix of the whole row
+            full, meta = whole[row["id"]], row["regen"]
+            assert 0 < meta["turns"] < full["regen"]["turns"]
+            assert row["conversations"] == full["conversations"][:len(row["conversations"])]
+            assert row["conversations"][-1]["from"] == "gpt"
+            assert meta["new_tokens"] == full["regen"]["new_tokens"][:meta["turns"]]
+        cut += 0 < len(finished) < len(rows)
+        cut_rows += len(partial)
     assert got == everything  # a deadline after the last round changes nothing
-    assert partial >= 2  # the budget did cut conversations short
+    assert cut >= 2  # the budget did cut conversations short
+    assert cut_rows >= 1  # and conversations in flight were written as partial rows
 
 
 class TwoCacheGenerator(CountingGenerator):
@@ -283,15 +296,19 @@ def test_worker_stops_at_the_deadline(tmp_path, monkeypatch, caplog):
     threads = torch.get_num_threads()
     try:
         with caplog.at_level(logging.WARNING, logger=worker.log.name):
-            # the deadline comes after 2 rounds (the clock reads the rounds done)
-            assert worker.run_worker(cfg, options, out, 0, 1, None, deadline=2,
+            # the deadline comes after 3 rounds (the clock reads the rounds done)
+            assert worker.run_worker(cfg, options, out, 0, 1, None, deadline=3,
                                      clock=lambda: generators[-1].calls if generators else 0) == 0
-        written = [r["id"] for r in read_lines(shard_path(out, 0))[0]]
+        records = read_lines(shard_path(out, 0))[0]
+        written = [r["id"] for r in records if not is_partial(r)]
+        cut = [r["id"] for r in records if is_partial(r)]
         stats = json.loads(worker.stats_path(out, 0).read_text())
-        assert generators[0].calls == 2 and 0 < len(written) < len(ids)
+        assert generators[0].calls == 3 and 0 < len(written) < len(ids)
+        assert len(cut) == 1 and cut[0] not in written and done_ids(out) == set(written)  # in flight after a turn
         assert stats["stopped_at_deadline"] is True and stats["rows"] == len(written)
-        assert stats["rows_left"] == len(ids) - len(written)
-        assert f"wrote {len(written)} rows, left {len(ids) - len(written)}" in caplog.text
+        assert stats["rows_left"] == len(ids) - len(written) and stats["partial_rows"] == 1
+        assert f"wrote {len(written)} rows, left {len(ids) - len(written)} of {len(ids)} (1 of them in flight" \
+            in caplog.text
 
         # a deadline that has come before the model loads: no model, nothing written, the rest left
         def no_model(*args, **kwargs):
@@ -306,7 +323,13 @@ def test_worker_stops_at_the_deadline(tmp_path, monkeypatch, caplog):
         assert worker.run_worker(cfg, options, out, 0, 1, None) == 0
         stats = json.loads(worker.stats_path(out, 0).read_text())
         assert stats["rows_left"] == 0 and stats["stopped_at_deadline"] is False
-        assert sorted(r["id"] for r in read_lines(shard_path(out, 0))[0]) == sorted(ids)
+        records = read_lines(shard_path(out, 0))[0]
+        assert sorted(r["id"] for r in records if not is_partial(r)) == sorted(ids)
+        # the merge keeps the whole row of the conversation cut before, not its partial one
+        report = merge_outputs(out)
+        merged = read_lines(out)[0] + read_lines(skipped_path(out))[0]
+        assert sorted(r["id"] for r in merged) == sorted(ids) and not any(is_partial(r) for r in merged)
+        assert report.duplicates == 0 and report.partial == 0
     finally:
         torch.set_num_threads(threads)
 

@@ -36,12 +36,14 @@ and an ETA at least every 30 s; the launcher shows the same over all workers, wi
 **Time budget** (``--max-seconds S``, default ``regenerate.max_seconds``; unset = no limit; a
 finite number > 0). One run lasts about S seconds of wall clock, model loads included: the launcher
 takes its deadline when it starts and hands it to the workers (internal ``--deadline``), and each
-worker stops before its next generation round once it has passed (conversations in flight are not
-written: a later run regenerates them), logs what it wrote and left, and exits 0. The launcher then
-merges the finished rows into ``<output>`` as after a complete run, records ``time_limited: true``
-and ``rows_left`` in ``last_run``, logs a warning with the command that continues (the same one
-without the budget) and exits 0. The budget is not one of the options an output is "made with": any
-later run, with or without one, continues it. As the training stage with ``regenerate.max_seconds``
+worker stops before its next generation round once it has passed (a conversation in flight is
+written as a *partial* row, ``regen.partial: true``, when it has a regenerated turn: the turns done
+so far, a valid row to train on; a later run regenerates it whole and its whole row replaces the
+partial one), logs what it wrote and left, and exits 0. The launcher then merges the finished and
+partial rows into ``<output>`` as after a complete run, records ``time_limited: true``,
+``rows_left`` (partial rows included) and ``partial_rows`` in ``last_run``, logs a warning with
+the command that continues (the same one without the budget) and exits 0. The budget is not one of
+the options an output is "made with": any later run, with or without one, continues it. As the training stage with ``regenerate.max_seconds``
 set, an output whose last run was time-limited is used as it is (no worker, no model load), so a
 resumed training run trains on the same rows; continue it with the standalone command.
 
@@ -56,7 +58,8 @@ by the launcher). Every line is one JSON object with a stable
 
 * a regenerated row (ShareGPT form, read by :func:`dflash.data.conversations.normalize_row`):
   ``{"id", "conversations": [{"from": "system"|"human"|"gpt", "value"}], "regen": {"source_index",
-  "turns", "new_tokens": [..], "finish": ["stop"|"length", ..], "retokenize_mismatch"}}``;
+  "turns", "new_tokens": [..], "finish": ["stop"|"length", ..], "retokenize_mismatch"}}`` (and
+  ``"partial": true`` in ``regen`` for a partial row);
 * a skipped row (shards and ``<output>.skipped``; never in ``<output>``): ``{"id", "skipped": reason,
   "regen": {"source_index"}}``, reasons :data:`dflash.inference.regeneration.jobs.SKIP_REASONS`.
   Skips are deterministic, so they count as done, also after a merge: a complete output starts no

@@ -17,8 +17,10 @@ greedy generator's two static caches (short and long prompts) cost a batch of st
 rows they hold, so the pool holds ``batch_size`` per cache and each round runs one cache, chosen by
 :func:`choose_round`: a conversation whose prompts grow past the short cache moves to the long
 one, and rounds stay full where a round of every conversation in flight would run both caches half
-empty. Given a deadline, it stops before the first round that would start past it (the
-conversations in flight are not written). Sampling seeds come from
+empty. Given a deadline, it stops before the first round that would start past it and writes
+each conversation in flight that has a regenerated turn as a *partial* row
+(:func:`dflash.inference.regeneration.shards.is_partial`): trained on like any row, regenerated
+whole by a later run. Sampling seeds come from
 :func:`dflash.inference.regeneration.rows.turn_seed` (seed, row id, turn), so a sampled row depends
 neither on batching nor on sharding.
 """
@@ -204,15 +206,23 @@ class ConversationJob:
         self.new_tokens.append(len(generated.ids) + (generated.finish == "stop"))
         self.finish.append(generated.finish)
 
-    def record(self) -> dict:
-        """The output line of a finished job: a regenerated row, or a skip record."""
+    def record(self, partial: bool = False) -> dict:
+        """The output line of a finished job: a regenerated row, or a skip record.
+
+        ``partial``: the job is not finished (the time budget stopped it after at least one
+        turn): its row so far, marked ``regen.partial``
+        (:func:`dflash.inference.regeneration.shards.is_partial`)."""
         meta: dict[str, Any] = {"source_index": self.row.index}
         if self.turns == 0:
+            if partial:
+                raise ValueError(f"{self.row.id}: a partial record needs a regenerated turn")
             return {"id": self.row.id, "skipped": self.stop_reason or NO_USER_TURN, "regen": meta}
         last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
         conversation = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in self.messages[:last + 1]]
         meta.update(turns=self.turns, new_tokens=self.new_tokens, finish=self.finish,
                     retokenize_mismatch=self.retokenize_mismatch)
+        if partial:
+            meta["partial"] = True
         return {"id": self.row.id, "conversations": conversation, "regen": meta}
 
 
@@ -302,9 +312,11 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
 
     Args:
         deadline: when given, ``clock()`` is read before each generation round, and once it is at or
-            past ``deadline`` the generator ends without that round: the conversations in flight
-            (and the rows never started) are not yielded. Every row is yielded exactly once
-            otherwise, so the rows left are ``len(rows)`` minus the records yielded.
+            past ``deadline`` the generator yields the conversations in flight that have a
+            regenerated turn as partial records (``regen.partial``; oldest first) and ends
+            without that round; the others, and the rows never started, are not yielded. Every row
+            is yielded exactly once as a finished record otherwise, so the rows left are
+            ``len(rows)`` minus the finished records yielded.
         clock: the time that is compared with ``deadline``, in the same unit (default
             :func:`time.time`, seconds since the epoch; tests pass a fake one).
     """
@@ -328,8 +340,11 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
         if not pool:
             continue
         if deadline is not None and clock() >= deadline:
-            log.debug("deadline passed: %d conversations in flight and %d not started are left", len(pool),
-                      len(queue))
+            partial = [job.record(partial=True) for job, _ in pool if job.turns > 0]
+            log.debug("deadline passed: %d conversations in flight (%d written as partial rows) and %d not "
+                      "started are left", len(pool), len(partial), len(queue))
+            if partial:
+                yield partial
             return
         extra: dict[str, Any] = {}
         take = list(range(len(pool)))  # one cache: the pool is one batch

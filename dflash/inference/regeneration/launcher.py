@@ -15,9 +15,11 @@ rate) and the workers for their exit; when every worker has finished it merges t
 deadline when it starts (``time.time() + max_seconds``: model loads count) and hands it to every
 worker (``--deadline EPOCH_S``); its progress line shows the budget left. A worker stops once the
 deadline has come, before loading the model or before its next generation round (conversations in
-flight are not written), and exits 0 saying so in its stats. When rows are left *because* workers
-stopped there, the launcher still merges the finished rows into ``<output>``, records
-``time_limited: true`` and ``rows_left`` in ``last_run``, says how to continue
+flight with a regenerated turn are written as partial rows,
+:func:`dflash.inference.regeneration.shards.is_partial`), and exits 0 saying so in its stats. When
+rows are left *because* workers stopped there, the launcher still merges the finished and partial
+rows into ``<output>``, records ``time_limited: true``, ``rows_left`` (partial rows included) and
+``partial_rows`` in ``last_run``, says how to continue
 (:func:`continue_command`) and returns :data:`EXIT_OK`; rows missing for any other reason are an
 error. A round in flight at the deadline runs to its end, so a run overshoots its budget by up to
 one round (plus the merge).
@@ -255,10 +257,11 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
     _log_summary(output, summary, reasons)
     if summary["time_limited"]:
         log.warning("the time budget (--max-seconds / regenerate.max_seconds = %s s) ran out: %d conversations "
-                    "done in this run (regenerated or skipped), %d left; %s holds the %d regenerated rows "
-                    "(skips: <output>.skipped). Continue with: %s",
+                    "done in this run (regenerated or skipped), %d left; %s holds the %d regenerated rows, %d of "
+                    "them partial (the turns done when the budget ran out; regenerated whole by a later run; "
+                    "skips: <output>.skipped). Continue with: %s",
                     repr(args.max_seconds), summary["regenerated_now"], summary["rows_left"], output,
-                    summary["rows"], continue_command(args, cfg))
+                    summary["rows"], summary["partial_rows"], continue_command(args, cfg))
     return EXIT_OK
 
 
@@ -372,6 +375,7 @@ def _merge_and_report(output: Path, source: list[SourceRow], dropped: dict[str, 
         "regenerated_now": pending - len(remaining), "new_tokens_now": tokens, "generate_s": round(gen_s, 2),
         "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
         "wall_s": None, "workers": world, "time_limited": bool(remaining), "rows_left": len(remaining),
+        "partial_rows": report.partial,
         "per_worker": [{k: st.get(k) for k in ("rank", "device", "rows", "new_tokens", "load_s", "generate_s",
                                                "tokens_per_s", "prefill_s", "decode_s", "batches", "compiles",
                                                "cudagraph_records", "rows_left", "stopped_at_deadline")}

@@ -7,9 +7,12 @@ bounded, for a previous run's workers to exit before it reads the shards. Openin
 it after its last newline, so a line cut by a kill mid-write is dropped and regenerated, never
 duplicated.
 ``<output>.skipped`` keeps the skip records of merged shards. Rows already in ``<output>``, in
-``<output>.skipped`` or in any shard (of any earlier worker count) are done.
-:func:`merge_outputs` writes ``<output>`` and ``<output>.skipped`` in source order (an id once;
-:func:`dflash.utils.atomic_write_text`) and deletes the shards and their locks.
+``<output>.skipped`` or in any shard (of any earlier worker count) are done, except *partial* rows
+(conversations a time budget stopped after some turns,
+:func:`is_partial`), which a later run regenerates whole.
+:func:`merge_outputs` writes ``<output>`` and ``<output>.skipped`` in source order (an id once, a
+finished row before a partial one; :func:`dflash.utils.atomic_write_text`) and deletes the shards
+and their locks.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dflash import jsonl
 from dflash.utils import atomic_write_text, file_lock
 
 __all__ = ["LOCK_WAIT_S", "SHARD_INFIX", "shard_path", "shard_lock_path", "existing_shards", "read_lines", "ShardWriter",
-           "wait_for_shard_locks", "skipped_path", "done_ids", "MergeReport", "merge_outputs"]
+           "wait_for_shard_locks", "skipped_path", "is_partial", "done_ids", "MergeReport", "merge_outputs"]
 
 #: Longest wait for a previous run's worker to release its shard lock (seconds).
 LOCK_WAIT_S = 60.0
@@ -127,24 +130,42 @@ def skipped_path(output: Path) -> Path:
     return output.with_name(output.name + ".skipped")
 
 
+def is_partial(record: dict) -> bool:
+    """Whether an output line is a partial row: a conversation a time budget stopped after some of
+    its turns (``regen.partial``, :meth:`dflash.inference.regeneration.jobs.ConversationJob.record`).
+    It is a valid row to train on, and not done: a later run regenerates the conversation from
+    its start and the whole row replaces this one."""
+    meta = record.get("regen")
+    return isinstance(meta, dict) and meta.get("partial") is True
+
+
 def done_ids(output: Path) -> set[str]:
-    """Ids already finished: every complete line of ``<output>``, of ``<output>.skipped`` and of every shard."""
+    """Ids already finished: every complete line of ``<output>``, of ``<output>.skipped`` and of
+    every shard, partial rows excepted."""
     done: set[str] = set()
     for path in [output, skipped_path(output), *existing_shards(output)]:
         records, _, _ = read_lines(path)
-        done.update(r["id"] for r in records)
+        done.update(r["id"] for r in records if not is_partial(r))
     return done
 
 
 @dataclass
 class MergeReport:
-    """What a merge wrote: rows, skipped rows by reason, lines seen twice, unreadable lines."""
+    """What a merge wrote: rows (``partial`` of them partial), skipped rows by reason, lines seen
+    twice, unreadable lines, new tokens of the rows written."""
 
     rows: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     duplicates: int = 0
     bad_lines: int = 0
     new_tokens: int = 0
+    partial: int = 0
+
+
+def _turns(record: dict) -> int:
+    meta = record.get("regen")
+    turns = meta.get("turns") if isinstance(meta, dict) else None
+    return turns if isinstance(turns, int) else 0
 
 
 def merge_outputs(output: Path) -> MergeReport:
@@ -152,34 +173,51 @@ def merge_outputs(output: Path) -> MergeReport:
     their lock files (the caller holds the output's lock; no worker runs).
 
     Rows are ordered by ``regen.source_index`` (rows without one keep their order, last); an id is
-    written once (the first seen: ``<output>`` first, then ``<output>.skipped``, then shards by
-    rank) and later copies are counted as duplicates. Skip records are counted and kept in
+    written once (the first finished record seen: ``<output>`` first, then ``<output>.skipped``,
+    then shards by rank; later copies are counted as duplicates). A partial row is written only
+    when its id has no finished record (the one with the most turns, the first seen among equals);
+    the partial rows a finished one replaces are not duplicates. Skip records are counted and kept in
     ``<output>.skipped`` (so that a later run does not check those rows again). Without shards
     nothing is rewritten: ``<output>`` keeps its bytes and modification time (a complete output
     stays valid for every cache keyed on it).
     """
     report = MergeReport()
     seen: set[str] = set()
-    rows: list[tuple[int, int, dict]] = []
+    partial: dict[str, dict] = {}  # id -> the partial row kept so far (ids without a finished record)
+    order: list[dict] = []  # finished rows and kept partial rows, in the order first seen
     skips: list[dict] = []
     shards = existing_shards(output)
     for path in [output, skipped_path(output), *shards]:
         records, _, bad = read_lines(path)
         report.bad_lines += bad
         for record in records:
-            if record["id"] in seen:
+            rid = record["id"]
+            if is_partial(record):
+                kept = partial.get(rid)
+                if rid not in seen and (kept is None or _turns(record) > _turns(kept)):
+                    partial[rid] = record
+                    order.append(record)
+                continue
+            if rid in seen:
                 report.duplicates += 1
                 continue
-            seen.add(record["id"])
+            seen.add(rid)
+            partial.pop(rid, None)
             if "skipped" in record:
                 reason = str(record["skipped"])
                 report.skipped[reason] = report.skipped.get(reason, 0) + 1
                 skips.append(record)
                 continue
-            meta = record.get("regen") if isinstance(record.get("regen"), dict) else {}
-            index = meta.get("source_index")
-            report.new_tokens += sum(meta.get("new_tokens", []) or [])
-            rows.append((0 if isinstance(index, int) else 1, index if isinstance(index, int) else len(rows), record))
+            order.append(record)
+    rows: list[tuple[int, int, dict]] = []
+    for record in order:
+        if is_partial(record) and partial.get(record["id"]) is not record:
+            continue  # replaced by a finished row or by a longer partial one
+        meta = record.get("regen") if isinstance(record.get("regen"), dict) else {}
+        index = meta.get("source_index")
+        report.new_tokens += sum(meta.get("new_tokens", []) or [])
+        report.partial += is_partial(record)
+        rows.append((0 if isinstance(index, int) else 1, index if isinstance(index, int) else len(rows), record))
     report.rows = len(rows)
     if not shards and output.exists():
         return report

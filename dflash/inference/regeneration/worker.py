@@ -27,7 +27,7 @@ from dflash.data.render import stop_token_ids
 from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator, short_prompt_tokens_for
 from dflash.inference.regeneration.jobs import GenerationOptions, prompt_chars, regenerate_rows
 from dflash.inference.regeneration.rows import SourceRow, iter_source, shard_of
-from dflash.inference.regeneration.shards import ShardWriter, done_ids, shard_path
+from dflash.inference.regeneration.shards import ShardWriter, done_ids, is_partial, shard_path
 
 __all__ = ["stats_path", "run_worker"]
 
@@ -62,7 +62,9 @@ def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, t
     try:
         for records in regenerate_rows(rows, generator, tokenizer, options, deadline, clock):
             shard.append(records)
-            stats["rows"] += len(records)
+            partial = sum(is_partial(r) for r in records)
+            stats["rows"] += len(records) - partial
+            stats["partial_rows"] = stats.get("partial_rows", 0) + partial
             stats["new_tokens"] += sum(sum(r["regen"].get("new_tokens", [])) for r in records)
             rate = stats["new_tokens"] / max(time.perf_counter() - started, 1e-9)
             split = (f" (prefill {timings['prefill_s']:.0f} s, decoding {timings['decode_s']:.0f} s)"
@@ -133,16 +135,17 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
     Runs on ``cuda:<gpus[rank]>`` (``gpus`` defaults to ``cluster.targets``) or the CPU. Greedy
     generation goes through :class:`StaticGreedyGenerator` (one per worker, ``options.batch_size``
     rows), sampling through :class:`BatchGenerator`. Logs a progress line (rows, new tokens/s, ETA)
-    at least every 30 s and writes :func:`stats_path` (rows, new tokens, seconds, new tokens/s,
-    device, ``rows_left`` and ``stopped_at_deadline``) at the end. The shard's lock is held from
+    at least every 30 s and writes :func:`stats_path` (rows finished, ``partial_rows``, new tokens,
+    seconds, new tokens/s, device, ``rows_left`` and ``stopped_at_deadline``) at the end. The shard's lock is held from
     before the shard is read until the end.
 
     Args:
         deadline: the launcher's time budget as a ``clock()`` time (seconds since the epoch; None =
             no limit). Once it has come the worker stops: before loading the model, or before its
-            next generation round (the conversations in flight are not written; a later run
-            regenerates them). It then logs what it wrote and what it left, and its stats say
-            ``stopped_at_deadline: true``.
+            next generation round (the conversations in flight with a regenerated turn are written
+            as partial rows, :func:`dflash.inference.regeneration.shards.is_partial`; a later run
+            regenerates them whole). It then logs what it wrote and what it left (partial rows
+            count as left), and its stats say ``stopped_at_deadline: true``.
         clock: the time compared with ``deadline`` (default :func:`time.time`; tests pass a fake one).
 
     Returns:
@@ -181,7 +184,8 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
         stats["stopped_at_deadline"] = stats["rows_left"] > 0 and _past(deadline, clock)
         if stats["stopped_at_deadline"]:
             log.warning("shard %d: stopped at the time budget (--max-seconds): wrote %d rows, left %d of %d "
-                        "(conversations in flight are not written; a later run regenerates them)", rank,
-                        stats["rows"], stats["rows_left"], len(rows))
+                        "(%d of them in flight, written as partial rows with the turns done; a later run "
+                        "regenerates them whole)", rank, stats["rows"], stats["rows_left"], len(rows),
+                        stats.get("partial_rows", 0))
         stats_path(output, rank).write_text(json.dumps(stats))
     return 0
