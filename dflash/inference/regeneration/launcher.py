@@ -376,9 +376,10 @@ def _merge_and_report(output: Path, source: list[SourceRow], dropped: dict[str, 
         "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
         "wall_s": None, "workers": world, "time_limited": bool(remaining), "rows_left": len(remaining),
         "partial_rows": report.partial,
-        "per_worker": [{k: st.get(k) for k in ("rank", "device", "rows", "new_tokens", "load_s", "generate_s",
-                                               "tokens_per_s", "prefill_s", "decode_s", "batches", "compiles",
-                                               "cudagraph_records", "rows_left", "stopped_at_deadline")}
+        "per_worker": [{k: st.get(k) for k in ("rank", "device", "rows", "partial_rows", "new_tokens", "load_s",
+                                               "generate_s", "tokens_per_s", "prefill_s", "decode_s", "batches",
+                                               "batch_rows", "compiles", "cudagraph_records", "rows_left",
+                                               "stopped_at_deadline")}
                        for st in stats],
     }
 
