@@ -1,12 +1,15 @@
 """The time budget of regeneration (``--max-seconds`` / ``regenerate.max_seconds``), on CPU.
 
 - :func:`regenerate_rows` with a fake clock that passes the deadline after k rounds yields exactly
-  the records the unbudgeted run yields before its (k+1)-th round, for every k, with one cache or
-  two (a round per cache, :func:`choose_round`);
-- :func:`choose_round` drains a pool at the least cost an exhaustive search finds, and a
-  two-cache run keeps its rounds full and writes the rows a one-cache run writes;
-- a worker stops there too (its shard holds only finished rows, its stats say so), and before
-  loading the model when the deadline has already come;
+  the finished records the unbudgeted run yields before its (k+1)-th round, for every k, with one
+  cache or two (a round per cache, :func:`choose_round`), then the conversations in flight as
+  partial rows (each a prefix of its whole row);
+- :func:`choose_round` drains a pool at the least cost an exhaustive search finds and bounds a
+  started conversation's wait; a two-cache run keeps its rounds full and writes the rows a
+  one-cache run writes;
+- a worker stops there too (its shard holds the finished rows and one partial row, its stats say
+  so), and before loading the model when the deadline has already come; the merge of a later
+  complete run keeps whole rows only;
 - end to end (a launcher in this process, its workers as processes, a tiny random target): a run
   whose budget is spent before the workers load merges the rows done so far, records
   ``time_limited`` and ``rows_left``, exits 0 and names the command that continues; the training
@@ -34,7 +37,7 @@ import yaml
 
 from dflash.config import ConfigError, RegenerateConfig, load_config
 from dflash.inference.regeneration.generators import Generated
-from dflash.inference.regeneration.jobs import GenerationOptions, choose_round, regenerate_rows
+from dflash.inference.regeneration.jobs import MAX_WAIT_ROUNDS, GenerationOptions, choose_round, regenerate_rows
 from dflash.inference.regeneration.rows import SourceRow, iter_source
 from dflash.inference.regeneration.shards import (done_ids, existing_shards, is_partial, merge_outputs, read_lines,
                                                   shard_path, skipped_path)
@@ -195,6 +198,41 @@ def test_choose_round_by_hand():
         choose_round([0, -1], 2)
 
 
+def test_choose_round_bounds_the_wait():
+    # the short cache's own row has waited 5 rounds (the bound): it runs, though the long one is full
+    assert choose_round([0, 1, 1, 1], 3, waits=[5, 0, 0, 0], max_wait=5) == (0, [0])
+    assert choose_round([0, 1, 1, 1], 3, waits=[4, 0, 0, 0], max_wait=5) == (1, [1, 2, 3])
+    # several overdue caches: the largest; its rows that waited longest first, then smaller caches' rows
+    assert choose_round([1, 0, 1, 1, 0], 2, waits=[5, 9, 7, 0, 0], max_wait=5) == (1, [0, 2])
+    assert choose_round([1, 0, 0], 3, waits=[6, 9, 2], max_wait=5) == (1, [0, 1, 2])
+    with pytest.raises(ValueError, match="waits: one per conversation"):
+        choose_round([0, 1], 2, waits=[0])
+    with pytest.raises(ValueError, match="max_wait"):
+        choose_round([0, 1], 2, waits=[0, 0], max_wait=0)
+
+
+def test_a_started_conversation_is_not_held_back_by_a_full_cache(qwen3):
+    """Two short 3-turn conversations started, then a queue of long first prompts that keeps the
+    long cache full: each started conversation still gets its next turn within
+    :data:`MAX_WAIT_ROUNDS` rounds (without the bound it would wait for the queue to run dry)."""
+    def conversation(turns):
+        return [m for t in range(turns) for m in ({"role": "user", "content": f"Q{t}"},
+                                                   {"role": "assistant", "content": "old"})]
+    rows = [SourceRow(i, f"{'one' if i < 2 else 'three'}{i}", conversation(1 if i < 2 else 3)) for i in range(4)]
+    rows += [SourceRow(i, f"long{i}", [{"role": "user", "content": " ".join(["word"] * 80)},
+                                       {"role": "assistant", "content": "x"}]) for i in range(4, 204)]
+    options = GenerationOptions(max_new_tokens=8, batch_size=4, max_prompt_tokens=200, enable_thinking=False)
+    generator = TwoCacheGenerator(qwen3, threshold=60)
+    finished_at = {}
+    for records in regenerate_rows(rows, generator, qwen3, options):
+        finished_at.update((r["id"], generator.calls) for r in records)
+    assert len(finished_at) == len(rows)
+    bound = 1 + 2 * (MAX_WAIT_ROUNDS + 1)  # the first round, then two turns each after at most the bound
+    assert finished_at["three2"] <= bound and finished_at["three3"] <= bound < generator.calls - 2
+    short_rounds = [len(lengths) for cache, lengths in generator.rounds if cache == 0]
+    assert short_rounds[0] == 4 and short_rounds[1:] == [2, 2]  # the two bounded waits
+
+
 @pytest.mark.parametrize("slots", [(3, 5), (2, 7), (2, 3, 4), (1, 4, 9)])
 def test_choose_round_drains_a_pool_at_the_least_cost(slots):
     rng = random.Random(len(slots) * 100 + slots[-1])
@@ -307,7 +345,7 @@ def test_worker_stops_at_the_deadline(tmp_path, monkeypatch, caplog):
         assert len(cut) == 1 and cut[0] not in written and done_ids(out) == set(written)  # in flight after a turn
         assert stats["stopped_at_deadline"] is True and stats["rows"] == len(written)
         assert stats["rows_left"] == len(ids) - len(written) and stats["partial_rows"] == 1
-        assert f"wrote {len(written)} rows, left {len(ids) - len(written)} of {len(ids)} (1 of them in flight" \
+        assert f"wrote {len(written)} rows, left {len(ids) - len(written)} of {len(ids)} (1 of them written as partial" \
             in caplog.text
 
         # a deadline that has come before the model loads: no model, nothing written, the rest left
@@ -332,6 +370,34 @@ def test_worker_stops_at_the_deadline(tmp_path, monkeypatch, caplog):
         assert report.duplicates == 0 and report.partial == 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_launcher_report_counts_partial_rows_as_left(tmp_path):
+    """The launcher's check after its workers: a worker stopped at the budget left its partial row
+    and the rows it never started; they are exactly the rows not done, so the finished and partial
+    rows are merged and the report says ``time_limited``, ``rows_left`` and ``partial_rows``."""
+    from dflash.inference.regeneration import launcher, worker
+
+    out = tmp_path / "out.jsonl"
+    source = [SourceRow(i, f"c{i}", []) for i in range(5)]
+    finished = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
+                 "regen": {"source_index": i, "turns": 1, "new_tokens": [2]}} for i in (0, 1)]
+    cut = {"id": "c2", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
+           "regen": {"source_index": 2, "turns": 1, "new_tokens": [4], "partial": True}}
+    shard_path(out, 0).write_text("".join(json.dumps(r) + "\n" for r in [*finished, cut]))
+    worker.stats_path(out, 0).write_text(json.dumps({"rank": 0, "rows": 2, "partial_rows": 1, "new_tokens": 6,
+                                                     "generate_s": 1.0, "rows_left": 3,
+                                                     "stopped_at_deadline": True}))
+    summary = launcher._merge_and_report(out, source, {}, pending=5, world=1)
+    assert summary is not None
+    assert (summary["time_limited"], summary["rows_left"], summary["partial_rows"], summary["rows"]) == (True, 3, 1, 3)
+    assert summary["regenerated_now"] == 2 and summary["per_worker"][0]["partial_rows"] == 1
+    assert [r["id"] for r in read_lines(out)[0]] == ["c0", "c1", "c2"] and done_ids(out) == {"c0", "c1"}
+    # a worker that claims fewer rows left than are not done: rows are missing, nothing is merged
+    shard_path(out, 0).write_text(json.dumps(cut) + "\n")
+    worker.stats_path(out, 0).write_text(json.dumps({"rank": 0, "rows": 0, "new_tokens": 0, "generate_s": 1.0,
+                                                     "rows_left": 2, "stopped_at_deadline": True}))
+    assert launcher._merge_and_report(out, source, {}, pending=3, world=1) is None
 
 
 def _regenerate(config: Path, out: Path, *flags: str) -> int:

@@ -344,8 +344,9 @@ class RegenerateConfig:
     #: cache serves every prompt length (no short / long split).
     attention: Optional[str] = None
     #: Wall-clock budget of one launcher run, in seconds, model loads included (``null`` = no limit).
-    #: Past it, each worker stops before its next generation round (conversations in flight are not
-    #: written), the launcher merges the finished rows into ``output`` and marks its last run
+    #: Past it, each worker stops before its next generation round (conversations in flight with a
+    #: regenerated turn are written as partial rows, which a later run regenerates whole), the
+    #: launcher merges the finished and partial rows into ``output`` and marks its last run
     #: ``time_limited``; the training stage then trains on that output as it is, also on a later
     #: ``--resume`` (continue it with ``python -m dflash.inference.regenerate``). Not an option the
     #: output is "made with": a budget does not change what a row holds.

@@ -52,7 +52,8 @@ resumed training run trains on the same rows; continue it with the standalone co
 it appends), ``<output>.rank<k>.log`` (its log), ``<output>.skipped`` (the skip records of merged
 shards), ``<output>.regen.json`` (options, checked on restart, and the last run's report: rows,
 skips, new tokens, overall new tokens/s and ``per_worker`` rows, new tokens, seconds and new
-tokens/s; ``time_limited`` and ``rows_left`` when the time budget ended it), ``<output>.lock`` (held
+tokens/s; ``time_limited``, ``rows_left`` and ``partial_rows`` when the time budget ended it),
+``<output>.lock`` (held
 by the launcher). Every line is one JSON object with a stable
 ``id`` (:mod:`dflash.inference.regeneration.rows`):
 
@@ -155,8 +156,9 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
                         "row has written and uses one cache for every prompt length")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="wall-clock budget of this run in seconds, model loads included: then the workers stop "
-                        "before their next round, the finished rows are merged into the output and a later run "
-                        "continues (default regenerate.max_seconds: no limit)")
+                        "before their next round, the finished rows and the conversations in flight (cut after "
+                        "their last turn: partial rows) are merged into the output and a later run continues "
+                        "(default regenerate.max_seconds: no limit)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing output and its shards first")
     p.add_argument("--gpus", type=_gpu_list, default=None,
                    help="comma-separated GPU ids, one worker each (default cluster.targets; on CPU: the worker count)")

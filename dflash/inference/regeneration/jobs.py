@@ -14,10 +14,11 @@ generates the next turn of up to ``batch_size`` of them in one batch
 (:mod:`dflash.inference.regeneration.generators`). With one cache (sampling, or one static cache
 for every prompt) the pool holds ``batch_size`` conversations and every round takes them all. The
 greedy generator's two static caches (short and long prompts) cost a batch of steps each whatever
-rows they hold, so the pool holds ``batch_size`` per cache and each round runs one cache, chosen by
-:func:`choose_round`: a conversation whose prompts grow past the short cache moves to the long
-one, and rounds stay full where a round of every conversation in flight would run both caches half
-empty. Given a deadline, it stops before the first round that would start past it and writes
+rows they hold, so each round runs one cache, chosen by :func:`choose_round`, and the pool is
+refilled while the short cache (where first turns mostly go) lacks a batch of its own rows, up to
+``batch_size`` per cache in all: a conversation whose prompts grow past the short cache moves to the
+long one, and rounds stay full where a round of every conversation in flight would run both caches
+half empty. A started conversation waits at most :data:`MAX_WAIT_ROUNDS` rounds for its next turn. Given a deadline, it stops before the first round that would start past it and writes
 each conversation in flight that has a regenerated turn as a *partial* row
 (:func:`dflash.inference.regeneration.shards.is_partial`): trained on like any row, regenerated
 whole by a later run. Sampling seeds come from
@@ -258,29 +259,39 @@ def _accept_all(jobs: list[ConversationJob], outs: list[Generated], tokenizer: A
         job.accept(out, text, ids)
 
 
-def choose_round(caches: Sequence[int], batch_size: int) -> tuple[int, list[int]]:
+#: Rounds a started conversation waits at most for its next turn while other caches run
+#: (:func:`choose_round`): long enough never to bind while later turns reach the long cache at the
+#: usual pace, short enough that a conversation is not held back until the queue runs dry.
+MAX_WAIT_ROUNDS = 16
+
+
+def choose_round(caches: Sequence[int], batch_size: int, waits: Optional[Sequence[int]] = None,
+                 max_wait: int = MAX_WAIT_ROUNDS) -> tuple[int, list[int]]:
     """The next round's cache and conversations, from the pool of those waiting for a turn.
 
     A step of a static cache reads all of its positions for all of its rows, used or not, so a
     round costs what its cache's length costs whatever it holds; every waiting turn must run in a
     cache that fits it, the smallest one it fits (its *own* cache) or a larger one. The round runs
     the largest cache that has a full batch of its own rows, else (the pool is draining) the
-    largest cache that has any: its own rows oldest first, topped up with the rows of the next
-    smaller caches (larger first, oldest first within one), which ride along at no cost. A
-    conversation reaches a larger cache only after turns in smaller ones, so the larger cache's rows
-    are the ones that have waited longest. Draining a pool this way (no new turns) costs the fewest
-    cache positions any order of rounds can (``tests/test_regenerate_budget.py`` checks it against
-    an exhaustive search).
+    largest cache that has any: its own rows in pool order, topped up with the rows of the next
+    smaller caches (larger first, in pool order within one), which ride along at no cost. Draining
+    a pool this way (no new turns) costs the fewest cache positions any order of rounds can
+    (``tests/test_regenerate_budget.py`` checks it against an exhaustive search). One exception
+    bounds the wait: a cache with an own row that has waited ``max_wait`` rounds or more runs first
+    (the largest such), its rows that waited longest first, whether or not it is full.
 
     Args:
-        caches: per conversation of the pool, oldest first, the index of its own cache
-            (``generator.cache_for`` of its next prompt; caches ordered by size).
+        caches: per conversation of the pool, the index of its own cache (``generator.cache_for``
+            of its next prompt; caches ordered by size). Pool order is the order rows are taken in.
         batch_size: rows of each cache.
+        waits: per conversation, the rounds it has waited for its next turn (``None``: no bound).
+        max_wait: the wait (rounds) that makes a cache run next.
     Returns:
         ``(cache, rows)``: the cache's index and the pool indices of the round's conversations,
         ascending (at most ``batch_size``; each fits the cache).
     Raises:
-        ValueError: an empty pool, a negative cache index, or ``batch_size < 1``.
+        ValueError: an empty pool, a negative cache index, ``batch_size < 1``, ``waits`` of another
+            length than ``caches``, or ``max_wait < 1``.
     """
     if not caches:
         raise ValueError("choose_round: the pool is empty")
@@ -288,6 +299,17 @@ def choose_round(caches: Sequence[int], batch_size: int) -> tuple[int, list[int]
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
     if min(caches) < 0:
         raise ValueError(f"caches: indices are >= 0, got {min(caches)}")
+    if waits is not None and len(waits) != len(caches):
+        raise ValueError(f"waits: one per conversation of the pool ({len(caches)}), got {len(waits)}")
+    if max_wait < 1:
+        raise ValueError(f"max_wait: must be >= 1, got {max_wait}")
+    waited = list(waits) if waits is not None else [0] * len(caches)
+    overdue = [c for c, w in zip(caches, waited) if w >= max_wait]
+    if overdue:
+        cache = max(overdue)
+        order = sorted((i for i, c in enumerate(caches) if c <= cache),
+                       key=lambda i: (caches[i] != cache, -caches[i], -waited[i], i))
+        return cache, sorted(order[:batch_size])
     counts = {cache: sum(c == cache for c in caches) for cache in set(caches)}
     full = [cache for cache, n in counts.items() if n >= batch_size]
     cache = max(full) if full else max(counts)
@@ -303,10 +325,11 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
     A pool of conversations, each with its next prompt ready, generates one turn of up to
     ``options.batch_size`` of them per round (one batch); finished conversations leave the pool
     and the queue refills it. A generator with several caches (``cache_slots`` and ``cache_for``,
-    :class:`dflash.inference.regeneration.generators.StaticGreedyGenerator`) gets a pool of
-    ``batch_size`` per cache and one cache's prompts a round (``generate(..., cache=c)``, the
-    cache and rows of :func:`choose_round`; the others wait in the pool); any other generator a
-    pool of ``batch_size``, all of it every round. Rows skipped before any generation are yielded
+    :class:`dflash.inference.regeneration.generators.StaticGreedyGenerator`) gets one cache's
+    prompts a round (``generate(..., cache=c)``, the cache and rows of :func:`choose_round`, the
+    rows that waited longest first; the others wait in the pool), and the pool is refilled while
+    the smallest cache has fewer than ``batch_size`` rows of its own, to at most ``batch_size``
+    per cache; any other generator gets a pool of ``batch_size``, all of it every round. Rows skipped before any generation are yielded
     before the round that replaces them. Each round tokenises its prompts, and decodes and
     re-tokenises its turns, one call each.
 
@@ -321,26 +344,30 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
             :func:`time.time`, seconds since the epoch; tests pass a fake one).
     """
     slots = tuple(getattr(generator, "cache_slots", ()))
-    cache_for = getattr(generator, "cache_for", None) if len(slots) > 1 else None
-    capacity = options.batch_size * (len(slots) if cache_for is not None else 1)
+    cache_for: Callable[[int], int] = getattr(generator, "cache_for", None) if len(slots) > 1 else lambda n: 0
+    batch = options.batch_size
+    capacity = batch * (len(slots) if len(slots) > 1 else 1)
     queue = list(reversed(rows))
-    pool: list[tuple[ConversationJob, list[int]]] = []  # in flight, oldest first
+    # in flight: (job, its next prompt, its own cache, the round it became ready), longest waiting first
+    pool: list[tuple[ConversationJob, list[int], int, int]] = []
+    rounds = 0
     while queue or pool:
         skipped: list[dict] = []
-        while len(pool) < capacity and queue:
-            fresh = [ConversationJob(queue.pop(), tokenizer, options)
-                     for _ in range(min(capacity - len(pool), len(queue)))]
+        # refill while the smallest cache (where first turns mostly go) lacks a batch
+        while queue and len(pool) < capacity and sum(entry[2] == 0 for entry in pool) < batch:
+            need = min(capacity - len(pool), batch - sum(entry[2] == 0 for entry in pool), len(queue))
+            fresh = [ConversationJob(queue.pop(), tokenizer, options) for _ in range(need)]
             for job, prompt in zip(fresh, _next_prompts(fresh, tokenizer)):
                 if prompt is None:
                     skipped.append(job.record())
                 else:
-                    pool.append((job, prompt))
+                    pool.append((job, prompt, cache_for(len(prompt)), rounds))
         if skipped:
             yield skipped
         if not pool:
             continue
         if deadline is not None and clock() >= deadline:
-            partial = [job.record(partial=True) for job, _ in pool if job.turns > 0]
+            partial = [entry[0].record(partial=True) for entry in pool if entry[0].turns > 0]
             log.debug("deadline passed: %d conversations in flight (%d written as partial rows) and %d not "
                       "started are left", len(pool), len(partial), len(queue))
             if partial:
@@ -348,13 +375,16 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
             return
         extra: dict[str, Any] = {}
         take = list(range(len(pool)))  # one cache: the pool is one batch
-        if cache_for is not None:
-            extra["cache"], take = choose_round([cache_for(len(prompt)) for _, prompt in pool], options.batch_size)
+        if len(slots) > 1:
+            # only started conversations count as waiting: a row not begun loses nothing at a deadline
+            waits = [rounds - ready if job.turns else 0 for job, _, _, ready in pool]
+            extra["cache"], take = choose_round([entry[2] for entry in pool], batch, waits)
         taken = set(take)
         jobs = [pool[i][0] for i in take]
         seeds = [turn_seed(options.seed, job.row.id, job.turns) for job in jobs]
         outs = generator.generate([pool[i][1] for i in take], options.max_new_tokens, options.temperature,
                                   options.top_p, seeds, **extra)
+        rounds += 1
         pool = [entry for i, entry in enumerate(pool) if i not in taken]
         _accept_all(jobs, outs, tokenizer)
         finished: list[dict] = []
@@ -362,6 +392,6 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
             if prompt is None:
                 finished.append(job.record())
             else:
-                pool.append((job, prompt))
+                pool.append((job, prompt, cache_for(len(prompt)), rounds))
         if finished:
             yield finished

@@ -39,8 +39,8 @@ from typing import Any, Optional
 from dflash.config import RunConfig
 from dflash.inference.regeneration.jobs import GenerationOptions
 from dflash.inference.regeneration.rows import SourceRow, iter_source
-from dflash.inference.regeneration.shards import (SHARD_INFIX, done_ids, existing_shards, merge_outputs, read_lines,
-                                                  shard_path, skipped_path, wait_for_shard_locks)
+from dflash.inference.regeneration.shards import (SHARD_INFIX, done_ids, existing_shards, is_partial, merge_outputs,
+                                                  read_lines, shard_path, skipped_path, wait_for_shard_locks)
 from dflash.progress import format_duration
 from dflash.runtime.supervisor import Supervisor, WorkerProcess, WorkerSpec
 from dflash.utils import LockTimeout, atomic_write_text, file_lock
@@ -262,6 +262,11 @@ def _launch_locked(args: argparse.Namespace, cfg: RunConfig, options: Generation
                     "skips: <output>.skipped). Continue with: %s",
                     repr(args.max_seconds), summary["regenerated_now"], summary["rows_left"], output,
                     summary["rows"], summary["partial_rows"], continue_command(args, cfg))
+    elif summary["partial_rows"]:
+        log.warning("%s holds %d partial rows (conversations cut by an earlier run's time budget) that this run "
+                    "did not regenerate: they lie outside its rows (--limit / regenerate.limit). A run over "
+                    "them replaces them with whole rows; the training stage trains on them as they are",
+                    output, summary["partial_rows"])
     return EXIT_OK
 
 
@@ -326,7 +331,7 @@ class _ShardProgress:
             for r in records:
                 meta = r.get("regen") if isinstance(r.get("regen"), dict) else {}
                 self.new_tokens[k] += sum(meta.get("new_tokens", []) or [])
-            self.rows += len(records)
+            self.rows += sum(not is_partial(r) for r in records)  # a partial row is not done
 
     def text(self) -> str:
         """The progress line's tail: new tokens/s over all workers and per worker."""

@@ -184,7 +184,7 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
         stats["stopped_at_deadline"] = stats["rows_left"] > 0 and _past(deadline, clock)
         if stats["stopped_at_deadline"]:
             log.warning("shard %d: stopped at the time budget (--max-seconds): wrote %d rows, left %d of %d "
-                        "(%d of them in flight, written as partial rows with the turns done; a later run "
+                        "(%d of them written as partial rows: in flight with the turns done so far; a later run "
                         "regenerates them whole)", rank, stats["rows"], stats["rows_left"], len(rows),
                         stats.get("partial_rows", 0))
         stats_path(output, rank).write_text(json.dumps(stats))
