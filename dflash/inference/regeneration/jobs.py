@@ -260,8 +260,9 @@ def _accept_all(jobs: list[ConversationJob], outs: list[Generated], tokenizer: A
 
 
 #: Rounds a started conversation waits at most for its next turn while other caches run
-#: (:func:`choose_round`): long enough never to bind while later turns reach the long cache at the
-#: usual pace, short enough that a conversation is not held back until the queue runs dry.
+#: (:func:`choose_round`). Loose on purpose: a round forced by it may run part-empty, or carry short
+#: prompts in the long cache; it only keeps a conversation from waiting until the queue runs dry
+#: (then the time budget would cut it).
 MAX_WAIT_ROUNDS = 16
 
 
