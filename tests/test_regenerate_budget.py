@@ -345,8 +345,8 @@ def test_worker_stops_at_the_deadline(tmp_path, monkeypatch, caplog):
         assert len(cut) == 1 and cut[0] not in written and done_ids(out) == set(written)  # in flight after a turn
         assert stats["stopped_at_deadline"] is True and stats["rows"] == len(written)
         assert stats["rows_left"] == len(ids) - len(written) and stats["partial_rows"] == 1
-        assert f"wrote {len(written)} rows, left {len(ids) - len(written)} of {len(ids)} (1 of them written as partial" \
-            in caplog.text
+        left = len(ids) - len(written)
+        assert f"wrote {len(written)} rows, left {left} of {len(ids)} (1 of them written as partial" in caplog.text
 
         # a deadline that has come before the model loads: no model, nothing written, the rest left
         def no_model(*args, **kwargs):

@@ -43,9 +43,10 @@ partial one), logs what it wrote and left, and exits 0. The launcher then merges
 partial rows into ``<output>`` as after a complete run, records ``time_limited: true``,
 ``rows_left`` (partial rows included) and ``partial_rows`` in ``last_run``, logs a warning with
 the command that continues (the same one without the budget) and exits 0. The budget is not one of
-the options an output is "made with": any later run, with or without one, continues it. As the training stage with ``regenerate.max_seconds``
-set, an output whose last run was time-limited is used as it is (no worker, no model load), so a
-resumed training run trains on the same rows; continue it with the standalone command.
+the options an output is "made with": any later run, with or without one, continues it. As the
+training stage with ``regenerate.max_seconds`` set, an output whose last run was time-limited is
+used as it is (no worker, no model load), so a resumed training run trains on the same rows;
+continue it with the standalone command.
 
 **Files** (:mod:`dflash.inference.regeneration.shards`). ``<output>`` (the merged result),
 ``<output>.rank<k>`` (worker k's shard, appended), ``<output>.rank<k>.lock`` (held by worker k while

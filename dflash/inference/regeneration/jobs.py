@@ -18,8 +18,9 @@ rows they hold, so each round runs one cache, chosen by :func:`choose_round`, an
 refilled while the short cache (where first turns mostly go) lacks a batch of its own rows, up to
 ``batch_size`` per cache in all: a conversation whose prompts grow past the short cache moves to the
 long one, and rounds stay full where a round of every conversation in flight would run both caches
-half empty. A started conversation waits at most :data:`MAX_WAIT_ROUNDS` rounds for its next turn. Given a deadline, it stops before the first round that would start past it and writes
-each conversation in flight that has a regenerated turn as a *partial* row
+half empty. A started conversation waits at most :data:`MAX_WAIT_ROUNDS` rounds for its next turn.
+Given a deadline, it stops before the first round that would start past it and writes each
+conversation in flight that has a regenerated turn as a *partial* row
 (:func:`dflash.inference.regeneration.shards.is_partial`): trained on like any row, regenerated
 whole by a later run. Sampling seeds come from
 :func:`dflash.inference.regeneration.rows.turn_seed` (seed, row id, turn), so a sampled row depends
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from jinja2.exceptions import TemplateError
 
@@ -266,6 +267,16 @@ def _accept_all(jobs: list[ConversationJob], outs: list[Generated], tokenizer: A
 MAX_WAIT_ROUNDS = 16
 
 
+class _Waiting(NamedTuple):
+    """A conversation of :func:`regenerate_rows`'s pool: its next prompt's token ids, the index of
+    the smallest cache that holds it, and the round it became ready in."""
+
+    job: ConversationJob
+    prompt: list[int]
+    cache: int
+    ready: int
+
+
 def choose_round(caches: Sequence[int], batch_size: int, waits: Optional[Sequence[int]] = None,
                  max_wait: int = MAX_WAIT_ROUNDS) -> tuple[int, list[int]]:
     """The next round's cache and conversations, from the pool of those waiting for a turn.
@@ -330,14 +341,14 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
     prompts a round (``generate(..., cache=c)``, the cache and rows of :func:`choose_round`, the
     rows that waited longest first; the others wait in the pool), and the pool is refilled while
     the smallest cache has fewer than ``batch_size`` rows of its own, to at most ``batch_size``
-    per cache; any other generator gets a pool of ``batch_size``, all of it every round. Rows skipped before any generation are yielded
-    before the round that replaces them. Each round tokenises its prompts, and decodes and
-    re-tokenises its turns, one call each.
+    per cache; any other generator gets a pool of ``batch_size``, all of it every round. Rows
+    skipped before any generation are yielded before the round that replaces them. Each round
+    tokenises its prompts, and decodes and re-tokenises its turns, one call each.
 
     Args:
         deadline: when given, ``clock()`` is read before each generation round, and once it is at or
             past ``deadline`` the generator yields the conversations in flight that have a
-            regenerated turn as partial records (``regen.partial``; oldest first) and ends
+            regenerated turn as partial records (``regen.partial``; in pool order) and ends
             without that round; the others, and the rows never started, are not yielded. Every row
             is yielded exactly once as a finished record otherwise, so the rows left are
             ``len(rows)`` minus the finished records yielded.
@@ -349,26 +360,25 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
     batch = options.batch_size
     capacity = batch * (len(slots) if len(slots) > 1 else 1)
     queue = list(reversed(rows))
-    # in flight: (job, its next prompt, its own cache, the round it became ready), longest waiting first
-    pool: list[tuple[ConversationJob, list[int], int, int]] = []
+    pool: list[_Waiting] = []  # in flight, longest waiting first
     rounds = 0
     while queue or pool:
         skipped: list[dict] = []
         # refill while the smallest cache (where first turns mostly go) lacks a batch
-        while queue and len(pool) < capacity and sum(entry[2] == 0 for entry in pool) < batch:
-            need = min(capacity - len(pool), batch - sum(entry[2] == 0 for entry in pool), len(queue))
-            fresh = [ConversationJob(queue.pop(), tokenizer, options) for _ in range(need)]
+        while queue and len(pool) < capacity and (smallest := sum(w.cache == 0 for w in pool)) < batch:
+            fresh = [ConversationJob(queue.pop(), tokenizer, options)
+                     for _ in range(min(capacity - len(pool), batch - smallest, len(queue)))]
             for job, prompt in zip(fresh, _next_prompts(fresh, tokenizer)):
                 if prompt is None:
                     skipped.append(job.record())
                 else:
-                    pool.append((job, prompt, cache_for(len(prompt)), rounds))
+                    pool.append(_Waiting(job, prompt, cache_for(len(prompt)), rounds))
         if skipped:
             yield skipped
         if not pool:
             continue
         if deadline is not None and clock() >= deadline:
-            partial = [entry[0].record(partial=True) for entry in pool if entry[0].turns > 0]
+            partial = [w.job.record(partial=True) for w in pool if w.job.turns > 0]
             log.debug("deadline passed: %d conversations in flight (%d written as partial rows) and %d not "
                       "started are left", len(pool), len(partial), len(queue))
             if partial:
@@ -378,12 +388,12 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
         take = list(range(len(pool)))  # one cache: the pool is one batch
         if len(slots) > 1:
             # only started conversations count as waiting: a row not begun loses nothing at a deadline
-            waits = [rounds - ready if job.turns else 0 for job, _, _, ready in pool]
-            extra["cache"], take = choose_round([entry[2] for entry in pool], batch, waits)
+            waits = [rounds - w.ready if w.job.turns else 0 for w in pool]
+            extra["cache"], take = choose_round([w.cache for w in pool], batch, waits)
         taken = set(take)
-        jobs = [pool[i][0] for i in take]
+        jobs = [pool[i].job for i in take]
         seeds = [turn_seed(options.seed, job.row.id, job.turns) for job in jobs]
-        outs = generator.generate([pool[i][1] for i in take], options.max_new_tokens, options.temperature,
+        outs = generator.generate([pool[i].prompt for i in take], options.max_new_tokens, options.temperature,
                                   options.top_p, seeds, **extra)
         rounds += 1
         pool = [entry for i, entry in enumerate(pool) if i not in taken]
@@ -393,6 +403,6 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
             if prompt is None:
                 finished.append(job.record())
             else:
-                pool.append((job, prompt, cache_for(len(prompt)), rounds))
+                pool.append(_Waiting(job, prompt, cache_for(len(prompt)), rounds))
         if finished:
             yield finished

@@ -23,8 +23,9 @@ from pathlib import Path
 from dflash import jsonl
 from dflash.utils import atomic_write_text, file_lock
 
-__all__ = ["LOCK_WAIT_S", "SHARD_INFIX", "shard_path", "shard_lock_path", "existing_shards", "read_lines", "ShardWriter",
-           "wait_for_shard_locks", "skipped_path", "is_partial", "done_ids", "MergeReport", "merge_outputs"]
+__all__ = ["LOCK_WAIT_S", "SHARD_INFIX", "shard_path", "shard_lock_path", "existing_shards", "read_lines",
+           "ShardWriter", "wait_for_shard_locks", "skipped_path", "is_partial", "done_ids", "MergeReport",
+           "merge_outputs"]
 
 #: Longest wait for a previous run's worker to release its shard lock (seconds).
 LOCK_WAIT_S = 60.0
