@@ -395,6 +395,48 @@ def test_causal_prefill_equals_prefill_over_the_cache(kind, monkeypatch):
         torch.testing.assert_close(causal.state.logit_stats[r, n], cache.state.logit_stats[r, n], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ["causal", "matmul"])
+def test_prefill_in_forwards_of_similar_widths_equals_one_prompt_at_a_time(attention, monkeypatch):
+    """A batch of mixed lengths goes longest first in forwards padded to their own longest prompt:
+    each row's keys/values, features, first token and logit stats equal those of its prompt
+    prefilled alone (fp32), and the forwards hold fewer padded positions than padding every
+    prompt to the batch's longest would."""
+    from dflash.inference.decode_steps import DecodeSteps
+
+    model = _model("llama")
+    g = torch.Generator().manual_seed(17)
+    lengths = (1, 6, 19, 11, 3, 19, 8, 14)
+    prompts = [torch.randint(0, 257, (n,), generator=g) for n in lengths]
+    batch = Generator(model, [0, 2], 48, batch_size=len(prompts), compile=False)
+    batch.prefill_attention = attention
+    monkeypatch.setattr(DecodeSteps, "PREFILL_CHUNK_TOKENS", 40)  # 2 rows of 19, 3 of 14 or 11, ...
+    monkeypatch.setattr(DecodeSteps, "PREFILL_CHUNK_ELEMENTS", 40 * batch.group * 48)
+    shapes = []
+    forward = batch._prefill_forward
+
+    def counted(ids, *args, **kwargs):
+        shapes.append(tuple(ids.shape))
+        return forward(ids, *args, **kwargs)
+
+    batch._prefill_forward = counted
+    first = batch.prefill(prompts)
+    assert [w for _, w in shapes] == sorted((w for _, w in shapes), reverse=True)
+    assert sum(n * w for n, w in shapes) < len(lengths) * max(lengths)
+    for r, p in enumerate(prompts):
+        alone = Generator(model, [0, 2], 48, batch_size=1, compile=False)
+        alone.prefill_attention = attention
+        assert first[r] == alone.prefill([p])[0]
+        n = p.numel()
+        for layer in range(len(model.model.layers)):
+            for buf in ("keys", "values"):
+                torch.testing.assert_close(getattr(batch.state.kv, buf)[layer][r, :, :n],
+                                           getattr(alone.state.kv, buf)[layer][0, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batch.state.features[r, :n], alone.state.features[0, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batch.state.logit_stats[r, n], alone.state.logit_stats[0, n], rtol=1e-5,
+                                   atol=1e-5)
+        assert int(batch.state.anchor[r]) == n and int(batch.state.tokens[r, n]) == first[r]
+
+
 def test_decode_block_mask_skips_only_blocks_past_each_row():
     """Compiled flex attention with :func:`decode_block_mask` equals the naive rule at three fill
     levels, and never reads the blocks past a row's positions: NaN values there (a block a kernel

@@ -400,29 +400,36 @@ class DecodeSteps:
         """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
         ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its logit stats
         too) and becomes its anchor. Compiled with dynamic shapes where the steps are compiled on
-        CUDA (:meth:`compile_prefill`) unless ``compile_prefill=False``, else eager; the prompts go
-        right-padded to the longest in as few forwards as :attr:`PREFILL_CHUNK_TOKENS` (fused
-        layers: causal attention over the prompts' own keys, :data:`PREFILL_ATTENTION`) or
-        :attr:`PREFILL_CHUNK_ELEMENTS` (transformers layers: attention over the cache) allows. A
-        padded row writes keys/values past its prompt too, at slots its own later forwards
-        overwrite before any query can read them (a query at ``p`` reads slots ``≤ p``, and the
-        forward at ``p`` writes slot ``p`` first); its real tokens never read the padding, which
-        comes after them.
+        CUDA (:meth:`compile_prefill`) unless ``compile_prefill=False``, else eager. The prompts go
+        longest first in forwards of as many rows as :attr:`PREFILL_CHUNK_TOKENS` (fused layers:
+        causal attention over the prompts' own keys, :data:`PREFILL_ATTENTION`) or
+        :attr:`PREFILL_CHUNK_ELEMENTS` (transformers layers: attention over the cache) allows at
+        the width of each forward's longest prompt, the others right-padded to it: a batch of
+        mixed lengths pads each forward to its own longest prompt, not to the batch's. A padded
+        row writes keys/values past its prompt too, at slots its own later forwards overwrite
+        before any query can read them (a query at ``p`` reads slots ``≤ p``, and the forward at
+        ``p`` writes slot ``p`` first); its real tokens never read the padding, which comes after
+        them.
 
         Returns:
             per row, its first generated token.
         """
         st = self.state
         lens = [p.numel() for p in prompts]
-        width = max(lens)
         attention = self.prefill_attention
-        if attention == PREFILL_ATTENTION:
-            chunk = max(1, self.PREFILL_CHUNK_TOKENS // width)
-        else:
-            chunk = max(1, self.PREFILL_CHUNK_ELEMENTS // max(1, self.group * width * self.max_len))
-        out: list[int] = []
-        for start in range(0, len(prompts), chunk):
-            part = list(range(start, min(len(prompts), start + chunk)))
+
+        def rows_at(width: int) -> int:  # rows of one forward at this width
+            if attention == PREFILL_ATTENTION:
+                return max(1, self.PREFILL_CHUNK_TOKENS // width)
+            return max(1, self.PREFILL_CHUNK_ELEMENTS // max(1, self.group * width * self.max_len))
+
+        longest_first = sorted(range(len(prompts)), key=lambda r: (-lens[r], r))
+        first = [0] * len(prompts)
+        start = 0
+        while start < len(longest_first):
+            width = lens[longest_first[start]]
+            part = longest_first[start:start + rows_at(width)]
+            start += len(part)
             ids = torch.zeros(len(part), width, dtype=torch.long)
             for i, r in enumerate(part):
                 ids[i, :lens[r]] = prompts[r]
@@ -439,5 +446,6 @@ class DecodeSteps:
                 st.features[rows, :width] = feats
             st.anchor[rows] = last + 1
             st.active[rows] = True
-            out += top[:, 0, 0].tolist()
-        return out
+            for r, token in zip(part, top[:, 0, 0].tolist()):
+                first[r] = token
+        return first
