@@ -321,15 +321,16 @@ class StaticGreedyGenerator:
         for i, p in enumerate(prompts):
             if not 0 < len(p) < self.max_prompt_tokens:
                 raise ValueError(f"prompts[{i}]: need 1..{self.max_prompt_tokens - 1} tokens, got {len(p)}")
+        chosen = [self.cache_for(len(p)) for p in prompts]  # each prompt's smallest cache
         if cache is not None:
             if not 0 <= cache < len(self.cache_slots):
                 raise ValueError(f"cache: an index into cache_slots {self.cache_slots}, got {cache}")
-            for i, p in enumerate(prompts):
-                if self.cache_for(len(p)) > cache:
-                    raise ValueError(f"prompts[{i}]: {len(p)} tokens do not fit cache {cache} "
+            for i, own in enumerate(chosen):
+                if own > cache:
+                    raise ValueError(f"prompts[{i}]: {len(prompts[i])} tokens do not fit cache {cache} "
                                      f"({self.cache_slots[cache]} positions)")
+            chosen = [cache] * len(prompts)
         out: list[Optional[Generated]] = [None] * len(prompts)
-        chosen = [self.cache_for(len(p)) if cache is None else cache for p in prompts]
         for index in range(len(self.cache_slots)):
             rows = [i for i, c in enumerate(chosen) if c == index]
             if not rows:

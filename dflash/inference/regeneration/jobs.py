@@ -355,10 +355,10 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
         clock: the time that is compared with ``deadline``, in the same unit (default
             :func:`time.time`, seconds since the epoch; tests pass a fake one).
     """
-    slots = tuple(getattr(generator, "cache_slots", ()))
-    cache_for: Callable[[int], int] = getattr(generator, "cache_for", None) if len(slots) > 1 else lambda n: 0
+    caches = max(1, len(getattr(generator, "cache_slots", ())))
+    cache_for: Callable[[int], int] = getattr(generator, "cache_for") if caches > 1 else lambda n: 0
     batch = options.batch_size
-    capacity = batch * (len(slots) if len(slots) > 1 else 1)
+    capacity = batch * caches
     queue = list(reversed(rows))
     pool: list[_Waiting] = []  # in flight, longest waiting first
     rounds = 0
@@ -386,7 +386,7 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
             return
         extra: dict[str, Any] = {}
         take = list(range(len(pool)))  # one cache: the pool is one batch
-        if len(slots) > 1:
+        if caches > 1:
             # only started conversations count as waiting: a row not begun loses nothing at a deadline
             waits = [rounds - w.ready if w.job.turns else 0 for w in pool]
             extra["cache"], take = choose_round([w.cache for w in pool], batch, waits)

@@ -184,9 +184,16 @@ def merge_outputs(output: Path) -> MergeReport:
     """
     report = MergeReport()
     seen: set[str] = set()
-    partial: dict[str, dict] = {}  # id -> the partial row kept so far (ids without a finished record)
-    order: list[dict] = []  # finished rows and kept partial rows, in the order first seen
+    partial: dict[str, dict] = {}  # id -> its partial row with the most turns (the first seen among equals)
+    rows: list[tuple[int, int, dict]] = []
     skips: list[dict] = []
+
+    def keep(record: dict) -> None:
+        meta = record.get("regen") if isinstance(record.get("regen"), dict) else {}
+        index = meta.get("source_index")
+        report.new_tokens += sum(meta.get("new_tokens", []) or [])
+        rows.append((0 if isinstance(index, int) else 1, index if isinstance(index, int) else len(rows), record))
+
     shards = existing_shards(output)
     for path in [output, skipped_path(output), *shards]:
         records, _, bad = read_lines(path)
@@ -195,30 +202,23 @@ def merge_outputs(output: Path) -> MergeReport:
             rid = record["id"]
             if is_partial(record):
                 kept = partial.get(rid)
-                if rid not in seen and (kept is None or _turns(record) > _turns(kept)):
+                if kept is None or _turns(record) > _turns(kept):
                     partial[rid] = record
-                    order.append(record)
                 continue
             if rid in seen:
                 report.duplicates += 1
                 continue
             seen.add(rid)
-            partial.pop(rid, None)
             if "skipped" in record:
                 reason = str(record["skipped"])
                 report.skipped[reason] = report.skipped.get(reason, 0) + 1
                 skips.append(record)
                 continue
-            order.append(record)
-    rows: list[tuple[int, int, dict]] = []
-    for record in order:
-        if is_partial(record) and partial.get(record["id"]) is not record:
-            continue  # replaced by a finished row or by a longer partial one
-        meta = record.get("regen") if isinstance(record.get("regen"), dict) else {}
-        index = meta.get("source_index")
-        report.new_tokens += sum(meta.get("new_tokens", []) or [])
-        report.partial += is_partial(record)
-        rows.append((0 if isinstance(index, int) else 1, index if isinstance(index, int) else len(rows), record))
+            keep(record)
+    for rid, record in partial.items():
+        if rid not in seen:  # else a finished row (or skip) replaces it
+            keep(record)
+            report.partial += 1
     report.rows = len(rows)
     if not shards and output.exists():
         return report

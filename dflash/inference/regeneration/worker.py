@@ -64,7 +64,7 @@ def _generate_shard(shard: ShardWriter, rows: list[SourceRow], generator: Any, t
             shard.append(records)
             partial = sum(is_partial(r) for r in records)
             stats["rows"] += len(records) - partial
-            stats["partial_rows"] = stats.get("partial_rows", 0) + partial
+            stats["partial_rows"] += partial
             stats["new_tokens"] += sum(sum(r["regen"].get("new_tokens", [])) for r in records)
             rate = stats["new_tokens"] / max(time.perf_counter() - started, 1e-9)
             split = (f" (prefill {timings['prefill_s']:.0f} s, decoding {timings['decode_s']:.0f} s)"
@@ -136,8 +136,8 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
     generation goes through :class:`StaticGreedyGenerator` (one per worker, ``options.batch_size``
     rows), sampling through :class:`BatchGenerator`. Logs a progress line (rows, new tokens/s, ETA)
     at least every 30 s and writes :func:`stats_path` (rows finished, ``partial_rows``, new tokens,
-    seconds, new tokens/s, device, ``rows_left`` and ``stopped_at_deadline``) at the end. The shard's lock is held from
-    before the shard is read until the end.
+    seconds, new tokens/s, device, ``rows_left`` and ``stopped_at_deadline``) at the end. The
+    shard's lock is held from before the shard is read until the end.
 
     Args:
         deadline: the launcher's time budget as a ``clock()`` time (seconds since the epoch; None =
@@ -161,7 +161,8 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
         rows = [r for r in iter_source(cfg.data.dataset, limit) if shard_of(r.id, world) == rank and r.id not in done]
         log.info("shard %d/%d on %s (%d torch threads): %d rows to regenerate", rank, world, device,
                  torch.get_num_threads(), len(rows))
-        stats: dict[str, Any] = {"rank": rank, "device": str(device), "rows": 0, "new_tokens": 0, "load_s": 0.0,
+        stats: dict[str, Any] = {"rank": rank, "device": str(device), "rows": 0, "partial_rows": 0, "new_tokens": 0,
+                                 "load_s": 0.0,
                                  "generate_s": 0.0, "tokens_per_s": None}
         if rows and not _past(deadline, clock):
             started = time.perf_counter()
@@ -186,6 +187,6 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
             log.warning("shard %d: stopped at the time budget (--max-seconds): wrote %d rows, left %d of %d "
                         "(%d of them written as partial rows: in flight with the turns done so far; a later run "
                         "regenerates them whole)", rank, stats["rows"], stats["rows_left"], len(rows),
-                        stats.get("partial_rows", 0))
+                        stats["partial_rows"])
         stats_path(output, rank).write_text(json.dumps(stats))
     return 0
