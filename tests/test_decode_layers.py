@@ -437,6 +437,21 @@ def test_prefill_in_forwards_of_similar_widths_equals_one_prompt_at_a_time(atten
         assert int(batch.state.anchor[r]) == n and int(batch.state.tokens[r, n]) == first[r]
 
 
+@pytest.mark.parametrize("query_rows", [1, 48, 128, 129, 288])
+def test_decode_block_mask_covers_the_query_rows_in_one_aligned_block(query_rows):
+    """One query block over all rows, its size a multiple of 128 (flex_attention's kernels refuse a
+    query block that is not a multiple of their tile, e.g. 288 rows: a 96-token forward of 3 folded
+    query heads); the key/value blocks are those up to each row's last position."""
+    from dflash.inference.decode_layers import FLEX_KV_BLOCK, FLEX_Q_BLOCK, decode_block_mask
+
+    positions = torch.tensor([[5], [FLEX_KV_BLOCK + 3], [3 * FLEX_KV_BLOCK - 1]])
+    mask = decode_block_mask(positions, query_rows, 3 * FLEX_KV_BLOCK)
+    q_block, kv_block = mask.BLOCK_SIZE
+    assert q_block % FLEX_Q_BLOCK == 0 and query_rows <= q_block < query_rows + FLEX_Q_BLOCK
+    assert kv_block == FLEX_KV_BLOCK
+    assert mask.kv_num_blocks.view(-1).tolist() == [1, 2, 3]
+
+
 def test_decode_block_mask_skips_only_blocks_past_each_row():
     """Compiled flex attention with :func:`decode_block_mask` equals the naive rule at three fill
     levels, and never reads the blocks past a row's positions: NaN values there (a block a kernel

@@ -47,7 +47,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.models.modeling_dflash import apply_rope
 
-__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FLEX_KV_BLOCK", "FusedDecoderLayer", "PREFILL_ATTENTION",
+__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FLEX_KV_BLOCK", "FLEX_Q_BLOCK", "FusedDecoderLayer", "PREFILL_ATTENTION",
            "REDUCE_MAX_BATCH", "attention_spec_error", "causal_prefill_attention", "decode_block_mask", "decode_score_mod",
            "default_attention", "fusable", "fuse_layers", "reduce_attention", "split_attention"]
 
@@ -179,6 +179,9 @@ def decode_score_mod(positions: Tensor, window: Optional[int] = None) -> Callabl
 
 #: Cache slots per key/value block of :func:`decode_block_mask` (flex_attention's default block).
 FLEX_KV_BLOCK = 128
+#: The query block of :func:`decode_block_mask` is the smallest multiple of this covering the
+#: forward's folded query rows (flex_attention's largest query tile).
+FLEX_Q_BLOCK = 128
 
 
 def decode_block_mask(positions: Tensor, query_rows: int, max_len: int, block: int = FLEX_KV_BLOCK) -> BlockMask:
@@ -202,9 +205,10 @@ def decode_block_mask(positions: Tensor, query_rows: int, max_len: int, block: i
     last = positions.amax(dim=-1)  # [b']
     count = torch.clamp(last // block + 1, max=blocks).to(torch.int32).view(-1, 1, 1)
     order = torch.arange(blocks, device=positions.device, dtype=torch.int32).expand(positions.shape[0], 1, 1, blocks)
-    # One query block of 128 rows (flex-decoding's kernels need a query block that is a multiple of
-    # their 16-row tile; the folded ``Q`` of a step or a verification is below 128).
-    q_block = max(FLEX_KV_BLOCK, -(-query_rows // 16) * 16)
+    # One query block over all ``Q`` rows, a multiple of 128: flex-decoding's kernels (``Q`` < 128, a
+    # step or a verification) need a multiple of their 16-row tile, flex_attention's own kernels (a
+    # longer forward) a multiple of their 64- or 128-row tile.
+    q_block = -(-max(query_rows, 1) // FLEX_Q_BLOCK) * FLEX_Q_BLOCK
     return BlockMask.from_kv_blocks(count, order, BLOCK_SIZE=(q_block, block), seq_lengths=(query_rows, max_len),
                                     compute_q_blocks=False)
 
