@@ -496,6 +496,84 @@ def test_static_buffer_draft_equals_the_exact_length_draft(target, prompts, trai
     assert torch.equal(full, exact) and torch.equal(full, moved)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "reduce", "flex"])
+def test_cached_proposer_equals_the_training_forward_over_a_decode(target, prompts, references, trained_drafter,
+                                                                   monkeypatch, attention):
+    """The cached drafter (context keys/values per layer, filled by the prefill and updated from the
+    window before each anchor) against the drafter's training forward over the buffer, at every
+    draft of a 3-row decode (prompts of 8, 1 and 150 tokens, rows finishing at different passes,
+    rejected drafts' features left past each anchor): block hidden states equal within fp32
+    rounding, drafts identical; the outputs are the naive oracle's."""
+    from dflash.inference.proposer import CachedDFlashProposer, drafter_hidden
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    cached = CachedDFlashProposer.block_hidden
+
+    def checked(self, tokens, features, anchor):
+        b, s = tokens.shape
+        want = drafter_hidden(self.drafter, features, tokens, torch.arange(s).expand(b, s),
+                              torch.ones(b, s, dtype=torch.int32), anchor.view(b, 1),
+                              torch.ones(b, 1, dtype=torch.bool))[:, 0]
+        got = cached(self, tokens, features, anchor)
+        seen.append((got.clone(), want.clone()))
+        return got
+
+    monkeypatch.setattr(CachedDFlashProposer, "block_hidden", checked)
+    rows = [0, 2, 3]
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, batch_size=3, drafter=trained_drafter,
+                    attention=f"sdpa+{attention}")
+    assert isinstance(gen.proposer, CachedDFlashProposer) and gen.proposer.attention == attention
+    outs = gen.speculative([prompts[r] for r in rows], MAX_NEW)
+    assert len(seen) >= 10
+    head = trained_drafter.lm_head
+    for got, want in seen:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        assert torch.equal(head(got[:, 1:]).argmax(-1), head(want[:, 1:]).argmax(-1))
+    for r, out in zip(rows, outs):
+        assert out.tokens == references[r][:len(out.tokens)] and len(out.tokens) == MAX_NEW
+
+
+def test_cached_proposer_reads_only_the_context_before_the_anchor(target, prompts, trained_drafter):
+    """After a decode, other features and cache contents past the block (random, finite) change
+    nothing: the draft reads the slots up to the block's last position, whose context part it
+    rewrote from the window before the anchor; a changed feature before the anchor does change it."""
+    from dflash.inference.proposer import CachedDFlashProposer
+
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, drafter=trained_drafter)
+    gen.speculative([prompts[3]], 20)
+    prop, st = gen.proposer, gen.state
+    assert isinstance(prop, CachedDFlashProposer)
+    n, b_sz = int(st.anchor[0]), prop.block_size
+    first = prop.block_hidden(st.tokens, st.features, st.anchor)
+    g = torch.Generator().manual_seed(5)
+    garbage = st.features.clone()
+    garbage[:, n:] = torch.randn(garbage[:, n:].shape, generator=g)
+    for buf in prop.keys + prop.values:
+        buf[:, :, n + b_sz:] = torch.randn(buf[:, :, n + b_sz:].shape, generator=g)
+    again = prop.block_hidden(st.tokens, garbage, st.anchor)
+    assert torch.equal(first, again)
+    moved = garbage.clone()
+    moved[:, n - 1] += 1.0
+    assert (prop.block_hidden(st.tokens, moved, st.anchor) - first).abs().max() > 1e-4
+
+
+def test_a_sliding_drafter_drafts_through_the_training_forward(target, prompts, references):
+    """A drafter with a sliding-attention layer is not cached (its window rule is per query): the
+    decoder drafts through DFlashProposer, and decoding stays the oracle's."""
+    from dflash.inference.proposer import DFlashProposer, cacheable
+
+    cfg = DFlashConfig.from_target(target.config, DrafterConfig(num_layers=2, block_size=4,
+                                                                layer_types=["sliding_attention", "full_attention"],
+                                                                sliding_window=6),
+                                   target_layer_ids=target.layer_ids, mask_token_id=0)
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(cfg, target.embed_tokens, target.lm_head, attention="sdpa").eval()
+    assert not cacheable(drafter)
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, drafter=drafter)
+    assert isinstance(gen.proposer, DFlashProposer)
+    assert gen.speculative([prompts[0]], 12)[0].tokens == references[0][:12]
+
+
 def test_long_context_beyond_training_length(target):
     """A 700-token prompt: the drafter still runs and decoding stays lossless."""
     g = torch.Generator().manual_seed(4)
@@ -1234,3 +1312,27 @@ def test_compiled_decoding_equals_eager_on_gpu():
                 outs[compiled, every, schedule, bool(stops)] = [o.tokens for o in runs]
                 assert [o.tokens for o in runs] == [_cut(r, stops, 24) for r in refs] * 2
     assert all(out == outs[False, 1, "predicted", key[-1]] for key, out in outs.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("attention", ["sdpa", "flex", "reduce", "matmul"])
+def test_compiled_cached_drafter_drafts_what_the_training_forward_drafts_on_gpu(attention):
+    """fp32 on CUDA, compiled (CUDA graphs): the cached drafter under each verification attention
+    walks the same anchors as the drafter's training forward over the buffer (the same drafts at
+    every pass), batched, and both give the naive oracle's tokens."""
+    from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer
+
+    target = load_target(TargetConfig(kind="random", arch="tiny-llama", dtype="float32"), "cuda", num_drafter_layers=2)
+    drafter = make_drafter(target, 4, num_layers=2).cuda()
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 40)]
+    refs = [naive_greedy_decode(target.model, p, 24) for p in prompts]
+    runs = {}
+    for cached in (True, False):
+        gen = Generator(target.model, target.layer_ids, 160, batch_size=2, compile=True, attention=f"reduce+{attention}",
+                        drafter=drafter if cached else DFlashProposer(drafter))
+        assert isinstance(gen.proposer, CachedDFlashProposer) == cached
+        runs[cached] = gen.speculative(prompts, 24)
+        assert [o.tokens for o in runs[cached]] == refs
+    assert [o.anchors for o in runs[True]] == [o.anchors for o in runs[False]]

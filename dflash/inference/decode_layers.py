@@ -38,7 +38,7 @@ by :func:`fusable` and decoded through the transformers layers instead.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.models.modeling_dflash import apply_rope
 
-__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FLEX_KV_BLOCK", "FLEX_Q_BLOCK", "FusedDecoderLayer", "PREFILL_ATTENTION",
-           "REDUCE_MAX_BATCH", "attention_spec_error", "causal_prefill_attention", "decode_block_mask", "decode_score_mod",
-           "default_attention", "fusable", "fuse_layers", "reduce_attention", "split_attention"]
+__all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FLEX_KV_BLOCK", "FLEX_Q_BLOCK", "FusedDecoderLayer",
+           "PREFILL_ATTENTION", "REDUCE_MAX_BATCH", "attention_spec_error", "cache_attention",
+           "causal_prefill_attention", "decode_block_mask", "decode_score_mod", "default_attention", "fusable",
+           "fuse_layers", "reduce_attention", "split_attention"]
 
 #: Decoding's default attention spec (:func:`split_attention`): ``"reduce"`` in the one-token step,
 #: SDPA in verification; the fastest measured on an H200 (SmolLM2-135M, bf16, batch 1,
@@ -269,6 +270,37 @@ def reduce_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scal
     return out.to(values.dtype)
 
 
+def cache_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, mask: Any, scale: float,
+                    attention: str, window: Optional[int] = None) -> Tensor:
+    """Attention of folded queries over a static cache by one of :data:`ATTENTIONS`.
+
+    Args:
+        q: ``[b', H_kv, g·T, hd]`` queries (rotary applied), query row ``j·T + t`` is query head
+            ``j`` of a key/value group at token ``t``; in ``keys.dtype``.
+        keys, values: ``[b', H_kv, T_max, hd]`` the cache rows of the ``b'`` sequences.
+        positions: ``[b', T]`` int64: token ``t`` reads slots ``≤ positions[:, t]`` (the rule
+            ``"flex"`` applies through :func:`decode_score_mod`; the others take it from ``mask``).
+        mask: ``[b', 1, g·T, T_max]`` bool (broadcastable), True = may read, for ``"sdpa"``,
+            ``"matmul"`` and ``"reduce"``; for ``"flex"`` the cache blocks to visit (a
+            :func:`decode_block_mask`, or ``None`` = every block).
+        scale: the softmax scale.
+        attention: one of :data:`ATTENTIONS`.
+        window: a sliding window in tokens (``"flex"`` only; the others have it in ``mask``).
+
+    Returns:
+        ``[b', H_kv, g·T, hd]`` in ``values.dtype``.
+    """
+    if attention == "flex":
+        return _flex(q, keys, values, decode_score_mod(positions, window), scale, mask)
+    if attention == "sdpa":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if attention == "reduce":
+        return reduce_attention(q, keys, values, mask, scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [b', H_kv, g·T, T_max]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs.to(values.dtype), values)
+
+
 def causal_prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int] = None) -> Tensor:
     """Causal self-attention of ``T`` tokens at positions ``0 … T−1`` over their own keys: token ``t``
     reads tokens ``j ≤ t`` (and ``t − j < window`` in a sliding layer, as transformers' sliding
@@ -411,17 +443,7 @@ class FusedDecoderLayer(nn.Module):
         # [b', T, H, hd] → [b', H_kv, g·T, hd]: the g query heads of a group read one key/value head.
         g = hq // hkv
         q = q.view(b, t, hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
-        q = q.to(keys.dtype)
-        if attention == "flex":
-            out = _flex(q, keys, values, decode_score_mod(positions, window), self.scaling, mask)
-        elif attention == "sdpa":
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-        elif attention == "reduce":
-            out = reduce_attention(q, keys, values, mask, self.scaling)
-        else:
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling  # [b', H_kv, g·T, T_max]
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-            out = torch.matmul(probs.to(values.dtype), values)
+        out = cache_attention(q.to(keys.dtype), keys, values, positions, mask, self.scaling, attention, window)
         return self._mlp(hidden, out.view(b, hkv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, hq * hd))
 
     def _mlp(self, hidden: Tensor, attn: Tensor) -> Tensor:

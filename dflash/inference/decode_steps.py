@@ -13,12 +13,15 @@ once over fixed shapes and, on CUDA, replayed as a CUDA graph
   elsewhere): the prompts' keys/values, features and the first generated token.
 * target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``;
   the row turns inactive after a stop token or its last position.
-* draft (compiled): the drafter's own :meth:`dflash.models.drafter.DFlashDraftModel.forward` on the whole
-  static feature buffer (``S = T_max`` when compiled, ``S = max(anchor) + 1`` when eager) with
-  ``anchors = anchor``: exactly the training forward (its attention-mask builder decides what the
-  block sees), so what is trained is what drafts. Recomputing the context's projections every step
-  costs ``O(T_max)`` small matmuls, which on a GPU is microseconds for the context lengths here;
-  engines cache the projected context keys/values per drafter layer instead.
+* draft (compiled): for a drafter of full-attention layers,
+  :class:`dflash.inference.proposer.CachedDFlashProposer`: the drafter's layers over the block,
+  reading their context keys/values from a per-layer cache (filled by the prefill, updated with the
+  positions each verification accepted), as the serving engines run it, with verification's cache
+  attention; otherwise :class:`dflash.inference.proposer.DFlashProposer`: the drafter's own
+  :meth:`dflash.models.drafter.DFlashDraftModel.forward` on the whole static feature buffer
+  (``S = T_max`` when compiled, ``S = max(anchor) + 1`` when eager) with ``anchors = anchor``,
+  exactly the training forward, which recomputes the context's projections every step. Both give
+  the training forward's drafts (tested against each other over whole decodes).
 * verify (compiled): the target over ``[anchor token, d_1 … d_{B−1}]`` at ``anchor … anchor+B−1``;
   the number of accepted drafts ``m`` = leading ``k`` with ``d_{k+1} = g_k``; the block's features
   are written at ``anchor … anchor+B−1`` (the next draft reads only positions ``≤ anchor + m``,
@@ -49,7 +52,7 @@ from torch import Tensor, nn
 from dflash.inference.decode_layers import (PREFILL_ATTENTION, decode_block_mask, default_attention, fuse_layers,
                                             split_attention)
 from dflash.inference.decode_state import DecodeState, StaticKVCache
-from dflash.inference.proposer import DFlashProposer
+from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cacheable
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder, layer_types_of
 
@@ -145,7 +148,8 @@ class DecodeSteps:
         if drafter is None:
             self.proposer = None
         elif hasattr(drafter, "fc") and hasattr(drafter, "layers"):
-            self.proposer = DFlashProposer(drafter)
+            self.proposer = (CachedDFlashProposer(drafter, batch_size, max_len, self.dtype, self.block_attention)
+                             if cacheable(drafter) else DFlashProposer(drafter))
         else:
             self.proposer = drafter
         self.block_size = int(self.proposer.block_size) if self.proposer is not None else 1
@@ -444,6 +448,8 @@ class DecodeSteps:
             st.logit_stats[rows, last + 1] = vals[:, 0]
             if feats is not None:
                 st.features[rows, :width] = feats
+                if isinstance(self.proposer, CachedDFlashProposer):
+                    self.proposer.fill(feats, rows)
             st.anchor[rows] = last + 1
             st.active[rows] = True
             for r, token in zip(part, top[:, 0, 0].tolist()):

@@ -5,16 +5,24 @@ A proposer drafts ``B − 1`` tokens per row from the decoding state
 training forward (:meth:`dflash.models.drafter.DFlashDraftModel.forward`) over the static feature
 buffer, so what is trained is what drafts; :func:`drafter_hidden` is that forward under the
 autocast training used, shared with the offline τ of :mod:`dflash.inference.acceptance`.
+:class:`CachedDFlashProposer` computes the same drafts the way the serving engines do: each drafter
+layer's context keys/values are cached per position, so a draft projects only the block and the
+positions the last verification accepted, and its attention reads the cache under the decoding
+attentions of :mod:`dflash.inference.decode_layers`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import nullcontext
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Proposer", "drafter_hidden", "DFlashProposer"]
+from dflash.inference.decode_layers import ATTENTIONS, cache_attention, decode_block_mask
+from dflash.models.modeling_dflash import FULL_ATTENTION, apply_rope
+
+__all__ = ["Proposer", "drafter_hidden", "DFlashProposer", "CachedDFlashProposer", "cacheable"]
 
 
 class Proposer(Protocol):
@@ -68,3 +76,160 @@ class DFlashProposer:
         hidden = drafter_hidden(self.drafter, features, tokens, pos, doc, anchor.view(b, 1), keep)  # [b,1,B,D]
         head = self.drafter.lm_head
         return head(hidden[:, 0, 1:].to(head.weight.dtype)).argmax(dim=-1)
+
+
+def _drafter_autocast(features: Tensor) -> Any:
+    """The autocast of :func:`drafter_hidden`: to the features' dtype when bf16 / fp16, else none."""
+    if features.dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(features.device.type, dtype=features.dtype)
+    return nullcontext()
+
+
+def cacheable(drafter: nn.Module) -> bool:
+    """Whether :class:`CachedDFlashProposer` computes ``drafter``'s drafts: every layer is full
+    attention (a sliding layer's window would need each block query's own position in the cache
+    rule; those drafters draft through :class:`DFlashProposer`)."""
+    return all(getattr(layer, "layer_type", FULL_ATTENTION) == FULL_ATTENTION for layer in drafter.layers)
+
+
+class CachedDFlashProposer:
+    """The DFlash drafter as a :class:`Proposer`, its context keys/values cached per layer.
+
+    What the serving engines keep for a DFlash drafter (vLLM ``qwen3_dflash.py``, SGLang
+    ``models/dflash.py``): a layer's keys/values of context position ``j`` depend only on the
+    target features at ``j`` (``k_norm(k_proj(hidden_norm(fc(f_j))))`` rotated to ``j``, and
+    ``v_proj`` of the same), so they are computed once per position instead of once per draft.
+
+    * :meth:`fill` writes positions ``0 … W−1`` of the given rows (after the prefill wrote their
+      features).
+    * A draft at anchor ``a`` (:meth:`__call__`) first rewrites the window ``a − B … a − 1``, which
+      holds every position the last verification accepted (the anchor moves at most ``B``); then
+      writes the block's own keys/values at ``a … a + B − 1``, where no context slot is visible yet;
+      then attends from the ``B`` block queries (rotated to ``a + k``) to slots ``≤ a + B − 1``:
+      the context before the anchor and the whole block, bidirectionally, which is the training
+      mask of a block (:func:`dflash.models.masks.dense_attention_mask`). Slots past the anchor
+      that hold rejected drafts' features are never read, and are rewritten before they are.
+    * Drafts are ``argmax lm_head(norm(h))`` at block positions ``1 … B−1``, as in
+      :class:`DFlashProposer`; the forward runs under the same autocast (:func:`drafter_hidden`).
+
+    Same math as :class:`DFlashProposer` up to floating-point order (the block and the context
+    are projected in separate matmuls; the softmax runs over the cache's slots): tested against it
+    over whole decodes.
+
+    Args:
+        drafter: a :class:`dflash.models.drafter.DFlashDraftModel` whose layers are all full
+            attention (:func:`cacheable`).
+        batch_size, max_len: the decoder's rows and ``T_max``.
+        dtype: the features' dtype (the target's): the cache holds bf16 / fp16 keys under autocast,
+            else the drafter's parameter dtype.
+        attention: the cache attention, one of :data:`dflash.inference.decode_layers.ATTENTIONS`
+            (verification's, :attr:`dflash.inference.decode_steps.DecodeSteps.block_attention`).
+
+    Raises:
+        ValueError: a sliding-attention layer, or an unknown ``attention``.
+    """
+
+    def __init__(self, drafter: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype,
+                 attention: str = "sdpa") -> None:
+        if not cacheable(drafter):
+            raise ValueError("CachedDFlashProposer: the drafter has sliding-attention layers; use DFlashProposer")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: one of {ATTENTIONS}, got {attention!r}")
+        self.drafter = drafter.eval()
+        self.block_size = int(drafter.block_size)
+        self.attention = attention
+        self.max_len = int(max_len)
+        attn = drafter.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = int(attn.num_heads), int(attn.num_kv_heads), int(attn.head_dim)
+        self.group = self.heads // self.kv_heads
+        param = next(drafter.parameters())
+        cache_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else param.dtype
+        shape = (int(batch_size), self.kv_heads, self.max_len, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=cache_dtype, device=param.device) for _ in drafter.layers]
+        self.values = [torch.zeros(shape, dtype=cache_dtype, device=param.device) for _ in drafter.layers]
+        for t in self.keys + self.values:
+            torch._dynamo.mark_static_address(t)
+
+    def _context_kv(self, features: Tensor, positions: Tensor, rows: Tensor) -> None:
+        """Write every layer's context keys/values of ``features [b', T, L·D]`` at ``positions
+        [b', T]`` of cache rows ``rows [b']``."""
+        d = self.drafter
+        if features.dtype not in (torch.bfloat16, torch.float16):
+            features = features.to(next(d.parameters()).dtype)
+        b, t, _ = features.shape
+        with _drafter_autocast(features):
+            ctx = d.hidden_norm(d.fc(features))  # [b', T, D]
+            cos, sin = d.rotary_emb(positions, dtype=torch.float32)  # [b', 1, T, hd]
+            row_ix = rows.unsqueeze(1)
+            for i, layer in enumerate(d.layers):
+                a = layer.self_attn
+                k = a.k_norm(a.k_proj(ctx).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+                v = a.v_proj(ctx).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+                k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+                self.keys[i][row_ix, :, positions] = k.transpose(1, 2).to(self.keys[i].dtype)
+                self.values[i][row_ix, :, positions] = v.transpose(1, 2).to(self.values[i].dtype)
+
+    @torch.no_grad()
+    def fill(self, features: Tensor, rows: Tensor) -> None:
+        """Cache the context keys/values of positions ``0 … W−1`` of rows ``rows [b']`` from their
+        features ``[b', W, L·D]`` (the prefill's; positions past a row's prompt get what its later
+        drafts rewrite before reading)."""
+        w = features.shape[1]
+        positions = torch.arange(w, device=features.device).expand(features.shape[0], w)
+        self._context_kv(features, positions, rows)
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor, features: Tensor, anchor: Tensor) -> Tensor:
+        """Drafts ``[b, B − 1]`` int64 for positions ``anchor + 1 … anchor + B − 1`` of every row
+        (the :class:`Proposer` call: ``tokens [b, S]``, ``features [b, S, L·D]``, ``anchor [b]``
+        with ``anchor < S``)."""
+        head = self.drafter.lm_head
+        return head(self.block_hidden(tokens, features, anchor)[:, 1:].to(head.weight.dtype)).argmax(dim=-1)
+
+    @torch.no_grad()
+    def block_hidden(self, tokens: Tensor, features: Tensor, anchor: Tensor) -> Tensor:
+        """The drafter's final-normed hidden states of every row's block, ``[b, B, D]`` (what
+        :func:`drafter_hidden` gives at ``anchors = anchor``, dtype as there), after updating the
+        cache with the window before the anchor; arguments as :meth:`__call__`."""
+        d = self.drafter
+        b = anchor.shape[0]
+        bs = self.block_size
+        dev = anchor.device
+        rows = torch.arange(b, device=dev)
+        offsets = torch.arange(bs, device=dev)
+        window = torch.clamp(anchor[:, None] - bs + offsets, min=0)  # [b, B]: holds every newly accepted position
+        feats = features.gather(1, window.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+        self._context_kv(feats, window, rows)
+        block_pos = torch.clamp(anchor[:, None] + offsets, max=self.max_len - 1)  # [b, B] (the clamp: finished rows)
+        # Every block query reads the slots up to the block's last position: the context before the
+        # anchor and the whole block (bidirectional), the training mask of a block.
+        last = block_pos[:, -1:].expand(b, bs)
+        if self.attention == "flex":
+            mask = decode_block_mask(last, self.group * bs, self.max_len) if torch.compiler.is_compiling() else None
+        else:
+            mask = (torch.arange(self.max_len, device=dev) <= last[:, :1]).view(b, 1, 1, self.max_len)
+        hq, hkv, hd, g = self.heads, self.kv_heads, self.head_dim, self.group
+        if features.dtype not in (torch.bfloat16, torch.float16):
+            features = features.to(next(d.parameters()).dtype)
+        with _drafter_autocast(features):
+            x = d.block_embeddings(tokens, anchor[:, None]).reshape(b, bs, -1)  # [b, B, D]
+            cos, sin = d.rotary_emb(block_pos, dtype=torch.float32)  # [b, 1, B, hd]
+            row_ix = rows.unsqueeze(1)
+            for i, layer in enumerate(d.layers):
+                a = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = a.q_norm(a.q_proj(h).view(b, bs, hq, hd)).transpose(1, 2)  # [b, H, B, hd]
+                k = a.k_norm(a.k_proj(h).view(b, bs, hkv, hd)).transpose(1, 2)
+                v = a.v_proj(h).view(b, bs, hkv, hd).transpose(1, 2)
+                q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
+                k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+                keys, values = self.keys[i], self.values[i]
+                keys[row_ix, :, block_pos] = k.to(q.dtype).transpose(1, 2).to(keys.dtype)
+                values[row_ix, :, block_pos] = v.to(q.dtype).transpose(1, 2).to(values.dtype)
+                # [b, H, B, hd] → [b, H_kv, g·B, hd]: the g query heads of a group read one key/value head
+                qf = q.view(b, hkv, g, bs, hd).reshape(b, hkv, g * bs, hd).to(keys.dtype)
+                out = cache_attention(qf, keys, values, last, mask, a.scale, self.attention)
+                out = out.view(b, hkv, g, bs, hd).reshape(b, hq, bs, hd).transpose(1, 2).reshape(b, bs, hq * hd)
+                x = x + a.o_proj(out.to(x.dtype))
+                x = layer.mlp_block(x)
+            return d.norm(x)
