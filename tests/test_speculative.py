@@ -557,6 +557,35 @@ def test_cached_proposer_reads_only_the_context_before_the_anchor(target, prompt
     assert (prop.block_hidden(st.tokens, moved, st.anchor) - first).abs().max() > 1e-4
 
 
+def test_drafter_for_decoding_drafts_what_autocast_drafts(target):
+    """A drafter cast once to bf16 gives bit for bit the block hidden states that its fp32 weights
+    give under the bf16 autocast of drafting (the target's embedding and head bf16 in both, as in
+    bf16 decoding); an fp32 dtype casts nothing."""
+    from dflash.inference.proposer import drafter_for_decoding, drafter_hidden
+
+    drafter = make_drafter(target, 4, num_layers=2)
+    auto, cast = copy.deepcopy(drafter), copy.deepcopy(drafter)
+    for d in (auto, cast):  # the target's modules, not the drafter's: bf16 in bf16 decoding
+        d.embed_tokens.to(torch.bfloat16)
+        d.lm_head.to(torch.bfloat16)
+    drafter_for_decoding(cast, torch.bfloat16)
+    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}
+    assert torch.float32 in {p.dtype for p in auto.parameters()}
+    g = torch.Generator().manual_seed(8)
+    r, s = 2, 40
+    feats = torch.randn(r, s, len(target.layer_ids) * target.hidden_size, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (r, s), generator=g)
+    args = (ids, torch.arange(s).expand(r, s), torch.ones(r, s, dtype=torch.int32), torch.tensor([[20], [33]]),
+            torch.ones(r, 1, dtype=torch.bool))
+    with torch.no_grad():
+        want = drafter_hidden(auto, feats, *args)
+        got = drafter_hidden(cast, feats, *args)
+    assert want.dtype == got.dtype == torch.bfloat16 and want.abs().max() > 0.1
+    assert torch.equal(got, want)
+    same = make_drafter(target, 4, num_layers=2)
+    assert drafter_for_decoding(same, torch.float32) is same and {p.dtype for p in same.parameters()} == {torch.float32}
+
+
 def test_a_sliding_drafter_drafts_through_the_training_forward(target, prompts, references):
     """A drafter with a sliding-attention layer is not cached (its window rule is per query): the
     decoder drafts through DFlashProposer, and decoding stays the oracle's."""

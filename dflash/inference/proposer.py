@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from dflash.inference.decode_layers import ATTENTIONS, cache_attention, decode_block_mask
 from dflash.models.modeling_dflash import FULL_ATTENTION, apply_rope
 
-__all__ = ["Proposer", "drafter_hidden", "DFlashProposer", "CachedDFlashProposer", "cacheable"]
+__all__ = ["Proposer", "drafter_hidden", "drafter_for_decoding", "DFlashProposer", "CachedDFlashProposer",
+           "cacheable"]
 
 
 class Proposer(Protocol):
@@ -48,6 +49,20 @@ def drafter_hidden(drafter: nn.Module, features: Tensor, input_ids: Tensor, posi
         return drafter(features.to(param_dtype), input_ids, position_ids, doc_ids, anchors, keep)
     with torch.autocast(features.device.type, dtype=features.dtype):
         return drafter(features, input_ids, position_ids, doc_ids, anchors, keep)
+
+
+def drafter_for_decoding(drafter: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast ``drafter``'s weights to ``dtype`` when it is bf16 / fp16 (in place; returned).
+
+    A drafter loaded with fp32 weights (:meth:`dflash.models.drafter.DFlashDraftModel.from_pretrained`)
+    drafts under autocast to the features' half-precision dtype (:func:`drafter_hidden`), which casts
+    every weight to that dtype at every draft: under CUDA graphs a cast kernel per weight per pass.
+    Cast once, the drafter computes the same drafts (autocast rounds each weight the same way; the
+    norms compute in fp32 either way) from the weights as they are served. An fp32 ``dtype`` leaves it as it is.
+    """
+    if dtype in (torch.bfloat16, torch.float16):
+        drafter.to(dtype)
+    return drafter
 
 
 class DFlashProposer:
