@@ -210,12 +210,10 @@ class CachedDFlashProposer:
         b = anchor.shape[0]
         bs = self.block_size
         dev = anchor.device
-        rows = torch.arange(b, device=dev)
         offsets = torch.arange(bs, device=dev)
         window = torch.clamp(anchor[:, None] - bs + offsets, min=0)  # [b, B]: holds every newly accepted position
-        feats = features.gather(1, window.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
-        self._context_kv(feats, window, rows)
         block_pos = torch.clamp(anchor[:, None] + offsets, max=self.max_len - 1)  # [b, B] (the clamp: finished rows)
+        slots = torch.cat([window, block_pos], dim=1)  # [b, 2B]: the window's context, then the block
         # Every block query reads the slots up to the block's last position: the context before the
         # anchor and the whole block (bidirectional), the training mask of a block.
         last = block_pos[:, -1:].expand(b, bs)
@@ -226,21 +224,27 @@ class CachedDFlashProposer:
         hq, hkv, hd, g = self.heads, self.kv_heads, self.head_dim, self.group
         if features.dtype not in (torch.bfloat16, torch.float16):
             features = features.to(next(d.parameters()).dtype)
+        feats = features.gather(1, window.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
         with _drafter_autocast(features):
+            ctx = d.hidden_norm(d.fc(feats))  # [b, B, D]: the window's context
             x = d.block_embeddings(tokens, anchor[:, None]).reshape(b, bs, -1)  # [b, B, D]
-            cos, sin = d.rotary_emb(block_pos, dtype=torch.float32)  # [b, 1, B, hd]
-            row_ix = rows.unsqueeze(1)
+            cos, sin = d.rotary_emb(slots, dtype=torch.float32)  # [b, 1, 2B, hd]
+            cos_q, sin_q = cos[:, :, bs:], sin[:, :, bs:]
+            row_ix = torch.arange(b, device=dev).unsqueeze(1)
             for i, layer in enumerate(d.layers):
                 a = layer.self_attn
                 h = layer.input_layernorm(x)
+                # the window's context and the block in one projection, as the training forward
+                # projects [context ; block]
+                kv_in = torch.cat([ctx.to(h.dtype), h], dim=1)  # [b, 2B, D]
                 q = a.q_norm(a.q_proj(h).view(b, bs, hq, hd)).transpose(1, 2)  # [b, H, B, hd]
-                k = a.k_norm(a.k_proj(h).view(b, bs, hkv, hd)).transpose(1, 2)
-                v = a.v_proj(h).view(b, bs, hkv, hd).transpose(1, 2)
-                q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
+                k = a.k_norm(a.k_proj(kv_in).view(b, 2 * bs, hkv, hd)).transpose(1, 2)  # [b, H_kv, 2B, hd]
+                v = a.v_proj(kv_in).view(b, 2 * bs, hkv, hd).transpose(1, 2)
+                q = apply_rope(q, cos_q.to(q.dtype), sin_q.to(q.dtype))
                 k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
                 keys, values = self.keys[i], self.values[i]
-                keys[row_ix, :, block_pos] = k.to(q.dtype).transpose(1, 2).to(keys.dtype)
-                values[row_ix, :, block_pos] = v.to(q.dtype).transpose(1, 2).to(values.dtype)
+                keys[row_ix, :, slots] = k.to(q.dtype).transpose(1, 2).to(keys.dtype)
+                values[row_ix, :, slots] = v.to(q.dtype).transpose(1, 2).to(values.dtype)
                 # [b, H, B, hd] → [b, H_kv, g·B, hd]: the g query heads of a group read one key/value head
                 qf = q.view(b, hkv, g, bs, hd).reshape(b, hkv, g * bs, hd).to(keys.dtype)
                 out = cache_attention(qf, keys, values, last, mask, a.scale, self.attention)
