@@ -117,19 +117,19 @@ class CachedDFlashProposer:
 
     * :meth:`fill` writes positions ``0 … W−1`` of the given rows (after the prefill wrote their
       features).
-    * A draft at anchor ``a`` (:meth:`__call__`) first rewrites the window ``a − B … a − 1``, which
-      holds every position the last verification accepted (the anchor moves at most ``B``); then
-      writes the block's own keys/values at ``a … a + B − 1``, where no context slot is visible yet;
-      then attends from the ``B`` block queries (rotated to ``a + k``) to slots ``≤ a + B − 1``:
+    * A draft at anchor ``a`` (:meth:`__call__`), in each layer, projects the window ``a − B …
+      a − 1`` of context (it holds every position the last verification accepted: the anchor moves
+      at most ``B``) together with the block, writes both at their positions (the block at ``a …
+      a + B − 1``, where no context slot is visible yet), and attends from the ``B`` block queries
+      (rotated to ``a + k``) to slots ``≤ a + B − 1``:
       the context before the anchor and the whole block, bidirectionally, which is the training
       mask of a block (:func:`dflash.models.masks.dense_attention_mask`). Slots past the anchor
       that hold rejected drafts' features are never read, and are rewritten before they are.
     * Drafts are ``argmax lm_head(norm(h))`` at block positions ``1 … B−1``, as in
       :class:`DFlashProposer`; the forward runs under the same autocast (:func:`drafter_hidden`).
 
-    Same math as :class:`DFlashProposer` up to floating-point order (the block and the context
-    are projected in separate matmuls; the softmax runs over the cache's slots): tested against it
-    over whole decodes.
+    Same math as :class:`DFlashProposer` up to floating-point order (the context is projected a
+    window at a time; the softmax runs over the cache's slots): tested against it over whole decodes.
 
     Args:
         drafter: a :class:`dflash.models.drafter.DFlashDraftModel` whose layers are all full
