@@ -74,6 +74,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
                         "one-token step, Y in verification and prefill; unset: reduce+sdpa at batch 1, sdpa "
                         "above, dflash.inference.decode_layers.default_attention)")
+    p.add_argument("--draft-cache", choices=("on", "off"), default="on",
+                   help="on: draft from the drafter's context key/value cache (dflash.inference.proposer."
+                        "CachedDFlashProposer, as the engines run it); off: through its training forward over "
+                        "the whole feature buffer (DFlashProposer); the same drafts either way")
     from dflash.inference.generation import PASS_SCHEDULES
 
     p.add_argument("--pass-schedules", default=PASS_SCHEDULES[0],
@@ -238,7 +242,8 @@ def _run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,
             "drafter": "checkpoint" if args.checkpoint else "random (tau ~ 1: speculative numbers are not meaningful)",
-            "prompts": len(cases), "prompt_sets": set_info, "max_new_tokens": args.max_new_tokens, "batch": args.batch, "attention": args.attention,
+            "prompts": len(cases), "prompt_sets": set_info, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+            "attention": args.attention, "draft_cache": args.draft_cache,
             "length_bucket": args.length_bucket,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__}
@@ -268,6 +273,7 @@ def _run(args: argparse.Namespace) -> int:
                                    batch=args.batch, compile=mode == "compiled", offline=not args.no_offline,
                                    labels=cfg.drafter.labels, attention=args.attention,
                                    length_bucket=args.length_bucket, pass_schedules=args.pass_schedules,
+                                   draft_cache=args.draft_cache == "on",
                                    repeats=args.repeats)
             report["summary"].update(run_s=time.perf_counter() - t0, **trained)
             print(f"\n== {dtype}, {mode}\n{format_report(report)}", flush=True)

@@ -884,6 +884,29 @@ def test_decode_report_walked_tau_is_the_measured_tau(target, prompts, reference
         assert len(table) == 2 + block_size - 1
 
 
+def test_decode_report_drafts_the_same_with_and_without_the_draft_cache(target, prompts, references,
+                                                                      trained_drafter):
+    """decode_report with the drafter's context cache and with its training forward (``draft_cache
+    =False``, decode_bench's ``--draft-cache off``): the same outputs, passes and accepted counts; the
+    summary and the text name the way each drafted."""
+    from dflash.inference.prompts import PromptCase
+    from dflash.inference.spec_report import decode_report, format_report
+
+    cases = []
+    for i in (0, 3):
+        ids = torch.cat([prompts[i], torch.tensor(references[i][:MAX_NEW])])
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        mask[prompts[i].numel():] = True
+        cases.append(PromptCase(i, i, prompts[i], ids, mask))
+    reports = {cached: decode_report(target, trained_drafter, cases, max_new_tokens=MAX_NEW, stop_ids=(),
+                                     compile=False, offline=False, draft_cache=cached) for cached in (True, False)}
+    assert [reports[c]["summary"]["drafting"] for c in (True, False)] == ["CachedDFlashProposer", "DFlashProposer"]
+    assert "drafting CachedDFlashProposer" in format_report(reports[True])
+    for key in ("steps", "accepted", "anchors"):
+        assert [r[key] for r in reports[True]["prompts"]] == [r[key] for r in reports[False]["prompts"]]
+    assert sum(r["steps"] for r in reports[True]["prompts"]) >= 10
+
+
 def test_decode_report_survives_a_one_token_response(target, prompts, references, trained_drafter, monkeypatch):
     """A response that stops at its first token (the prefill's) has no verification pass and no
     anchor: its τ values are NaN, left out of the per-response means, and nothing crashes

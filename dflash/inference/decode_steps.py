@@ -103,6 +103,11 @@ class DecodeSteps:
             (:func:`dflash.inference.decode_layers.split_attention`); ``"flex"`` builds no mask tensor;
             ``None``: :func:`dflash.inference.decode_layers.default_attention` of ``batch_size``
             (kept in :attr:`attention`).
+        draft_cache: a :class:`dflash.models.drafter.DFlashDraftModel` of full-attention layers drafts
+            through :class:`dflash.inference.proposer.CachedDFlashProposer` (its context keys/values
+            cached per layer, the engines' way); ``False``, or a drafter with sliding-window layers:
+            through :class:`dflash.inference.proposer.DFlashProposer` (its training forward over the
+            whole feature buffer at every draft). The same drafts either way.
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
@@ -114,7 +119,8 @@ class DecodeSteps:
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
-                 attention: Optional[str] = None, compile_prefill: Optional[bool] = None) -> None:
+                 attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
+                 draft_cache: bool = True) -> None:
         self.attention = default_attention(batch_size) if attention is None else attention
         self.step_attention, self.block_attention = split_attention(self.attention)
         self.model = model.eval()
@@ -149,7 +155,7 @@ class DecodeSteps:
             self.proposer = None
         elif hasattr(drafter, "fc") and hasattr(drafter, "layers"):
             self.proposer = (CachedDFlashProposer(drafter, batch_size, max_len, self.dtype, self.block_attention)
-                             if cacheable(drafter) else DFlashProposer(drafter))
+                             if draft_cache and cacheable(drafter) else DFlashProposer(drafter))
         else:
             self.proposer = drafter
         self.block_size = int(self.proposer.block_size) if self.proposer is not None else 1

@@ -173,7 +173,7 @@ def default_length_bucket(compiled: bool) -> int:
 
 def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
                      stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: Optional[str],
-                     length_bucket: int, pass_schedule: str = "certain"
+                     length_bucket: int, pass_schedule: str = "certain", draft_cache: bool = True
                      ) -> tuple[dict[int, Generator], list[int], float]:
     """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run once
     both ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA).
@@ -194,7 +194,7 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
     bar = Progress(2 * len(set(sizes)), desc="warm-up", unit="decoder pass", interval_s=PROGRESS_LOG_S, logger=log)
     for size in sorted(set(sizes)):
         gen = Generator(target.model, target.layer_ids, size, batch_size=batch, drafter=drafter, compile=compile,
-                        attention=attention, pass_schedule=pass_schedule)
+                        attention=attention, pass_schedule=pass_schedule, draft_cache=draft_cache)
         warm = [c.prompt_ids for c, n in zip(cases, sizes) if n == size][:batch]
         gen.greedy(warm, WARMUP_TOKENS, stop_ids)
         bar.advance()
@@ -394,7 +394,8 @@ def _schedule_row(schedule: str, spec: Sequence[Generation], ref: Sequence[Gener
 def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], *, max_new_tokens: int,
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
                   labels: str = "target", attention: Optional[str] = None, length_bucket: Optional[int] = None,
-                  pass_schedules: Sequence[str] = ("certain",), repeats: int = 1) -> dict[str, Any]:
+                  pass_schedules: Sequence[str] = ("certain",), repeats: int = 1,
+                  draft_cache: bool = True) -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
     Args:
@@ -420,6 +421,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         repeats: decode the prompts this many times each way and keep, per batch and way, the run
             with the median decoding time (:func:`_decode_repeated`): the timings of one run on a
             busy host scatter by tens of percent from prompt to prompt.
+        draft_cache: draft from the drafter's context key/value cache (``False``: through its
+            training forward; :class:`dflash.inference.decode_steps.DecodeSteps`).
 
     Returns:
         ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
@@ -443,7 +446,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         length_bucket = default_length_bucket(compile if compile is not None else device.type == "cuda")
     drafter_for_decoding(drafter, target.embed_tokens.weight.dtype)
     gens, sizes, warmup_s = _warm_generators(target, drafter, cases, max_new_tokens, stop_ids, batch, compile,
-                                             attention, length_bucket, pass_schedules[0])
+                                             attention, length_bucket, pass_schedules[0], draft_cache)
     base, spec, groups, differing = _decode_repeated(gens, sizes, cases, max_new_tokens, stop_ids, batch, repeats)
     gen = next(iter(gens.values()))
     b_sz = int(drafter.block_size)
@@ -456,6 +459,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
     summary: dict[str, Any] = {
         "prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": b_sz, "batch": batch,
         "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "attention": gen.attention,
+        "drafting": type(gen.proposer).__name__,
         "decoder_lengths": sorted(gens),
         "device": str(gen.device),
         "identical": sum(r["result"] == "identical" for r in rows), "ties": sum(r["result"] == "tie" for r in rows),
@@ -518,7 +522,8 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     lines = [f"{s['prompts']} prompts{f' ({counts})' if counts else ''}, max {s['max_new_tokens']} new tokens, "
              f"B={s['block_size']}, "
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
-             f"attention {s.get('attention', '?')}, decoders of {s.get('decoder_lengths', '?')} positions"
+             f"attention {s.get('attention', '?')}, drafting {s.get('drafting', '?')}, "
+             f"decoders of {s.get('decoder_lengths', '?')} positions"
              + (f", host checks {s['pass_schedules'][0]['schedule']}" if s.get("pass_schedules") else ""),
              "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
     width = max([len("set")] + [len(r.get("set", "")) for r in rows])
