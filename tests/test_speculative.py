@@ -557,6 +557,17 @@ def test_cached_proposer_reads_only_the_context_before_the_anchor(target, prompt
     assert (prop.block_hidden(st.tokens, moved, st.anchor) - first).abs().max() > 1e-4
 
 
+def test_only_speculative_decoding_fills_the_draft_cache(target, prompts, references, trained_drafter):
+    """Target-only decoding on a decoder with a drafter leaves the drafter's context cache as it is
+    (its prefill time is the target's alone); speculative decoding on the same decoder then fills it
+    and decodes the oracle's tokens."""
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, drafter=trained_drafter)
+    assert gen.greedy([prompts[3]], 8)[0].tokens == references[3][:8]
+    assert all(not buf.any() for buf in gen.proposer.keys + gen.proposer.values)
+    assert gen.speculative([prompts[3]], MAX_NEW)[0].tokens == references[3][:MAX_NEW]
+    assert all(buf[0, :, :prompts[3].numel()].abs().amax(dim=-1).gt(0).all() for buf in gen.proposer.keys)
+
+
 def test_drafter_for_decoding_drafts_what_autocast_drafts(target):
     """A drafter cast once to bf16 gives bit for bit the block hidden states that its fp32 weights
     give under the bf16 autocast of drafting (the target's embedding and head bf16 in both, as in

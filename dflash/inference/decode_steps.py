@@ -406,7 +406,7 @@ class DecodeSteps:
     PREFILL_CHUNK_TOKENS = 1 << 16
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[Tensor]) -> list[int]:
+    def prefill(self, prompts: Sequence[Tensor], fill_draft_cache: bool = True) -> list[int]:
         """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
         ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its logit stats
         too) and becomes its anchor. Compiled with dynamic shapes where the steps are compiled on
@@ -419,7 +419,9 @@ class DecodeSteps:
         row writes keys/values past its prompt too, at slots its own later forwards overwrite
         before any query can read them (a query at ``p`` reads slots ``≤ p``, and the forward at
         ``p`` writes slot ``p`` first); its real tokens never read the padding, which comes after
-        them.
+        them. With a :class:`dflash.inference.proposer.CachedDFlashProposer` and ``fill_draft_cache``,
+        each forward's features also fill the drafter's context cache (target-only decoding passes
+        ``False``: it never drafts).
 
         Returns:
             per row, its first generated token.
@@ -454,7 +456,7 @@ class DecodeSteps:
             st.logit_stats[rows, last + 1] = vals[:, 0]
             if feats is not None:
                 st.features[rows, :width] = feats
-                if isinstance(self.proposer, CachedDFlashProposer):
+                if fill_draft_cache and isinstance(self.proposer, CachedDFlashProposer):
                     self.proposer.fill(feats, rows)
             st.anchor[rows] = last + 1
             st.active[rows] = True

@@ -261,8 +261,10 @@ class Generator(DecodeSteps):
         padded = stops + [-1] * (st.stop_ids.numel() - len(stops))
         st.stop_ids.copy_(torch.tensor(padded, dtype=torch.long))
 
-    def _start(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int]) -> list[bool]:
-        """Validate, prefill every prompt and arm the device state. Returns which rows still generate."""
+    def _start(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int],
+               speculative: bool) -> list[bool]:
+        """Validate, prefill every prompt (filling the drafter's context cache when ``speculative``)
+        and arm the device state. Returns which rows still generate."""
         self._check(prompts, max_new_tokens, stop_ids)
         st = self.state
         st.active.zero_()
@@ -273,7 +275,7 @@ class Generator(DecodeSteps):
         if max_new_tokens < 1:
             return [False] * len(prompts)
         self._set_stops(stops)
-        active = [tok not in self._stops and max_new_tokens > 1 for tok in self.prefill(prompts)]
+        active = [tok not in self._stops and max_new_tokens > 1 for tok in self.prefill(prompts, speculative)]
         pad = [False] * (self.batch_size - len(prompts))
         st.active.copy_(torch.tensor(active + pad))
         limits = [p.numel() + max_new_tokens - 1 for p in prompts] + [0] * len(pad)
@@ -382,7 +384,7 @@ class Generator(DecodeSteps):
                 negative stop id.
         """
         start = time.perf_counter()
-        active = self._start(prompts, max_new_tokens, stop_ids)
+        active = self._start(prompts, max_new_tokens, stop_ids, speculative=False)
         prefilled = time.perf_counter()  # the prefill's first tokens reached the host: synchronised
         n = len(prompts)
         lens = [p.numel() for p in prompts]
@@ -434,7 +436,7 @@ class Generator(DecodeSteps):
         if self.proposer is None:
             raise ValueError("speculative decoding needs a drafter (Generator(drafter=...))")
         start = time.perf_counter()
-        active = self._start(prompts, max_new_tokens, stop_ids)
+        active = self._start(prompts, max_new_tokens, stop_ids, speculative=True)
         prefilled = time.perf_counter()  # the prefill's first tokens reached the host: synchronised
         n = len(prompts)
         b_sz = self.block_size

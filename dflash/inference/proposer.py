@@ -216,7 +216,7 @@ class CachedDFlashProposer:
         slots = torch.cat([window, block_pos], dim=1)  # [b, 2B]: the window's context, then the block
         # Every block query reads the slots up to the block's last position: the context before the
         # anchor and the whole block (bidirectional), the training mask of a block.
-        last = block_pos[:, -1:].expand(b, bs)
+        last = block_pos[:, -1:].expand(b, bs).contiguous()
         if self.attention == "flex":
             mask = decode_block_mask(last, self.group * bs, self.max_len) if torch.compiler.is_compiling() else None
         else:
