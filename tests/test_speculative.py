@@ -1393,8 +1393,8 @@ def test_compiled_cached_drafter_drafts_what_the_training_forward_drafts_on_gpu(
     refs = [naive_greedy_decode(target.model, p, 24) for p in prompts]
     runs = {}
     for cached in (True, False):
-        gen = Generator(target.model, target.layer_ids, 160, batch_size=2, compile=True, attention=f"reduce+{attention}",
-                        drafter=drafter if cached else DFlashProposer(drafter))
+        gen = Generator(target.model, target.layer_ids, 160, batch_size=2, compile=True,
+                        attention=f"reduce+{attention}", drafter=drafter if cached else DFlashProposer(drafter))
         assert isinstance(gen.proposer, CachedDFlashProposer) == cached
         runs[cached] = gen.speculative(prompts, 24)
         assert [o.tokens for o in runs[cached]] == refs

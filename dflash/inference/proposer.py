@@ -44,11 +44,18 @@ def drafter_hidden(drafter: nn.Module, features: Tensor, input_ids: Tensor, posi
     """:meth:`DFlashDraftModel.forward` under the autocast training used: autocast to the
     features' dtype when it is bf16 / fp16 (a half-precision target, on any device), else the
     features cast to the drafter's parameter dtype and no autocast."""
-    if features.dtype not in (torch.bfloat16, torch.float16):
-        param_dtype = next(drafter.parameters()).dtype
-        return drafter(features.to(param_dtype), input_ids, position_ids, doc_ids, anchors, keep)
-    with torch.autocast(features.device.type, dtype=features.dtype):
+    features, autocast = _drafter_precision(drafter, features)
+    with autocast:
         return drafter(features, input_ids, position_ids, doc_ids, anchors, keep)
+
+
+def _drafter_precision(drafter: nn.Module, features: Tensor) -> tuple[Tensor, Any]:
+    """``(features, context)`` for a drafter forward as training ran it: bf16 / fp16 features as they
+    are under autocast to their dtype, other features cast to the drafter's parameter dtype with no
+    autocast."""
+    if features.dtype in (torch.bfloat16, torch.float16):
+        return features, torch.autocast(features.device.type, dtype=features.dtype)
+    return features.to(next(drafter.parameters()).dtype), nullcontext()
 
 
 def drafter_for_decoding(drafter: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -91,13 +98,6 @@ class DFlashProposer:
         hidden = drafter_hidden(self.drafter, features, tokens, pos, doc, anchor.view(b, 1), keep)  # [b,1,B,D]
         head = self.drafter.lm_head
         return head(hidden[:, 0, 1:].to(head.weight.dtype)).argmax(dim=-1)
-
-
-def _drafter_autocast(features: Tensor) -> Any:
-    """The autocast of :func:`drafter_hidden`: to the features' dtype when bf16 / fp16, else none."""
-    if features.dtype in (torch.bfloat16, torch.float16):
-        return torch.autocast(features.device.type, dtype=features.dtype)
-    return nullcontext()
 
 
 def cacheable(drafter: nn.Module) -> bool:
@@ -165,33 +165,33 @@ class CachedDFlashProposer:
         for t in self.keys + self.values:
             torch._dynamo.mark_static_address(t)
 
-    def _context_kv(self, features: Tensor, positions: Tensor, rows: Tensor) -> None:
-        """Write every layer's context keys/values of ``features [b', T, L·D]`` at ``positions
-        [b', T]`` of cache rows ``rows [b']``."""
-        d = self.drafter
-        if features.dtype not in (torch.bfloat16, torch.float16):
-            features = features.to(next(d.parameters()).dtype)
-        b, t, _ = features.shape
-        with _drafter_autocast(features):
-            ctx = d.hidden_norm(d.fc(features))  # [b', T, D]
-            cos, sin = d.rotary_emb(positions, dtype=torch.float32)  # [b', 1, T, hd]
-            row_ix = rows.unsqueeze(1)
-            for i, layer in enumerate(d.layers):
-                a = layer.self_attn
-                k = a.k_norm(a.k_proj(ctx).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
-                v = a.v_proj(ctx).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-                k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
-                self.keys[i][row_ix, :, positions] = k.transpose(1, 2).to(self.keys[i].dtype)
-                self.values[i][row_ix, :, positions] = v.transpose(1, 2).to(self.values[i].dtype)
+    def _write_kv(self, i: int, kv_in: Tensor, slots: Tensor, cos: Tensor, sin: Tensor, rows: Tensor) -> None:
+        """Layer ``i``'s keys/values of ``kv_in [b', T, D]`` (its ``k_proj`` / ``k_norm`` / ``v_proj``,
+        rotated by ``cos, sin [b', 1, T, hd]``, as :class:`dflash.models.modeling_dflash.DFlashAttention`
+        computes them from ``[context ; block]``), written at ``slots [b', T]`` of cache rows
+        ``rows [b']``."""
+        a = self.drafter.layers[i].self_attn
+        b, t, _ = kv_in.shape
+        k = a.k_norm(a.k_proj(kv_in).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)  # [b', H_kv, T, hd]
+        v = a.v_proj(kv_in).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        self.keys[i][rows.unsqueeze(1), :, slots] = k.transpose(1, 2).to(self.keys[i].dtype)
+        self.values[i][rows.unsqueeze(1), :, slots] = v.transpose(1, 2).to(self.values[i].dtype)
 
     @torch.no_grad()
     def fill(self, features: Tensor, rows: Tensor) -> None:
         """Cache the context keys/values of positions ``0 … W−1`` of rows ``rows [b']`` from their
         features ``[b', W, L·D]`` (the prefill's; positions past a row's prompt get what its later
         drafts rewrite before reading)."""
-        w = features.shape[1]
-        positions = torch.arange(w, device=features.device).expand(features.shape[0], w)
-        self._context_kv(features, positions, rows)
+        d = self.drafter
+        b, w, _ = features.shape
+        positions = torch.arange(w, device=features.device).expand(b, w)
+        features, autocast = _drafter_precision(d, features)
+        with autocast:
+            ctx = d.hidden_norm(d.fc(features))  # [b', W, D]
+            cos, sin = d.rotary_emb(positions, dtype=torch.float32)
+            for i in range(len(d.layers)):
+                self._write_kv(i, ctx, positions, cos, sin, rows)
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor, features: Tensor, anchor: Tensor) -> Tensor:
@@ -222,30 +222,24 @@ class CachedDFlashProposer:
         else:
             mask = (torch.arange(self.max_len, device=dev) <= last[:, :1]).view(b, 1, 1, self.max_len)
         hq, hkv, hd, g = self.heads, self.kv_heads, self.head_dim, self.group
-        if features.dtype not in (torch.bfloat16, torch.float16):
-            features = features.to(next(d.parameters()).dtype)
+        features, autocast = _drafter_precision(d, features)
         feats = features.gather(1, window.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
-        with _drafter_autocast(features):
+        rows = torch.arange(b, device=dev)
+        with autocast:
             ctx = d.hidden_norm(d.fc(feats))  # [b, B, D]: the window's context
             x = d.block_embeddings(tokens, anchor[:, None]).reshape(b, bs, -1)  # [b, B, D]
             cos, sin = d.rotary_emb(slots, dtype=torch.float32)  # [b, 1, 2B, hd]
             cos_q, sin_q = cos[:, :, bs:], sin[:, :, bs:]
-            row_ix = torch.arange(b, device=dev).unsqueeze(1)
             for i, layer in enumerate(d.layers):
                 a = layer.self_attn
                 h = layer.input_layernorm(x)
                 # the window's context and the block in one projection, as the training forward
                 # projects [context ; block]
-                kv_in = torch.cat([ctx.to(h.dtype), h], dim=1)  # [b, 2B, D]
+                self._write_kv(i, torch.cat([ctx.to(h.dtype), h], dim=1), slots, cos, sin, rows)
                 q = a.q_norm(a.q_proj(h).view(b, bs, hq, hd)).transpose(1, 2)  # [b, H, B, hd]
-                k = a.k_norm(a.k_proj(kv_in).view(b, 2 * bs, hkv, hd)).transpose(1, 2)  # [b, H_kv, 2B, hd]
-                v = a.v_proj(kv_in).view(b, 2 * bs, hkv, hd).transpose(1, 2)
                 q = apply_rope(q, cos_q.to(q.dtype), sin_q.to(q.dtype))
-                k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
-                keys, values = self.keys[i], self.values[i]
-                keys[row_ix, :, slots] = k.to(q.dtype).transpose(1, 2).to(keys.dtype)
-                values[row_ix, :, slots] = v.to(q.dtype).transpose(1, 2).to(values.dtype)
                 # [b, H, B, hd] → [b, H_kv, g·B, hd]: the g query heads of a group read one key/value head
+                keys, values = self.keys[i], self.values[i]
                 qf = q.view(b, hkv, g, bs, hd).reshape(b, hkv, g * bs, hd).to(keys.dtype)
                 out = cache_attention(qf, keys, values, last, mask, a.scale, self.attention)
                 out = out.view(b, hkv, g, bs, hd).reshape(b, hq, bs, hd).transpose(1, 2).reshape(b, bs, hq * hd)
