@@ -77,7 +77,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--draft-cache", choices=("on", "off"), default="on",
                    help="on: draft from the drafter's context key/value cache (dflash.inference.proposer."
                         "CachedDFlashProposer, as the engines run it); off: through its training forward over "
-                        "the whole feature buffer (DFlashProposer); the same drafts either way")
+                        "the whole feature buffer (DFlashProposer); the same math in another floating-point order")
     from dflash.inference.generation import PASS_SCHEDULES
 
     p.add_argument("--pass-schedules", default=PASS_SCHEDULES[0],

@@ -15,13 +15,15 @@ once over fixed shapes and, on CUDA, replayed as a CUDA graph
   the row turns inactive after a stop token or its last position.
 * draft (compiled): for a drafter of full-attention layers,
   :class:`dflash.inference.proposer.CachedDFlashProposer`: the drafter's layers over the block,
-  reading their context keys/values from a per-layer cache (filled by the prefill, updated with the
-  positions each verification accepted), as the serving engines run it, with verification's cache
-  attention; otherwise :class:`dflash.inference.proposer.DFlashProposer`: the drafter's own
+  reading their context keys/values from a per-layer cache (filled by the prefill; each draft
+  re-projects the window ``anchor − B … anchor − 1``, which holds the positions the last
+  verification accepted), as the serving engines run it, with verification's cache attention;
+  otherwise :class:`dflash.inference.proposer.DFlashProposer`: the drafter's own
   :meth:`dflash.models.drafter.DFlashDraftModel.forward` on the whole static feature buffer
   (``S = T_max`` when compiled, ``S = max(anchor) + 1`` when eager) with ``anchors = anchor``,
-  exactly the training forward, which recomputes the context's projections every step. Both give
-  the training forward's drafts (tested against each other over whole decodes).
+  exactly the training forward, which recomputes the context's projections every step. The two
+  compute the same math in another floating-point order: identical drafts in fp32 over whole
+  decodes (tested); in bf16 a draft at a near-tie of the drafter's logits can differ.
 * verify (compiled): the target over ``[anchor token, d_1 … d_{B−1}]`` at ``anchor … anchor+B−1``;
   the number of accepted drafts ``m`` = leading ``k`` with ``d_{k+1} = g_k``; the block's features
   are written at ``anchor … anchor+B−1`` (the next draft reads only positions ``≤ anchor + m``,
@@ -107,13 +109,14 @@ class DecodeSteps:
             through :class:`dflash.inference.proposer.CachedDFlashProposer` (its context keys/values
             cached per layer, the engines' way); ``False``, or a drafter with sliding-window layers:
             through :class:`dflash.inference.proposer.DFlashProposer` (its training forward over the
-            whole feature buffer at every draft). The same drafts either way.
+            whole feature buffer at every draft). The same math either way (identical drafts in
+            fp32; in bf16 a near-tie of the drafter's logits can flip).
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
             (linear attention), an attention implementation other than sdpa / eager, an
             ``attention`` that :func:`dflash.inference.decode_layers.split_attention` refuses (or ``"flex"``
-            compiled on CUDA with a head dim below 16), ``max_len < 2``
+            compiled on CUDA with a target's or cached drafter's head dim below 16), ``max_len < 2``
             or ``batch_size < 1``.
     """
 
@@ -169,6 +172,10 @@ class DecodeSteps:
                 and head_dim < FLEX_MIN_HEAD_DIM:
             raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= {FLEX_MIN_HEAD_DIM}, "
                              f"the target has {head_dim}")
+        if isinstance(self.proposer, CachedDFlashProposer) and self.block_attention == "flex" and self.compiled \
+                and self.device.type == "cuda" and self.proposer.head_dim < FLEX_MIN_HEAD_DIM:
+            raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= {FLEX_MIN_HEAD_DIM}, "
+                             f"the drafter has {self.proposer.head_dim} (draft_cache=False drafts without it)")
         kv = StaticKVCache(self.num_layers, self.batch_size, kv_heads, self.max_len, head_dim, self.dtype, self.device)
         self.state = DecodeState.allocate(kv, self.batch_size, self.max_len, max(1, len(self.layer_ids)) * width,
                                           self.block_size, self.dtype, self.device)

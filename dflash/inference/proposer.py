@@ -5,7 +5,7 @@ A proposer drafts ``B − 1`` tokens per row from the decoding state
 training forward (:meth:`dflash.models.drafter.DFlashDraftModel.forward`) over the static feature
 buffer, so what is trained is what drafts; :func:`drafter_hidden` is that forward under the
 autocast training used, shared with the offline τ of :mod:`dflash.inference.acceptance`.
-:class:`CachedDFlashProposer` computes the same drafts the way the serving engines do: each drafter
+:class:`CachedDFlashProposer` computes the same math the way the serving engines do: each drafter
 layer's context keys/values are cached per position, so a draft projects only the block and the
 positions the last verification accepted, and its attention reads the cache under the decoding
 attentions of :mod:`dflash.inference.decode_layers`.
@@ -129,7 +129,15 @@ class CachedDFlashProposer:
       :class:`DFlashProposer`; the forward runs under the same autocast (:func:`drafter_hidden`).
 
     Same math as :class:`DFlashProposer` up to floating-point order (the context is projected a
-    window at a time; the softmax runs over the cache's slots): tested against it over whole decodes.
+    window at a time; the softmax runs over the cache's slots): in fp32 the same drafts over whole
+    decodes (tested); in bf16 a draft at a near-tie of the drafter's logits can differ.
+
+    **A stateful proposer.** A call is right only when the cache holds every row's context: after
+    :meth:`fill` (the prefill) each row's anchor may move at most ``B`` between two calls, and
+    every call passes all ``batch_size`` rows, as :class:`dflash.inference.generation.Generator`
+    does. A row whose block reaches past ``T_max`` (a finished row, whose anchor the decoder lets
+    run up to ``B − 1`` past its last position) has its block positions clamped to the last slot:
+    its hidden states are not the training forward's, and nothing reads them.
 
     Args:
         drafter: a :class:`dflash.models.drafter.DFlashDraftModel` whose layers are all full
@@ -197,7 +205,8 @@ class CachedDFlashProposer:
     def __call__(self, tokens: Tensor, features: Tensor, anchor: Tensor) -> Tensor:
         """Drafts ``[b, B − 1]`` int64 for positions ``anchor + 1 … anchor + B − 1`` of every row
         (the :class:`Proposer` call: ``tokens [b, S]``, ``features [b, S, L·D]``, ``anchor [b]``
-        with ``anchor < S``)."""
+        with ``anchor < S``; ``b`` = all the cache's rows, each anchor at most ``B`` past the
+        previous call's or the prefill's: see the class docstring)."""
         head = self.drafter.lm_head
         return head(self.block_hidden(tokens, features, anchor)[:, 1:].to(head.weight.dtype)).argmax(dim=-1)
 

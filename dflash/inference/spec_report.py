@@ -431,8 +431,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         schedule its host checks (all, and those where the GPU waited for the host), passes, outputs equal to the first schedule's, speculative
         seconds (host, draft, verify) and speedups (pooled, and per set as :func:`set_summaries`).
 
-    The drafter's weights are cast to a half-precision target's dtype first
-    (:func:`dflash.inference.proposer.drafter_for_decoding`).
+    The drafter's weights are cast to a half-precision target's dtype first, in place (it stays
+    so after the call: :func:`dflash.inference.proposer.drafter_for_decoding`).
 
     Raises:
         ValueError: an empty or unknown ``pass_schedules`` entry, ``repeats < 1``.
