@@ -533,6 +533,47 @@ def test_cached_proposer_equals_the_training_forward_over_a_decode(target, promp
         assert out.tokens == references[r][:len(out.tokens)] and len(out.tokens) == MAX_NEW
 
 
+def test_cached_proposer_in_bf16_is_the_training_forward_within_rounding(target, prompts, trained_drafter,
+                                                                         monkeypatch):
+    """The target and the trained drafter in bf16 (drafter_for_decoding): at every draft of a 2-row
+    decode (anchors moving by up to B) the cached drafter's block hidden states are the training
+    forward's (under the same autocast) within bf16 rounding (relative Frobenius error ≤ 2e-2), and
+    a draft differs only where the training forward's top-1/top-2 logit margin is within bf16
+    rounding of the logits (2⁻⁶ of their scale)."""
+    from dflash.inference.proposer import CachedDFlashProposer, drafter_for_decoding, drafter_hidden
+
+    target = copy.deepcopy(target)
+    target.model.to(torch.bfloat16)
+    drafter = copy.deepcopy(trained_drafter)
+    object.__setattr__(drafter, "embed_tokens", target.embed_tokens)  # the bf16 target's, shared
+    object.__setattr__(drafter, "lm_head", target.lm_head)
+    drafter_for_decoding(drafter, torch.bfloat16)
+    assert target.embed_tokens.weight.dtype == target.lm_head.weight.dtype == torch.bfloat16
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    cached = CachedDFlashProposer.block_hidden
+
+    def checked(self, tokens, features, anchor):
+        b, s = tokens.shape
+        want = drafter_hidden(self.drafter, features, tokens, torch.arange(s).expand(b, s),
+                              torch.ones(b, s, dtype=torch.int32), anchor.view(b, 1),
+                              torch.ones(b, 1, dtype=torch.bool))[:, 0]
+        got = cached(self, tokens, features, anchor)
+        seen.append((got.float(), want.float()))
+        return got
+
+    monkeypatch.setattr(CachedDFlashProposer, "block_hidden", checked)
+    gen = Generator(target.model, target.layer_ids, MAX_LEN, batch_size=2, drafter=drafter)
+    outs = gen.speculative([prompts[0], prompts[3]], MAX_NEW)
+    assert len(seen) >= 10 and max(a for o in outs for a in o.accepted) >= 3
+    head = target.lm_head
+    for got, want in seen:
+        assert ((got - want).norm() / want.norm()).item() <= 2e-2
+        logits = head(want[:, 1:].to(torch.bfloat16)).float()
+        top = logits.topk(2, dim=-1).values
+        differ = head(got[:, 1:].to(torch.bfloat16)).argmax(-1) != logits.argmax(-1)
+        assert ((top[..., 0] - top[..., 1])[differ] <= 2 ** -6 * logits.abs().amax(-1)[differ]).all()
+
+
 def test_cached_proposer_reads_only_the_context_before_the_anchor(target, prompts, trained_drafter):
     """After a decode, other features and cache contents past the block (random, finite) change
     nothing: the draft reads the slots up to the block's last position, whose context part it
