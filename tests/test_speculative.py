@@ -496,14 +496,9 @@ def test_static_buffer_draft_equals_the_exact_length_draft(target, prompts, trai
     assert torch.equal(full, exact) and torch.equal(full, moved)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "matmul", "reduce", "flex"])
-def test_cached_proposer_equals_the_training_forward_over_a_decode(target, prompts, references, trained_drafter,
-                                                                   monkeypatch, attention):
-    """The cached drafter (context keys/values per layer, filled by the prefill and updated from the
-    window before each anchor) against the drafter's training forward over the buffer, at every
-    draft of a 3-row decode (prompts of 8, 1 and 150 tokens, rows finishing at different passes,
-    rejected drafts' features left past each anchor): block hidden states equal within fp32
-    rounding, drafts identical; the outputs are the naive oracle's."""
+def _record_cached_drafts(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Patch :meth:`CachedDFlashProposer.block_hidden` to record, at every draft, its block hidden
+    states and the training forward's on the same tokens, features and anchors (fp32 copies)."""
     from dflash.inference.proposer import CachedDFlashProposer, drafter_hidden
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -515,10 +510,24 @@ def test_cached_proposer_equals_the_training_forward_over_a_decode(target, promp
                               torch.ones(b, s, dtype=torch.int32), anchor.view(b, 1),
                               torch.ones(b, 1, dtype=torch.bool))[:, 0]
         got = cached(self, tokens, features, anchor)
-        seen.append((got.clone(), want.clone()))
+        seen.append((got.float(), want.float()))
         return got
 
     monkeypatch.setattr(CachedDFlashProposer, "block_hidden", checked)
+    return seen
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "reduce", "flex"])
+def test_cached_proposer_equals_the_training_forward_over_a_decode(target, prompts, references, trained_drafter,
+                                                                   monkeypatch, attention):
+    """The cached drafter (context keys/values per layer, filled by the prefill and updated from the
+    window before each anchor) against the drafter's training forward over the buffer, at every
+    draft of a 3-row decode (prompts of 8, 1 and 150 tokens, rows finishing at different passes,
+    rejected drafts' features left past each anchor): block hidden states equal within fp32
+    rounding, drafts identical; the outputs are the naive oracle's."""
+    from dflash.inference.proposer import CachedDFlashProposer
+
+    seen = _record_cached_drafts(monkeypatch)
     rows = [0, 2, 3]
     gen = Generator(target.model, target.layer_ids, MAX_LEN, batch_size=3, drafter=trained_drafter,
                     attention=f"sdpa+{attention}")
@@ -533,35 +542,23 @@ def test_cached_proposer_equals_the_training_forward_over_a_decode(target, promp
         assert out.tokens == references[r][:len(out.tokens)] and len(out.tokens) == MAX_NEW
 
 
-def test_cached_proposer_in_bf16_is_the_training_forward_within_rounding(target, prompts, trained_drafter,
-                                                                         monkeypatch):
+def test_cached_proposer_in_bf16_is_the_training_forward_within_rounding(prompts, trained_drafter, monkeypatch):
     """The target and the trained drafter in bf16 (drafter_for_decoding): at every draft of a 2-row
     decode (anchors moving by up to B) the cached drafter's block hidden states are the training
     forward's (under the same autocast) within bf16 rounding (relative Frobenius error ≤ 2e-2), and
     a draft differs only where the training forward's top-1/top-2 logit margin is within bf16
     rounding of the logits (2⁻⁶ of their scale)."""
-    from dflash.inference.proposer import CachedDFlashProposer, drafter_for_decoding, drafter_hidden
+    from dflash.inference.proposer import drafter_for_decoding
 
-    target = copy.deepcopy(target)
-    target.model.to(torch.bfloat16)
+    # the same random target in bf16 (its weights are the fp32 fixture's, rounded)
+    target = load_target(TargetConfig(kind="random", arch="tiny-llama", dtype="bfloat16"), "cpu",
+                         num_drafter_layers=2)
     drafter = copy.deepcopy(trained_drafter)
     object.__setattr__(drafter, "embed_tokens", target.embed_tokens)  # the bf16 target's, shared
     object.__setattr__(drafter, "lm_head", target.lm_head)
     drafter_for_decoding(drafter, torch.bfloat16)
     assert target.embed_tokens.weight.dtype == target.lm_head.weight.dtype == torch.bfloat16
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    cached = CachedDFlashProposer.block_hidden
-
-    def checked(self, tokens, features, anchor):
-        b, s = tokens.shape
-        want = drafter_hidden(self.drafter, features, tokens, torch.arange(s).expand(b, s),
-                              torch.ones(b, s, dtype=torch.int32), anchor.view(b, 1),
-                              torch.ones(b, 1, dtype=torch.bool))[:, 0]
-        got = cached(self, tokens, features, anchor)
-        seen.append((got.float(), want.float()))
-        return got
-
-    monkeypatch.setattr(CachedDFlashProposer, "block_hidden", checked)
+    seen = _record_cached_drafts(monkeypatch)
     gen = Generator(target.model, target.layer_ids, MAX_LEN, batch_size=2, drafter=drafter)
     outs = gen.speculative([prompts[0], prompts[3]], MAX_NEW)
     assert len(seen) >= 10 and max(a for o in outs for a in o.accepted) >= 3
