@@ -117,6 +117,24 @@ def test_fused_weights_are_views_and_model_forward_is_unchanged():
     torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
 
 
+def test_a_model_cast_after_fusing_is_fused_again():
+    """Fused, then cast to bf16 (``.to`` gives the linears new tensors): the next decoder fuses the
+    bf16 weights again (not the stale fp32 tensors), and decodes what a decoder of a model cast
+    before fusing decodes."""
+    model = _model("qwen3")
+    fresh = _model("qwen3").to(torch.bfloat16)
+    first = fuse_layers(model.model.layers, model.config)
+    model.to(torch.bfloat16)
+    again = fuse_layers(model.model.layers, model.config)
+    assert again[1].wqkv is not first[1].wqkv and again[1].wqkv.dtype == torch.bfloat16
+    attn = model.model.layers[1].self_attn
+    assert attn.q_proj.weight.data_ptr() == again[1].wqkv.data_ptr()
+    prompts = [torch.randint(0, 257, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11)]
+    want = Generator(fresh, [], 64, batch_size=2, compile=False).greedy(prompts, 12)
+    got = Generator(model, [], 64, batch_size=2, compile=False).greedy(prompts, 12)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+
+
 def test_unsupported_layers_fall_back():
     model = _model("llama")
     layer = model.model.layers[0]

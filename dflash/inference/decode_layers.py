@@ -382,8 +382,11 @@ class FusedDecoderLayer(nn.Module):
         self.scaling = float(getattr(attn, "scaling", head_dim ** -0.5))
         # Fused once per layer: a second decoder over the same model (target-only, then speculative)
         # reuses the tensors the linears already point into instead of copying the weights again.
+        # The linears stay views into the fused tensors until the model is moved or cast (``.to``
+        # gives them new tensors): then the layer is fused again.
         fused = getattr(layer, FUSED_ATTR, None)
-        if fused is None:
+        if fused is None or attn.q_proj.weight.data_ptr() != fused[0].data_ptr() \
+                or mlp.gate_proj.weight.data_ptr() != fused[2].data_ptr():
             fused = (*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), *_fuse([mlp.gate_proj, mlp.up_proj]))
             object.__setattr__(layer, FUSED_ATTR, fused)
         self.wqkv, self.bqkv, self.w_gate_up, self.b_gate_up = fused
