@@ -67,7 +67,6 @@ PROMPT_STEP = 7
 def main(argv: Optional[list[str]] = None) -> int:
     from dflash.config import DrafterConfig, TargetConfig
     from dflash.logs import setup_logging
-    from dflash.inference.proposer import drafter_for_decoding
     from dflash.models.drafter import DFlashDraftModel
     from dflash.models.drafter_config import DFlashConfig, mask_fallback_token_ids, resolve_mask_token_id
     from dflash.models.target_loader import load_target
@@ -124,7 +123,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     dcfg = replace(dcfg, mask_token_id=resolve_mask_token_id(None, vocab, vocab, mask_fallback_token_ids(target.config)))
     torch.manual_seed(0)
     drafter = DFlashDraftModel(dcfg, target.embed_tokens, target.lm_head, attention="sdpa").to(device).eval()
-    drafter_for_decoding(drafter, target.embed_tokens.weight.dtype)  # its weights as served, as decode_bench runs it
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (args.prompt_tokens - args.prompt_step * i,), generator=g)
                for i in range(args.prompts)]

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from dflash.inference.decode_layers import (PREFILL_ATTENTION, decode_block_mask, default_attention, fuse_layers,
                                             split_attention)
 from dflash.inference.decode_state import DecodeState, StaticKVCache
-from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cacheable
+from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cacheable, drafter_for_decoding
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder, layer_types_of
 
@@ -110,7 +110,9 @@ class DecodeSteps:
             cached per layer, the engines' way); ``False``, or a drafter with sliding-window layers:
             through :class:`dflash.inference.proposer.DFlashProposer` (its training forward over the
             whole feature buffer at every draft). The same math either way (identical drafts in
-            fp32; in bf16 a near-tie of the drafter's logits can flip).
+            fp32; in bf16 a near-tie of the drafter's logits can flip). A DFlash drafter's weights
+            are cast in place to a half-precision target's dtype
+            (:func:`dflash.inference.proposer.drafter_for_decoding`).
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
@@ -157,6 +159,7 @@ class DecodeSteps:
         if drafter is None:
             self.proposer = None
         elif hasattr(drafter, "fc") and hasattr(drafter, "layers"):
+            drafter_for_decoding(drafter, self.dtype)  # its weights as served, not cast at every draft
             self.proposer = (CachedDFlashProposer(drafter, batch_size, max_len, self.dtype, self.block_attention)
                              if draft_cache and cacheable(drafter) else DFlashProposer(drafter))
         else:
@@ -167,15 +170,16 @@ class DecodeSteps:
         kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.group = int(self.config.num_attention_heads) // kv_heads
         head_dim = int(getattr(self.config, "head_dim", None) or width // self.config.num_attention_heads)
-        flex = "flex" in (self.step_attention, self.block_attention)
-        if self.fused is not None and flex and self.compiled and self.device.type == "cuda" \
-                and head_dim < FLEX_MIN_HEAD_DIM:
-            raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= {FLEX_MIN_HEAD_DIM}, "
-                             f"the target has {head_dim}")
-        if isinstance(self.proposer, CachedDFlashProposer) and self.block_attention == "flex" and self.compiled \
-                and self.device.type == "cuda" and self.proposer.head_dim < FLEX_MIN_HEAD_DIM:
-            raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= {FLEX_MIN_HEAD_DIM}, "
-                             f"the drafter has {self.proposer.head_dim} (draft_cache=False drafts without it)")
+        # flex_attention's CUDA kernels, compiled, need head_dim >= 16 in every model that runs them
+        flex_heads = []
+        if self.fused is not None and "flex" in (self.step_attention, self.block_attention):
+            flex_heads.append(("the target", head_dim))
+        if isinstance(self.proposer, CachedDFlashProposer) and self.block_attention == "flex":
+            flex_heads.append(("the drafter (draft_cache=False drafts without flex)", self.proposer.head_dim))
+        for who, dim in flex_heads:
+            if self.compiled and self.device.type == "cuda" and dim < FLEX_MIN_HEAD_DIM:
+                raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= "
+                                 f"{FLEX_MIN_HEAD_DIM}, {who} has {dim}")
         kv = StaticKVCache(self.num_layers, self.batch_size, kv_heads, self.max_len, head_dim, self.dtype, self.device)
         self.state = DecodeState.allocate(kv, self.batch_size, self.max_len, max(1, len(self.layer_ids)) * width,
                                           self.block_size, self.dtype, self.device)

@@ -22,7 +22,6 @@ from dflash.inference.generation import PASS_SCHEDULES, Generation, Generator
 from dflash.inference.lossless import first_difference
 from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
-from dflash.inference.proposer import drafter_for_decoding
 from dflash.progress import Progress
 
 __all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "repeats_phrase",
@@ -431,8 +430,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         schedule its host checks (all, and those where the GPU waited for the host), passes, outputs equal to the first schedule's, speculative
         seconds (host, draft, verify) and speedups (pooled, and per set as :func:`set_summaries`).
 
-    The drafter's weights are cast to a half-precision target's dtype first, in place (it stays
-    so after the call: :func:`dflash.inference.proposer.drafter_for_decoding`).
+    The drafter's weights are cast in place to a half-precision target's dtype (it stays so after
+    the call: :class:`dflash.inference.decode_steps.DecodeSteps`).
 
     Raises:
         ValueError: an empty or unknown ``pass_schedules`` entry, ``repeats < 1``.
@@ -444,7 +443,6 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
     if length_bucket is None:
         device = next(target.model.parameters()).device
         length_bucket = default_length_bucket(compile if compile is not None else device.type == "cuda")
-    drafter_for_decoding(drafter, target.embed_tokens.weight.dtype)
     gens, sizes, warmup_s = _warm_generators(target, drafter, cases, max_new_tokens, stop_ids, batch, compile,
                                              attention, length_bucket, pass_schedules[0], draft_cache)
     base, spec, groups, differing = _decode_repeated(gens, sizes, cases, max_new_tokens, stop_ids, batch, repeats)
