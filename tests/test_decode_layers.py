@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from dflash.inference.decode_layers import fusable, fuse_layers, split_attention
+from dflash.inference.decode_layers import FLEX_KV_BLOCK, fusable, fuse_layers, split_attention
+from dflash.inference.decode_steps import compile_options
 from dflash.inference.generation import Generator
 from dflash.inference.oracle import naive_greedy_decode
 
@@ -314,7 +315,10 @@ def test_compiled_flex_equals_sdpa_on_gpu_bf16():
                else Generator(model, [1, 3], 96, batch_size=2, compile=True, attention=attention))
         if attention != "fp32":
             outs[attention] = gen.greedy(prompts, 24)
-        step = gen.forward if attention == "fp32" else torch.compile(gen.forward, dynamic=False)
+        if attention == "flex":  # whole key/value blocks for flex_attention's kernels
+            assert gen.flex_kernels and gen.max_len == FLEX_KV_BLOCK, gen.max_len
+        step = (gen.forward if attention == "fp32" else
+                torch.compile(gen.forward, dynamic=False, **compile_options(attention == "flex", cudagraphs=False)))
         # the same 96-token history in every run's cache, whatever greedy decoding wrote there
         step(torch.randint(0, 257, (2, 96), generator=torch.Generator().manual_seed(11)).to(model.device),
              torch.arange(96, device=model.device).expand(2, 96))

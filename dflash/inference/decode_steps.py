@@ -51,14 +51,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.decode_layers import (PREFILL_ATTENTION, decode_block_mask, default_attention, fuse_layers,
-                                            split_attention)
+from dflash.inference.decode_layers import (FLEX_KV_BLOCK, PREFILL_ATTENTION, decode_block_mask, default_attention,
+                                            fuse_layers, split_attention)
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cacheable, drafter_for_decoding
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder, layer_types_of
 
-__all__ = ["DecodeSteps"]
+__all__ = ["DecodeSteps", "compile_options"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,17 @@ def _layer_cache_kwarg(layer: nn.Module) -> str:
     """``cache`` (transformers ≥ 5.2x) or ``past_key_values`` (earlier 5.x): the decoder layer's cache argument."""
     params = inspect.signature(layer.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def compile_options(flex: bool, cudagraphs: bool = True) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments of a decoding step: ``mode="reduce-overhead"`` (CUDA
+    graphs) or, with ``cudagraphs=False``, inductor's defaults. With ``flex`` (flex_attention's CUDA
+    kernels in the step) inductor's prologue fusion is off: fusing the block mask's and the
+    decoding rule's index arithmetic into the flex template generated a kernel that did not
+    compile (a fused pointwise prologue referring to ``XBLOCK`` inside the template, torch 2.11)."""
+    if not (flex and hasattr(torch._inductor.config, "prologue_fusion")):
+        return {"mode": "reduce-overhead"} if cudagraphs else {}
+    return {"options": {"triton.cudagraphs": cudagraphs, "prologue_fusion": False}}
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -84,7 +95,9 @@ class DecodeSteps:
             decoding dtype).
         layer_ids: target layers whose outputs form the context features (the drafter's
             ``target_layer_ids``); may be empty for target-only decoding.
-        max_len: ``T_max``: positions per row (prompt + generated + ``B`` + 1 must fit).
+        max_len: ``T_max``: positions per row (prompt + generated + ``B`` + 1 must fit); rounded up
+            to a multiple of :data:`dflash.inference.decode_layers.FLEX_KV_BLOCK` when flex_attention's
+            kernels run (``"flex"`` compiled on CUDA), which read whole key/value blocks.
         batch_size: rows decoded together (prompts of different lengths; each row accepts its
             own drafts).
         drafter: a :class:`dflash.models.drafter.DFlashDraftModel` or any
@@ -154,18 +167,21 @@ class DecodeSteps:
         self.additive_mask = impl == "eager"
         self.cache_arg = _layer_cache_kwarg(self.decoder.layers[0])
         self.fused = fuse_layers(self.decoder.layers, self.config, self.block_attention) if fuse else None
-        self.max_len = int(max_len)
+        self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
+        self.flex_kernels = (self.compiled and self.device.type == "cuda"
+                             and "flex" in (self.step_attention, self.block_attention))
+        # flex_attention's CUDA kernels read whole key/value blocks: a cache of whole blocks
+        self.max_len = -(-int(max_len) // FLEX_KV_BLOCK) * FLEX_KV_BLOCK if self.flex_kernels else int(max_len)
         self.batch_size = int(batch_size)
         if drafter is None:
             self.proposer = None
         elif hasattr(drafter, "fc") and hasattr(drafter, "layers"):
             drafter_for_decoding(drafter, self.dtype)  # its weights as served, not cast at every draft
-            self.proposer = (CachedDFlashProposer(drafter, batch_size, max_len, self.dtype, self.block_attention)
+            self.proposer = (CachedDFlashProposer(drafter, batch_size, self.max_len, self.dtype, self.block_attention)
                              if draft_cache and cacheable(drafter) else DFlashProposer(drafter))
         else:
             self.proposer = drafter
         self.block_size = int(self.proposer.block_size) if self.proposer is not None else 1
-        self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
         width = int(self.config.hidden_size)
         kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
         self.group = int(self.config.num_attention_heads) // kv_heads
@@ -199,7 +215,7 @@ class DecodeSteps:
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.compiled:
             return fn
-        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=False, dynamic=False)
+        compiled = torch.compile(fn, fullgraph=False, dynamic=False, **compile_options(self.flex_kernels))
 
         def call(*args: Any) -> Any:
             torch.compiler.cudagraph_mark_step_begin()
