@@ -188,12 +188,12 @@ class DecodeSteps:
         head_dim = int(getattr(self.config, "head_dim", None) or width // self.config.num_attention_heads)
         # flex_attention's CUDA kernels, compiled, need head_dim >= 16 in every model that runs them
         flex_heads = []
-        if self.fused is not None and "flex" in (self.step_attention, self.block_attention):
+        if self.flex_kernels and self.fused is not None:
             flex_heads.append(("the target", head_dim))
-        if isinstance(self.proposer, CachedDFlashProposer) and self.block_attention == "flex":
+        if self.flex_kernels and isinstance(self.proposer, CachedDFlashProposer) and self.block_attention == "flex":
             flex_heads.append(("the drafter (draft_cache=False drafts without flex)", self.proposer.head_dim))
         for who, dim in flex_heads:
-            if self.compiled and self.device.type == "cuda" and dim < FLEX_MIN_HEAD_DIM:
+            if dim < FLEX_MIN_HEAD_DIM:
                 raise ValueError(f"attention 'flex': flex_attention's CUDA kernels need head_dim >= "
                                  f"{FLEX_MIN_HEAD_DIM}, {who} has {dim}")
         kv = StaticKVCache(self.num_layers, self.batch_size, kv_heads, self.max_len, head_dim, self.dtype, self.device)
