@@ -72,7 +72,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "256 eager, 0 compiled, since each compiled decoder compiles its own steps)")
     p.add_argument("--attention", default=None,
                    help="the fused target layers' attention: sdpa, matmul, flex or reduce, or X+Y (X in the "
-                        "one-token step, Y in verification and prefill; unset: reduce+sdpa at batch 1, sdpa "
+                        "one-token step, Y in verification and prefill; unset: reduce+matmul at batch 1, sdpa "
                         "above, dflash.inference.decode_layers.default_attention)")
     p.add_argument("--draft-cache", choices=("on", "off"), default="on",
                    help="on: draft from the drafter's context key/value cache (dflash.inference.proposer."

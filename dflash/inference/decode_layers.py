@@ -53,10 +53,14 @@ __all__ = ["ATTENTION", "ATTENTIONS", "BATCH_ATTENTION", "FLEX_KV_BLOCK", "FLEX_
            "fuse_layers", "reduce_attention", "split_attention"]
 
 #: Decoding's default attention spec (:func:`split_attention`): ``"reduce"`` in the one-token step,
-#: SDPA in verification; the fastest measured on an H200 (SmolLM2-135M, bf16, batch 1,
-#: prompts of up to 544 tokens: 564 target-only tokens/s against 457 with SDPA alone; ``reduce``
-#: in verification made it 40 % slower).
-ATTENTION = "reduce+sdpa"
+#: ``"matmul"`` in verification (and in the cached drafter's layers). Measured at batch 1, bf16,
+#: SmolLM2-135M (docs/benchmarks.md, Decoding, Attention in verification): ``reduce`` in the
+#: one-token step gave 564 target-only tokens/s against 457 with SDPA alone (H200, prompts of up to
+#: 544 tokens; ``reduce`` in verification made a pass 40 % slower); in verification, two matmuls
+#: around an fp32 softmax cut the time per speculative token from 0.995 to 0.757 ms against
+#: cuDNN's SDPA (H100, a 1,152-position decoder), whose kernel walks every cache slot in one thread
+#: block per key/value head.
+ATTENTION = "reduce+matmul"
 #: The default attention spec for batches above :data:`REDUCE_MAX_BATCH` rows.
 BATCH_ATTENTION = "sdpa"
 #: The largest batch that gets :data:`ATTENTION` by default: ``reduce`` was measured faster at batch
