@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from dflash.inference.decode_layers import FLEX_KV_BLOCK, fusable, fuse_layers, split_attention
-from dflash.inference.decode_steps import compile_options
+from dflash.inference.decode_steps import CACHE_ALIGN, compile_options
 from dflash.inference.generation import Generator
 from dflash.inference.oracle import naive_greedy_decode
 
@@ -213,6 +213,24 @@ def _oracle(model, prompts, n, max_len, block_size):
         truth[r, :seq.numel()] = seq
         refs.append(ref)
     return _OracleProposer(truth, block_size, SMALL["vocab_size"]), refs
+
+
+def test_odd_cache_length_rounds_up_to_aligned_slots():
+    """A decoder asked for an odd ``T_max`` gets whole multiples of CACHE_ALIGN slots (its state and
+    cache too), with the room of all of them: 15 prompt + 20 new + B 4 + 1 = 40 slots, more than the
+    37 asked for; its target-only and speculative decoding (matmul attention in verification) give
+    the naive loop's tokens."""
+    model = _model("llama")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 257, (n,), generator=g) for n in (15, 9)]
+    proposer, refs = _oracle(model, prompts, 20, 48, 4)
+    gen = Generator(model, [1, 3], 37, batch_size=2, drafter=proposer, compile=False, attention="reduce+matmul")
+    assert gen.max_len == -(-37 // CACHE_ALIGN) * CACHE_ALIGN == 40
+    assert gen.state.tokens.shape[1] == gen.max_len and gen.state.kv.keys[0].shape[2] == gen.max_len
+    outs = gen.greedy(prompts, 20) + gen.speculative(prompts, 20)
+    for out, ref in zip(outs, refs * 2):
+        assert out.tokens == ref
+    assert {a for o in outs[2:] for a in o.accepted} >= {1, 2, 3, 4}
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3-sliding"])

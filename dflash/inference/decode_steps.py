@@ -58,7 +58,7 @@ from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cach
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder, layer_types_of
 
-__all__ = ["DecodeSteps", "compile_options"]
+__all__ = ["CACHE_ALIGN", "DecodeSteps", "compile_options"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,14 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+#: Cache slots a decoder's ``T_max`` is rounded up to a multiple of. With ``matmul`` attention the
+#: scores and probabilities are ``[.., g·T, T_max]`` matrices: an odd ``T_max`` leaves their rows
+#: unaligned, and cuBLAS then runs its alignment-1 CUTLASS kernels (SmolLM2-135M's shape, bf16,
+#: T_max = 593, one H200: 35 of them a speculative pass took 0.68 ms of its 1.86 ms of kernels;
+#: ``scripts/decode_speed.py --profile``). 8 slots are 16 bytes in bf16.
+CACHE_ALIGN = 8
+
+
 class DecodeSteps:
     """The decoding state of a batch and the target / drafter forwards that write it.
 
@@ -96,8 +104,9 @@ class DecodeSteps:
         layer_ids: target layers whose outputs form the context features (the drafter's
             ``target_layer_ids``); may be empty for target-only decoding.
         max_len: ``T_max``: positions per row (prompt + generated + ``B`` + 1 must fit); rounded up
-            to a multiple of :data:`dflash.inference.decode_layers.FLEX_KV_BLOCK` when flex_attention's
-            kernels run (``"flex"`` compiled on CUDA), which read whole key/value blocks.
+            to a multiple of :data:`CACHE_ALIGN`, or of
+            :data:`dflash.inference.decode_layers.FLEX_KV_BLOCK` when flex_attention's kernels run
+            (``"flex"`` compiled on CUDA), which read whole key/value blocks.
         batch_size: rows decoded together (prompts of different lengths; each row accepts its
             own drafts).
         drafter: a :class:`dflash.models.drafter.DFlashDraftModel` or any
@@ -170,8 +179,10 @@ class DecodeSteps:
         self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
         self.flex_kernels = (self.compiled and self.device.type == "cuda"
                              and "flex" in (self.step_attention, self.block_attention))
-        # flex_attention's CUDA kernels read whole key/value blocks: a cache of whole blocks
-        self.max_len = -(-int(max_len) // FLEX_KV_BLOCK) * FLEX_KV_BLOCK if self.flex_kernels else int(max_len)
+        # flex_attention's CUDA kernels read whole key/value blocks: a cache of whole blocks; else
+        # whole multiples of CACHE_ALIGN slots (aligned rows for the GEMMs of matmul attention)
+        align = FLEX_KV_BLOCK if self.flex_kernels else CACHE_ALIGN
+        self.max_len = -(-int(max_len) // align) * align
         self.batch_size = int(batch_size)
         if drafter is None:
             self.proposer = None
