@@ -90,7 +90,7 @@ def _device_of(model: nn.Module) -> torch.device:
 #: Cache slots a decoder's ``T_max`` is rounded up to a multiple of. With ``matmul`` attention the
 #: scores and probabilities are ``[.., g·T, T_max]`` matrices: an odd ``T_max`` leaves their rows
 #: unaligned, and cuBLAS then runs its alignment-1 CUTLASS kernels (SmolLM2-135M's shape, bf16,
-#: T_max = 593, one H200: 35 of them a speculative pass took 0.68 ms of its 1.86 ms of kernels;
+#: T_max = 593, one H200: the 70 of a speculative pass took 0.68 ms of its 1.86 ms of kernels;
 #: ``scripts/decode_speed.py --profile``). 8 slots are 16 bytes in bf16.
 CACHE_ALIGN = 8
 
