@@ -78,7 +78,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="on: draft from the drafter's context key/value cache (dflash.inference.proposer."
                         "CachedDFlashProposer, as the engines run it); off: through its training forward over "
                         "the whole feature buffer (DFlashProposer); the same math in another floating-point order")
+    from dflash.inference.decode_steps import CUDA_GRAPHS
     from dflash.inference.generation import PASS_SCHEDULES
+
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=CUDA_GRAPHS[0],
+                   help="how the compiled steps replay on CUDA: trees = CUDAGraph Trees (torch.compile "
+                        "mode=reduce-overhead); captured = each step recorded once into a torch.cuda.CUDAGraph "
+                        "over the static decoding state and replayed directly (dflash.inference.decode_steps."
+                        "CapturedStep); the same kernels and outputs (default: %(default)s)")
 
     p.add_argument("--pass-schedules", default=PASS_SCHEDULES[0],
                    help=f"speculative decoding's host-check schedules, comma-separated, of {PASS_SCHEDULES}: "
@@ -243,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
     meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,
             "drafter": "checkpoint" if args.checkpoint else "random (tau ~ 1: speculative numbers are not meaningful)",
             "prompts": len(cases), "prompt_sets": set_info, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
-            "attention": args.attention, "draft_cache": args.draft_cache,
+            "attention": args.attention, "draft_cache": args.draft_cache, "cuda_graphs": args.cuda_graphs,
             "length_bucket": args.length_bucket,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__}
@@ -273,7 +280,7 @@ def _run(args: argparse.Namespace) -> int:
                                    batch=args.batch, compile=mode == "compiled", offline=not args.no_offline,
                                    labels=cfg.drafter.labels, attention=args.attention,
                                    length_bucket=args.length_bucket, pass_schedules=args.pass_schedules,
-                                   draft_cache=args.draft_cache == "on",
+                                   draft_cache=args.draft_cache == "on", cuda_graphs=args.cuda_graphs,
                                    repeats=args.repeats)
             report["summary"].update(run_s=time.perf_counter() - t0, **trained)
             print(f"\n== {dtype}, {mode}\n{format_report(report)}", flush=True)

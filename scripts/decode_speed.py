@@ -89,6 +89,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write speed.json here")
+    p.add_argument("--cuda-graphs", choices=("trees", "captured"), default="trees",
+                   help="how compiled modes replay their steps on CUDA (dflash.inference.decode_steps.CUDA_GRAPHS): "
+                        "CUDAGraph Trees or one recorded torch.cuda.CUDAGraph per step (default: %(default)s)")
     p.add_argument("--profile", action="store_true",
                    help="kernels of one compiled target-only token and one verification pass (CUDA only)")
     args = p.parse_args(argv)
@@ -129,7 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     max_len = args.prompt_tokens + max(args.new_tokens, 16) + args.block_size + 1
     results: dict = {"dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens,
                      "prompt_tokens": args.prompt_tokens, "prompt_step": args.prompt_step,
-                     "block_size": args.block_size, "device": str(device), "torch": torch.__version__}
+                     "block_size": args.block_size, "cuda_graphs": args.cuda_graphs, "device": str(device),
+                     "torch": torch.__version__}
     tokens_by_mode: dict = {}
     failed: list = []
     for mode in modes:
@@ -170,7 +174,7 @@ def run_mode(mode: str, target, drafter, prompts: list, max_len: int, args: argp
 
     gen = Generator(target.model, target.layer_ids, max_len, batch_size=args.batch, drafter=drafter,
                     compile=mode.startswith("compiled"), fuse=mode != "compiled-plain",
-                    attention=mode_attention(mode))
+                    attention=mode_attention(mode), cuda_graphs=args.cuda_graphs)
     kinds = ("greedy",) if args.target_only else ("greedy", "speculative")
     for warm in range(2):  # compile + capture, then once more
         for kind in kinds:

@@ -1390,12 +1390,84 @@ def test_compiled_prefill_falls_back_to_eager(target, caplog):
     assert "prefill runs eagerly" in caplog.text and gen._prefill_forward == gen.forward
 
 
+class _Recorder:
+    """A stand-in for :func:`dflash.inference.decode_steps.cuda_graph_capture` on CPU: recording
+    runs nothing (as a CUDA graph capture launches no kernel) and the replay calls the step."""
+
+    def __init__(self) -> None:
+        self.recorded: list[tuple] = []
+
+    def __call__(self, fn, args):
+        self.recorded.append(args)
+        return lambda: fn(*args)
+
+
+def test_captured_step_warms_up_records_once_and_replays():
+    """CapturedStep: the first ``warmup`` calls per (args, layout) run the step, the next records it
+    without running it and replays it once, later calls replay; a new layout or new arguments warm
+    up and record again; every call is one real step."""
+    from dflash.inference.decode_steps import CapturedStep
+
+    ran: list[tuple] = []
+    layout = {"buffers": 1}
+    rec = _Recorder()
+    step = CapturedStep(lambda *a: ran.append(a), lambda: layout["buffers"], rec, warmup=2)
+    for _ in range(5):
+        step()
+    assert ran == [()] * 5 and rec.recorded == [()] and step.recordings == 1
+    step(7)
+    assert ran[-1] == (7,) and step.recordings == 1  # new args: warming up
+    layout["buffers"] = 2
+    for _ in range(4):
+        step()
+    assert ran == [()] * 5 + [(7,)] + [()] * 4 and rec.recorded == [(), ()] and step.recordings == 2
+    with pytest.raises(ValueError, match="warmup"):
+        CapturedStep(lambda: None, lambda: 0, rec, warmup=0)
+
+
+def test_recorded_steps_decode_like_the_plain_steps(target):
+    """The decoder's three steps wrapped as CapturedStep over its state layout (recording stood in
+    for on CPU) give the naive loop's tokens and the plain steps' acceptance, batched, with a stop
+    token; a stop list that outgrows the state's stop buffer (reallocated) makes every step record
+    again instead of replaying graphs of the old buffer."""
+    from dflash.inference.decode_state import STOP_SLOTS
+    from dflash.inference.decode_steps import CapturedStep
+
+    drafter = make_drafter(target, 4, num_layers=2)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 21)]
+    refs = [naive_greedy_decode(target.model, p, 20) for p in prompts]
+    stop = {_first_from(refs[0], 6)}
+    plain = Generator(target.model, target.layer_ids, 64, batch_size=2, drafter=drafter, compile=False)
+    want = plain.speculative(prompts, 20, sorted(stop))
+    gen = Generator(target.model, target.layer_ids, 64, batch_size=2, drafter=drafter, compile=False)
+    rec = _Recorder()
+    gen._greedy_step, gen._draft_step, gen._verify_step = (
+        CapturedStep(f, gen._layout, rec) for f in (gen._greedy_step_impl, gen._draft_step_impl, gen._verify_step_impl))
+    steps = (gen._greedy_step, gen._draft_step, gen._verify_step)
+    assert not gen.graphs_recorded()
+    gen.compiled = True  # the host loop of compiled decoding: no width argument, no device read per pass
+    greedy = gen.greedy(prompts, 20, sorted(stop))
+    spec = gen.speculative(prompts, 20, sorted(stop))
+    assert [o.tokens for o in greedy + spec] == [_cut(r, stop, 20) for r in refs] * 2
+    assert [o.accepted for o in spec] == [o.accepted for o in want]
+    assert gen.graphs_recorded() and [s.recordings for s in steps] == [1, 1, 1]
+    many = sorted(stop) + [VOCAB + i for i in range(STOP_SLOTS)]
+    spec = gen.speculative(prompts, 20, many)
+    assert [o.tokens for o in spec] == [_cut(r, stop, 20) for r in refs]
+    assert [s.recordings for s in steps] == [1, 2, 2]  # the target-only step has not run since
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_compiled_decoding_equals_eager_on_gpu():
-    """fp32 on CUDA: the CUDA-graph steps give the eager steps' tokens, target-only and speculative,
-    batched, with and without a stop token, whether the host checks every forward or every 8, under
-    each host-check schedule (pipelined: pinned snapshots read while the next chunk runs)."""
+    """fp32 on CUDA: the CUDA-graph steps (CUDAGraph Trees, and steps recorded once and replayed)
+    give the eager steps' tokens, target-only and speculative, batched, with and without a stop
+    token, whether the host checks every forward or every 8, under each host-check schedule
+    (pipelined: pinned snapshots read while the next chunk runs); a stop list longer than the
+    state's stop buffer reallocates it, and the recorded steps record again."""
+    from dflash.inference.decode_state import STOP_SLOTS
+
     target = load_target(TargetConfig(kind="random", arch="tiny-llama", dtype="float32"), "cuda", num_drafter_layers=2)
     drafter = make_drafter(target, 4, num_layers=2).cuda()
     g = torch.Generator().manual_seed(5)
@@ -1403,16 +1475,25 @@ def test_compiled_decoding_equals_eager_on_gpu():
     refs = [naive_greedy_decode(target.model, p, 24) for p in prompts]
     stop = {_first_from(refs[1], 5)}
     outs = {}
-    for compiled in (False, True):
-        gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter, compile=compiled)
+    for compiled, graphs in ((False, "trees"), (True, "trees"), (True, "captured")):
+        gen = Generator(target.model, target.layer_ids, 128, batch_size=2, drafter=drafter, compile=compiled,
+                        cuda_graphs=graphs)
         for every, schedule in ((1, "predicted"), (8, "predicted"), (8, "certain"), (4, "pipelined")):
             gen.sync_every, gen.pass_schedule = every, schedule
             for stops in (set(), stop):
                 runs = [o for grp in (prompts[:2], prompts[2:]) for o in gen.greedy(grp, 24, sorted(stops))]
                 runs += [o for grp in (prompts[:2], prompts[2:]) for o in gen.speculative(grp, 24, sorted(stops))]
-                outs[compiled, every, schedule, bool(stops)] = [o.tokens for o in runs]
+                outs[compiled, graphs, every, schedule, bool(stops)] = [o.tokens for o in runs]
                 assert [o.tokens for o in runs] == [_cut(r, stops, 24) for r in refs] * 2
-    assert all(out == outs[False, 1, "predicted", key[-1]] for key, out in outs.items())
+        if graphs == "captured":
+            assert gen.graphs_recorded()
+            assert [s.recordings for s in (gen._greedy_step, gen._draft_step, gen._verify_step)] == [1, 1, 1]
+            # ids the target never emits first: the buffer grows past STOP_SLOTS, the steps record again
+            many = sorted(stop) + [VOCAB + i for i in range(STOP_SLOTS)]
+            runs = gen.greedy(prompts[:2], 24, many) + gen.speculative(prompts[:2], 24, many)
+            assert [o.tokens for o in runs] == [_cut(r, stop, 24) for r in refs[:2]] * 2
+            assert [s.recordings for s in (gen._greedy_step, gen._draft_step, gen._verify_step)] == [2, 2, 2]
+    assert all(out == outs[False, "trees", 1, "predicted", key[-1]] for key, out in outs.items())
 
 
 @pytest.mark.gpu

@@ -3,8 +3,11 @@
 :class:`DecodeSteps` owns the decoding state (:class:`dflash.inference.decode_state.DecodeState`)
 and every forward that writes it; :class:`dflash.inference.generation.Generator` adds the host
 loops on top. In the manner of pytorch-labs/gpt-fast ``generate.py``, each step function is traced
-once over fixed shapes and, on CUDA, replayed as a CUDA graph
-(``torch.compile(mode="reduce-overhead")``); on CPU the same functions run eagerly.
+once over fixed shapes and, on CUDA, replayed as a CUDA graph: through CUDAGraph Trees
+(``torch.compile(mode="reduce-overhead")``, ``cuda_graphs="trees"``), or captured once over the
+static state into a :class:`torch.cuda.CUDAGraph` and replayed directly (``cuda_graphs="captured"``,
+:class:`CapturedStep`: the serving engines' full-graph decoding, no Python between replays); on CPU
+the same functions run eagerly.
 
 **Steps.**
 
@@ -58,7 +61,7 @@ from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cach
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder, layer_types_of
 
-__all__ = ["CACHE_ALIGN", "DecodeSteps", "compile_options"]
+__all__ = ["CACHE_ALIGN", "CUDA_GRAPHS", "CapturedStep", "DecodeSteps", "compile_options", "cuda_graph_capture"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,76 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+#: How compiled steps replay on CUDA: ``trees`` = CUDAGraph Trees (``torch.compile(mode=
+#: "reduce-overhead")``), ``captured`` = one :class:`torch.cuda.CUDAGraph` per step function and state
+#: layout, replayed directly (:class:`CapturedStep`).
+CUDA_GRAPHS = ("trees", "captured")
+
+
+def cuda_graph_capture(pool: Any) -> Callable[[Callable[..., Any], tuple], Callable[[], Any]]:
+    """A capture function for :class:`CapturedStep`: records ``fn(*args)`` into a
+    :class:`torch.cuda.CUDAGraph` whose intermediates live in the memory ``pool``
+    (:func:`torch.cuda.graph_pool_handle`, shared by the steps of one decoder: they replay one after
+    the other on one stream and keep nothing between replays) and returns its ``replay``. Recording
+    does not run the kernels."""
+
+    def capture(fn: Callable[..., Any], args: tuple) -> Callable[[], Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn(*args)
+        return graph.replay
+
+    return capture
+
+
+class CapturedStep:
+    """A step function that writes only static buffers, replayed from one recorded graph.
+
+    The first ``warmup`` calls for a given ``(args, layout())`` run ``fn`` itself (compilation,
+    autotuning and library handles happen outside any recording); the next records it with
+    ``capture`` (which does not run it) and replays the recording once; later calls only replay.
+    Each call is a real step: warm-up calls and replays write the same buffers, so the outputs do
+    not depend on when the recording happens. ``layout()`` names the buffers the step reads and
+    writes (their addresses): when one is reallocated (a longer stop list), the next call warms
+    up and records again instead of replaying a graph that points at the old buffer.
+
+    Args:
+        fn: the step (``torch.compile`` without CUDA graphs, or eager); returns nothing.
+        layout: a hashable description of the state's buffers, called at every call (µs).
+        capture: ``capture(fn, args) -> replay`` (:func:`cuda_graph_capture`; tests pass one that
+            replays by calling ``fn``).
+        warmup: calls before recording (≥ 1).
+
+    Raises:
+        ValueError: ``warmup < 1``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], layout: Callable[[], Any],
+                 capture: Callable[[Callable[..., Any], tuple], Callable[[], Any]], warmup: int = 2) -> None:
+        if warmup < 1:
+            raise ValueError(f"warmup: must be >= 1, got {warmup}")
+        self.fn, self.layout, self.capture, self.warmup = fn, layout, capture, int(warmup)
+        self.replays: dict[Any, Callable[[], Any]] = {}
+        self.calls: dict[Any, int] = {}
+
+    @property
+    def recordings(self) -> int:
+        """Graphs recorded so far (one per argument tuple and buffer layout)."""
+        return len(self.replays)
+
+    def __call__(self, *args: Any) -> None:
+        key = (args, self.layout())
+        replay = self.replays.get(key)
+        if replay is None:
+            done = self.calls.get(key, 0)
+            if done < self.warmup:
+                self.calls[key] = done + 1
+                self.fn(*args)
+                return
+            replay = self.replays[key] = self.capture(self.fn, args)
+        replay()
+
+
 #: Cache slots a decoder's ``T_max`` is rounded up to a multiple of. With ``matmul`` attention the
 #: scores and probabilities are ``[.., g·T, T_max]`` matrices: an odd ``T_max`` leaves their rows
 #: unaligned, and cuBLAS then runs its alignment-1 CUTLASS kernels (SmolLM2-135M's shape, bf16,
@@ -111,8 +184,8 @@ class DecodeSteps:
             own drafts).
         drafter: a :class:`dflash.models.drafter.DFlashDraftModel` or any
             :class:`dflash.inference.proposer.Proposer`; ``None`` = target-only.
-        compile: compile the step functions with ``torch.compile(mode="reduce-overhead")``
-            (CUDA graphs); ``None`` = on CUDA only.
+        compile: compile the step functions with ``torch.compile`` and replay them as CUDA graphs
+            on CUDA (``cuda_graphs``); ``None`` = on CUDA only.
         fuse: run the target's layers as :class:`dflash.inference.decode_layers.FusedDecoderLayer` (fused
             projections, grouped-query attention on the cache in place) when every layer is
             supported; ``False`` = through the transformers layers. Same math either way.
@@ -135,19 +208,27 @@ class DecodeSteps:
             fp32; in bf16 a near-tie of the drafter's logits can flip). A DFlash drafter's weights
             are cast in place to a half-precision target's dtype
             (:func:`dflash.inference.proposer.drafter_for_decoding`).
+        cuda_graphs: how compiled steps replay on CUDA, one of :data:`CUDA_GRAPHS`: ``"trees"``
+            (CUDAGraph Trees through ``mode="reduce-overhead"``: their Python bookkeeping runs at
+            every call) or ``"captured"`` (:class:`CapturedStep`: inductor's kernels without CUDA
+            graphs, recorded once per step into a :class:`torch.cuda.CUDAGraph` over the static
+            state and replayed directly). The same kernels and outputs either way.
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
             (linear attention), an attention implementation other than sdpa / eager, an
             ``attention`` that :func:`dflash.inference.decode_layers.split_attention` refuses (or ``"flex"``
-            compiled on CUDA with a target's or cached drafter's head dim below 16), ``max_len < 2``
-            or ``batch_size < 1``.
+            compiled on CUDA with a target's or cached drafter's head dim below 16), ``max_len < 2``,
+            ``batch_size < 1`` or a ``cuda_graphs`` not in :data:`CUDA_GRAPHS`.
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
                  attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
-                 draft_cache: bool = True) -> None:
+                 draft_cache: bool = True, cuda_graphs: str = "trees") -> None:
+        if cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs: one of {CUDA_GRAPHS}, got {cuda_graphs!r}")
+        self.cuda_graphs = cuda_graphs
         self.attention = default_attention(batch_size) if attention is None else attention
         self.step_attention, self.block_attention = split_attention(self.attention)
         self.model = model.eval()
@@ -223,9 +304,29 @@ class DecodeSteps:
         if self.compiled and self.device.type == "cuda" and compile_prefill is not False:
             self.compile_prefill()
 
+    def graphs_recorded(self) -> bool:
+        """Whether every step this decoder has run as a :class:`CapturedStep` (``cuda_graphs=
+        "captured"``) has recorded its graph; ``True`` for the other modes (nothing to record, or
+        CUDAGraph Trees' own recording)."""
+        steps = (self._greedy_step, self._draft_step, self._verify_step)
+        return all(s.recordings > 0 for s in steps if isinstance(s, CapturedStep))
+
+    def _layout(self) -> tuple[int, ...]:
+        """The addresses of the decoding state's buffers (:class:`CapturedStep`'s ``layout``): only
+        :attr:`DecodeState.stop_ids` is ever reallocated (a longer stop list); the caches are fixed."""
+        st = self.state
+        return tuple(t.data_ptr() for t in (st.tokens, st.anchor, st.active, st.features, st.drafts,
+                                            st.logit_stats, st.accepted, st.limit, st.stop_ids))
+
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.compiled:
             return fn
+        if self.cuda_graphs == "captured" and self.device.type == "cuda":
+            if getattr(self, "_graph_pool", None) is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            compiled = torch.compile(fn, fullgraph=False, dynamic=False,
+                                     **compile_options(self.flex_kernels, cudagraphs=False))
+            return CapturedStep(compiled, self._layout, cuda_graph_capture(self._graph_pool))
         compiled = torch.compile(fn, fullgraph=False, dynamic=False, **compile_options(self.flex_kernels))
 
         def call(*args: Any) -> Any:

@@ -202,8 +202,8 @@ class Generator(DecodeSteps):
     """Target-only and speculative greedy decoding of a batch of prompts over static buffers.
 
     Args:
-        model, layer_ids, max_len, batch_size, drafter, compile, fuse, attention, compile_prefill, draft_cache:
-            the decoding state and its step functions (:class:`dflash.inference.decode_steps.DecodeSteps`).
+        model, layer_ids, max_len, batch_size, drafter, compile, fuse, attention, compile_prefill, draft_cache,
+        cuda_graphs: the decoding state and its step functions (:class:`dflash.inference.decode_steps.DecodeSteps`).
         sync_every: target forwards (steps or verification passes) the host enqueues between two
             reads of the decoding state (:data:`SYNC_EVERY`); any value gives the same outputs.
             Settable on the instance (:attr:`sync_every`) without recompiling.
@@ -221,13 +221,14 @@ class Generator(DecodeSteps):
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
                  fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
-                 pass_schedule: str = "certain", draft_cache: bool = True) -> None:
+                 pass_schedule: str = "certain", draft_cache: bool = True, cuda_graphs: str = "trees") -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
         if pass_schedule not in PASS_SCHEDULES:
             raise ValueError(f"pass_schedule: must be one of {PASS_SCHEDULES}, got {pass_schedule!r}")
         super().__init__(model, layer_ids, max_len, batch_size=batch_size, drafter=drafter, compile=compile,
-                         fuse=fuse, attention=attention, compile_prefill=compile_prefill, draft_cache=draft_cache)
+                         fuse=fuse, attention=attention, compile_prefill=compile_prefill, draft_cache=draft_cache,
+                         cuda_graphs=cuda_graphs)
         self.sync_every = int(sync_every)
         self.pass_schedule = pass_schedule
         # pinned host copies of (anchor, active) for the checks, reused in turn (at most two chunks in flight)

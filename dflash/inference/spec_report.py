@@ -25,13 +25,16 @@ from dflash.inference.prompts import PromptCase
 from dflash.progress import Progress
 
 __all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "repeats_phrase",
-           "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
+           "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_ROUNDS", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
 
 #: Tokens generated (and thrown away) by each decoder once before timing: first-call
 #: allocations and, on CUDA, compilation and graph capture do not count.
 WARMUP_TOKENS = 16
+#: Warm-up decodes (both ways) a decoder gets at most: a captured step records its graph on its
+#: third call, and a drafter that accepts whole blocks needs few passes for 16 tokens.
+WARMUP_ROUNDS = 3
 #: Length buckets of the eager decoders (tokens; :func:`length_buckets`).
 LENGTH_BUCKET = 256
 #: At most this many decoders (compiled step sets) per report.
@@ -172,10 +175,11 @@ def default_length_bucket(compiled: bool) -> int:
 
 def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
                      stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: Optional[str],
-                     length_bucket: int, pass_schedule: str = "certain", draft_cache: bool = True
-                     ) -> tuple[dict[int, Generator], list[int], float]:
-    """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run once
-    both ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA).
+                     length_bucket: int, pass_schedule: str = "certain", draft_cache: bool = True,
+                     cuda_graphs: str = "trees") -> tuple[dict[int, Generator], list[int], float]:
+    """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run both
+    ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA; again, up to
+    :data:`WARMUP_ROUNDS` times, until every captured step has recorded its graph).
 
     Attention and the drafter's context read all ``max_len`` slots of a decoder's static buffers
     whatever the prompt, so a short prompt decodes faster in a smaller decoder, as it does in an
@@ -193,12 +197,15 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
     bar = Progress(2 * len(set(sizes)), desc="warm-up", unit="decoder pass", interval_s=PROGRESS_LOG_S, logger=log)
     for size in sorted(set(sizes)):
         gen = Generator(target.model, target.layer_ids, size, batch_size=batch, drafter=drafter, compile=compile,
-                        attention=attention, pass_schedule=pass_schedule, draft_cache=draft_cache)
+                        attention=attention, pass_schedule=pass_schedule, draft_cache=draft_cache,
+                        cuda_graphs=cuda_graphs)
         warm = [c.prompt_ids for c, n in zip(cases, sizes) if n == size][:batch]
-        gen.greedy(warm, WARMUP_TOKENS, stop_ids)
-        bar.advance()
-        gen.speculative(warm, WARMUP_TOKENS, stop_ids)
-        bar.advance()
+        for _ in range(WARMUP_ROUNDS):
+            gen.greedy(warm, WARMUP_TOKENS, stop_ids)
+            gen.speculative(warm, WARMUP_TOKENS, stop_ids)
+            if gen.graphs_recorded():
+                break
+        bar.advance(2)
         gens[size] = gen
     bar.close()
     warmup_s = time.perf_counter() - t0
@@ -394,7 +401,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
                   labels: str = "target", attention: Optional[str] = None, length_bucket: Optional[int] = None,
                   pass_schedules: Sequence[str] = ("certain",), repeats: int = 1,
-                  draft_cache: bool = True) -> dict[str, Any]:
+                  draft_cache: bool = True, cuda_graphs: str = "trees") -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
     Args:
@@ -422,6 +429,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
             busy host scatter by tens of percent from prompt to prompt.
         draft_cache: draft from the drafter's context key/value cache (``False``: through its
             training forward; :class:`dflash.inference.decode_steps.DecodeSteps`).
+        cuda_graphs: how compiled steps replay on CUDA
+            (:data:`dflash.inference.decode_steps.CUDA_GRAPHS`; both ways alike).
 
     Returns:
         ``{"summary": {...}, "prompts": [...]}``: per prompt and pooled τ, tokens/s both ways,
@@ -444,7 +453,8 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         device = next(target.model.parameters()).device
         length_bucket = default_length_bucket(compile if compile is not None else device.type == "cuda")
     gens, sizes, warmup_s = _warm_generators(target, drafter, cases, max_new_tokens, stop_ids, batch, compile,
-                                             attention, length_bucket, pass_schedules[0], draft_cache)
+                                             attention, length_bucket, pass_schedules[0], draft_cache,
+                                             cuda_graphs)
     base, spec, groups, differing = _decode_repeated(gens, sizes, cases, max_new_tokens, stop_ids, batch, repeats)
     gen = next(iter(gens.values()))
     b_sz = int(drafter.block_size)
@@ -458,6 +468,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         "prompts": len(rows), "max_new_tokens": max_new_tokens, "block_size": b_sz, "batch": batch,
         "dtype": str(dtype).replace("torch.", ""), "compiled": gen.compiled, "attention": gen.attention,
         "drafting": type(gen.proposer).__name__,
+        "cuda_graphs": gen.cuda_graphs if gen.compiled and gen.device.type == "cuda" else None,
         "decoder_lengths": sorted(gens),
         "device": str(gen.device),
         "identical": sum(r["result"] == "identical" for r in rows), "ties": sum(r["result"] == "tie" for r in rows),
@@ -522,6 +533,7 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
              f"attention {s.get('attention', '?')}, drafting {s.get('drafting', '?')}, "
              f"decoders of {s.get('decoder_lengths', '?')} positions"
+             + (f", CUDA graphs {s['cuda_graphs']}" if s.get("cuda_graphs") else "")
              + (f", host checks {s['pass_schedules'][0]['schedule']}" if s.get("pass_schedules") else ""),
              "tau = mean tokens added per target verification pass (accepted drafts + 1 bonus token)", ""]
     width = max([len("set")] + [len(r.get("set", "")) for r in rows])
