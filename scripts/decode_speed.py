@@ -89,7 +89,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write speed.json here")
-    p.add_argument("--cuda-graphs", choices=("trees", "captured"), default="trees",
+    from dflash.inference.decode_steps import CUDA_GRAPHS
+
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=CUDA_GRAPHS[0],
                    help="how compiled modes replay their steps on CUDA (dflash.inference.decode_steps.CUDA_GRAPHS): "
                         "CUDAGraph Trees or one recorded torch.cuda.CUDAGraph per step (default: %(default)s)")
     p.add_argument("--profile", action="store_true",

@@ -294,6 +294,7 @@ class DecodeSteps:
         self._slots: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.layer_ids):
             self._slots.setdefault(layer, []).append(slot)
+        self._graph_pool: Any = None  # the memory pool of this decoder's recorded steps (cuda_graphs="captured")
         self._greedy_step = self._wrap(self._greedy_step_impl)
         self._draft_step = self._wrap(self._draft_step_impl) if self.proposer is not None else None
         self._verify_step = self._wrap(self._verify_step_impl)
@@ -322,7 +323,7 @@ class DecodeSteps:
         if not self.compiled:
             return fn
         if self.cuda_graphs == "captured" and self.device.type == "cuda":
-            if getattr(self, "_graph_pool", None) is None:
+            if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             compiled = torch.compile(fn, fullgraph=False, dynamic=False,
                                      **compile_options(self.flex_kernels, cudagraphs=False))
