@@ -96,18 +96,30 @@ def _device_of(model: nn.Module) -> torch.device:
 CUDA_GRAPHS = ("trees", "captured")
 
 
-def cuda_graph_capture(pool: Any) -> Callable[[Callable[..., Any], tuple], Callable[[], Any]]:
-    """A capture function for :class:`CapturedStep`: records ``fn(*args)`` into a
+def cuda_graph_capture(pool: Any, device: torch.device) -> Callable[[Callable[..., Any], tuple], Callable[[], Any]]:
+    """A capture function for :class:`CapturedStep`: records ``fn(*args)`` on ``device`` into a
     :class:`torch.cuda.CUDAGraph` whose intermediates live in the memory ``pool``
     (:func:`torch.cuda.graph_pool_handle`, shared by the steps of one decoder: they replay one after
-    the other on one stream and keep nothing between replays) and returns its ``replay``. Recording
-    does not run the kernels."""
+    the other on one stream and keep nothing between replays) and returns its replay (on
+    ``device``'s current stream). Recording does not run the kernels. A recompilation of ``fn``
+    during the recording (a guard its warm-up calls did not pass) raises instead of compiling and
+    autotuning under capture.
+
+    The steps' cuBLAS calls allocate the capture stream's workspace inside the first recording's
+    pool; CUDAGraph Trees free cuBLAS workspaces when they record, so a process decodes with one
+    :data:`CUDA_GRAPHS` mode (``decode_bench`` runs one per process)."""
 
     def capture(fn: Callable[..., Any], args: tuple) -> Callable[[], Any]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            fn(*args)
-        return graph.replay
+        with torch.cuda.device(device), torch._dynamo.config.patch(error_on_recompile=True):
+            with torch.cuda.graph(graph, pool=pool):
+                fn(*args)
+
+        def replay() -> None:
+            with torch.cuda.device(device):
+                graph.replay()
+
+        return replay
 
     return capture
 
@@ -120,8 +132,8 @@ class CapturedStep:
     ``capture`` (which does not run it) and replays the recording once; later calls only replay.
     Each call is a real step: warm-up calls and replays write the same buffers, so the outputs do
     not depend on when the recording happens. ``layout()`` names the buffers the step reads and
-    writes (their addresses): when one is reallocated (a longer stop list), the next call warms
-    up and records again instead of replaying a graph that points at the old buffer.
+    writes (their addresses and sizes): when one is reallocated (a longer stop list), the next
+    call warms up and records again instead of replaying a graph that points at the old buffer.
 
     Args:
         fn: the step (``torch.compile`` without CUDA graphs, or eager); returns nothing.
@@ -211,8 +223,10 @@ class DecodeSteps:
         cuda_graphs: how compiled steps replay on CUDA, one of :data:`CUDA_GRAPHS`: ``"trees"``
             (CUDAGraph Trees through ``mode="reduce-overhead"``: their Python bookkeeping runs at
             every call) or ``"captured"`` (:class:`CapturedStep`: inductor's kernels without CUDA
-            graphs, recorded once per step into a :class:`torch.cuda.CUDAGraph` over the static
-            state and replayed directly). The same kernels and outputs either way.
+            graphs, each step traced whole (``fullgraph=True``: a target whose forward breaks the
+            trace fails at its first step instead of replaying Python decisions frozen at
+            recording) and recorded once into a :class:`torch.cuda.CUDAGraph` over the static
+            state, replayed directly). The same kernels and outputs either way.
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
@@ -312,12 +326,14 @@ class DecodeSteps:
         steps = (self._greedy_step, self._draft_step, self._verify_step)
         return all(s.recordings > 0 for s in steps if isinstance(s, CapturedStep))
 
-    def _layout(self) -> tuple[int, ...]:
-        """The addresses of the decoding state's buffers (:class:`CapturedStep`'s ``layout``): only
-        :attr:`DecodeState.stop_ids` is ever reallocated (a longer stop list); the caches are fixed."""
+    def _layout(self) -> tuple[tuple[int, int], ...]:
+        """The addresses and sizes of the decoding state's buffers (:class:`CapturedStep`'s
+        ``layout``): only :attr:`DecodeState.stop_ids` is ever reallocated, always larger (a longer
+        stop list), so a buffer the allocator hands out again at a freed address still gives a new
+        key; the caches are fixed."""
         st = self.state
-        return tuple(t.data_ptr() for t in (st.tokens, st.anchor, st.active, st.features, st.drafts,
-                                            st.logit_stats, st.accepted, st.limit, st.stop_ids))
+        return tuple((t.data_ptr(), t.numel()) for t in (st.tokens, st.anchor, st.active, st.features, st.drafts,
+                                                         st.logit_stats, st.accepted, st.limit, st.stop_ids))
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.compiled:
@@ -325,9 +341,10 @@ class DecodeSteps:
         if self.cuda_graphs == "captured" and self.device.type == "cuda":
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            compiled = torch.compile(fn, fullgraph=False, dynamic=False,
+            # one graph for the whole step: Python between graph pieces would run at recording only
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False,
                                      **compile_options(self.flex_kernels, cudagraphs=False))
-            return CapturedStep(compiled, self._layout, cuda_graph_capture(self._graph_pool))
+            return CapturedStep(compiled, self._layout, cuda_graph_capture(self._graph_pool, self.device))
         compiled = torch.compile(fn, fullgraph=False, dynamic=False, **compile_options(self.flex_kernels))
 
         def call(*args: Any) -> Any:
