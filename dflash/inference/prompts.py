@@ -30,8 +30,7 @@ class PromptCase:
 
     Attributes:
         index: item of the held-out corpus (``sharegpt``), else the prompt's number in its set;
-            source_row: its row in the data or prompt file (0-based), counting the rows the reader
-            parsed: malformed lines, which the reader skips and counts, are not numbered.
+            source_row: its row in the data or prompt file (0-based).
         prompt_ids: ``[P]`` int64: the chat-templated conversation up to the assistant header
             (what ``apply_chat_template(..., add_generation_prompt=True)`` renders, tokenised as a
             whole); for a held-out conversation every token before its first assistant token,
