@@ -178,9 +178,11 @@ def schedule_table(runs: list[dict[str, Any]]) -> str:
 def set_table(runs: list[dict[str, Any]]) -> str:
     """Markdown table, one row per run and prompt set, then the run's pooled row
     (:func:`dflash.inference.spec_report.set_summaries`): time per output token as the reference
-    benchmark takes it (decoding after the prefill), and the speedup end to end beside it."""
+    benchmark takes it (decoding after the prefill), a verification pass's time (on the clock and,
+    in brackets, the device's drafting and verification), and the speedup end to end beside it."""
     head = ("| dtype | mode | prompt set | prompts | outputs (same / tie / FAIL) | τ pooled | τ per response | "
-            "target-only ms/token | speculative ms/token | speedup (time per output token) | speedup end to end |")
+            "target-only ms/token | speculative ms/token | a pass, ms (on the device) | "
+            "speedup (time per output token) | speedup end to end |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     for r in runs:
@@ -189,7 +191,8 @@ def set_table(runs: list[dict[str, Any]]) -> str:
             lines.append(f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {x['set']} | {x['prompts']} | "
                          f"{x['identical']} / {x['ties']} / {x['failures']} | {_num(x['tau'])} | "
                          f"{_num(x['tau_per_response'])} | {_num(x['target_ms_per_token'])} | "
-                         f"{_num(x['spec_ms_per_token'])} | {_num(x['speedup'], 2)}× | "
+                         f"{_num(x['spec_ms_per_token'])} | {_num(x.get('spec_ms_per_pass'), 2)} "
+                         f"({_num(x.get('spec_device_ms_per_pass'), 2)}) | {_num(x['speedup'], 2)}× | "
                          f"{_num(x.get('speedup_end_to_end'), 2)}× |")
     return "\n".join(lines) + "\n"
 

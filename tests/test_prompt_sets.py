@@ -277,7 +277,8 @@ def test_set_summaries_against_a_naive_count():
                      "accepted": accepted, "tau": sum(accepted) / len(accepted) if accepted else float("nan"),
                      "new_tokens": new, "target_new_tokens": target_new, "target_decode_s": t_decode,
                      "spec_decode_s": s_decode, "target_s": t_decode + rng.uniform(0.01, 0.1),
-                     "spec_s": s_decode + rng.uniform(0.01, 0.1)})
+                     "spec_s": s_decode + rng.uniform(0.01, 0.1), "draft_s": rng.uniform(0.01, 0.2),
+                     "verify_s": rng.uniform(0.05, 0.8)})
     per_set, pooled = set_summaries(rows)
     order = []
     for r in rows:
@@ -287,7 +288,11 @@ def test_set_summaries_against_a_naive_count():
     for x, name in zip(per_set + [pooled], order + [None]):
         mine = [r for r in rows if name is None or r["set"] == name]
         passes, total, taus, t_tpot, s_tpot, t_e2e, s_e2e = 0, 0, [], 0.0, 0.0, 0.0, 0.0
+        clock, device = [], []  # one value a response with passes
         for r in mine:
+            if r["accepted"]:
+                clock.append(r["spec_decode_s"] / len(r["accepted"]))
+                device.append((r["draft_s"] + r["verify_s"]) / len(r["accepted"]))
             passes += len(r["accepted"])
             total += sum(r["accepted"])
             if r["accepted"]:
@@ -306,7 +311,11 @@ def test_set_summaries_against_a_naive_count():
         assert x["spec_ms_per_token"] == pytest.approx(1e3 * s_tpot)
         assert x["speedup"] == pytest.approx(t_tpot / s_tpot)
         assert x["speedup_end_to_end"] == pytest.approx(t_e2e / s_e2e)
+        assert x["spec_ms_per_pass"] == pytest.approx(1e3 * sum(clock) / len(clock))
+        assert x["spec_device_ms_per_pass"] == pytest.approx(1e3 * sum(device) / len(device))
     assert math.isnan(set_summaries([dict(rows[0], accepted=[], tau=float("nan"))])[1]["tau"])
+    without_times = [{k: v for k, v in r.items() if k not in ("draft_s", "verify_s")} for r in rows]
+    assert math.isnan(set_summaries(without_times)[1]["spec_device_ms_per_pass"])
 
 
 # --------------------------------------------------------------------------- the CLIs on CPU

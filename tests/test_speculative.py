@@ -989,6 +989,8 @@ def test_decode_report_survives_a_one_token_response(target, prompts, references
 
     s["warmup_s"] = 1.5
     assert "nan" not in decode_bench.table([report])
+    per_set = decode_bench.set_table([report])
+    assert "nan" not in per_set and "a pass, ms" in per_set
 
 
 @pytest.mark.parametrize("repeats", [1, 2, 3, 4, 5])

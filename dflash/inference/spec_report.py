@@ -87,6 +87,15 @@ def _tpot(rows: Sequence[dict[str, Any]], seconds: str, tokens: str) -> float:
     return sum(r[seconds] / r[tokens] for r in timed) / len(timed) if timed else float("nan")
 
 
+def _per_pass(rows: Sequence[dict[str, Any]], *seconds: str) -> float:
+    """Mean over ``rows`` with verification passes of ``Σ row[k] for k in seconds`` over the row's
+    passes (``len(row["accepted"])``), s; NaN when none has a pass or a row lacks a key."""
+    timed = [r for r in rows if r["accepted"]]
+    if not timed or any(k not in r for r in timed for k in seconds):
+        return float("nan")
+    return sum(sum(r[k] for k in seconds) / len(r["accepted"]) for r in timed) / len(timed)
+
+
 def _set_summary(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One row of :func:`set_summaries` over ``rows``."""
     accepted = [a for r in rows for a in r["accepted"]]
@@ -103,7 +112,9 @@ def _set_summary(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "target_ms_per_token": 1e3 * target_tpot, "spec_ms_per_token": 1e3 * spec_tpot,
             "speedup": target_tpot / spec_tpot if spec_tpot > 0 else float("nan"),
             "target_ms_per_token_end_to_end": 1e3 * target_e2e, "spec_ms_per_token_end_to_end": 1e3 * spec_e2e,
-            "speedup_end_to_end": target_e2e / spec_e2e if spec_e2e > 0 else float("nan")}
+            "speedup_end_to_end": target_e2e / spec_e2e if spec_e2e > 0 else float("nan"),
+            "spec_ms_per_pass": 1e3 * _per_pass(rows, "spec_decode_s"),
+            "spec_device_ms_per_pass": 1e3 * _per_pass(rows, "draft_s", "verify_s")}
 
 
 def set_summaries(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -115,12 +126,16 @@ def set_summaries(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]],
     ``dflash_generate``) over its output tokens (the prefill's first token counted), then the mean
     over responses (``dflash/benchmark.py``, ``_print_decode_summary``); ms. Beside them the same
     with the prefill and the reading of the results counted (``*_end_to_end``). Each side divides
-    by its own tokens. At batch > 1 a response's seconds are its batch's.
+    by its own tokens. And the mean over responses of a verification pass's time (a response's
+    decoding time over its passes, ``spec_ms_per_pass``; its drafting and verification on the
+    device, ``spec_device_ms_per_pass``: the rest is the GPU waiting for the host), to set beside a
+    target-only token. At batch > 1 a response's seconds are its batch's.
 
     Args:
         rows: :func:`decode_report`'s ``prompts`` rows (``set``, ``result``, ``accepted``, ``tau``,
             ``new_tokens``, ``target_new_tokens``, ``target_s``, ``spec_s``, ``target_decode_s``,
-            ``spec_decode_s``).
+            ``spec_decode_s``, ``draft_s``, ``verify_s``; without the last two the device time a
+            pass is NaN).
 
     Returns:
         ``(per set, pooled)``; the pooled row's ``set`` is :data:`POOLED`.
