@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -81,19 +81,24 @@ def _per_response(rows: Sequence[dict[str, Any]], key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _mean_ratio(rows: Sequence[dict[str, Any]], num: Callable[[dict[str, Any]], float],
+                den: Callable[[dict[str, Any]], float]) -> float:
+    """Mean over ``rows`` with ``den(row) > 0`` of ``num(row) / den(row)``; NaN when none has one."""
+    kept = [r for r in rows if den(r)]
+    return sum(num(r) / den(r) for r in kept) / len(kept) if kept else float("nan")
+
+
 def _tpot(rows: Sequence[dict[str, Any]], seconds: str, tokens: str) -> float:
     """Mean over ``rows`` with tokens of ``row[seconds] / row[tokens]`` (s), NaN when none has any."""
-    timed = [r for r in rows if r[tokens]]
-    return sum(r[seconds] / r[tokens] for r in timed) / len(timed) if timed else float("nan")
+    return _mean_ratio(rows, lambda r: r[seconds], lambda r: r[tokens])
 
 
 def _per_pass(rows: Sequence[dict[str, Any]], *seconds: str) -> float:
     """Mean over ``rows`` with verification passes of ``Σ row[k] for k in seconds`` over the row's
     passes (``len(row["accepted"])``), s; NaN when none has a pass or a row lacks a key."""
-    timed = [r for r in rows if r["accepted"]]
-    if not timed or any(k not in r for r in timed for k in seconds):
+    if any(k not in r for r in rows if r["accepted"] for k in seconds):
         return float("nan")
-    return sum(sum(r[k] for k in seconds) / len(r["accepted"]) for r in timed) / len(timed)
+    return _mean_ratio(rows, lambda r: sum(r[k] for k in seconds), lambda r: len(r["accepted"]))
 
 
 def _set_summary(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
