@@ -7,7 +7,8 @@ one). On CUDA every variant runs with the target and the drafter on one GPU
 (``--gpus cpu``) one after the other with the config's own placement. After training, the
 variant's newest checkpoint decodes ``--prompts`` held-out prompts (``scripts/decode_bench.py``,
 bf16 on GPUs, ``--decode-mode`` eager by default: the ablation compares τ, not speed, and eager skips the
-compile warm-up; ``--decode-batch`` prompts at a time, each row accepting its own drafts).
+compile warm-up; ``--decode-batch`` prompts at a time, each row accepting its own drafts; one run,
+as greedy decoding's τ does not change from run to run).
 
 Results: ``<out>/<variant>/result.json`` per variant and, after every variant, ``<out>/ablation.md``
 (one table row per variant), ``<out>/ablation.json`` and ``<out>/recipe.json`` (the overrides of
@@ -390,7 +391,7 @@ def run_variant(v: Variant, gpu: Optional[str], args: argparse.Namespace, log: A
     cmd = [sys.executable, "-m", "scripts.decode_bench", "--config", str(run_dir / "config.yaml"), "--checkpoint",
            str(run_dir), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
            "--dtypes", args.decode_dtype, "--modes", args.decode_mode, "--batch", str(args.decode_batch),
-           "--device", device, "--out", str(vdir / "decode")]
+           "--repeats", "1", "--device", device, "--out", str(vdir / "decode")]
     for ps in args.prompt_sets:
         cmd += ["--prompt-set", ps.key]
     rc = children.run(cmd, env, vdir / "decode.log")

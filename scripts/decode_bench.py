@@ -82,10 +82,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     from dflash.inference.generation import PASS_SCHEDULES
 
     p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=CUDA_GRAPHS[0],
-                   help="how the compiled steps replay on CUDA: trees = CUDAGraph Trees (torch.compile "
-                        "mode=reduce-overhead); captured = each step recorded once into a torch.cuda.CUDAGraph "
-                        "over the static decoding state and replayed directly (dflash.inference.decode_steps."
-                        "CapturedStep); the same kernels and outputs (default: %(default)s)")
+                   help="how the compiled steps replay on CUDA: captured = each step recorded once into a "
+                        "torch.cuda.CUDAGraph over the static decoding state and replayed directly (dflash."
+                        "inference.decode_steps.CapturedStep); trees = CUDAGraph Trees (torch.compile "
+                        "mode=reduce-overhead); the same kernels and outputs (default: %(default)s)")
 
     p.add_argument("--pass-schedules", default=PASS_SCHEDULES[0],
                    help=f"speculative decoding's host-check schedules, comma-separated, of {PASS_SCHEDULES}: "

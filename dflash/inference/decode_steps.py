@@ -3,11 +3,11 @@
 :class:`DecodeSteps` owns the decoding state (:class:`dflash.inference.decode_state.DecodeState`)
 and every forward that writes it; :class:`dflash.inference.generation.Generator` adds the host
 loops on top. In the manner of pytorch-labs/gpt-fast ``generate.py``, each step function is traced
-once over fixed shapes and, on CUDA, replayed as a CUDA graph: through CUDAGraph Trees
-(``torch.compile(mode="reduce-overhead")``, ``cuda_graphs="trees"``), or captured once over the
-static state into a :class:`torch.cuda.CUDAGraph` and replayed directly (``cuda_graphs="captured"``,
-:class:`CapturedStep`: the serving engines' full-graph decoding, no Python between replays); on CPU
-the same functions run eagerly.
+once over fixed shapes and, on CUDA, replayed as a CUDA graph: captured once over the static
+state into a :class:`torch.cuda.CUDAGraph` and replayed directly (``cuda_graphs="captured"``, the
+default, :class:`CapturedStep`: the serving engines' full-graph decoding, no Python between
+replays), or through CUDAGraph Trees (``torch.compile(mode="reduce-overhead")``,
+``cuda_graphs="trees"``); on CPU the same functions run eagerly.
 
 **Steps.**
 
@@ -90,10 +90,10 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-#: How compiled steps replay on CUDA: ``trees`` = CUDAGraph Trees (``torch.compile(mode=
-#: "reduce-overhead")``), ``captured`` = one :class:`torch.cuda.CUDAGraph` per step function and state
-#: layout, replayed directly (:class:`CapturedStep`).
-CUDA_GRAPHS = ("trees", "captured")
+#: How compiled steps replay on CUDA, the default first: ``captured`` = one :class:`torch.cuda.CUDAGraph`
+#: per step function and state layout, replayed directly (:class:`CapturedStep`); ``trees`` = CUDAGraph
+#: Trees (``torch.compile(mode="reduce-overhead")``), whose Python bookkeeping runs at every call.
+CUDA_GRAPHS = ("captured", "trees")
 
 
 def cuda_graph_capture(pool: Any, device: torch.device) -> Callable[[Callable[..., Any], tuple], Callable[[], Any]]:
@@ -220,13 +220,13 @@ class DecodeSteps:
             fp32; in bf16 a near-tie of the drafter's logits can flip). A DFlash drafter's weights
             are cast in place to a half-precision target's dtype
             (:func:`dflash.inference.proposer.drafter_for_decoding`).
-        cuda_graphs: how compiled steps replay on CUDA, one of :data:`CUDA_GRAPHS`: ``"trees"``
-            (CUDAGraph Trees through ``mode="reduce-overhead"``: their Python bookkeeping runs at
-            every call) or ``"captured"`` (:class:`CapturedStep`: inductor's kernels without CUDA
-            graphs, each step traced whole (``fullgraph=True``: a target whose forward breaks the
-            trace fails at its first step instead of replaying Python decisions frozen at
-            recording) and recorded once into a :class:`torch.cuda.CUDAGraph` over the static
-            state, replayed directly). The same kernels and outputs either way.
+        cuda_graphs: how compiled steps replay on CUDA, one of :data:`CUDA_GRAPHS`: ``"captured"``
+            (the default; :class:`CapturedStep`: inductor's kernels without CUDA graphs, each step
+            traced whole (``fullgraph=True``: a target whose forward breaks the trace fails at its
+            first step instead of replaying Python decisions frozen at recording) and recorded
+            once into a :class:`torch.cuda.CUDAGraph` over the static state, replayed directly) or
+            ``"trees"`` (CUDAGraph Trees through ``mode="reduce-overhead"``: their Python
+            bookkeeping runs at every call). The same kernels and outputs either way.
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
@@ -239,7 +239,7 @@ class DecodeSteps:
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
                  attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
-                 draft_cache: bool = True, cuda_graphs: str = "trees") -> None:
+                 draft_cache: bool = True, cuda_graphs: str = CUDA_GRAPHS[0]) -> None:
         if cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs: one of {CUDA_GRAPHS}, got {cuda_graphs!r}")
         self.cuda_graphs = cuda_graphs

@@ -221,7 +221,7 @@ class Generator(DecodeSteps):
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
                  fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
-                 pass_schedule: str = "certain", draft_cache: bool = True, cuda_graphs: str = "trees") -> None:
+                 pass_schedule: str = "certain", draft_cache: bool = True, cuda_graphs: str = "captured") -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
         if pass_schedule not in PASS_SCHEDULES:

@@ -196,7 +196,7 @@ def default_length_bucket(compiled: bool) -> int:
 def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
                      stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: Optional[str],
                      length_bucket: int, pass_schedule: str = "certain", draft_cache: bool = True,
-                     cuda_graphs: str = "trees") -> tuple[dict[int, Generator], list[int], float]:
+                     cuda_graphs: str = "captured") -> tuple[dict[int, Generator], list[int], float]:
     """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run both
     ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA; again, up to
     :data:`WARMUP_ROUNDS` times, until every captured step has recorded its graph).
@@ -421,7 +421,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
                   labels: str = "target", attention: Optional[str] = None, length_bucket: Optional[int] = None,
                   pass_schedules: Sequence[str] = ("certain",), repeats: int = 1,
-                  draft_cache: bool = True, cuda_graphs: str = "trees") -> dict[str, Any]:
+                  draft_cache: bool = True, cuda_graphs: str = "captured") -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
     Args:
