@@ -53,6 +53,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "baseline": ([], "the base config"),
     "anchors-conversation": (["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=512"],
                              "anchors drawn per conversation (≤ 512 each), not uniformly over the packed row"),
+    "gamma-2": (["drafter.loss_gamma=2"], "loss decay γ 2"),
+    "gamma-3": (["drafter.loss_gamma=3"], "loss decay γ 3"),
     "gamma-4": (["drafter.loss_gamma=4"], "loss decay γ 4"),
     "gamma-10": (["drafter.loss_gamma=10"], "loss decay γ 10"),
     "lr-3e-4": (["train.lr=3e-4"], "learning rate 3e-4"),
