@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.inference.decode_state import SLACK
-from dflash.inference.decode_steps import DecodeSteps
+from dflash.inference.decode_steps import CUDA_GRAPHS, DecodeSteps
 
 __all__ = ["Generation", "Generator", "PASS_SCHEDULES", "passes_before_check"]
 
@@ -221,7 +221,7 @@ class Generator(DecodeSteps):
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
                  fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
-                 pass_schedule: str = "certain", draft_cache: bool = True, cuda_graphs: str = "captured") -> None:
+                 pass_schedule: str = "certain", draft_cache: bool = True, cuda_graphs: str = CUDA_GRAPHS[0]) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
         if pass_schedule not in PASS_SCHEDULES:

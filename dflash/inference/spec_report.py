@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.inference.acceptance import Walk, measured_per_position, offline_tau, walk_tau
+from dflash.inference.decode_steps import CUDA_GRAPHS
 from dflash.inference.generation import PASS_SCHEDULES, Generation, Generator
 from dflash.inference.lossless import first_difference
 from dflash.inference.oracle import naive_greedy_decode
@@ -196,7 +197,7 @@ def default_length_bucket(compiled: bool) -> int:
 def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], max_new_tokens: int,
                      stop_ids: Sequence[int], batch: int, compile: Optional[bool], attention: Optional[str],
                      length_bucket: int, pass_schedule: str = "certain", draft_cache: bool = True,
-                     cuda_graphs: str = "captured") -> tuple[dict[int, Generator], list[int], float]:
+                     cuda_graphs: str = CUDA_GRAPHS[0]) -> tuple[dict[int, Generator], list[int], float]:
     """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run both
     ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA; again, up to
     :data:`WARMUP_ROUNDS` times, until every captured step has recorded its graph).
@@ -421,7 +422,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
                   stop_ids: Sequence[int], batch: int = 1, compile: Optional[bool] = None, offline: bool = True,
                   labels: str = "target", attention: Optional[str] = None, length_bucket: Optional[int] = None,
                   pass_schedules: Sequence[str] = ("certain",), repeats: int = 1,
-                  draft_cache: bool = True, cuda_graphs: str = "captured") -> dict[str, Any]:
+                  draft_cache: bool = True, cuda_graphs: str = CUDA_GRAPHS[0]) -> dict[str, Any]:
     """Decode ``cases`` target-only and speculatively; compare; take τ apart. The check's core.
 
     Args:
