@@ -78,14 +78,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="on: draft from the drafter's context key/value cache (dflash.inference.proposer."
                         "CachedDFlashProposer, as the engines run it); off: through its training forward over "
                         "the whole feature buffer (DFlashProposer); the same math in another floating-point order")
-    from dflash.inference.decode_steps import CUDA_GRAPHS
+    from dflash.inference.decode_steps import add_cuda_graphs_argument
     from dflash.inference.generation import PASS_SCHEDULES
 
-    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=CUDA_GRAPHS[0],
-                   help="how the compiled steps replay on CUDA: captured = each step recorded once into a "
-                        "torch.cuda.CUDAGraph over the static decoding state and replayed directly (dflash."
-                        "inference.decode_steps.CapturedStep); trees = CUDAGraph Trees (torch.compile "
-                        "mode=reduce-overhead); the same kernels and outputs (default: %(default)s)")
+    add_cuda_graphs_argument(p)
 
     p.add_argument("--pass-schedules", default=PASS_SCHEDULES[0],
                    help=f"speculative decoding's host-check schedules, comma-separated, of {PASS_SCHEDULES}: "

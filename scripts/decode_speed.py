@@ -89,11 +89,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write speed.json here")
-    from dflash.inference.decode_steps import CUDA_GRAPHS
+    from dflash.inference.decode_steps import add_cuda_graphs_argument
 
-    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=CUDA_GRAPHS[0],
-                   help="how compiled modes replay their steps on CUDA (dflash.inference.decode_steps.CUDA_GRAPHS): "
-                        "CUDAGraph Trees or one recorded torch.cuda.CUDAGraph per step (default: %(default)s)")
+    add_cuda_graphs_argument(p)
     p.add_argument("--profile", action="store_true",
                    help="kernels of one compiled target-only token and one verification pass (CUDA only)")
     args = p.parse_args(argv)
@@ -178,9 +176,7 @@ def run_mode(mode: str, target, drafter, prompts: list, max_len: int, args: argp
                     compile=mode.startswith("compiled"), fuse=mode != "compiled-plain",
                     attention=mode_attention(mode), cuda_graphs=args.cuda_graphs)
     kinds = ("greedy",) if args.target_only else ("greedy", "speculative")
-    for warm in range(2):  # compile + capture, then once more
-        for kind in kinds:
-            getattr(gen, kind)(prompts[:args.batch], 16)
+    gen.warm_up(prompts[:args.batch], 16, speculative="speculative" in kinds, rounds=2)  # compile + capture, once more
     row: dict = {}
     for kind in kinds:
         fn = getattr(gen, kind)

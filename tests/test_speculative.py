@@ -1427,6 +1427,25 @@ def test_captured_step_warms_up_records_once_and_replays():
         CapturedStep(lambda: None, lambda: 0, rec, warmup=0)
 
 
+def test_warm_up_runs_until_every_captured_step_recorded(target):
+    """Generator.warm_up: ``rounds`` rounds when nothing is to record (eager), one more round at a
+    time while a captured step has not recorded (stood in for on CPU), at most WARMUP_ROUNDS."""
+    from dflash.inference.decode_steps import CapturedStep
+    from dflash.inference.generation import WARMUP_ROUNDS
+
+    drafter = make_drafter(target, 4, num_layers=2)
+    prompts = [torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(12))]
+    assert Generator(target.model, target.layer_ids, 64, drafter=drafter, compile=False).warm_up(prompts, 8, rounds=2) == 2
+    for warmup, want in ((1, 1), (1000, WARMUP_ROUNDS)):
+        gen = Generator(target.model, target.layer_ids, 64, drafter=drafter, compile=False)
+        gen._greedy_step, gen._draft_step, gen._verify_step = (
+            CapturedStep(f, gen._layout, _Recorder(), warmup=warmup)
+            for f in (gen._greedy_step_impl, gen._draft_step_impl, gen._verify_step_impl))
+        gen.compiled = True
+        assert gen.warm_up(prompts, 8) == want
+        assert gen.graphs_recorded() == (want < WARMUP_ROUNDS)
+
+
 def test_recorded_steps_decode_like_the_plain_steps(target):
     """The decoder's three steps wrapped as CapturedStep over its state layout (recording stood in
     for on CPU) give the naive loop's tokens and the plain steps' acceptance, batched, with a stop

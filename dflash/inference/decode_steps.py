@@ -61,7 +61,8 @@ from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cach
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder, layer_types_of
 
-__all__ = ["CACHE_ALIGN", "CUDA_GRAPHS", "CapturedStep", "DecodeSteps", "compile_options", "cuda_graph_capture"]
+__all__ = ["CACHE_ALIGN", "CUDA_GRAPHS", "CapturedStep", "DecodeSteps", "add_cuda_graphs_argument", "compile_options",
+           "cuda_graph_capture"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,16 @@ def _device_of(model: nn.Module) -> torch.device:
 #: per step function and state layout, replayed directly (:class:`CapturedStep`); ``trees`` = CUDAGraph
 #: Trees (``torch.compile(mode="reduce-overhead")``), whose Python bookkeeping runs at every call.
 CUDA_GRAPHS = ("captured", "trees")
+
+
+def add_cuda_graphs_argument(parser: Any) -> None:
+    """``--cuda-graphs`` on an :class:`argparse.ArgumentParser`: one of :data:`CUDA_GRAPHS`, the
+    first by default (``args.cuda_graphs``)."""
+    parser.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=CUDA_GRAPHS[0],
+                        help="how the compiled steps replay on CUDA: captured = each step recorded once into a "
+                             "torch.cuda.CUDAGraph over the static decoding state and replayed directly (dflash."
+                             "inference.decode_steps.CapturedStep); trees = CUDAGraph Trees (torch.compile "
+                             "mode=reduce-overhead); the same kernels and outputs (default: %(default)s)")
 
 
 def cuda_graph_capture(pool: Any, device: torch.device) -> Callable[[Callable[..., Any], tuple], Callable[[], Any]]:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from dflash.inference.decode_state import SLACK
 from dflash.inference.decode_steps import CUDA_GRAPHS, DecodeSteps
 
-__all__ = ["Generation", "Generator", "PASS_SCHEDULES", "passes_before_check"]
+__all__ = ["Generation", "Generator", "PASS_SCHEDULES", "WARMUP_ROUNDS", "passes_before_check"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,10 @@ PASS_SCHEDULES = ("certain", "predicted", "pipelined")
 #: compiled decode). Larger: more forwards queued without the host waiting; smaller: fewer forwards
 #: wasted after a stop token (a row that stops is masked on the device; the batch ends at a check).
 SYNC_EVERY = 8
+
+#: Warm-up decodes (both ways) :meth:`Generator.warm_up` runs at most: a captured step records its
+#: graph on its third call, and a drafter that accepts whole blocks needs few passes for a few tokens.
+WARMUP_ROUNDS = 3
 
 
 def passes_before_check(remaining: Sequence[int], emitted: Sequence[int], passes_done: int, block_size: int,
@@ -417,6 +421,23 @@ class Generator(DecodeSteps):
         return gens
 
     @torch.no_grad()
+    def warm_up(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                speculative: bool = True, rounds: int = 1) -> int:
+        """Decode ``prompts`` target-only (and speculatively) ``rounds`` times, then again, up to
+        :data:`WARMUP_ROUNDS` rounds in all, until every captured step has recorded its graph
+        (:meth:`graphs_recorded`): compilation and graph recording happen here, not in a timed run.
+
+        Returns:
+            the rounds run.
+        """
+        done = 0
+        while done < max(rounds, 1) or (done < WARMUP_ROUNDS and not self.graphs_recorded()):
+            self.greedy(prompts, max_new_tokens, stop_ids)
+            if speculative:
+                self.speculative(prompts, max_new_tokens, stop_ids)
+            done += 1
+        return done
+
     def speculative(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int] = (),
                     progress: Optional[Callable[[int], None]] = None) -> list[Generation]:
         """Greedy speculative decoding of up to ``batch_size`` prompts: draft, verify, accept.

@@ -26,16 +26,13 @@ from dflash.inference.prompts import PromptCase
 from dflash.progress import Progress
 
 __all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "repeats_phrase",
-           "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_ROUNDS", "WARMUP_TOKENS"]
+           "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
 
 #: Tokens generated (and thrown away) by each decoder once before timing: first-call
 #: allocations and, on CUDA, compilation and graph capture do not count.
 WARMUP_TOKENS = 16
-#: Warm-up decodes (both ways) a decoder gets at most: a captured step records its graph on its
-#: third call, and a drafter that accepts whole blocks needs few passes for 16 tokens.
-WARMUP_ROUNDS = 3
 #: Length buckets of the eager decoders (tokens; :func:`length_buckets`).
 LENGTH_BUCKET = 256
 #: At most this many decoders (compiled step sets) per report.
@@ -199,8 +196,8 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
                      length_bucket: int, pass_schedule: str = "certain", draft_cache: bool = True,
                      cuda_graphs: str = CUDA_GRAPHS[0]) -> tuple[dict[int, Generator], list[int], float]:
     """A :class:`Generator` per length bucket of ``cases`` (:func:`length_buckets`), each run both
-    ways for :data:`WARMUP_TOKENS` tokens (compilation and graph capture on CUDA; again, up to
-    :data:`WARMUP_ROUNDS` times, until every captured step has recorded its graph).
+    ways for :data:`WARMUP_TOKENS` tokens (:meth:`Generator.warm_up`: compilation and graph capture
+    on CUDA, repeated until every captured step has recorded its graph).
 
     Attention and the drafter's context read all ``max_len`` slots of a decoder's static buffers
     whatever the prompt, so a short prompt decodes faster in a smaller decoder, as it does in an
@@ -221,11 +218,7 @@ def _warm_generators(target: Any, drafter: nn.Module, cases: Sequence[PromptCase
                         attention=attention, pass_schedule=pass_schedule, draft_cache=draft_cache,
                         cuda_graphs=cuda_graphs)
         warm = [c.prompt_ids for c, n in zip(cases, sizes) if n == size][:batch]
-        for _ in range(WARMUP_ROUNDS):
-            gen.greedy(warm, WARMUP_TOKENS, stop_ids)
-            gen.speculative(warm, WARMUP_TOKENS, stop_ids)
-            if gen.graphs_recorded():
-                break
+        gen.warm_up(warm, WARMUP_TOKENS, stop_ids)
         bar.advance(2)
         gens[size] = gen
     bar.close()
