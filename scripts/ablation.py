@@ -12,7 +12,7 @@ as greedy decoding's τ does not change from run to run).
 
 Results: ``<out>/<variant>/result.json`` per variant and, after every variant, ``<out>/ablation.md``
 (one table row per variant), ``<out>/ablation.json`` and ``<out>/recipe.json`` (the overrides of
-every variant that beat the baseline's decoding τ, stacked: :func:`stacked_recipe`). A variant whose ``result.json`` exists is
+every variant that beat the baseline's decoding τ beyond noise, stacked: :func:`stacked_recipe`). A variant whose ``result.json`` exists is
 not run again (if it was made with the same settings, else the script refuses to start); an
 interrupted one resumes from its newest checkpoint (``--resume``). Every
 variant's config is loaded and checked before anything runs, so a bad override fails at once.
@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets
+from dflash.inference.tau_stats import paired_gain
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -154,33 +155,47 @@ def train_summary(metrics: list[dict[str, Any]]) -> dict[str, Any]:
 def decode_summary(bench: dict[str, Any]) -> dict[str, Any]:
     """The table's decoding columns from ``decode_bench.json``'s first run: measured τ (pooled over
     the prompt sets), the walked offline τ on the target's own text, the outputs' check, tokens/s
-    both ways, and per prompt set (``decode_sets``) its pooled and per-response τ and its check."""
+    both ways, per prompt set (``decode_sets``) its pooled and per-response τ, the latter's standard
+    error and its check, and each response's τ (``decode_prompt_tau``, keyed ``set/index``: what
+    :func:`stacked_recipe` pairs prompt by prompt)."""
     if not bench.get("runs"):
         return {}
-    s = bench["runs"][0]["summary"]
+    run = bench["runs"][0]
+    s = run["summary"]
     return {"decode_tau": s["tau"], "decode_walk": s.get("offline_tau_own_walk", math.nan),
             "decode_check": f"{s['identical']}/{s['ties']}/{s['failures']}",
             "target_tok_s": s["target_tok_s"], "spec_tok_s": s["spec_tok_s"],
             "decode_sets": {x["set"]: {"tau": x["tau"], "tau_per_response": x["tau_per_response"],
+                                       "tau_per_response_se": x.get("tau_per_response_se", math.nan),
                                        "check": f"{x['identical']}/{x['ties']}/{x['failures']}"}
-                            for x in s.get("sets", [])}}
+                            for x in s.get("sets", [])},
+            "decode_prompt_tau": {f"{p['set']}/{p['index']}": p["tau"] for p in run.get("prompts", [])}}
 
 
-#: Decoding-τ gain over ``baseline`` a variant needs to enter the stacked recipe: 16 prompts × 96
-#: tokens measure τ to about this much between drafters of one recipe.
+#: Decoding-τ gain over ``baseline`` a variant needs to enter the stacked recipe, at least.
 GAIN_MARGIN = 0.02
+#: ... and its per-response gain, paired prompt by prompt, must exceed this many of its standard
+#: errors (:func:`dflash.inference.tau_stats.paired_gain`; where both carry each response's τ).
+GAIN_SE = 2.0
 
 
 def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN,
-                   check: Optional[Callable[[list[str]], Optional[str]]] = None) -> dict[str, Any]:
+                   check: Optional[Callable[[list[str]], Optional[str]]] = None,
+                   n_se: float = GAIN_SE) -> dict[str, Any]:
     """The recipe the ablation suggests: the overrides of every decoded variant whose decoding τ
     exceeds the baseline's by more than ``margin``, the largest gain first; a config key set by two
     of them keeps the larger gain's value. Each gain was measured alone: whether they add up is for
     a training run of the stacked recipe to show.
 
+    A winner whose result and the baseline's both carry each response's τ (``decode_prompt_tau``)
+    must also gain per response, over the prompts both decoded, by more than ``n_se`` standard
+    errors of the paired differences; otherwise it is left out as within noise.
+
     Args:
-        results: ``result.json`` contents (``variant``, ``overrides``, ``ok``, ``decode_tau``).
+        results: ``result.json`` contents (``variant``, ``overrides``, ``ok``, ``decode_tau``;
+            optionally ``decode_prompt_tau``).
         margin: τ gain needed (tokens a verification pass).
+        n_se: the paired per-response gain needed, in its standard errors.
         check: the error of a stacked override list, ``None`` when it makes a valid config
             (:func:`config_error`); a winner whose overrides would make the stack invalid (two options
             that exclude each other, e.g. D-PACE weights and distillation) is left out, with the
@@ -188,7 +203,8 @@ def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN,
 
     Returns:
         ``{"baseline_tau", "margin", "variants": [names, largest gain first], "gains": {name: gain},
-        "overrides": [key=value, ...], "left_out": {name: reason}}``.
+        "paired": {name: [per-response gain, its standard error, prompts]} (every variant paired
+        with the baseline), "overrides": [key=value, ...], "left_out": {name: reason}}``.
 
     Raises:
         ValueError: no decoded ``baseline`` among ``results``.
@@ -200,10 +216,18 @@ def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN,
     gains = {r["variant"]: r["decode_tau"] - base["decode_tau"] for r in ok if r["variant"] != "baseline"}
     better = sorted((n for n, g in gains.items() if g > margin), key=lambda n: -gains[n])
     by_name = {r["variant"]: r for r in ok}
+    paired = {r["variant"]: list(paired_gain(base["decode_prompt_tau"], r["decode_prompt_tau"]))
+              for r in ok if r["variant"] != "baseline" and "decode_prompt_tau" in r and "decode_prompt_tau" in base}
     overrides: dict[str, str] = {}
     kept: list[str] = []
     left_out: dict[str, str] = {}
     for name in better:
+        if name in paired:
+            gain, se, n = paired[name]
+            if not gain > n_se * se:  # NaN (one common prompt, none) is not a gain either
+                left_out[name] = (f"per-response τ gain {gain:+.3f} ± {se:.3f} (paired standard error over {n} "
+                                  f"prompts) is within {n_se:g} standard errors")
+                continue
         stacked = dict(overrides)
         for item in by_name[name]["overrides"]:
             stacked.setdefault(item.split("=", 1)[0], item)
@@ -214,7 +238,8 @@ def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN,
         overrides = stacked
         kept.append(name)
     return {"baseline_tau": base["decode_tau"], "margin": margin, "variants": kept,
-            "gains": {n: gains[n] for n in kept}, "overrides": list(overrides.values()), "left_out": left_out}
+            "gains": {n: gains[n] for n in kept}, "paired": paired, "overrides": list(overrides.values()),
+            "left_out": left_out}
 
 
 def table(variants: list[Variant], meta: dict[str, Any]) -> str:
@@ -231,21 +256,27 @@ def table(variants: list[Variant], meta: dict[str, Any]) -> str:
                                                    "variant(s) a GPU at a time (s/step compares variants run alike)."),
              "",
              "| variant | change | s/step | train wall s | eval/tau | eval/tau_head | eval/tau_walk_head | "
-             "decoding τ | Δ vs baseline | walked τ (own text) | same/tie/FAIL | τ per response by prompt set |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decoding τ | Δ vs baseline | Δ τ per response (paired SE) | walked τ (own text) | same/tie/FAIL | "
+             "τ per response (SE) by prompt set |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = v.result
         if not r:
             continue
-        delta = "–"
+        delta = paired = "–"
         if base and v.name != "baseline" and "decode_tau" in r and "decode_tau" in base:
             delta = f"{r['decode_tau'] - base['decode_tau']:+.3f}"
+        if base and v.name != "baseline" and "decode_prompt_tau" in r and "decode_prompt_tau" in base:
+            gain, se, n = paired_gain(base["decode_prompt_tau"], r["decode_prompt_tau"])
+            if n:
+                paired = f"{gain:+.3f} ({f(se)}, {n} prompts)"
         status = "" if r.get("ok") else f" ({r.get('error', 'failed')})"
-        by_set = " · ".join(f"{name} {f(x.get('tau_per_response'))}" for name, x in r.get("decode_sets", {}).items()) or "–"
+        by_set = " · ".join(f"{name} {f(x.get('tau_per_response'))} ({f(x.get('tau_per_response_se'), 2)})"
+                            for name, x in r.get("decode_sets", {}).items()) or "–"
         lines.append(
             f"| {v.name}{status} | {v.about} | {f(r.get('step_s'))} | {f(r.get('train_s'), 0)} | "
             f"{f(r.get('eval/tau'))} | {f(r.get('eval/tau_head'))} | {f(r.get('eval/tau_walk_head'))} | "
-            f"{f(r.get('decode_tau'))} | {delta} | {f(r.get('decode_walk'))} | {r.get('decode_check', '–')} | "
+            f"{f(r.get('decode_tau'))} | {delta} | {paired} | {f(r.get('decode_walk'))} | {r.get('decode_check', '–')} | "
             f"{by_set} |")
     return "\n".join(lines) + "\n"
 

@@ -128,6 +128,13 @@ def _num(x: Any, d: int = 3) -> str:
     return "–" if x is None or x != x else f"{x:.{d}f}"  # x != x: NaN
 
 
+def _rates(rates: Optional[list[float]], first: int = 4) -> str:
+    """The first ``first`` conditional acceptance rates in %, ``54 / 52 / 55 / 51 %``; ``–`` without."""
+    if not rates:
+        return "–"
+    return " / ".join(_num(100 * r if r == r else r, 0) for r in rates[:first]) + " %"
+
+
 def table(runs: list[dict[str, Any]]) -> str:
     """Markdown table, one row per run."""
     head = ("| dtype | mode, attention | batch | outputs (same / tie / FAIL) | τ measured | τ offline, own text | "
@@ -173,10 +180,12 @@ def schedule_table(runs: list[dict[str, Any]]) -> str:
 
 def set_table(runs: list[dict[str, Any]]) -> str:
     """Markdown table, one row per run and prompt set, then the run's pooled row
-    (:func:`dflash.inference.spec_report.set_summaries`): time per output token as the reference
+    (:func:`dflash.inference.spec_report.set_summaries`): τ per response with its standard error over
+    the set's prompts, the conditional acceptance of the first four draft positions, time per output token as the reference
     benchmark takes it (decoding after the prefill), a verification pass's time (on the clock and,
     in brackets, the device's drafting and verification), and the speedup end to end beside it."""
-    head = ("| dtype | mode | prompt set | prompts | outputs (same / tie / FAIL) | τ pooled | τ per response | "
+    head = ("| dtype | mode | prompt set | prompts | outputs (same / tie / FAIL) | τ pooled | τ per response (SE) | "
+            "drafts 1 / 2 / 3 / 4 accepted, given the one before | "
             "target-only ms/token | speculative ms/token | a pass, ms (on the device) | "
             "speedup (time per output token) | speedup end to end |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -186,7 +195,8 @@ def set_table(runs: list[dict[str, Any]]) -> str:
         for x in s.get("sets", []) + ([s["sets_pooled"]] if "sets_pooled" in s else []):
             lines.append(f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {x['set']} | {x['prompts']} | "
                          f"{x['identical']} / {x['ties']} / {x['failures']} | {_num(x['tau'])} | "
-                         f"{_num(x['tau_per_response'])} | {_num(x['target_ms_per_token'])} | "
+                         f"{_num(x['tau_per_response'])} ({_num(x.get('tau_per_response_se'), 2)}) | "
+                         f"{_rates(x.get('accept_conditional'))} | {_num(x['target_ms_per_token'])} | "
                          f"{_num(x['spec_ms_per_token'])} | {_num(x.get('spec_ms_per_pass'), 2)} "
                          f"({_num(x.get('spec_device_ms_per_pass'), 2)}) | {_num(x['speedup'], 2)}× | "
                          f"{_num(x.get('speedup_end_to_end'), 2)}× |")

@@ -168,6 +168,45 @@ def test_stacked_recipe_leaves_out_a_winner_that_breaks_the_config(ablation):
     assert ablation.stacked_recipe(results, margin=0.02)["variants"] == ["distill", "dpace", "lr"]  # unchecked
 
 
+def test_stacked_recipe_leaves_out_a_gain_within_noise(ablation):
+    """Both variants beat the baseline's pooled τ by more than the margin; on the same prompts one
+    gains on every response, the other's gain is two prompts' luck: only the first stacks. The table
+    shows each paired gain with its standard error and each set's per-response τ with its own."""
+    rng = random.Random(5)
+    keys = [f"sharegpt/{i}" for i in range(16)]
+    base = {k: rng.uniform(1.7, 5.0) for k in keys}
+    steady = {k: t + rng.uniform(0.1, 0.2) for k, t in base.items()}
+    lucky = dict(base, **{keys[0]: base[keys[0]] + 2.0, keys[1]: base[keys[1]] - 1.0})
+    results = [{"variant": "baseline", "overrides": [], "ok": True, "decode_tau": 2.0, "decode_prompt_tau": base},
+               {"variant": "lucky", "overrides": ["train.lr=2e-3"], "ok": True, "decode_tau": 2.2,
+                "decode_prompt_tau": lucky},
+               {"variant": "steady", "overrides": ["drafter.loss_gamma=4"], "ok": True, "decode_tau": 2.1,
+                "decode_prompt_tau": steady},
+               {"variant": "old", "overrides": ["train.warmup_ratio=0.1"], "ok": True, "decode_tau": 2.05}]
+    got = ablation.stacked_recipe(results, margin=0.02)
+    assert got["variants"] == ["steady", "old"]  # a result without each response's τ is judged by the margin
+    assert list(got["left_out"]) == ["lucky"] and "within 2 standard errors" in got["left_out"]["lucky"]
+    diffs = [steady[k] - base[k] for k in keys]
+    gain, se, n = got["paired"]["steady"]
+    assert n == 16 and gain == pytest.approx(sum(diffs) / 16)
+    mean = sum(diffs) / 16
+    assert se == pytest.approx(math.sqrt(sum((d - mean) ** 2 for d in diffs) / 15 / 16))
+    assert "old" not in got["paired"]
+
+    variants = ablation.select_variants("baseline", ["steady=drafter.loss_gamma=4"])
+    for v, r in zip(variants, (results[0], results[2])):
+        v.result = dict(r, decode_sets={"sharegpt": {"tau_per_response": 2.5, "tau_per_response_se": 0.25}})
+    meta = {"config": "c.yaml", "overrides": [], "steps": 10, "prompts": 16, "max_new_tokens": 96,
+            "decode_mode": "eager", "decode_dtype": "bfloat16", "decode_batch": 16}
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
+            for ln in ablation.table(variants, meta).splitlines() if ln.startswith("| ")}
+    head = rows["variant"]
+    cell = dict(zip(head, rows["steady"]))
+    assert cell["Δ τ per response (paired SE)"] == f"{gain:+.3f} ({se:.3f}, 16 prompts)"
+    assert dict(zip(head, rows["baseline"]))["Δ τ per response (paired SE)"] == "–"
+    assert cell["τ per response (SE) by prompt set"] == "sharegpt 2.500 (0.25)"
+
+
 def test_prompt_sets_reach_the_decoding_check_and_the_table(ablation, tmp_path, capsys):
     """Each ``--prompt-set`` is handed to decode_bench; each set's per-response τ gets its cell;
     a missing file is refused with exit 2 before anything runs."""
@@ -175,19 +214,22 @@ def test_prompt_sets_reach_the_decoding_check_and_the_table(ablation, tmp_path, 
     sets = [{"set": name, "prompts": 16, "identical": i, "ties": 16 - i - 1, "failures": 1,
              "tau": rng.uniform(1.5, 3.5), "tau_per_response": rng.uniform(1.5, 3.5)}
             for i, name in enumerate(["sharegpt", "humaneval", "mt-bench"])]
+    prompts = [{"set": x["set"], "index": i, "tau": rng.uniform(1, 5)} for x in sets for i in range(3)]
     bench = {"runs": [{"summary": {"tau": 2.5, "identical": 3, "ties": 42, "failures": 3, "target_tok_s": 400.0,
-                                   "spec_tok_s": 800.0, "sets": sets}}]}
+                                   "spec_tok_s": 800.0, "sets": sets}, "prompts": prompts}]}
     got = ablation.decode_summary(bench)
+    assert got["decode_prompt_tau"] == {f"{p['set']}/{p['index']}": p["tau"] for p in prompts}
     for x in sets:
         row = got["decode_sets"][x["set"]]
         assert row["tau_per_response"] == x["tau_per_response"] and row["tau"] == x["tau"]
+        assert math.isnan(row["tau_per_response_se"])  # a summary from before the standard error
         assert row["check"] == f"{x['identical']}/{x['ties']}/{x['failures']}"
     (v,) = ablation.select_variants("baseline", [])
     v.result = {"ok": True, **got}
     meta = {"config": "c.yaml", "overrides": [], "steps": 10, "prompts": 16, "max_new_tokens": 96,
             "decode_mode": "eager", "decode_dtype": "bfloat16", "decode_batch": 16}
     row = [ln for ln in ablation.table([v], meta).splitlines() if ln.startswith("| baseline")][0]
-    assert row.split("|")[-2].strip() == " · ".join(f"{x['set']} {x['tau_per_response']:.3f}" for x in sets)
+    assert row.split("|")[-2].strip() == " · ".join(f"{x['set']} {x['tau_per_response']:.3f} (–)" for x in sets)
 
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('{"prompt": "hello"}\n')

@@ -269,7 +269,7 @@ def test_set_summaries_against_a_naive_count():
     rng = random.Random(3)
     rows = []
     for i in range(23):
-        accepted = [rng.randint(1, 6) for _ in range(rng.randint(0, 7))]
+        accepted = [rng.randint(1, 6) for _ in range(rng.randint(0, 7))]  # B = 6
         new = sum(accepted) + 1
         target_new = new if rng.random() < 0.5 else rng.randint(1, 40)  # a tie may change the length
         t_decode, s_decode = rng.uniform(0.5, 2.0), rng.uniform(0.2, 1.5)
@@ -279,7 +279,7 @@ def test_set_summaries_against_a_naive_count():
                      "spec_decode_s": s_decode, "target_s": t_decode + rng.uniform(0.01, 0.1),
                      "spec_s": s_decode + rng.uniform(0.01, 0.1), "draft_s": rng.uniform(0.01, 0.2),
                      "verify_s": rng.uniform(0.05, 0.8)})
-    per_set, pooled = set_summaries(rows)
+    per_set, pooled = set_summaries(rows, block_size=6)
     order = []
     for r in rows:
         if r["set"] not in order:
@@ -307,13 +307,28 @@ def test_set_summaries_against_a_naive_count():
             sum(r["result"] == k for r in mine) for k in ("identical", "tie", "FAIL"))
         assert x["tau"] == pytest.approx(total / passes)
         assert x["tau_per_response"] == pytest.approx(sum(taus) / len(taus))
+        mean = sum(taus) / len(taus)  # the standard error of the mean, from its definition
+        assert x["tau_per_response_se"] == pytest.approx(
+            math.sqrt(sum((t - mean) ** 2 for t in taus) / (len(taus) - 1)) / math.sqrt(len(taus)))
+        for k in range(1, 6):  # draft k accepted among the passes that accepted drafts 1 … k-1
+            reached = accepted_k = 0
+            for r in mine:
+                for a in r["accepted"]:
+                    m = a - 1  # drafts accepted in this pass
+                    if m >= k - 1:
+                        reached += 1
+                        accepted_k += m >= k
+            got = x["accept_conditional"][k - 1]
+            assert (math.isnan(got) and reached == 0) or got == pytest.approx(accepted_k / reached)
         assert x["target_ms_per_token"] == pytest.approx(1e3 * t_tpot)
         assert x["spec_ms_per_token"] == pytest.approx(1e3 * s_tpot)
         assert x["speedup"] == pytest.approx(t_tpot / s_tpot)
         assert x["speedup_end_to_end"] == pytest.approx(t_e2e / s_e2e)
         assert x["spec_ms_per_pass"] == pytest.approx(1e3 * sum(clock) / len(clock))
         assert x["spec_device_ms_per_pass"] == pytest.approx(1e3 * sum(device) / len(device))
-    assert math.isnan(set_summaries([dict(rows[0], accepted=[], tau=float("nan"))])[1]["tau"])
+    assert set_summaries(rows)[1]["accept_conditional"] == []  # no block size given
+    one = set_summaries([dict(rows[0], accepted=[], tau=float("nan"))])[1]
+    assert math.isnan(one["tau"]) and math.isnan(one["tau_per_response_se"])
     without_times = [{k: v for k, v in r.items() if k not in ("draft_s", "verify_s")} for r in rows]
     assert math.isnan(set_summaries(without_times)[1]["spec_device_ms_per_pass"])
 
@@ -370,6 +385,7 @@ def test_speculate_humaneval_two_prompts_on_cpu(smollm2, tmp_path, capsys, caplo
     assert one["set"] == "humaneval" and one["prompts"] == 2 and pooled["prompts"] == 2
     assert one["identical"] + one["ties"] == 2 and one["tau"] == pooled["tau"] == summary["tau"]
     assert summary["prompt_sets"]["humaneval"]["prompts"] == 2
+    assert len(one["accept_conditional"]) == summary["block_size"] - 1 and one["tau_per_response_se"] >= 0
     assert "2 prompts (humaneval 2)" in out and "per prompt set" in out
     assert [line.split()[0] for line in out.splitlines() if line.startswith(("humaneval ", "pooled "))][-2:] == [
         "humaneval", "pooled"]

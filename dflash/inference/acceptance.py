@@ -28,7 +28,11 @@ continuation alone only the last pass of a prompt can come out lower (see :func:
 decoding report re-scores that block on the continued text, :mod:`dflash.inference.spec_report`).
 
 Per block position ``k = 1 … B−1`` the report gives the fraction of passes (decoding) and of blocks
-(offline) in which position ``k`` was accepted (``m ≥ k``).
+(offline) in which position ``k`` was accepted (``m ≥ k``), and, per prompt set, the *conditional*
+acceptance (:func:`conditional_acceptance`): of the passes that accepted drafts ``1 … k−1``, the
+fraction that accepted draft ``k`` too. When those rates are alike at every ``k`` (one rate ``p``),
+τ ≈ ``(1 − p^B) / (1 − p)``, and a recipe raises τ only by raising every position's rate, the first's
+included.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from dflash.inference.proposer import drafter_hidden
 from dflash.training.anchors import valid_anchor_mask
 from dflash.training.objective import acceptance_lengths, build_block_labels
 
-__all__ = ["OfflineTau", "offline_tau", "Walk", "walk_tau", "measured_per_position", "OFFLINE_ANCHORS_PER_CHUNK"]
+__all__ = ["OfflineTau", "offline_tau", "Walk", "walk_tau", "measured_per_position",
+           "conditional_acceptance", "OFFLINE_ANCHORS_PER_CHUNK"]
 
 #: Anchors per drafter forward in :func:`offline_tau` (bounds the ``[A·(B−1), V]`` logits).
 OFFLINE_ANCHORS_PER_CHUNK = 64
@@ -249,3 +254,26 @@ def measured_per_position(accepted: Sequence[int], block_size: int) -> list[floa
     (``m ≥ k``, i.e. ``m + 1 > k``), ``k = 1 … B−1``; ``nan`` without passes."""
     n = len(accepted)
     return [sum(a - 1 >= k for a in accepted) / n if n else float("nan") for k in range(1, block_size)]
+
+
+def conditional_acceptance(accepted: Sequence[int], block_size: int) -> list[float]:
+    """``[B − 1]``: per draft position ``k = 1 … B−1``, the fraction of the verification passes that
+    accepted drafts ``1 … k−1`` (``m + 1 ≥ k``) which accepted draft ``k`` too (``m + 1 ≥ k + 1``);
+    ``nan`` where no pass reached ``k``.
+
+    Args:
+        accepted: each pass's ``m + 1`` (:attr:`dflash.inference.generation.Generation.accepted`),
+            ints in ``[1, B]``.
+        block_size: ``B``.
+
+    Raises:
+        ValueError: an entry outside ``[1, block_size]``.
+    """
+    bad = [a for a in accepted if not 1 <= a <= block_size]
+    if bad:
+        raise ValueError(f"accepted: every pass adds 1 … {block_size} tokens, got {bad[:5]}")
+    rates = []
+    for k in range(1, block_size):
+        reached = sum(a >= k for a in accepted)
+        rates.append(sum(a >= k + 1 for a in accepted) / reached if reached else float("nan"))
+    return rates

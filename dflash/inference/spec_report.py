@@ -17,12 +17,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from dflash.inference.acceptance import Walk, measured_per_position, offline_tau, walk_tau
+from dflash.inference.acceptance import Walk, conditional_acceptance, measured_per_position, offline_tau, walk_tau
 from dflash.inference.decode_steps import CUDA_GRAPHS
 from dflash.inference.generation import PASS_SCHEDULES, Generation, Generator
 from dflash.inference.lossless import first_difference
 from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
+from dflash.inference.tau_stats import standard_error
 from dflash.progress import Progress
 
 __all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "repeats_phrase",
@@ -99,9 +100,10 @@ def _per_pass(rows: Sequence[dict[str, Any]], *seconds: str) -> float:
     return _mean_ratio(rows, lambda r: sum(r[k] for k in seconds), lambda r: len(r["accepted"]))
 
 
-def _set_summary(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _set_summary(name: str, rows: Sequence[dict[str, Any]], block_size: Optional[int]) -> dict[str, Any]:
     """One row of :func:`set_summaries` over ``rows``."""
     accepted = [a for r in rows for a in r["accepted"]]
+    taus = [r["tau"] for r in rows if r.get("tau") is not None]
     # each side over its own tokens: at a numerical tie the two outputs may differ in length
     target_tpot = _tpot(rows, "target_decode_s", "target_new_tokens")
     spec_tpot = _tpot(rows, "spec_decode_s", "new_tokens")
@@ -111,7 +113,8 @@ def _set_summary(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "ties": sum(r["result"] == "tie" for r in rows), "failures": sum(r["result"] == "FAIL" for r in rows),
             "new_tokens": sum(r["new_tokens"] for r in rows), "verification_steps": len(accepted),
             "tau": sum(accepted) / len(accepted) if accepted else float("nan"),
-            "tau_per_response": _per_response(rows, "tau"),
+            "tau_per_response": _per_response(rows, "tau"), "tau_per_response_se": standard_error(taus),
+            "accept_conditional": conditional_acceptance(accepted, block_size) if block_size else [],
             "target_ms_per_token": 1e3 * target_tpot, "spec_ms_per_token": 1e3 * spec_tpot,
             "speedup": target_tpot / spec_tpot if spec_tpot > 0 else float("nan"),
             "target_ms_per_token_end_to_end": 1e3 * target_e2e, "spec_ms_per_token_end_to_end": 1e3 * spec_e2e,
@@ -120,9 +123,14 @@ def _set_summary(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "spec_device_ms_per_pass": 1e3 * _per_pass(rows, "draft_s", "verify_s")}
 
 
-def set_summaries(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def set_summaries(rows: Sequence[dict[str, Any]], block_size: Optional[int] = None
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per prompt set (in the order the rows first name them) and pooled over all rows: prompts,
-    identical / tie / FAIL, τ pooled (Σ τ / Σ passes) and per response (:func:`_per_response`), the
+    identical / tie / FAIL, τ pooled (Σ τ / Σ passes) and per response (:func:`_per_response`) with
+    the standard error of the latter over the responses (``tau_per_response_se``,
+    (:func:`dflash.inference.tau_stats.standard_error`), with ``block_size`` the conditional acceptance of each draft position
+    (``accept_conditional``, :func:`dflash.inference.acceptance.conditional_acceptance`; empty
+    without), the
     mean time per output token both ways and the speedup as their ratio, target-only over
     speculative, as the reference benchmark takes them: each response's decoding time (the clock
     starting once the prefill's first token is on the host, z-lab/dflash ``dflash/model.py``,
@@ -139,12 +147,14 @@ def set_summaries(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]],
             ``new_tokens``, ``target_new_tokens``, ``target_s``, ``spec_s``, ``target_decode_s``,
             ``spec_decode_s``, ``draft_s``, ``verify_s``; without the last two the device time a
             pass is NaN).
+        block_size: the drafter's ``B``, for ``accept_conditional``.
 
     Returns:
         ``(per set, pooled)``; the pooled row's ``set`` is :data:`POOLED`.
     """
     names = list(dict.fromkeys(r["set"] for r in rows))
-    return [_set_summary(n, [r for r in rows if r["set"] == n]) for n in names], _set_summary(POOLED, rows)
+    return ([_set_summary(n, [r for r in rows if r["set"] == n], block_size) for n in names],
+            _set_summary(POOLED, rows, block_size))
 
 
 def _continuation(case: PromptCase, gen: Generation) -> tuple[Tensor, Tensor]:
@@ -500,7 +510,7 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
         "passes_enqueued": sum(spec[grp[0]].passes_enqueued for grp in groups),
         "repeats": repeats, "repeat_differences": differing,
         "per_position_measured": measured_per_position(all_accepted, b_sz)}
-    summary["sets"], summary["sets_pooled"] = set_summaries(rows)
+    summary["sets"], summary["sets_pooled"] = set_summaries(rows, b_sz)
     summary["pass_schedules"] = [_schedule_row(pass_schedules[0], spec, spec, groups, rows, pt)]
     for schedule in pass_schedules[1:]:
         for g in gens.values():
@@ -514,6 +524,18 @@ def decode_report(target: Any, drafter: nn.Module, cases: Sequence[PromptCase], 
     if offline:
         _add_offline(summary, rows, target, drafter, cases, base, spec, labels)
     return {"summary": summary, "prompts": rows}
+
+
+def _with_se(x: dict[str, Any]) -> str:
+    """``τ per response (SE)`` of a :func:`set_summaries` row."""
+    return f"{_fmt(x['tau_per_response'], 3)} ({_fmt(x.get('tau_per_response_se'), 2)})"
+
+
+def _rates(rates: Optional[Sequence[float]], first: int = 4) -> str:
+    """The first ``first`` conditional acceptance rates as percentages, ``54 / 52 / 55 / 51 %``."""
+    if not rates:
+        return "–"
+    return " / ".join("–" if math.isnan(r) else f"{100 * r:.0f}" for r in rates[:first]) + " %"
 
 
 def _fmt(x: Optional[float], digits: int = 2) -> str:
@@ -572,13 +594,16 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
                       "benchmark takes it: each response's decoding after its prefill over its tokens, then the mean "
                       "over responses; the speedup is the ratio; end to end: prefill and reading the results counted):",
                   f"{'set':<{max(width, len(POOLED))}} {'prompts':>7} {'same':>5} {'tie':>4} {'FAIL':>4} {'tau':>6} "
-                  f"{'tau/resp':>8} {'target ms/tok':>13} {'spec ms/tok':>11} {'speedup':>7} {'end to end':>10}"]
+                  f"{'tau/resp (SE)':>15} {'target ms/tok':>13} {'spec ms/tok':>11} {'speedup':>7} {'end to end':>10} "
+                  f" draft 1/2/3/4 accepted, given the one before"]
         for x in sets + [s["sets_pooled"]]:
             e2e = x.get("speedup_end_to_end")
             lines.append(f"{x['set']:<{max(width, len(POOLED))}} {x['prompts']:>7} {x['identical']:>5} {x['ties']:>4} "
-                         f"{x['failures']:>4} {_fmt(x['tau'], 3):>6} {_fmt(x['tau_per_response'], 3):>8} "
+                         f"{x['failures']:>4} {_fmt(x['tau'], 3):>6} {_with_se(x):>15} "
                          f"{_fmt(x['target_ms_per_token'], 3):>13} {_fmt(x['spec_ms_per_token'], 3):>11} "
-                         f"{_times(x['speedup']):>7} {_times(e2e):>10}")
+                         f"{_times(x['speedup']):>7} {_times(e2e):>10}  {_rates(x.get('accept_conditional'))}")
+        lines.append("(SE: the standard error of tau per response over the set's prompts; two recipes compare by "
+                     "their paired difference on the same prompts, which varies much less)")
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
                   f"{s['failures']} FAIL (of {s['prompts']})",
               f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes "
