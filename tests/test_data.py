@@ -21,7 +21,7 @@ from dflash.data import assets  # noqa: E402
 from dflash.config import ConfigError, DataConfig, RunConfig, TargetConfig  # noqa: E402
 from dflash.data.conversations import conversation_hash, normalize_conversation, normalize_row  # noqa: E402
 from dflash.data.corpus import prepare_data, tokenize_rows  # noqa: E402
-from dflash.data.heldout import heldout_twins, split_heldout  # noqa: E402
+from dflash.data.heldout import conversation_group, heldout_twins, split_heldout  # noqa: E402
 from dflash.data.render import encode_prefix, tokenize_conversation  # noqa: E402
 from dflash.data.report import (  # noqa: E402
     DROP_EXAMPLE_ID_CHARS, NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, TEMPLATE_MISMATCH, DataReport,
@@ -416,7 +416,9 @@ def test_report_one_row_of_each_kind(smollm2, tmp_path):
         for i in range(len(corpus)):
             ids, mask = corpus.get(i)
             trained[corpus.source_row(i)] = smollm2.decode(ids[mask].tolist())
-    assert trained == {0: "Hello.<|im_end|>", 14: "A1<|im_end|>", 15: "A2<|im_end|>", 16: "Reused id.<|im_end|>"}
+    # Row 16 reuses row 0's id: one conversation to the split. Row 16 is held out, so row 0 is set aside.
+    assert [prepared.heldout.source_row(i) for i in range(len(prepared.heldout))] == [16] and prepared.set_aside == 1
+    assert trained == {14: "A1<|im_end|>", 15: "A2<|im_end|>", 16: "Reused id.<|im_end|>"}
 
 
 def test_bom_json_array_and_jsonl_lose_no_row(smollm2, tmp_path):
@@ -450,6 +452,53 @@ def test_heldout_has_no_twin_in_training(smollm2, tmp_path):
     with pytest.raises(ConfigError, match=r"^data.heldout_conversations: .* data report: prepared .* "
                                           r"duplicate_conversation="):
         prepare_data(cfg, smollm2)
+
+
+def test_conversation_group():
+    assert conversation_group("QWJhYvA_3") == conversation_group("QWJhYvA_0") == "QWJhYvA"
+    assert conversation_group("a_b_12") == "a_b" and conversation_group("a_b") == "a_b"
+    assert conversation_group("x_") == "x_" and conversation_group("_7") == "_7" and conversation_group("abc") == "abc"
+    assert conversation_group(7) == "7" and conversation_group(None) is None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_parts_of_a_heldout_conversation_are_in_neither_split(qwen3, tmp_path, seed):
+    """ShareGPT's parts of one conversation (ids ``<id>_<n>``) on random rows: the held-out
+    conversations are split_heldout's, as without parts; every other part of their conversations is
+    in neither split (a naive reading of the ids); every other conversation trains. Rows without an
+    id, or whose id is no part's, are conversations of their own."""
+    rng = np.random.default_rng(seed)
+    rows, ids = [], []
+    for k in range(40):
+        base = f"conv{int(rng.integers(0, 12))}"
+        kind = rng.integers(0, 4)
+        identity = {0: f"{base}_{k}", 1: f"{base}_{k}", 2: None, 3: f"{base}-{k}"}[int(kind)]
+        row = {"conversations": _turns(("human", f"Q{k} {base}?"), ("gpt", f"A{k}."))}
+        if identity is not None:
+            row["id"] = identity
+        rows.append(row)
+        ids.append(identity)
+    path = tmp_path / "parts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                    data=DataConfig(dataset=str(path), cache_dir=str(tmp_path / "cache"), max_length=64,
+                                    heldout_conversations=6, enable_thinking=False, seed=seed))
+    prepared = prepare_data(cfg, qwen3)
+    assert prepared.report.conversations == 40
+    held = {prepared.heldout.source_row(i) for i in range(len(prepared.heldout))}
+    train = {prepared.train.source_row(i) for i in range(len(prepared.train))}
+    assert held == set(split_heldout(40, 6, seed)[1].tolist())  # every row is a conversation here
+
+    def group(identity):  # naive: strip "_<digits>" by hand
+        if identity is None:
+            return None
+        head, _, tail = identity.rpartition("_")
+        return head if head and tail.isdigit() else identity
+
+    held_groups = {group(ids[r]) for r in held} - {None}
+    aside = {r for r in range(40) if r not in held and ids[r] is not None and group(ids[r]) in held_groups}
+    assert train == set(range(40)) - held - aside and prepared.set_aside == len(aside)
+    assert not train & held
 
 
 def test_heldout_split_keeps_a_conversations_sequences_together(qwen3, tmp_path):
@@ -515,7 +564,8 @@ def test_cache_second_prepare_does_not_tokenise(smollm2, tmp_path, monkeypatch):
     assert [second.train.get(i)[0].tolist() for i in range(len(second.train))] == \
            [first.train.get(i)[0].tolist() for i in range(len(first.train))]
     files = sorted(p.name for p in first.cache_path.iterdir())
-    assert files == ["loss_mask.npy", "meta.json", "offsets.npy", "report.json", "source_rows.npy", "tokens.npy"]
+    assert files == ["loss_mask.npy", "meta.json", "offsets.npy", "report.json", "source_groups.npy", "source_rows.npy",
+                     "tokens.npy"]
     # A different max_length (or thinking mode) is a different cache entry.
     cfg.data.max_length = 64
     prepare_data(cfg, smollm2)
@@ -665,12 +715,17 @@ def test_sharegpt_recovery_matches_slow_reference():
 def test_real_sharegpt_prepare(smollm2, tmp_path):
     cfg = make_cfg("sharegpt", tmp_path, max_length=256, max_conversations=300, heldout_conversations=8)
     prepared = prepare_data(cfg, smollm2)
+    rows = [r["id"] for r in read_rows("sharegpt", 300)]
     report = prepared.report
     assert report.rows_read == 300 and report.conversations + report.num_dropped == 300
     assert report.conversations > 200 and report.unparsed_tail_chars == 0
-    assert len(prepared.train) + len(prepared.heldout) == report.sequences
+    # ShareGPT's parts of one conversation: those of held-out conversations train in neither split
+    train_ids = {rows[prepared.train.source_row(i)] for i in range(len(prepared.train))}
+    held_ids = {rows[prepared.heldout.source_row(i)] for i in range(len(prepared.heldout))}
+    assert prepared.set_aside > 0 and not {i.rsplit("_", 1)[0] for i in held_ids} & {i.rsplit("_", 1)[0] for i in train_ids}
+    assert len(prepared.train) + len(prepared.heldout) + prepared.set_aside == report.sequences  # one sequence each
     assert int(prepared.train.lengths.max()) <= 256 and report.truncated > 0
-    assert report.tokens == int(prepared.train.lengths.sum() + prepared.heldout.lengths.sum())
+    assert report.tokens > int(prepared.train.lengths.sum() + prepared.heldout.lengths.sum())  # and the set-aside's
     for i in range(0, len(prepared.train), 37):
         ids, mask = prepared.train.get(i)
         assert mask.any() and int(ids.max()) < len(smollm2)
@@ -696,7 +751,8 @@ def test_data_command_prints_the_report(smollm2, tmp_path, capsys):
     assert f"dropped: {report.num_dropped}" in printed
     for reason, count in report.dropped.items():
         assert f"  {reason}: {count}" in printed
-    assert printed[-2:] == ["held out: 1 conversations; with a twin in training: 0", *report.ids("leading_turns_dropped")]
+    assert printed[-2:] == ["held out: 1 conversations; with a twin in training: 0; their other parts, in neither "
+                            "split: 0", *report.ids("leading_turns_dropped")]
     written = json.loads(out.read_text())
     assert written["dropped"] == report.dropped and written["heldout_twins"] == 0
     assert written["rows_read"] == report.rows_read == report.conversations + report.num_dropped

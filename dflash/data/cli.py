@@ -27,7 +27,8 @@ PROG = "python -m launch.cluster data"
 
 def report_lines(prepared: PreparedData, twins: int, max_length: int) -> list[str]:
     """The printed report: rows read, kept, each reason's count (dropped, fixed, flagged) and the held-out
-    conversations with ``twins`` of them equal to a training conversation."""
+    conversations with ``twins`` of them equal to a training conversation, and the other parts of held-out
+    conversations set aside (:attr:`dflash.data.corpus.PreparedData.set_aside`)."""
     report = prepared.report
     lines = [f"rows read: {report.rows_read}", f"kept: {report.conversations} conversations, "
              f"{report.sequences} sequences ({report.truncated} truncated at {max_length} tokens)"]
@@ -36,7 +37,8 @@ def report_lines(prepared: PreparedData, twins: int, max_length: int) -> list[st
         lines.append(f"{title}: {sum(counts.values())}")
         lines += [f"  {reason}: {counts[reason]}" for reason in reasons if counts.get(reason)]
     lines.append(f"held out: {len(set(prepared.heldout.source_rows[prepared.heldout.indices].tolist()))} "
-                 f"conversations; with a twin in training: {twins}")
+                 f"conversations; with a twin in training: {twins}; their other parts, in neither split: "
+                 f"{prepared.set_aside}")
     return lines
 
 

@@ -18,7 +18,8 @@ one module per step:
    tool turn (``tool_turns_cut``), or dropped when nothing trainable is left
    (``tool_calls_unsupported``).
 5. **Cache** the result as plain ``.npy`` arrays (:mod:`dflash.data.corpus_cache`).
-6. **Split** a held-out set by conversation, after deduplication (:mod:`dflash.data.heldout`).
+6. **Split** a held-out set by conversation, after deduplication (:mod:`dflash.data.heldout`); the
+   other parts of a held-out conversation (ShareGPT ids ``<id>_<n>``) are set aside, in neither split.
 
 The :class:`~dflash.data.report.DataReport` accounts for every row: ``rows_read`` =
 ``conversations`` (kept) + the sum of ``dropped`` (one reason per row); ``fixed`` counts kept rows
@@ -41,7 +42,7 @@ import torch
 from dflash.config import ConfigError, RunConfig
 from dflash.data.conversations import conversation_hash, normalize_conversation
 from dflash.data.corpus_cache import cache_key, cache_root, load_cached, save_cached
-from dflash.data.heldout import split_heldout
+from dflash.data.heldout import conversation_group, split_heldout
 from dflash.data.render import ChatRenderer, tokenize_conversation
 from dflash.data.report import (
     DUPLICATE_CONVERSATION, DUPLICATE_ID, REASONING_DROPPED, TOOL_CALLS_UNSUPPORTED, TOOL_TURNS_CUT, DataReport,
@@ -138,6 +139,9 @@ class PreparedData:
     #: What the launcher stored about the tokenizer in the cache's ``meta.json``
     #: (:func:`prepare_cache` ``tokenizer_facts``; ``{}`` when nothing was stored).
     tokenizer_facts: dict[str, Any] = field(default_factory=dict)
+    #: Conversations in neither split: the other parts of a held-out conversation
+    #: (:func:`dflash.data.heldout.conversation_group`).
+    set_aside: int = 0
 
 
 def _without_tools(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -167,6 +171,10 @@ class _CorpusBuilder:
         self.mask_parts: list[np.ndarray] = []
         self.lengths: list[int] = []
         self.source_rows: list[int] = []
+        #: per entry of ``source_rows``: its conversation's number (rows of one
+        #: :func:`dflash.data.heldout.conversation_group` share it; a row without an id has its own)
+        self.source_groups: list[int] = []
+        self.group_numbers: dict[str, int] = {}
         self.seen_hashes: set[str] = set()
         self.seen_ids: set[Union[str, int]] = set()
 
@@ -190,7 +198,7 @@ class _CorpusBuilder:
             else:
                 self.seen_hashes.add(digest)
         if reason is None:
-            reason = self._tokenize(row_number, normalized.messages, normalized.tools, fixes)
+            reason = self._tokenize(row_number, self._group(identity), normalized.messages, normalized.tools, fixes)
         if reason is not None:
             report.drop(reason, example)
             return
@@ -199,10 +207,17 @@ class _CorpusBuilder:
         if duplicate_id:
             report.flag(DUPLICATE_ID, example)
 
-    def _tokenize(self, row_number: int, messages: list[dict[str, Any]], tools: Optional[list[Any]],
+    def _group(self, identity: Union[str, int, None]) -> int:
+        """The conversation number of a row with ``identity`` (a new one for a row without an id)."""
+        group = conversation_group(identity)
+        if group is None:
+            return -1 - self.report.rows_read  # negative: never shared with a numbered conversation
+        return self.group_numbers.setdefault(group, len(self.group_numbers))
+
+    def _tokenize(self, row_number: int, group: int, messages: list[dict[str, Any]], tools: Optional[list[Any]],
                   fixes: list[str]) -> Optional[str]:
-        """Tokenise a new conversation and keep its sequences (appending its fixes to ``fixes``);
-        returns the drop reason, or None when it is kept."""
+        """Tokenise a new conversation of conversation number ``group`` and keep its sequences
+        (appending its fixes to ``fixes``); returns the drop reason, or None when it is kept."""
         if not self.renderer.supports_tools:
             kept = _without_tools(messages)
             if len(kept) < len(messages) or tools:
@@ -217,6 +232,7 @@ class _CorpusBuilder:
         if self.probe:
             if reason is None:
                 self.source_rows.append(row_number)
+                self.source_groups.append(group)
                 report.conversations += 1
             return reason
         report.turns_without_end_of_turn += info["missing_eot"]
@@ -228,6 +244,7 @@ class _CorpusBuilder:
             self.mask_parts.append(mask)
             self.lengths.append(len(ids))
             self.source_rows.append(row_number)
+            self.source_groups.append(group)
         report.conversations += 1
         report.sequences += len(sequences)
         report.truncated += info["truncated"]
@@ -235,7 +252,7 @@ class _CorpusBuilder:
             fixes.append(REASONING_DROPPED)
         return None
 
-    def finish(self, start: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
+    def finish(self, start: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
         """The flat arrays and the report of :func:`tokenize_rows` (``start``: its ``perf_counter`` start)."""
         tokens = np.concatenate(self.ids_parts) if self.ids_parts else np.zeros(0, dtype=np.int32)
         loss_mask = np.concatenate(self.mask_parts) if self.mask_parts else np.zeros(0, dtype=np.uint8)
@@ -245,12 +262,13 @@ class _CorpusBuilder:
         report.tokens = int(len(tokens))
         report.assistant_tokens = int(loss_mask.sum(dtype=np.int64))
         report.seconds = time.perf_counter() - start
-        return tokens, loss_mask, offsets, np.asarray(self.source_rows, dtype=np.int64), report
+        return (tokens, loss_mask, offsets, np.asarray(self.source_rows, dtype=np.int64),
+                np.asarray(self.source_groups, dtype=np.int64), report)
 
 
 def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_length: int,
                   enable_thinking: Optional[bool], source: str = "rows", stats: Optional[dict] = None,
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
     """Normalise, deduplicate and tokenise every row; never raises on a bad row.
 
     Each dropped row is counted under one reason, each changed or flagged row under its reasons
@@ -262,8 +280,11 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
             when a row arrives is that row's line in a JSONL file (for the drop examples).
 
     Returns:
-        ``(tokens int32 [T], loss_mask uint8 [T], offsets int64 [N + 1], source_rows int64 [N], report)``
-        for N sequences; ``source_rows[j]`` is the row number of sequence j's conversation.
+        ``(tokens int32 [T], loss_mask uint8 [T], offsets int64 [N + 1], source_rows int64 [N],
+        source_groups int64 [N], report)`` for N sequences; ``source_rows[j]`` is the row number of
+        sequence j's conversation, ``source_groups[j]`` the number of the conversation it is a part of
+        (equal for rows whose ids are parts of one conversation,
+        :func:`dflash.data.heldout.conversation_group`).
     """
     start = time.perf_counter()
     builder = _CorpusBuilder(tokenizer, max_length, enable_thinking, source)
@@ -285,14 +306,15 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
     d = cfg.data
     stats: dict = {}
     source = d.dataset if d.dataset == SHAREGPT else str(path)
-    tokens, loss_mask, offsets, source_rows, report = tokenize_rows(
+    tokens, loss_mask, offsets, source_rows, source_groups, report = tokenize_rows(
         read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
         source=source, stats=stats)
     report.unparsed_tail_chars = int(stats.get("tail_chars", 0))
     meta = {"dataset": str(path), "key": directory.name, "tokenizer": fingerprint,
             "max_length": d.max_length, "max_conversations": d.max_conversations,
             "enable_thinking": d.enable_thinking}
-    arrays = {"tokens": tokens, "loss_mask": loss_mask, "offsets": offsets, "source_rows": source_rows}
+    arrays = {"tokens": tokens, "loss_mask": loss_mask, "offsets": offsets, "source_rows": source_rows,
+              "source_groups": source_groups}
     save_cached(directory, arrays, report, meta)
     return arrays, report
 
@@ -408,18 +430,24 @@ def _split(cfg: RunConfig, cache_dir: Path, arrays: dict[str, np.ndarray], repor
     """:func:`load_prepared` of the arrays and report of ``cache_dir``."""
     d = cfg.data
     corpus = TokenizedCorpus(arrays["tokens"], arrays["loss_mask"], arrays["offsets"], arrays["source_rows"])
-    # Split conversations (rows), not sequences: every sequence of a conversation lands on one side.
+    # Split conversations (rows), not sequences: every sequence of a conversation lands on one side;
+    # the other parts of a held-out conversation on neither (dflash.data.heldout).
     rows = np.asarray(arrays["source_rows"], dtype=np.int64)
+    groups = np.asarray(arrays["source_groups"], dtype=np.int64)
     conversations = np.unique(rows)
     train_conv, heldout_conv = _split_conversations(cfg, len(conversations), report)
     in_heldout = np.isin(rows, conversations[heldout_conv])
-    train_idx = np.flatnonzero(~in_heldout).astype(np.int64)
+    aside = ~in_heldout & np.isin(groups, groups[in_heldout])
+    train_idx = np.flatnonzero(~in_heldout & ~aside).astype(np.int64)
     heldout_idx = np.flatnonzero(in_heldout).astype(np.int64)
+    set_aside = len(np.unique(rows[aside]))
     log.log(logging.INFO if log_report else logging.DEBUG,
-            "%s; train %d conversations (%d sequences), held-out %d (%d sequences)", report.summary(),
-            len(train_conv), len(train_idx), len(heldout_conv), len(heldout_idx))
+            "%s; train %d conversations (%d sequences), held-out %d (%d sequences), set aside %d (parts of a "
+            "held-out conversation)", report.summary(), len(train_conv) - set_aside, len(train_idx),
+            len(heldout_conv), len(heldout_idx), set_aside)
     return PreparedData(train=corpus.subset(train_idx), heldout=corpus.subset(heldout_idx), report=report,
-                        cache_path=cache_dir, tokenizer_facts=read_meta(cache_dir).get(TOKENIZER_FACTS, {}))
+                        cache_path=cache_dir, tokenizer_facts=read_meta(cache_dir).get(TOKENIZER_FACTS, {}),
+                        set_aside=set_aside)
 
 
 def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report: bool = True,
@@ -495,12 +523,12 @@ def _heldout_without_cache(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, p
             break
         if row_number in wanted:
             normalized = normalize_conversation(row)
-            reason = builder._tokenize(row_number, normalized.messages, normalized.tools, [])
+            reason = builder._tokenize(row_number, 0, normalized.messages, normalized.tools, [])  # groups unused here
             if reason is not None:  # the probe kept it: the same rendering cannot drop it
                 raise RuntimeError(f"held-out row {row_number}: kept by the probe, dropped when tokenised ({reason})")
             bar.advance()
     bar.close()
-    tokens, loss_mask, offsets, source_rows, _ = builder.finish(start)
+    tokens, loss_mask, offsets, source_rows, _, _ = builder.finish(start)
     log.info("held-out split without a data cache: %d of the %d conversations kept from %d rows (%d dropped) "
              "in %.1f s", len(wanted), len(kept), probe.report.rows_read, probe.report.num_dropped,
              time.perf_counter() - start)

@@ -24,13 +24,13 @@ from dflash.utils import atomic_directory
 __all__ = ["DATA_CACHE_VERSION", "CACHED_ARRAYS", "cache_key", "cache_root", "load_cached", "save_cached"]
 
 #: Bump when tokenisation or the cache layout changes (invalidates cached data).
-DATA_CACHE_VERSION = 2
+DATA_CACHE_VERSION = 3
 #: Sub-directory of :func:`dflash.data.assets.cache_root` for cached data when ``data.cache_dir`` is null.
 DATA_CACHE_DIR = "data"
 #: Length of the hexadecimal cache key (a sha256 prefix).
 CACHE_KEY_CHARS = 16
 #: The arrays of a cached corpus (see :class:`dflash.data.corpus.TokenizedCorpus`), one ``<name>.npy`` each.
-CACHED_ARRAYS = ("tokens", "loss_mask", "offsets", "source_rows")
+CACHED_ARRAYS = ("tokens", "loss_mask", "offsets", "source_rows", "source_groups")
 
 
 def cache_root(cfg: RunConfig) -> Path:

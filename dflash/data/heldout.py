@@ -5,11 +5,20 @@
 every sequence of a conversation goes to its conversation's side. Deduplication comes first, so no
 held-out conversation equals a training one; :func:`heldout_twins` counts any that do (0 when the
 split is sound).
+
+ShareGPT keeps a long conversation as several rows, its parts, with ids ``<id>_0``, ``<id>_1``, …
+(each part a run of its turns). The parts of one conversation share its topic, its format and often
+its text, so a part in training would tell the drafter much of a held-out part's response. Rows of
+one :func:`conversation_group` are therefore one conversation to the split: the held-out
+conversations are drawn as above, and every other part of their conversations is set aside, in
+neither split (:func:`dflash.data.corpus.load_prepared`). The held-out set is the same with or
+without the parts, and so are the prompts the decoding check draws from it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import re
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 
@@ -20,7 +29,21 @@ from dflash.data.sources import read_rows
 if TYPE_CHECKING:
     from dflash.data.corpus import PreparedData
 
-__all__ = ["split_heldout", "heldout_twins"]
+__all__ = ["split_heldout", "heldout_twins", "conversation_group"]
+
+#: A part's id: the conversation's id, an underscore, the part's number.
+_PART_ID = re.compile(r"^(.+)_(\d+)$")
+
+
+def conversation_group(identity: Union[str, int, None]) -> Optional[str]:
+    """The conversation a row belongs to, from its ``id`` (:func:`dflash.data.report.row_id`):
+    ``"QWJhYvA_3"`` → ``"QWJhYvA"`` (ShareGPT's part 3 of conversation ``QWJhYvA``), any other id as
+    a string (``7`` → ``"7"``); ``None`` for a row without an id (a conversation of its own)."""
+    if identity is None:
+        return None
+    text = str(identity)
+    part = _PART_ID.match(text)
+    return part.group(1) if part else text
 
 
 def split_heldout(num_conversations: int, heldout: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
