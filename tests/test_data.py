@@ -501,6 +501,23 @@ def test_parts_of_a_heldout_conversation_are_in_neither_split(qwen3, tmp_path, s
     assert not train & held
 
 
+def test_ids_that_name_rows_are_refused_as_parts(qwen3, tmp_path):
+    """Ids ``sample_<n>`` would make one conversation of every row: refused before training, naming
+    the setting that turns the rule off, which then keeps every other row in training."""
+    rows = [{"id": f"sample_{k}", "conversations": _turns(("human", f"Q{k}?"), ("gpt", f"A{k}."))} for k in range(30)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                    data=DataConfig(dataset=str(path), cache_dir=str(tmp_path / "cache"), max_length=64,
+                                    heldout_conversations=3, enable_thinking=False))
+    with pytest.raises(ConfigError, match=r"^data.set_aside_parts: .* would take 27 of the 27 training "
+                                          r"conversations: ids such as 'sample_\d+' .* set data.set_aside_parts=false"):
+        prepare_data(cfg, qwen3)
+    cfg.data.set_aside_parts = False
+    prepared = prepare_data(cfg, qwen3)
+    assert (len(prepared.train), len(prepared.heldout), prepared.set_aside) == (27, 3, 0)
+
+
 def test_heldout_split_keeps_a_conversations_sequences_together(qwen3, tmp_path):
     rows = [{"id": f"c{k}", "conversations": _turns(("human", f"Q{k}"), ("gpt", f"A{k}"), ("human", "more"),
                                                      ("gpt", f"B{k}"))} for k in range(10)]

@@ -163,6 +163,11 @@ class DataConfig:
     token_budget: int = 49152
     #: Conversations held out for evaluation.
     heldout_conversations: int = 64
+    #: Keep the other parts of a held-out conversation out of training too: rows whose ids differ
+    #: only in a trailing ``_<n>`` (ShareGPT's parts of one long conversation,
+    #: :func:`dflash.data.heldout.conversation_group`). ``false`` for data whose ids name rows
+    #: (``sample_1``, ``sample_2``, …), not parts.
+    set_aside_parts: bool = True
     seed: int = 0
     #: Where tokenised data is cached; ``null`` = ``<repo>/.cache/data``.
     cache_dir: Optional[str] = None

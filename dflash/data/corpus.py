@@ -401,7 +401,8 @@ def load_prepared(cache_dir: Path, cfg: RunConfig, log_report: bool = False) -> 
 
     Raises:
         ConfigError: ``cache_dir`` holds no complete cache; ``data.heldout_conversations`` too
-            large; no usable conversation at all.
+            large; no usable conversation at all; the other parts of the held-out conversations
+            would take more than half of the training ones (``data.set_aside_parts``).
     """
     cache_dir = Path(cache_dir)
     cached = load_cached(cache_dir)
@@ -437,10 +438,16 @@ def _split(cfg: RunConfig, cache_dir: Path, arrays: dict[str, np.ndarray], repor
     conversations = np.unique(rows)
     train_conv, heldout_conv = _split_conversations(cfg, len(conversations), report)
     in_heldout = np.isin(rows, conversations[heldout_conv])
-    aside = ~in_heldout & np.isin(groups, groups[in_heldout])
+    aside = ~in_heldout & np.isin(groups, groups[in_heldout]) if d.set_aside_parts else np.zeros_like(in_heldout)
     train_idx = np.flatnonzero(~in_heldout & ~aside).astype(np.int64)
     heldout_idx = np.flatnonzero(in_heldout).astype(np.int64)
     set_aside = len(np.unique(rows[aside]))
+    if 2 * set_aside > len(train_conv):
+        raise ConfigError(
+            f"data.set_aside_parts: the other parts of the {len(heldout_conv)} held-out conversations would take "
+            f"{set_aside} of the {len(train_conv)} training conversations: ids such as "
+            f"{_example_id(cfg, rows[aside][:1])} are read as parts of one conversation (ShareGPT's <id>_<n>); if they "
+            f"name rows instead, set data.set_aside_parts=false")
     log.log(logging.INFO if log_report else logging.DEBUG,
             "%s; train %d conversations (%d sequences), held-out %d (%d sequences), set aside %d (parts of a "
             "held-out conversation)", report.summary(), len(train_conv) - set_aside, len(train_idx),
@@ -448,6 +455,15 @@ def _split(cfg: RunConfig, cache_dir: Path, arrays: dict[str, np.ndarray], repor
     return PreparedData(train=corpus.subset(train_idx), heldout=corpus.subset(heldout_idx), report=report,
                         cache_path=cache_dir, tokenizer_facts=read_meta(cache_dir).get(TOKENIZER_FACTS, {}),
                         set_aside=set_aside)
+
+
+def _example_id(cfg: RunConfig, rows: np.ndarray) -> str:
+    """The ``id`` of the data row ``rows[0]`` of ``cfg.data.dataset``, quoted (``"?"`` when there is none)."""
+    wanted = int(rows[0]) if len(rows) else -1
+    for number, row in enumerate(read_rows(cfg.data.dataset, cfg.data.max_conversations)):
+        if number == wanted:
+            return repr(row_id(row))
+    return "?"
 
 
 def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report: bool = True,
@@ -462,7 +478,8 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, log_report:
 
     Raises:
         ConfigError: ``data.dataset`` missing; ``data.heldout_conversations`` too large; no usable
-            conversation at all.
+            conversation at all; the held-out conversations' other parts would take more than half of
+            the training ones (``data.set_aside_parts``).
     """
     directory, fresh = _prepare_cache(cfg, tokenizer, tokenizer_facts)
     if fresh is None:

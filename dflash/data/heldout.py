@@ -12,7 +12,10 @@ its text, so a part in training would tell the drafter much of a held-out part's
 one :func:`conversation_group` are therefore one conversation to the split: the held-out
 conversations are drawn as above, and every other part of their conversations is set aside, in
 neither split (:func:`dflash.data.corpus.load_prepared`). The held-out set is the same with or
-without the parts, and so are the prompts the decoding check draws from it.
+without the parts, and so are the prompts the decoding check draws from it. Ids that name rows
+(``sample_1``, ``sample_2``, …) would make one conversation of them all: when the parts set aside
+would be more than half of the training conversations the split refuses, naming
+``data.set_aside_parts`` (``false`` turns the rule off).
 """
 
 from __future__ import annotations
