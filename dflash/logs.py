@@ -51,6 +51,14 @@ def setup_logging(name: str | None = None, level: str | int = "INFO") -> logging
     root.setLevel(level)
     for noisy in ("urllib3", "filelock", "wandb", "torch._dynamo", "torch._inductor"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    if not sys.stderr.isatty():
+        # piped: carriage-return progress bars without the worker's name (transformers' "Loading
+        # weights") would garble the log; transformers and huggingface_hub read this when imported
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
     return logging.getLogger("dflash")
 
 

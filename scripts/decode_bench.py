@@ -65,6 +65,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help=f"comma-separated, of {MODES} (unset: both on CUDA, eager on CPU; compiled on CPU is "
                         "torch.compile without CUDA graphs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; on a CPU shared with other jobs, fewer threads than "
+                        "cores keeps the timings meaningful)")
     p.add_argument("--length-bucket", type=int, default=None,
                    help="decoders sized per length bucket of this many tokens (doubled until at most "
                         "dflash.inference.spec_report.MAX_BUCKETS remain), 0 = one sized for the longest "
@@ -117,9 +120,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     args.pass_schedules = [x for x in args.pass_schedules.split(",") if x]
     if not args.pass_schedules or any(x not in PASS_SCHEDULES for x in args.pass_schedules):
         p.error(f"--pass-schedules: comma-separated, of {PASS_SCHEDULES}; got {args.pass_schedules}")
-    for name in ("prompts", "max_new_tokens", "batch", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    for name in ("prompts", "max_new_tokens", "batch", "repeats", "threads", "max_prompt_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
     return args
 
 
@@ -219,12 +223,14 @@ def _run(args: argparse.Namespace) -> int:
     from dflash.inference.drafter_checkpoint import (fit_problem, open_checkpoint, target_shape_problem,
                                                     training_eval_summary)
     from dflash.data.render import stop_token_ids
-    from dflash.inference.prompt_sets import load_prompt_sets
+    from dflash.inference.prompt_sets import context_problem, load_prompt_sets
     from dflash.inference.spec_report import decode_report, format_report, repeats_phrase
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
     setup_logging("decode_bench")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     overrides = list(args.overrides)
     if args.target:
         overrides += ["target.kind=hf", f"target.path={args.target}"]
@@ -262,7 +268,7 @@ def _run(args: argparse.Namespace) -> int:
             "attention": args.attention, "draft_cache": args.draft_cache, "cuda_graphs": args.cuda_graphs,
             "length_bucket": args.length_bucket,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__}
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
     failed = False
     for dtype in args.dtypes:
         target_cfg = replace(cfg.target, dtype=dtype)
@@ -270,7 +276,9 @@ def _run(args: argparse.Namespace) -> int:
             target_cfg = replace(target_cfg, layer_ids=list(dcfg.target_layer_ids))
         target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers if dcfg else
                              cfg.drafter.num_layers)
-        problem = drafter_dir and target_shape_problem(drafter_dir, dcfg, target)
+        problem = ((drafter_dir and target_shape_problem(drafter_dir, dcfg, target))
+                   or context_problem(cases, args.max_new_tokens, dcfg.block_size if dcfg else cfg.drafter.block_size,
+                                      target.config))
         if problem:
             log.error("%s", problem)
             return 2

@@ -21,8 +21,9 @@ import torch
 from dflash.config import DataConfig, RunConfig, TargetConfig, load_config
 from dflash.data import assets
 from dflash.data.corpus import prepare_data, prepare_heldout
-from dflash.inference.prompt_sets import (HUMANEVAL_INSTRUCTION, PromptSet, load_prompt_sets, resolve_prompt_set,
-                                          set_messages)
+from dflash.inference.prompt_sets import (HUMANEVAL_INSTRUCTION, PromptSet, context_problem, load_prompt_sets,
+                                          resolve_prompt_set, set_messages)
+from dflash.inference.prompts import PromptCase
 from dflash.inference.spec_report import POOLED, set_summaries
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -151,6 +152,35 @@ def test_jsonl_with_a_bom_and_crlf_and_malformed_rows(smollm2, tmp_path):
     assert load_prompt_sets([resolve_prompt_set(str(empty))], cfg_for(), smollm2, 4, 64)[0] == []
 
 
+def test_empty_damaged_and_too_long_prompt_files(smollm2, tmp_path, caplog):
+    """A blank file is said to have no rows; a gzip file damaged past its header stops that set with the
+    file named (no traceback); prompts that reach past the target's context are refused by name."""
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    assert load_prompt_sets([resolve_prompt_set(str(blank))], cfg_for(), smollm2, 4, 64)[0] == []
+    assert f"{blank} has no rows (it is empty or blank)" in caplog.text
+    good = b"".join(json.dumps({"prompt": f"Question {k}?"}).encode() + b"\n" for k in range(400))
+    damaged = tmp_path / "cut.jsonl.gz"
+    damaged.write_bytes(gzip.compress(good)[:-40])  # the stream ends early
+    caplog.clear()
+    cases, info = load_prompt_sets([resolve_prompt_set(str(damaged))], cfg_for(), smollm2, 1000, 64)
+    assert cases == [] and "unreadable" in info[str(damaged)]
+    assert f"prompt set {damaged}: cannot read {damaged} past row" in caplog.text
+
+    class Config:
+        max_position_embeddings = 100
+
+    def case(n: int, index: int) -> PromptCase:
+        return PromptCase(index=index, source_row=index, prompt_ids=torch.zeros(n, dtype=torch.long), input_ids=None,
+                          loss_mask=None, prompt_set="mine.jsonl")
+
+    assert context_problem([case(60, 0), case(68, 1)], 16, 16, Config()) is None  # 68 + 16 + 16 = 100 fits
+    problem = context_problem([case(60, 0), case(69, 1)], 16, 16, Config())
+    assert problem.startswith("prompt set mine.jsonl, prompt 1: 69 prompt tokens + 16 new + a block of 16 = 101 ")
+    assert "context of 100 (max_position_embeddings); lower --max-prompt-tokens to at most 68" in problem
+    assert context_problem([case(500, 0)], 16, 16, object()) is None  # no known context: nothing to check
+
+
 # --------------------------------------------------------------------------- refused before any model loads
 
 
@@ -175,9 +205,13 @@ def test_missing_package_or_file_exits_2_before_any_model_loads(tmp_path, monkey
             err = capsys.readouterr().err
         return err
 
-    assert "no.jsonl: neither a name (sharegpt, humaneval, mt-bench) nor a file" in parse_exit(
+    assert "no.jsonl: neither a name (sharegpt, humaneval, mt-bench) nor an existing file" in parse_exit(
         ["--prompt-set", str(tmp_path / "no.jsonl")])
-    assert "neither a name" in parse_exit(["--prompt-set", str(tmp_path)])  # a directory is no file
+    assert f"{tmp_path}: is a directory" in parse_exit(["--prompt-set", str(tmp_path)])
+    assert "(did you mean mt-bench?)" in parse_exit(["--prompt-set", "MT_Bench"])
+    fake = tmp_path / "fake.jsonl.gz"  # not gzip: refused before any model loads, the file named
+    fake.write_bytes(b'{"prompt": "hi"}\n')
+    assert f"prompt set {fake}: cannot read it as a gzip file" in parse_exit(["--prompt-set", str(fake)])
     assert "humaneval name(s) the same prompt set more than once" in parse_exit(
         ["--prompt-set", "humaneval", "--prompt-set", "humaneval"])
     mine = tmp_path / "mine.jsonl"

@@ -31,7 +31,9 @@ is a :class:`PromptSetError` naming what to install.
 from __future__ import annotations
 
 import argparse
+import gzip
 import logging
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +51,7 @@ from dflash.inference.prompts import SHAREGPT_SET, PromptCase, heldout_prompts, 
 from dflash.progress import Progress
 
 __all__ = ["HUMANEVAL_SET", "MT_BENCH_SET", "PROMPT_SET_NAMES", "HUMANEVAL_INSTRUCTION", "PromptSet",
-           "PromptSetError", "add_prompt_set_argument", "check_prompt_sets", "load_prompt_sets",
+           "PromptSetError", "add_prompt_set_argument", "check_prompt_sets", "context_problem", "load_prompt_sets",
            "render_prompt", "resolve_prompt_set", "resolve_prompt_sets", "set_messages"]
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,27 @@ HUMANEVAL_INSTRUCTION = ("Solve the following problem in Python; the solution ha
 
 
 class PromptSetError(ValueError):
-    """A ``--prompt-set`` that cannot be used: an unknown name that is no file, or a missing package."""
+    """A ``--prompt-set`` that cannot be used: an unknown name that is no file, a file that cannot be
+    read, or a missing package."""
+
+
+#: What reading a prompt file can raise besides a bad row: the file, or its gzip stream, damaged.
+_UNREADABLE = (OSError, EOFError, zlib.error)
+
+
+def _check_readable(value: str, path: Path) -> None:
+    """Open ``path`` and read its first bytes as :func:`dflash.data.sources.iter_jsonl` reads them
+    (through gzip for ``.gz``), so a damaged or non-gzip file fails before any model loads.
+
+    Raises:
+        PromptSetError: naming ``value`` and what the file is not.
+    """
+    try:
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as handle:
+            handle.read(1)
+    except _UNREADABLE as exc:
+        kind = "gzip file" if path.name.endswith(".gz") else "file"
+        raise PromptSetError(f"prompt set {value}: cannot read it as a {kind}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -100,8 +122,15 @@ def resolve_prompt_set(value: str) -> PromptSet:
     except FileNotFoundError as exc:
         raise PromptSetError(f"prompt set {value}: {exc}") from None
     path = Path(value)
+    if path.is_dir():
+        raise PromptSetError(f"prompt set {value}: is a directory; give a JSONL file or a name "
+                             f"({', '.join(PROMPT_SET_NAMES)})")
     if not path.is_file():
-        raise PromptSetError(f"prompt set {value}: neither a name ({', '.join(PROMPT_SET_NAMES)}) nor a file")
+        close = [n for n in PROMPT_SET_NAMES if n.replace("-", "") == value.lower().replace("-", "").replace("_", "")]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise PromptSetError(f"prompt set {value}: neither a name ({', '.join(PROMPT_SET_NAMES)}) nor an existing "
+                             f"file{hint}")
+    _check_readable(value, path)
     return PromptSet(value, path)
 
 
@@ -201,9 +230,16 @@ def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_t
     skipped: Counter = Counter()
     rows = 0
     bar = Progress(count, desc=f"prompt set {prompt_set.name}", unit="prompt", logger=log)
-    for number, normalized, label in set_messages(prompt_set):
-        if len(cases) >= count:
+    messages = set_messages(prompt_set)
+    while len(cases) < count:
+        try:
+            number, normalized, label = next(messages)
+        except StopIteration:
             break
+        except _UNREADABLE as exc:  # damaged past its first bytes (resolve_prompt_set read those)
+            log.error("prompt set %s: cannot read %s past row %d: %s", prompt_set.name, prompt_set.path, rows, exc)
+            bar.close()
+            return [], {"rows": rows, "skipped": dict(sorted(skipped.items())), "unreadable": str(exc)}
         rows += 1
         reason = normalized.reason
         ids = None
@@ -217,6 +253,37 @@ def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_t
         bar.advance()
     bar.close()
     return cases, {"rows": rows, "skipped": dict(sorted(skipped.items()))}
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 prompt"``, ``"2 prompts"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def context_problem(cases: Sequence[PromptCase], max_new_tokens: int, block_size: int, target_config: Any
+                    ) -> Optional[str]:
+    """Why ``cases`` cannot be decoded within the target's context, or ``None``.
+
+    A prompt of ``P`` tokens decodes at positions up to ``P + max_new_tokens``, and its last
+    verification reads ``block_size`` positions beyond that; past ``max_position_embeddings`` (the
+    target config's, when it has one) the target computes what a server refuses to.
+
+    Args:
+        cases: the prompts (:func:`load_prompt_sets`).
+        block_size: the drafter's ``B`` (1 for target-only decoding).
+        target_config: the target's transformers (text) config.
+    """
+    limit = getattr(target_config, "max_position_embeddings", None)
+    if not limit or not cases:
+        return None
+    longest = max(cases, key=lambda c: c.prompt_ids.numel())
+    need = longest.prompt_ids.numel() + max_new_tokens + block_size
+    if need <= limit:
+        return None
+    return (f"prompt set {longest.prompt_set}, prompt {longest.index}: {longest.prompt_ids.numel()} prompt tokens + "
+            f"{max_new_tokens} new + a block of {block_size} = {need} positions, past the target's context of "
+            f"{limit} (max_position_embeddings); lower --max-prompt-tokens to at most "
+            f"{max(0, limit - max_new_tokens - block_size)}")
 
 
 def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count: int, max_new_tokens: int,
@@ -258,9 +325,13 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
             got, info[prompt_set.name] = _file_prompts(prompt_set, renderer, count, max_prompt_tokens)
             info[prompt_set.name]["prompts"] = len(got)
             skipped = ", ".join(f"{k}={v}" for k, v in info[prompt_set.name]["skipped"].items())
-            (log.info if got else log.error)(
-                "prompt set %s: %d prompts from %d rows%s", prompt_set.name, len(got), info[prompt_set.name]["rows"],
-                f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "")
+            rows = info[prompt_set.name]["rows"]
+            if rows == 0 and "unreadable" not in info[prompt_set.name]:
+                log.error("prompt set %s: %s has no rows (it is empty or blank)", prompt_set.name, prompt_set.path)
+            elif "unreadable" not in info[prompt_set.name]:
+                (log.info if got else log.error)(
+                    "prompt set %s: %s from %s%s", prompt_set.name, _count(len(got), "prompt"), _count(rows, "row"),
+                    f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "")
             if got and len(got) < count:
                 log.warning("prompt set %s: only %d prompts of the %d asked for", prompt_set.name, len(got), count)
         if not got:

@@ -143,6 +143,7 @@ def prompt_limit(cfg: Any, max_new_tokens: int) -> Optional[int]:
     the trained length); ``None``, with the reason logged, when that leaves no room for a prompt."""
     if max_new_tokens >= cfg.data.max_length:
         log.error("max_new_tokens %d leaves no room for a prompt within data.max_length %d (the trained length); "
-                  "ask for fewer new tokens or pass a prompt limit", max_new_tokens, cfg.data.max_length)
+                  "ask for fewer new tokens (--max-new-tokens) or give a prompt limit (--max-prompt-tokens)",
+                  max_new_tokens, cfg.data.max_length)
         return None
     return cfg.data.max_length - max_new_tokens

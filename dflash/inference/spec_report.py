@@ -320,8 +320,9 @@ def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int,
            "spec_enqueue_s": s.enqueue_seconds, "target_enqueue_s": t.enqueue_seconds}
     if diff is not None:
         (log.warning if diff.tie else log.error)(
-            "prompt %d: speculative output differs from target-only greedy at token %d (%d vs %d): margins "
-            "z1-z2 %.4f (speculative) / %.4f (target-only), tie bound %.4f (logit spread %.2f): %s", case.index,
+            "prompt set %s, prompt %d: speculative output differs from target-only greedy at token %d (%d vs %d): "
+            "margins z1-z2 %.4f (speculative) / %.4f (target-only), tie bound %.4f (logit spread %.2f): %s",
+            case.prompt_set, case.index,
             diff.position, diff.spec_token, diff.target_token, diff.spec_margin, diff.target_margin, diff.bound,
             diff.spread,
             "a numerical tie" if diff.tie else "NOT a tie")
@@ -544,7 +545,9 @@ def _fmt(x: Optional[float], digits: int = 2) -> str:
 
 def repeats_phrase(repeats: int) -> str:
     """``"median of 3 runs"`` (``"lower median of 4 runs"`` for an even count: the faster middle
-    run, :func:`_decode_repeated`)."""
+    run, :func:`_decode_repeated`; ``"one run"`` for 1)."""
+    if repeats == 1:
+        return "one run"
     return f"{'lower ' if repeats % 2 == 0 else ''}median of {repeats} runs"
 
 

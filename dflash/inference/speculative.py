@@ -30,7 +30,7 @@ import torch
 from dflash.inference.drafter_checkpoint import (fit_problem, open_checkpoint, target_shape_problem,
                                                 training_eval_summary)
 from dflash.data.render import stop_token_ids
-from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets, load_prompt_sets
+from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets, context_problem, load_prompt_sets
 from dflash.inference.spec_report import LENGTH_BUCKET, MAX_BUCKETS, decode_report, format_report
 
 __all__ = ["compile_flag", "main"]
@@ -168,7 +168,8 @@ def _run(args: argparse.Namespace) -> int:
                   "speculative decoding does not support (no recurrent-state cache)", target_cfg.arch or target_cfg.path)
         return 2
     target = load_target(target_cfg, device, num_drafter_layers=dcfg.num_hidden_layers)
-    problem = target_shape_problem(drafter_dir, dcfg, target)
+    problem = (target_shape_problem(drafter_dir, dcfg, target)
+               or context_problem(cases, args.max_new_tokens, dcfg.block_size, target.config))
     if problem:
         log.error("%s", problem)
         return 2
