@@ -1167,8 +1167,10 @@ def test_resolve_checkpoint(tmp_path):
     (older / "drafter" / "config.json").write_text("{}")
     (older / "state.json").write_text('{"step": 100}')
     assert resolve_checkpoint(tmp_path / "runs" / "r") == (ckpt / "drafter", tmp_path / "runs" / "r")  # the newest
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
         resolve_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such run, checkpoint or drafter directory"):
+        resolve_checkpoint(tmp_path / "runs" / "nope")
 
 
 def test_cli_bad_input_fails_before_any_model_loads(target, tmp_path, monkeypatch, capsys, caplog):

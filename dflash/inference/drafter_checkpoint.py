@@ -25,6 +25,8 @@ def resolve_checkpoint(path: Union[str, Path]) -> tuple[Path, Optional[Path]]:
         FileNotFoundError: no ``config.json`` found, or a run without a complete checkpoint.
     """
     p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such run, checkpoint or drafter directory")
     if not (p / "drafter" / "config.json").is_file() and not (p / "config.json").is_file() \
             and (p / "checkpoints").is_dir():  # a run directory: its newest checkpoint
         from dflash.training.checkpoint_load import latest_checkpoint

@@ -320,6 +320,9 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
                 log.error("prompt set %s: %s", prompt_set.name, exc)
                 return [], info
             info[prompt_set.name] = {"prompts": len(got)}
+            if got:
+                log.info("prompt set %s: %s (the run's held-out conversations)", prompt_set.name,
+                         _count(len(got), "prompt"))
         else:
             renderer = renderer or ChatRenderer(tokenizer, cfg.data.enable_thinking)
             got, info[prompt_set.name] = _file_prompts(prompt_set, renderer, count, max_prompt_tokens)
