@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets
+from dflash.inference.spec_report import rates_text
 from dflash.inference.speculative import DEFAULT_CONFIG
 
 log = logging.getLogger("decode_bench")
@@ -132,13 +133,6 @@ def _num(x: Any, d: int = 3) -> str:
     return "–" if x is None or x != x else f"{x:.{d}f}"  # x != x: NaN
 
 
-def _rates(rates: Optional[list[float]], first: int = 4) -> str:
-    """The first ``first`` conditional acceptance rates in %, ``54 / 52 / 55 / 51 %``; ``–`` without."""
-    if not rates:
-        return "–"
-    return " / ".join(_num(100 * r if r == r else r, 0) for r in rates[:first]) + " %"
-
-
 def table(runs: list[dict[str, Any]]) -> str:
     """Markdown table, one row per run."""
     head = ("| dtype | mode, attention | batch | outputs (same / tie / FAIL) | τ measured | τ offline, own text | "
@@ -200,7 +194,7 @@ def set_table(runs: list[dict[str, Any]]) -> str:
             lines.append(f"| {s['dtype']} | {'compiled' if s['compiled'] else 'eager'} | {x['set']} | {x['prompts']} | "
                          f"{x['identical']} / {x['ties']} / {x['failures']} | {_num(x['tau'])} | "
                          f"{_num(x['tau_per_response'])} ({_num(x.get('tau_per_response_se'), 2)}) | "
-                         f"{_rates(x.get('accept_conditional'))} | {_num(x['target_ms_per_token'])} | "
+                         f"{rates_text(x.get('accept_conditional'))} | {_num(x['target_ms_per_token'])} | "
                          f"{_num(x['spec_ms_per_token'])} | {_num(x.get('spec_ms_per_pass'), 2)} "
                          f"({_num(x.get('spec_device_ms_per_pass'), 2)}) | {_num(x['speedup'], 2)}× | "
                          f"{_num(x.get('speedup_end_to_end'), 2)}× |")

@@ -26,7 +26,7 @@ from dflash.inference.prompts import PromptCase
 from dflash.inference.tau_stats import standard_error
 from dflash.progress import Progress
 
-__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "repeats_phrase",
+__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "rates_text", "repeats_phrase",
            "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
@@ -532,8 +532,8 @@ def _with_se(x: dict[str, Any]) -> str:
     return f"{_fmt(x['tau_per_response'], 3)} ({_fmt(x.get('tau_per_response_se'), 2)})"
 
 
-def _rates(rates: Optional[Sequence[float]], first: int = 4) -> str:
-    """The first ``first`` conditional acceptance rates as percentages, ``54 / 52 / 55 / 51 %``."""
+def rates_text(rates: Optional[Sequence[float]], first: int = 4) -> str:
+    """The first ``first`` rates (fractions) as percentages, ``54 / 52 / 55 / 51 %``; ``–`` without any."""
     if not rates:
         return "–"
     return " / ".join("–" if math.isnan(r) else f"{100 * r:.0f}" for r in rates[:first]) + " %"
@@ -604,7 +604,7 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
             lines.append(f"{x['set']:<{max(width, len(POOLED))}} {x['prompts']:>7} {x['identical']:>5} {x['ties']:>4} "
                          f"{x['failures']:>4} {_fmt(x['tau'], 3):>6} {_with_se(x):>15} "
                          f"{_fmt(x['target_ms_per_token'], 3):>13} {_fmt(x['spec_ms_per_token'], 3):>11} "
-                         f"{_times(x['speedup']):>7} {_times(e2e):>10}  {_rates(x.get('accept_conditional'))}")
+                         f"{_times(x['speedup']):>7} {_times(e2e):>10}  {rates_text(x.get('accept_conditional'))}")
         lines.append("(SE: the standard error of tau per response over the set's prompts; two recipes compare by "
                      "their paired difference on the same prompts, which varies much less)")
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
