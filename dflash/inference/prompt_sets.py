@@ -329,9 +329,11 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
             info[prompt_set.name]["prompts"] = len(got)
             skipped = ", ".join(f"{k}={v}" for k, v in info[prompt_set.name]["skipped"].items())
             rows = info[prompt_set.name]["rows"]
-            if rows == 0 and "unreadable" not in info[prompt_set.name]:
+            if "unreadable" in info[prompt_set.name]:
+                pass  # _file_prompts said where the file broke
+            elif rows == 0:
                 log.error("prompt set %s: %s has no rows (it is empty or blank)", prompt_set.name, prompt_set.path)
-            elif "unreadable" not in info[prompt_set.name]:
+            else:
                 (log.info if got else log.error)(
                     "prompt set %s: %s from %s%s", prompt_set.name, _count(len(got), "prompt"), _count(rows, "row"),
                     f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "")
