@@ -156,8 +156,10 @@ def decode_summary(bench: dict[str, Any]) -> dict[str, Any]:
     """The table's decoding columns from ``decode_bench.json``'s first run: measured τ (pooled over
     the prompt sets), the walked offline τ on the target's own text, the outputs' check, tokens/s
     both ways, per prompt set (``decode_sets``) its pooled and per-response τ, the latter's standard
-    error and its check, and each response's τ (``decode_prompt_tau``, keyed ``set/index``: what
-    :func:`stacked_recipe` pairs prompt by prompt)."""
+    error and its check, and each response's τ (``decode_prompt_tau``, keyed by the prompt's digest
+    (:func:`dflash.inference.spec_report.prompt_digest`; ``set/index`` in a report without one): what
+    :func:`stacked_recipe` pairs prompt by prompt, so variants whose held-out splits differ pair only
+    the prompts they share)."""
     if not bench.get("runs"):
         return {}
     run = bench["runs"][0]
@@ -169,7 +171,8 @@ def decode_summary(bench: dict[str, Any]) -> dict[str, Any]:
                                        "tau_per_response_se": x.get("tau_per_response_se", math.nan),
                                        "check": f"{x['identical']}/{x['ties']}/{x['failures']}"}
                             for x in s.get("sets", [])},
-            "decode_prompt_tau": {f"{p['set']}/{p['index']}": p["tau"] for p in run.get("prompts", [])}}
+            "decode_prompt_tau": {p.get("prompt_sha256") or f"{p['set']}/{p['index']}": p["tau"]
+                                  for p in run.get("prompts", [])}}
 
 
 #: Decoding-τ gain over ``baseline`` a variant needs to enter the stacked recipe, at least.

@@ -215,10 +215,12 @@ def test_prompt_sets_reach_the_decoding_check_and_the_table(ablation, tmp_path, 
              "tau": rng.uniform(1.5, 3.5), "tau_per_response": rng.uniform(1.5, 3.5)}
             for i, name in enumerate(["sharegpt", "humaneval", "mt-bench"])]
     prompts = [{"set": x["set"], "index": i, "tau": rng.uniform(1, 5)} for x in sets for i in range(3)]
+    prompts[0]["prompt_sha256"] = "0123456789abcdef"  # a report with digests keys by them
     bench = {"runs": [{"summary": {"tau": 2.5, "identical": 3, "ties": 42, "failures": 3, "target_tok_s": 400.0,
                                    "spec_tok_s": 800.0, "sets": sets}, "prompts": prompts}]}
     got = ablation.decode_summary(bench)
-    assert got["decode_prompt_tau"] == {f"{p['set']}/{p['index']}": p["tau"] for p in prompts}
+    assert got["decode_prompt_tau"] == {p.get("prompt_sha256") or f"{p['set']}/{p['index']}": p["tau"] for p in prompts}
+    assert "0123456789abcdef" in got["decode_prompt_tau"]
     for x in sets:
         row = got["decode_sets"][x["set"]]
         assert row["tau_per_response"] == x["tau_per_response"] and row["tau"] == x["tau"]

@@ -420,6 +420,11 @@ def test_speculate_humaneval_two_prompts_on_cpu(smollm2, tmp_path, capsys, caplo
     assert one["identical"] + one["ties"] == 2 and one["tau"] == pooled["tau"] == summary["tau"]
     assert summary["prompt_sets"]["humaneval"]["prompts"] == 2
     assert len(one["accept_conditional"]) == summary["block_size"] - 1 and one["tau_per_response_se"] >= 0
+    import hashlib
+
+    for r, case in zip(rows, load_prompt_sets([resolve_prompt_set("humaneval")], load_config(str(cfg_path)), smollm2, 2,
+                                              6)[0]):  # the digest of the prompt's int64 token ids
+        assert r["prompt_sha256"] == hashlib.sha256(case.prompt_ids.numpy().astype("int64").tobytes()).hexdigest()[:16]
     assert "2 prompts (humaneval 2)" in out and "per prompt set" in out
     assert [line.split()[0] for line in out.splitlines() if line.startswith(("humaneval ", "pooled "))][-2:] == [
         "humaneval", "pooled"]

@@ -9,6 +9,7 @@ speculatively, compare the outputs, take the measured τ apart, and format it al
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -26,7 +27,8 @@ from dflash.inference.prompts import PromptCase
 from dflash.inference.tau_stats import standard_error
 from dflash.progress import Progress
 
-__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "rates_text", "repeats_phrase",
+__all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "prompt_digest", "rates_text",
+           "repeats_phrase",
            "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
@@ -302,13 +304,19 @@ def _decode_repeated(gens: dict[int, Generator], sizes: Sequence[int], cases: Se
     return picked[0], picked[1], groups, differing
 
 
+def prompt_digest(prompt_ids: Tensor) -> str:
+    """A prompt's identity across runs: the first 16 hex digits of the sha256 of its token ids as
+    int64 (two runs decoded the same prompt when, and only when, these are equal)."""
+    return hashlib.sha256(prompt_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
 def _prompt_row(case: PromptCase, t: Generation, s: Generation, num_layers: int, dtype: torch.dtype
                 ) -> dict[str, Any]:
     """One prompt's row of the report: the comparison of ``s`` (speculative) with ``t``
     (target-only), τ, passes and timings; a difference is logged."""
     diff = first_difference(s, t, num_layers, dtype)
     row = {"set": case.prompt_set, "label": case.label, "index": case.index, "source_row": case.source_row,
-           "prompt_tokens": case.prompt_ids.numel(),
+           "prompt_tokens": case.prompt_ids.numel(), "prompt_sha256": prompt_digest(case.prompt_ids),
            "new_tokens": len(s.tokens), "result": "identical" if diff is None else
            ("tie" if diff.tie else "FAIL"), "difference": None if diff is None else vars(diff),
            "tau": s.tau, "steps": s.steps, "accepted": s.accepted, "anchors": s.anchors,
