@@ -302,7 +302,7 @@ def test_regenerate_sigkill_and_resume(tmp_path, monkeypatch, target, tokenizer)
     from dflash.data.corpus import tokenize_rows
     from dflash.data.sources import read_rows
 
-    _, _, _, _, report = tokenize_rows(read_rows(str(out)), tokenizer, 256, False)
+    *_, report = tokenize_rows(read_rows(str(out)), tokenizer, 256, False)
     assert report.conversations == len(ids) and report.num_dropped == 0
 
     # 4) greedy regeneration is the target's own greedy continuation, turn by turn
