@@ -28,8 +28,7 @@ from dflash.inference.tau_stats import standard_error
 from dflash.progress import Progress
 
 __all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "prompt_digest", "rates_text",
-           "repeats_phrase",
-           "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
+           "repeats_phrase", "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,6 @@ def _per_pass(rows: Sequence[dict[str, Any]], *seconds: str) -> float:
 def _set_summary(name: str, rows: Sequence[dict[str, Any]], block_size: Optional[int]) -> dict[str, Any]:
     """One row of :func:`set_summaries` over ``rows``."""
     accepted = [a for r in rows for a in r["accepted"]]
-    taus = [r["tau"] for r in rows if r.get("tau") is not None]
     # each side over its own tokens: at a numerical tie the two outputs may differ in length
     target_tpot = _tpot(rows, "target_decode_s", "target_new_tokens")
     spec_tpot = _tpot(rows, "spec_decode_s", "new_tokens")
@@ -115,7 +113,7 @@ def _set_summary(name: str, rows: Sequence[dict[str, Any]], block_size: Optional
             "ties": sum(r["result"] == "tie" for r in rows), "failures": sum(r["result"] == "FAIL" for r in rows),
             "new_tokens": sum(r["new_tokens"] for r in rows), "verification_steps": len(accepted),
             "tau": sum(accepted) / len(accepted) if accepted else float("nan"),
-            "tau_per_response": _per_response(rows, "tau"), "tau_per_response_se": standard_error(taus),
+            "tau_per_response": _per_response(rows, "tau"), "tau_per_response_se": standard_error(r.get("tau") for r in rows),
             "accept_conditional": conditional_acceptance(accepted, block_size) if block_size else [],
             "target_ms_per_token": 1e3 * target_tpot, "spec_ms_per_token": 1e3 * spec_tpot,
             "speedup": target_tpot / spec_tpot if spec_tpot > 0 else float("nan"),
@@ -130,9 +128,9 @@ def set_summaries(rows: Sequence[dict[str, Any]], block_size: Optional[int] = No
     """Per prompt set (in the order the rows first name them) and pooled over all rows: prompts,
     identical / tie / FAIL, τ pooled (Σ τ / Σ passes) and per response (:func:`_per_response`) with
     the standard error of the latter over the responses (``tau_per_response_se``,
-    (:func:`dflash.inference.tau_stats.standard_error`), with ``block_size`` the conditional acceptance of each draft position
-    (``accept_conditional``, :func:`dflash.inference.acceptance.conditional_acceptance`; empty
-    without), the
+    :func:`dflash.inference.tau_stats.standard_error`), with ``block_size`` the conditional
+    acceptance of each draft position (``accept_conditional``,
+    :func:`dflash.inference.acceptance.conditional_acceptance`; empty without), the
     mean time per output token both ways and the speedup as their ratio, target-only over
     speculative, as the reference benchmark takes them: each response's decoding time (the clock
     starting once the prefill's first token is on the host, z-lab/dflash ``dflash/model.py``,
