@@ -290,7 +290,8 @@ def test_shipped_regeneration_config():
     r = cfg.regenerate
     assert r.enabled and r.max_turns is None and r.max_new_tokens == 128 and r.batch_size == 1024
     assert r.max_prompt_tokens == 1024 and r.max_seconds == 480
-    assert cfg.train.lr == 1.2e-3 and cfg.drafter.anchor_sampling == "conversation" and cfg.train.max_steps == 3000
+    assert cfg.train.lr == 1.2e-3 and cfg.drafter.anchor_sampling == "conversation" and cfg.train.max_steps == 4000
+    assert cfg.drafter.loss_gamma == 4
     from dflash.inference.regenerate import stage_workers
 
     assert stage_workers(cfg) == [0, 1]
