@@ -1,0 +1,180 @@
+"""Compare two drafters decoded on the same prompts: τ per response of each, and the paired gain.
+
+Reads two ``decode_bench.json`` files (``scripts/decode_bench.py --out``; the ``--out`` folder itself
+is accepted too) and pairs their responses prompt by prompt, per prompt set and pooled: each
+response's τ (its mean acceptance length, the reference benchmark's per-response τ) in the base run
+is subtracted from the same prompt's in the other. The mean of those differences and its standard
+error (:func:`dflash.inference.tau_stats.paired_gain`) say whether a recipe change helped; each
+mean's own standard error does not, because hard prompts are hard for both drafters
+(``docs/benchmarks.md``, How well 16 prompts measure τ). Prompts are matched by their token digest
+(``prompt_sha256``; ``set/index`` in files without it) within a set, so two runs whose held-out
+splits differ pair only the prompts they share. No model is loaded.
+
+Example::
+
+    python -m scripts.tau_compare results/decode-base results/decode-gamma4
+    python -m scripts.tau_compare base/decode_bench.json other/decode_bench.json --dtype bfloat16 --json cmp.json
+
+Exit status: 0 after printing the table, 2 on bad input (a missing or unreadable file, a file
+without per-prompt τ, no run of the asked dtype or mode, no prompt in common).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from dflash.inference.tau_stats import paired_gain, standard_error
+
+#: A gain is reported as one when it exceeds this many of its paired standard errors (the
+#: ablation's rule, ``scripts.ablation.GAIN_SE``).
+GAIN_SE = 2.0
+POOLED = "pooled"
+
+
+class CompareError(ValueError):
+    """Bad input to the comparison; the message names the file and what is wrong with it."""
+
+
+def load_bench(path: str) -> dict[str, Any]:
+    """The parsed ``decode_bench.json`` at ``path`` (a file, or a folder holding one).
+
+    Raises:
+        CompareError: no such file, unreadable or not JSON, or not a decode_bench report (no ``runs``).
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "decode_bench.json"
+    if not p.is_file():
+        raise CompareError(f"{path}: no such file (a decode_bench.json, or the --out folder of scripts.decode_bench)")
+    try:
+        bench = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CompareError(f"{p}: not a readable JSON file ({exc})") from None
+    if not isinstance(bench, dict) or not isinstance(bench.get("runs"), list) or not bench["runs"]:
+        raise CompareError(f"{p}: not a decode_bench report (no runs in it)")
+    return bench
+
+
+def pick_run(bench: dict[str, Any], name: str, dtype: Optional[str] = None,
+             mode: Optional[str] = None) -> dict[str, Any]:
+    """The run of ``bench`` with ``dtype`` (``bfloat16``/``float32``) and ``mode``
+    (``eager``/``compiled``), the first such; unset keys match any run, except that without
+    ``dtype`` a bfloat16 run is preferred (the speed figure users compare).
+
+    Raises:
+        CompareError: no run matches (the message lists the runs there are).
+    """
+    def matches(run: dict[str, Any]) -> bool:
+        s = run.get("summary", {})
+        return ((dtype is None or s.get("dtype") == dtype)
+                and (mode is None or ("compiled" if s.get("compiled") else "eager") == mode))
+
+    runs = [r for r in bench["runs"] if matches(r)]
+    if not runs:
+        have = ", ".join(f"{r.get('summary', {}).get('dtype')}/{'compiled' if r.get('summary', {}).get('compiled') else 'eager'}"
+                         for r in bench["runs"])
+        raise CompareError(f"{name}: no run with dtype={dtype or 'any'} mode={mode or 'any'} (runs: {have})")
+    if dtype is None:
+        runs = [r for r in runs if r.get("summary", {}).get("dtype") == "bfloat16"] or runs
+    return runs[0]
+
+
+def prompt_tau(run: dict[str, Any], name: str) -> dict[tuple[str, str], float]:
+    """Each response's τ of ``run``, keyed by ``(prompt set, prompt digest)`` (``index`` where a
+    row has no digest).
+
+    Raises:
+        CompareError: the run holds no per-prompt τ.
+    """
+    out: dict[tuple[str, str], float] = {}
+    for row in run.get("prompts") or []:
+        if not isinstance(row, dict) or "tau" not in row:
+            continue
+        key = row.get("prompt_sha256") or f"#{row.get('index')}"
+        tau = row["tau"]
+        out[(str(row.get("set", "")), str(key))] = float("nan") if tau is None else float(tau)
+    if not out:
+        raise CompareError(f"{name}: the run holds no per-prompt τ (decode_bench.json from an older version?)")
+    return out
+
+
+def compare(base: dict[tuple[str, str], float], other: dict[tuple[str, str], float]) -> list[dict[str, Any]]:
+    """One row per prompt set both runs decoded (in the base run's order), then a pooled row over
+    every paired prompt: ``set``, ``paired`` (prompts in common), ``base`` and ``other`` (τ per
+    response over the paired prompts), ``base_se`` and ``other_se`` (their standard errors),
+    ``gain`` and ``gain_se`` (:func:`dflash.inference.tau_stats.paired_gain`) and ``verdict``
+    (``gain``, ``loss`` or ``within noise`` at :data:`GAIN_SE` standard errors).
+
+    Raises:
+        CompareError: no prompt in common.
+    """
+    sets = list(dict.fromkeys(s for s, _ in base))
+    rows = []
+    for name in sets + [POOLED]:
+        b = {k: v for k, v in base.items() if name == POOLED or k[0] == name}
+        o = {k: v for k, v in other.items() if name == POOLED or k[0] == name}
+        gain, se, n = paired_gain(b, o)
+        if n == 0:
+            continue
+        common = [k for k in b if k in o and not math.isnan(b[k]) and not math.isnan(o[k])]
+        bv, ov = [b[k] for k in common], [o[k] for k in common]
+        verdict = "within noise"
+        if not math.isnan(se) and abs(gain) > GAIN_SE * se:
+            verdict = "gain" if gain > 0 else "loss"
+        rows.append({"set": name, "paired": n, "base": sum(bv) / n, "base_se": standard_error(bv),
+                     "other": sum(ov) / n, "other_se": standard_error(ov), "gain": gain, "gain_se": se,
+                     "verdict": verdict})
+    if not rows:
+        raise CompareError("the two runs have no prompt in common (other prompt sets, or other held-out splits?)")
+    return rows
+
+
+def table(rows: list[dict[str, Any]], base_name: str, other_name: str) -> str:
+    """``rows`` of :func:`compare` as a markdown table."""
+    def f(x: float) -> str:
+        return "–" if math.isnan(x) else f"{x:.3f}"
+
+    lines = [f"base: {base_name}", f"other: {other_name}", "",
+             "| prompt set | prompts paired | τ per response, base (SE) | τ per response, other (SE) "
+             "| Δ τ per response (paired SE) | verdict |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['set']} | {r['paired']} | {f(r['base'])} ({f(r['base_se'])}) | {f(r['other'])} "
+                     f"({f(r['other_se'])}) | {r['gain']:+.3f} ({f(r['gain_se'])}) | {r['verdict']} |")
+    lines.append("")
+    lines.append(f"verdict: a gain or a loss beyond {GAIN_SE:g} paired standard errors, else within noise")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("base", help="the base run's decode_bench.json (or its folder)")
+    p.add_argument("other", help="the other run's decode_bench.json (or its folder)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="the run of each file to compare (unset: a bfloat16 one where there is one)")
+    p.add_argument("--mode", choices=("eager", "compiled"), default=None, help="the run's mode (unset: any)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
+    args = p.parse_args(argv)
+    try:
+        taus = []
+        for name in (args.base, args.other):
+            run = pick_run(load_bench(name), name, args.dtype, args.mode)
+            taus.append(prompt_tau(run, name))
+        rows = compare(*taus)
+    except CompareError as exc:
+        print(f"tau_compare: {exc}", file=sys.stderr)
+        return 2
+    print(table(rows, args.base, args.other))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"base": args.base, "other": args.other, "rows": rows}, indent=1) + "\n",
+                                   encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
