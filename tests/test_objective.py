@@ -88,6 +88,48 @@ def test_labels_target_rule_on_a_small_row() -> None:
     assert labels.tolist() == [[[0, 12, 13, 0]]]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_label_chain_against_a_naive_walk(seed: int) -> None:
+    """With chain, block position k counts only while the text at a+1 .. a+k−1 is the target's
+    greedy token there; the labels themselves are those of labels='target'."""
+    b = packed_batch(r=3, s=48, seed=seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    # the text follows the target's greedy tokens (target_tokens[p − 1]) at ~70 % of positions
+    follow = torch.rand(b["input_ids"].shape, generator=g) < 0.7
+    follow[:, 0] = False
+    ids = b["input_ids"].clone()
+    ids[:, 1:] = torch.where(follow[:, 1:], b["target_tokens"][:, :-1], ids[:, 1:])
+    bs = 6
+    anchors, keep = sample_anchors(b["loss_mask"], b["doc_ids"], 10, anchor_generator(seed, 0, 1))
+    plain_labels, plain_valid = build_block_labels(ids, b["target_tokens"], b["loss_mask"], b["doc_ids"],
+                                                   anchors, keep, bs)
+    labels, valid = build_block_labels(ids, b["target_tokens"], b["loss_mask"], b["doc_ids"], anchors, keep, bs,
+                                       chain=True)
+    s = ids.shape[1]
+    cut = 0
+    for r in range(ids.shape[0]):
+        for i in range(anchors.shape[1]):
+            a = int(anchors[r, i])
+            on_path = True
+            for k in range(bs):
+                if k >= 2:  # the token at a + k − 1 must be the target's greedy one
+                    p = a + k - 1
+                    on_path = on_path and p < s and int(ids[r, p]) == int(b["target_tokens"][r, p - 1])
+                want = bool(plain_valid[r, i, k]) and on_path
+                assert bool(valid[r, i, k]) == want, (r, i, k)
+                cut += bool(plain_valid[r, i, k]) and not on_path
+                assert int(labels[r, i, k]) == (int(plain_labels[r, i, k]) if want else 0)
+    assert cut > 0  # the walk did cut blocks
+    # on the target's own greedy text the chain changes nothing
+    own = b["input_ids"].clone()
+    own[:, 1:] = b["target_tokens"][:, :-1]
+    assert torch.equal(build_block_labels(own, b["target_tokens"], b["loss_mask"], b["doc_ids"], anchors, keep, bs,
+                                          chain=True)[1],
+                       build_block_labels(own, b["target_tokens"], b["loss_mask"], b["doc_ids"], anchors, keep, bs)[1])
+    with pytest.raises(ValueError, match="chain"):
+        build_block_labels(ids, b["target_tokens"], b["loss_mask"], b["doc_ids"], anchors, keep, bs, "data", chain=True)
+
+
 # --------------------------------------------------------------------------- loss, accuracy, τ
 
 

@@ -413,6 +413,24 @@ def test_missing_tensor_is_reported() -> None:
     assert data_labels.step(batch, 0, 0)["num_blocks"].item() > 0
 
 
+def test_label_chain_reaches_the_step() -> None:
+    """drafter.label_chain: on random text (off the target's greedy path almost everywhere) only
+    block position 1 of each block counts; on the target's own greedy text every position does."""
+    batch = random_batch()
+    plain = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu").prepare(batch, 0, 0)
+    chained = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(label_chain=True), 10, "cpu").prepare(batch, 0, 0)
+    off_path = batch["input_ids"][:, 1:] != batch["target_tokens"][:, :-1]
+    assert off_path.float().mean() > 0.9
+    assert chained.valid[..., 2:].sum() < plain.valid[..., 2:].sum()
+    assert torch.equal(chained.valid[..., :2], plain.valid[..., :2])
+    own = dict(batch)
+    own["input_ids"] = batch["input_ids"].clone()
+    own["input_ids"][:, 1:] = batch["target_tokens"][:, :-1]
+    assert torch.equal(DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(label_chain=True), 10, "cpu")
+                       .prepare(own, 0, 0).valid,
+                       DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(), 10, "cpu").prepare(own, 0, 0).valid)
+
+
 def test_compile_on_cpu_is_ignored_and_says_so(caplog) -> None:
     with caplog.at_level("INFO", logger="dflash.training.trainer"):
         tr = DrafterTrainer(tiny_model(), TrainConfig(), drafter_cfg(compile=True), 10, "cpu")

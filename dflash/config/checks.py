@@ -123,6 +123,8 @@ def _check_drafter(d: DrafterConfig) -> None:
     _need(d.dpace_alpha is None or 0.0 <= d.dpace_alpha <= 1.0, "drafter.dpace_alpha",
           f"must be in [0, 1], got {d.dpace_alpha}")
     _need(0.0 <= d.distillation <= 1.0, "drafter.distillation", f"must be in [0, 1], got {d.distillation}")
+    _need(not d.label_chain or d.labels == "target", "drafter.label_chain",
+          f"applies only to drafter.labels: target (the greedy path is the target's; got labels: {d.labels})")
     _need(d.distillation == 0 or d.loss_weighting == "decay", "drafter.distillation",
           f"applies only to drafter.loss_weighting: decay (D-PACE weights come from the cross entropy alone; "
           f"got loss_weighting: {d.loss_weighting})")

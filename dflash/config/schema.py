@@ -108,6 +108,11 @@ class DrafterConfig:
     intermediate_size: Optional[int] = None
     #: Labels: ``target`` = the target's greedy tokens (default), ``data`` = dataset tokens.
     labels: Literal["target", "data"] = "target"
+    #: ``labels: target`` only: block position k counts only while the text between the anchor and
+    #: it is the target's greedy tokens, so every label is the greedy continuation that decoding
+    #: verifies (dflash.training.objective.build_block_labels). Changes nothing on the target's own
+    #: greedy text (regenerated data); makes raw or sampled text exact, at fewer counted positions.
+    label_chain: bool = False
     #: Knowledge distillation λ in [0, 1]: each block position's loss is ``(1 - λ)·CE(label) +
     #: λ·KL(target ‖ drafter)``, the target's whole next-token distribution at that position as the
     #: teacher (forward KL, as DistillSpec). ``0`` = cross entropy alone (the DFlash paper). Above 0

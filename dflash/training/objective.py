@@ -10,7 +10,10 @@ from :mod:`dflash.models.masks`, the chunked LM-head cross-entropy from
 * **Labels** (same position, no shift). Block position ``k ≥ 1`` predicts the token at ``a + k``:
   ``target_tokens[a + k − 1]`` (``labels="target"``) or ``input_ids[a + k]`` (``"data"``); it
   counts when ``a + k < S``, same conversation, ``loss_mask[a + k]`` and the anchor is kept.
-  Block position 0 never counts.
+  Block position 0 never counts. With ``chain`` (``drafter.label_chain``) it also needs the text
+  between the anchor and it, ``input_ids[a + 1 .. a + k − 1]``, to be the target's greedy tokens:
+  the labels are then exactly the greedy continuation that decoding verifies, also on text the
+  target did not write (raw data, sampled responses).
 * **Loss.** ``Σ CE·w / Σ w`` with ``w_k = exp(−(k − 1)/γ)`` on valid block positions; or,
   optionally, D-PACE (:func:`dpace_weights`: weights from the drafter's own confidences) divided
   by the number of blocks. :func:`dflash_loss` returns numerator and denominator separately so
@@ -56,30 +59,36 @@ DPACE_ALPHA = 0.5
 
 def build_block_labels(input_ids: Tensor, target_tokens: Optional[Tensor], loss_mask: Tensor, doc_ids: Tensor,
                        anchors: Tensor, anchor_keep: Tensor, block_size: int,
-                       labels: Literal["target", "data"] = "target") -> tuple[Tensor, Tensor]:
+                       labels: Literal["target", "data"] = "target", chain: bool = False) -> tuple[Tensor, Tensor]:
     """Labels and validity of every block position (docs/ARCHITECTURE.md, "The drafter's labels").
 
     Block position ``k`` of the block at anchor ``a`` is position ``p = a + k`` (same position, no shift).
     Its label is ``target_tokens[p − 1]`` (the target's greedy prediction *for* ``p``) or
     ``input_ids[p]``; it is valid when ``k ≥ 1``, ``p < S``, ``doc_ids[p] == doc_ids[a]``,
-    ``loss_mask[p]`` and ``anchor_keep``.
+    ``loss_mask[p]`` and ``anchor_keep``; with ``chain``, also when ``input_ids[a + j] ==
+    target_tokens[a + j − 1]`` for every ``1 ≤ j < k``: the block's labels are the target's greedy
+    continuation from the anchor (what greedy verification accepts), cut where the text leaves it.
+    Where the text is the target's own greedy output, ``chain`` changes nothing.
 
     Args:
         input_ids, loss_mask, doc_ids: ``[R, S]`` (int64, bool, int).
         target_tokens: ``[R, S]`` int64 (required for ``labels="target"``).
         anchors, anchor_keep: ``[R, A]`` int64 / bool.
         block_size: ``B``.
+        chain: cut each block where the text leaves the target's greedy path (``labels="target"`` only).
 
     Returns:
         ``(labels [R, A, B] int64, valid [R, A, B] bool)``; invalid block positions hold label 0.
 
     Raises:
-        ValueError: unknown ``labels`` or missing ``target_tokens``.
+        ValueError: unknown ``labels``, missing ``target_tokens``, or ``chain`` with ``labels="data"``.
     """
     if labels not in ("target", "data"):
         raise ValueError(f"labels: must be 'target' or 'data', got {labels!r}")
     if labels == "target" and target_tokens is None:
         raise ValueError("labels='target' needs target_tokens")
+    if chain and labels != "target":
+        raise ValueError("chain: needs labels='target' (the greedy path is the target's)")
     r, s = input_ids.shape
     num_anchors = anchors.shape[1]
     k = torch.arange(block_size, device=anchors.device)
@@ -93,6 +102,13 @@ def build_block_labels(input_ids: Tensor, target_tokens: Optional[Tensor], loss_
     if labels == "target":
         prev = (pos - 1).clamp(min=0, max=s - 1).reshape(r, num_anchors * block_size)
         lab = target_tokens.gather(1, prev).view(r, num_anchors, block_size)
+        if chain:
+            # greedy[k]: the text at a + k is the target's greedy token there (block position 0: true)
+            greedy = (input_ids.gather(1, safe).view(r, num_anchors, block_size) == lab) | (k == 0)
+            # position k needs greedy text at 1 .. k - 1: the running product, shifted by one
+            on_path = torch.cumprod(greedy.to(torch.int32), dim=-1).roll(1, dims=-1)
+            on_path[..., 0] = 1
+            valid = valid & on_path.bool()
     else:
         lab = input_ids.gather(1, safe).view(r, num_anchors, block_size)
     lab = torch.where(valid, lab, torch.zeros_like(lab))

@@ -151,6 +151,8 @@ class DrafterTrainer:
         self.loss_weighting = drafter_cfg.loss_weighting
         self.dpace_alpha = drafter_cfg.dpace_alpha if drafter_cfg.dpace_alpha is not None else DPACE_ALPHA
         self.labels = drafter_cfg.labels
+        #: cut each block where the text leaves the target's greedy path (drafter.label_chain)
+        self.label_chain = bool(drafter_cfg.label_chain)
         #: λ of the forward KL to the target's distribution (0: cross entropy alone)
         self.distillation = float(drafter_cfg.distillation)
         #: evaluation's head: anchors within this many tokens of their response's start
@@ -202,7 +204,8 @@ class DrafterTrainer:
             f"per conversation (at most {self.anchors_per_conversation or self.num_anchors} each)")
         logger.info("drafter trainer: %d trainable params, B=%d, A=%d drawn %s, %s, labels=%s%s, %d steps",
                     self.module.num_trainable_params(), self.block_size, self.num_anchors, sampling, weighting,
-                    self.labels, f", distillation {self.distillation:g}" if self.distillation else "", total_steps)
+                    self.labels + (" (cut off the greedy path)" if self.label_chain else ""),
+                    f", distillation {self.distillation:g}" if self.distillation else "", total_steps)
 
     # ----------------------------------------------------------------------- pieces
 
@@ -258,7 +261,7 @@ class DrafterTrainer:
         else:
             anc, keep = (x.to(self.device) for x in anchors)
         labels, valid = build_block_labels(t["input_ids"], t.get("target_tokens"), t["loss_mask"], t["doc_ids"],
-                                           anc, keep, self.block_size, self.labels)
+                                           anc, keep, self.block_size, self.labels, chain=self.label_chain)
         rows = teacher_rows(t["target_hidden"], anc, self.block_size) if self.distillation and teacher else None
         return PreparedBatch(tensors=t, anchors=anc, anchor_keep=keep, labels=labels, valid=valid,
                              weight_sum=loss_denominator(valid, self.gamma, self.loss_weighting),
