@@ -93,6 +93,8 @@ BAD_CASES = [
      r"^drafter\.loss_gamma: applies only to drafter\.loss_weighting: decay \(got loss_weighting: dpace\)"),
     (["drafter.dpace_alpha=0.5"], 0, r"^drafter\.dpace_alpha: applies only to drafter\.loss_weighting: dpace"),
     (["drafter.loss_weighting=dpace", "drafter.dpace_alpha=1.5"], 0, r"^drafter\.dpace_alpha: must be in \[0, 1\], got 1\.5$"),
+    (["data.extra_datasets=[sharegpt, /no/such/rows.jsonl]"], 0,
+     r"^data\.extra_datasets\[1\]: no such file: /no/such/rows\.jsonl \(use 'sharegpt' or a JSONL path\)$"),
     (["drafter.label_chain=true", "drafter.labels=data"], 0,
      r"^drafter\.label_chain: applies only to drafter\.labels: target .*got labels: data\)$"),
     (["drafter.distillation=1.5"], 0, r"^drafter\.distillation: must be in \[0, 1\], got 1\.5$"),

@@ -501,6 +501,57 @@ def test_parts_of_a_heldout_conversation_are_in_neither_split(qwen3, tmp_path, s
     assert not train & held
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_extra_datasets_only_train(qwen3, tmp_path, seed):
+    """data.extra_datasets: the held-out conversations are those of data.dataset alone (the same as
+    without extras, also for the cache-less held-out path); extra rows train, except duplicates of
+    earlier rows and the parts of a held-out conversation (set aside); the report counts them."""
+    from dflash.data.corpus import prepare_heldout
+
+    rng = np.random.default_rng(seed)
+    primary = [{"id": f"c{k}_0", "conversations": _turns(("human", f"Q{k}?"), ("gpt", f"regenerated {k}."))}
+               for k in range(30)]
+    extra = []
+    for k in rng.permutation(30)[:20].tolist():  # raw versions of 20 primary conversations, other parts
+        extra.append({"id": f"c{k}_{int(rng.integers(0, 3))}",
+                      "conversations": _turns(("human", f"Q{k}?"), ("gpt", f"raw {k} {int(rng.integers(9))}."))})
+    extra.append(dict(primary[3]))                       # a duplicate of a primary row: dropped
+    extra.append({"id": "new_0", "conversations": _turns(("human", "N?"), ("gpt", "n."))})
+    main_path, extra_path = tmp_path / "main.jsonl", tmp_path / "extra.jsonl"
+    main_path.write_text("\n".join(json.dumps(r) for r in primary) + "\n")
+    extra_path.write_text("\n".join(json.dumps(r) for r in extra) + "\n")
+
+    def config(extras):
+        return RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                         data=DataConfig(dataset=str(main_path), extra_datasets=extras, max_length=64,
+                                         cache_dir=str(tmp_path / "cache"), heldout_conversations=5,
+                                         enable_thinking=False, seed=seed))
+
+    alone = prepare_data(config([]), qwen3)
+    mixed = prepare_data(config([str(extra_path)]), qwen3)
+    rows = lambda c: [int(c.source_row(i)) for i in range(len(c))]  # noqa: E731
+    held = rows(mixed.heldout)
+    assert held == rows(alone.heldout) and len(held) == 5
+    assert set(held) == set(split_heldout(30, 5, seed)[1].tolist())
+    held_groups = {primary[r]["id"].rsplit("_", 1)[0] for r in held}
+    report = mixed.report
+    assert (report.primary_rows, report.rows_read) == (30, 30 + len(extra))
+    assert report.dropped.get("duplicate_conversation") == 1 and report.extra_conversations == len(extra) - 1
+    want_train, want_aside = set(rows(alone.train)), 0
+    for j, row in enumerate(extra[:-2] + extra[-1:]):   # every extra row but the duplicate
+        number = 30 + (j if j < len(extra) - 2 else len(extra) - 1)
+        if row["id"].rsplit("_", 1)[0] in held_groups:
+            want_aside += 1
+        else:
+            want_train.add(number)
+    assert set(rows(mixed.train)) == want_train and mixed.set_aside == want_aside
+    assert "of data.extra_datasets, training only" in report.summary()
+    # the held-out path that reads no cache finds the same conversations
+    cold = config([str(extra_path)])
+    cold.data.cache_dir = str(tmp_path / "cold")
+    assert rows(prepare_heldout(cold, qwen3)) == held
+
+
 def test_ids_that_name_rows_are_refused_as_parts(qwen3, tmp_path):
     """Ids ``sample_<n>`` would make one conversation of every row: refused before training, naming
     the setting that turns the rule off, which then keeps every other row in training."""

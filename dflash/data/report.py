@@ -109,6 +109,11 @@ class DataReport:
     turns_context_too_long: int = 0
     #: ShareGPT file: characters after the last complete element (the cut-off tail); 0 for JSONL.
     unparsed_tail_chars: int = 0
+    #: With ``data.extra_datasets``: the rows read from ``data.dataset`` (the first ones; row
+    #: numbers from this one on are the extra datasets', in order) and the conversations kept from
+    #: the extra datasets (included in :attr:`conversations`); ``None`` / 0 without them.
+    primary_rows: Optional[int] = None
+    extra_conversations: int = 0
     #: Seconds spent reading and tokenising (when first prepared).
     seconds: float = 0.0
     #: True when this report was loaded with the cached data.
@@ -169,8 +174,10 @@ class DataReport:
                 more = ", ..." if count > len(shown) else ""
                 examples.append(f"{reason} [{', '.join(_format_example(e) for e in shown)}{more}]")
         first = f"; first dropped: {'; '.join(examples)}" if examples else ""
+        extra = (f" ({self.extra_conversations} of them from the {self.rows_read - self.primary_rows} rows of "
+                 f"data.extra_datasets, training only)" if self.primary_rows is not None else "")
         return (f"prepared {self.conversations} conversations ({self.sequences} sequences) from {self.rows_read} "
-                f"rows of {self.source}; {dropped}; {self.truncated} truncated; {self.tokens} tokens, "
+                f"rows of {self.source}{extra}; {dropped}; {self.truncated} truncated; {self.tokens} tokens, "
                 f"{self.assistant_tokens} assistant{where}{first}")
 
     def to_dict(self) -> dict:
