@@ -76,8 +76,8 @@ def pick_run(bench: dict[str, Any], name: str, dtype: Optional[str] = None,
 
     runs = [r for r in bench["runs"] if matches(r)]
     if not runs:
-        have = ", ".join(f"{r.get('summary', {}).get('dtype')}/{'compiled' if r.get('summary', {}).get('compiled') else 'eager'}"
-                         for r in bench["runs"])
+        summaries = [r.get("summary", {}) for r in bench["runs"]]
+        have = ", ".join(f"{s.get('dtype')}/{'compiled' if s.get('compiled') else 'eager'}" for s in summaries)
         raise CompareError(f"{name}: no run with dtype={dtype or 'any'} mode={mode or 'any'} (runs: {have})")
     if dtype is None:
         runs = [r for r in runs if r.get("summary", {}).get("dtype") == "bfloat16"] or runs

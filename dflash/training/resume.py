@@ -33,8 +33,8 @@ PLAN_FILE = "plan.json"
 #: Config keys that define the learning-rate schedule: a change at ``--resume`` rebuilds it.
 SCHEDULE_KEYS = ("train.max_steps", "train.epochs", "train.lr", "train.warmup_ratio", "train.min_lr_ratio")
 #: What each step trains towards: a resume may change them (the drafter's shape stays), and says so.
-OBJECTIVE_KEYS = ("drafter.labels", "drafter.label_chain", "drafter.distillation", "drafter.loss_weighting", "drafter.loss_gamma",
-                  "drafter.dpace_alpha", "drafter.anchor_sampling", "drafter.anchors_per_row",
+OBJECTIVE_KEYS = ("drafter.labels", "drafter.label_chain", "drafter.distillation", "drafter.loss_weighting",
+                  "drafter.loss_gamma", "drafter.dpace_alpha", "drafter.anchor_sampling", "drafter.anchors_per_row",
                   "drafter.anchors_per_conversation")
 
 
