@@ -1541,3 +1541,45 @@ def test_compiled_cached_drafter_drafts_what_the_training_forward_drafts_on_gpu(
         runs[cached] = gen.speculative(prompts, 24)
         assert [o.tokens for o in runs[cached]] == refs
     assert [o.anchors for o in runs[True]] == [o.anchors for o in runs[False]]
+
+
+class _RecordingGenerator:
+    """Stands in for a Generator: records each decode's prompts (lengths) and new tokens."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def _decode(self, method, prompts, max_new_tokens, stop_ids, progress=None):
+        self.calls.append((method, [int(p.numel()) for p in prompts], max_new_tokens))
+        return [Generation(tokens=[1] * (max_new_tokens + 1)) for _ in prompts]
+
+    def greedy(self, *args, **kwargs):
+        return self._decode("greedy", *args, **kwargs)
+
+    def speculative(self, *args, **kwargs):
+        return self._decode("speculative", *args, **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_each_prompt_length_is_warmed_before_timing(batch):
+    """At batch 1 one prompt of each (decoder, prompt length) pair is decoded both ways, briefly; above
+    it every prompt, in the timed runs' batches."""
+    from dflash.inference import spec_report
+    from dflash.inference.prompts import PromptCase
+
+    rng = random.Random(batch)
+    lengths = [rng.choice([5, 7, 9, 12]) for _ in range(11)]
+    sizes = [64 if n < 10 else 128 for n in lengths]
+    cases = [PromptCase(index=i, source_row=i, prompt_ids=torch.arange(n), input_ids=None, loss_mask=None)
+             for i, n in enumerate(lengths)]
+    calls: list = []
+    gens = {64: _RecordingGenerator(calls), 128: _RecordingGenerator(calls)}
+    spec_report._warm_prompt_lengths(gens, sizes, cases, [], batch)
+    for method in ("greedy", "speculative"):
+        seen = [n for m, ns, k in calls if m == method for n in ns]
+        assert all(k == spec_report.PREFILL_WARMUP_TOKENS for _, _, k in calls)
+        if batch == 1:
+            assert sorted(seen) == sorted(set(lengths))  # each length once (a length is one decoder's here)
+        else:
+            assert sorted(seen) == sorted(lengths)
+            assert all(len(ns) <= batch for m, ns, _ in calls)
