@@ -57,6 +57,10 @@ def load_bench(path: str) -> dict[str, Any]:
         raise CompareError(f"{p}: not a readable JSON file ({exc})") from None
     if not isinstance(bench, dict) or not isinstance(bench.get("runs"), list) or not bench["runs"]:
         raise CompareError(f"{p}: not a decode_bench report (no runs in it)")
+    for i, run in enumerate(bench["runs"]):
+        if not isinstance(run, dict) or not isinstance(run.get("summary", {}), dict) \
+                or not isinstance(run.get("prompts", []), list):
+            raise CompareError(f"{p}: run {i} is not a decode_bench run (an object with a summary and prompts)")
     return bench
 
 
@@ -84,26 +88,40 @@ def pick_run(bench: dict[str, Any], name: str, dtype: Optional[str] = None,
     return runs[0]
 
 
-def prompt_tau(run: dict[str, Any], name: str) -> dict[tuple[str, str], float]:
-    """Each response's τ of ``run``, keyed by ``(prompt set, prompt digest)`` (``index`` where a
-    row has no digest).
+def run_label(run: dict[str, Any]) -> str:
+    """``bfloat16, compiled``: the dtype and mode of a decode_bench run."""
+    s = run.get("summary", {})
+    return f"{s.get('dtype', '?')}, {'compiled' if s.get('compiled') else 'eager'}"
+
+
+def prompt_tau(run: dict[str, Any], name: str) -> dict[tuple[str, str, int], float]:
+    """Each response's τ of ``run``, keyed by ``(prompt set, prompt digest, occurrence)``: the digest
+    is ``prompt_sha256`` (``#index`` in a row without one, ``@position`` without either), and the
+    occurrence tells apart a prompt a set holds twice. A response without τ (``null``) is NaN.
 
     Raises:
-        CompareError: the run holds no per-prompt τ.
+        CompareError: a τ that is not a finite number or null; the run holds no τ at all.
     """
-    out: dict[tuple[str, str], float] = {}
-    for row in run.get("prompts") or []:
+    out: dict[tuple[str, str, int], float] = {}
+    for position, row in enumerate(run.get("prompts") or []):
         if not isinstance(row, dict) or "tau" not in row:
             continue
-        key = row.get("prompt_sha256") or f"#{row.get('index')}"
+        digest = row.get("prompt_sha256") or (f"#{row['index']}" if row.get("index") is not None else f"@{position}")
         tau = row["tau"]
-        out[(str(row.get("set", "")), str(key))] = float("nan") if tau is None else float(tau)
-    if not out:
+        if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau)):
+            raise CompareError(f"{name}: prompt {position} ({row.get('set', '')} {digest}) has τ {tau!r}, "
+                               "not a finite number")
+        occurrence = 0
+        while (str(row.get("set", "")), str(digest), occurrence) in out:
+            occurrence += 1
+        out[(str(row.get("set", "")), str(digest), occurrence)] = float("nan") if tau is None else float(tau)
+    if not any(not math.isnan(v) for v in out.values()):
         raise CompareError(f"{name}: the run holds no per-prompt τ (decode_bench.json from an older version?)")
     return out
 
 
-def compare(base: dict[tuple[str, str], float], other: dict[tuple[str, str], float]) -> list[dict[str, Any]]:
+def compare(base: dict[tuple[str, str, int], float], other: dict[tuple[str, str, int], float]
+            ) -> list[dict[str, Any]]:
     """One row per prompt set both runs decoded (in the base run's order), then a pooled row over
     every paired prompt: ``set``, ``paired`` (prompts in common), ``base`` and ``other`` (τ per
     response over the paired prompts), ``base_se`` and ``other_se`` (their standard errors),
@@ -113,7 +131,7 @@ def compare(base: dict[tuple[str, str], float], other: dict[tuple[str, str], flo
     Raises:
         CompareError: no prompt in common.
     """
-    sets = list(dict.fromkeys(s for s, _ in base))
+    sets = list(dict.fromkeys(k[0] for k in base))
     rows = []
     for name in sets + [POOLED]:
         b = {k: v for k, v in base.items() if name == POOLED or k[0] == name}
@@ -161,18 +179,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
     args = p.parse_args(argv)
     try:
-        taus = []
+        if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+            raise CompareError(f"--json {args.json}: not a file in an existing folder")
+        taus, labels = [], []
         for name in (args.base, args.other):
             run = pick_run(load_bench(name), name, args.dtype, args.mode)
             taus.append(prompt_tau(run, name))
+            labels.append(f"{name} ({run_label(run)})")
         rows = compare(*taus)
     except CompareError as exc:
         print(f"tau_compare: {exc}", file=sys.stderr)
         return 2
-    print(table(rows, args.base, args.other))
+    print(table(rows, *labels))
+    if labels[0].rsplit("(", 1)[1] != labels[1].rsplit("(", 1)[1]:
+        print("note: the two runs differ in dtype or mode (--dtype, --mode pick the runs)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"base": args.base, "other": args.other, "rows": rows}, indent=1) + "\n",
-                                   encoding="utf-8")
+        clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
+        try:
+            Path(args.json).write_text(json.dumps({"base": labels[0], "other": labels[1], "rows": clean}, indent=1)
+                                       + "\n", encoding="utf-8")
+        except OSError as exc:
+            print(f"tau_compare: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     return 0
 
 

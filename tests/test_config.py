@@ -93,6 +93,7 @@ BAD_CASES = [
      r"^drafter\.loss_gamma: applies only to drafter\.loss_weighting: decay \(got loss_weighting: dpace\)"),
     (["drafter.dpace_alpha=0.5"], 0, r"^drafter\.dpace_alpha: applies only to drafter\.loss_weighting: dpace"),
     (["drafter.loss_weighting=dpace", "drafter.dpace_alpha=1.5"], 0, r"^drafter\.dpace_alpha: must be in \[0, 1\], got 1\.5$"),
+    (["data.extra_datasets=[/tmp]"], 0, r"^data\.extra_datasets\[0\]: /tmp is a directory \(give the JSONL file in it\)$"),
     (["data.extra_datasets=[sharegpt, /no/such/rows.jsonl]"], 0,
      r"^data\.extra_datasets\[1\]: no such file: /no/such/rows\.jsonl \(use 'sharegpt' or a JSONL path\)$"),
     (["drafter.label_chain=true", "drafter.labels=data"], 0,

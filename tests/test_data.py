@@ -552,6 +552,19 @@ def test_extra_datasets_only_train(qwen3, tmp_path, seed):
     assert rows(prepare_heldout(cold, qwen3)) == held
 
 
+def test_an_unreadable_extra_dataset_is_named(qwen3, tmp_path):
+    """JSON lines saved as .json in data.extra_datasets: the error names the extra's key and file."""
+    main_path, bad = tmp_path / "main.jsonl", tmp_path / "lines.json"
+    rows = [{"id": f"r{k}", "conversations": _turns(("human", f"Q{k}?"), ("gpt", f"A{k}."))} for k in range(6)]
+    main_path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                    data=DataConfig(dataset=str(main_path), extra_datasets=[str(bad)], max_length=64,
+                                    cache_dir=str(tmp_path / "cache"), heldout_conversations=1, enable_thinking=False))
+    with pytest.raises(ConfigError, match=r"^data\.extra_datasets\[0\]: .*lines\.json.*not a JSON array"):
+        prepare_data(cfg, qwen3)
+
+
 def test_ids_that_name_rows_are_refused_as_parts(qwen3, tmp_path):
     """Ids ``sample_<n>`` would make one conversation of every row: refused before training, naming
     the setting that turns the rule off, which then keeps every other row in training."""

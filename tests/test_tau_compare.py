@@ -113,7 +113,20 @@ def test_bad_inputs_exit_2(tmp_path, capsys):
         "no per-prompt tau": ("noprompts", "no per-prompt τ"),
         "no common prompt": ("other", "no prompt in common"),
         "no fp32 run": (str(good), "no run with dtype=float32"),
+        "runs not objects": ("intruns", "run 0 is not a decode_bench run"),
+        "summary not an object": ("strsummary", "run 0 is not a decode_bench run"),
+        "tau a string": ("strtau", "has τ 'abc', not a finite number"),
+        "tau infinite": ("inftau", "has τ inf, not a finite number"),
+        "tau a bool": ("booltau", "has τ True, not a finite number"),
+        "every tau null": ("nulltau", "holds no per-prompt τ"),
     }
+    (tmp_path / "intruns").write_text(json.dumps({"runs": [1, 2]}))
+    (tmp_path / "strsummary").write_text(json.dumps({"runs": [{"summary": "x", "prompts": []}]}))
+    one = lambda tau: json.dumps(_bench([{"set": "sharegpt", "index": 0, "prompt_sha256": "aa", "tau": tau}]))  # noqa: E731
+    (tmp_path / "strtau").write_text(one("abc"))
+    (tmp_path / "inftau").write_text(one(float("inf")))
+    (tmp_path / "booltau").write_text(one(True))
+    (tmp_path / "nulltau").write_text(one(None))
     (tmp_path / "notjson").write_text("{ cut")
     (tmp_path / "noruns").write_text(json.dumps({"meta": {}}))
     (tmp_path / "noprompts").write_text(json.dumps(_bench([])))
@@ -125,3 +138,28 @@ def test_bad_inputs_exit_2(tmp_path, capsys):
         assert tau_compare.main([str(good), path, *extra]) == 2, what
         err = capsys.readouterr().err
         assert message in err, (what, err)
+
+    # --json into a folder, or a missing one: refused before anything is printed
+    for target in (str(tmp_path), str(tmp_path / "no" / "x.json")):
+        assert tau_compare.main([str(good), str(good), "--json", target]) == 2
+        captured = capsys.readouterr()
+        assert "not a file in an existing folder" in captured.err and captured.out == ""
+
+
+def test_repeated_prompts_pair_in_order_and_nan_is_null_in_json(tmp_path, capsys):
+    """A prompt a set holds twice pairs occurrence by occurrence; a standard error of one paired
+    prompt is NaN, written as null; runs of other dtypes are named and noted."""
+    base = [{"set": "s", "index": 0, "prompt_sha256": "aa", "tau": 2.0},
+            {"set": "s", "index": 1, "prompt_sha256": "aa", "tau": 3.0},
+            {"set": "t", "index": 0, "prompt_sha256": "bb", "tau": 1.5}]
+    other = [dict(r, tau=r["tau"] + d) for r, d in zip(base, (0.5, 1.5, 0.25))]
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "cmp.json"
+    a.write_text(json.dumps(_bench(base)))
+    b.write_text(json.dumps(_bench(other, dtype="float32", compiled=False)))
+    assert tau_compare.main([str(a), str(b), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "(bfloat16, compiled)" in printed and "(float32, eager)" in printed and "differ in dtype or mode" in printed
+    rows = {r["set"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["s"]["paired"] == 2 and rows["s"]["gain"] == pytest.approx(1.0)
+    assert rows["t"]["paired"] == 1 and rows["t"]["gain_se"] is None and rows["t"]["base_se"] is None
+    assert rows["pooled"]["gain"] == pytest.approx((0.5 + 1.5 + 0.25) / 3)

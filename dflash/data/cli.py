@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     every reason's count, the split and the held-out conversations with a twin in training.
 
     Returns:
-        0 done; 2 the config does not load.
+        0 done; 2 the config does not load, or a data file cannot be read as its name says.
     """
     from dflash.config import ConfigError, load_config
     from dflash.data.tokenizer import load_tokenizer
@@ -69,7 +69,11 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         log.error("%s", exc)
         return 2
-    prepared = prepare_data(cfg, load_tokenizer(cfg.target))
+    try:
+        prepared = prepare_data(cfg, load_tokenizer(cfg.target))
+    except ConfigError as exc:  # e.g. a .json data file that is not a JSON array, found while reading it
+        log.error("%s", exc)
+        return 2
     twins = heldout_twins(prepared, cfg.data.dataset, cfg.data.max_conversations)
     print("\n".join(report_lines(prepared, twins, cfg.data.max_length)))
     if args.ids:

@@ -324,9 +324,9 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
     stats: dict = {}
     source = d.dataset if d.dataset == SHAREGPT else str(path)
     extra = []
-    for x in d.extra_datasets:
+    for i, x in enumerate(d.extra_datasets):
         extra_stats: dict = {}
-        extra.append((read_rows(x, None, extra_stats), extra_stats))
+        extra.append((_rows_of_extra(i, x, extra_stats), extra_stats))
     tokens, loss_mask, offsets, source_rows, source_groups, report = tokenize_rows(
         read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
         source=source if not d.extra_datasets else f"{source} + {', '.join(d.extra_datasets)}", stats=stats,
@@ -339,6 +339,22 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
               "source_groups": source_groups}
     save_cached(directory, arrays, report, meta)
     return arrays, report
+
+
+def _rows_of_extra(index: int, dataset: str, stats: dict) -> Iterator[Any]:
+    """:func:`dflash.data.sources.read_rows` of ``data.extra_datasets[index]``, its errors naming that key.
+
+    Raises:
+        ConfigError: the file cannot be read as its name says (e.g. a ``.json`` file that is not a
+            JSON array).
+    """
+    try:
+        yield from read_rows(dataset, None, stats)
+    except ConfigError as exc:
+        message = str(exc)
+        if message.startswith("data.dataset"):
+            message = f"data.extra_datasets[{index}]" + message[len("data.dataset"):]
+        raise ConfigError(message) from None
 
 
 #: The ``meta.json`` key holding the tokenizer facts workers need (:func:`prepare_cache` ``tokenizer_facts``).
