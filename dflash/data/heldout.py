@@ -69,7 +69,9 @@ def split_heldout(num_conversations: int, heldout: int, seed: int) -> tuple[np.n
 
 def heldout_twins(prepared: PreparedData, dataset: str, limit: Optional[int]) -> int:
     """Held-out conversations whose normalised content equals a training conversation's (re-read from
-    ``dataset``; 0 when the split is sound)."""
+    ``dataset``; 0 when the split is sound). Training rows of ``data.extra_datasets`` are not
+    re-read: tokenisation already dropped any of them equal to an earlier row, held-out ones
+    included."""
     rows_of = {int(prepared.train.source_row(i)) for i in range(len(prepared.train))}
     held = {int(prepared.heldout.source_row(i)) for i in range(len(prepared.heldout))}
     train_hashes: set[str] = set()
