@@ -1,9 +1,9 @@
 """The on-disk cache of a tokenised corpus: plain ``.npy`` arrays (no pickle) and the data report.
 
 One directory per key under ``data.cache_dir`` (default ``<cache_root>/data``). The key covers the
-data file's identity (path, size, modification time; those of ``data.extra_datasets`` too), the tokenizer's fingerprint (vocabulary,
-special tokens, chat template), ``max_length``, ``max_conversations``, ``enable_thinking`` and
-:data:`DATA_CACHE_VERSION`. A directory is complete once ``report.json`` is in it (written last,
+data file's identity (path, size, modification time; those of ``data.extra_datasets`` too), the
+tokenizer's fingerprint (vocabulary, special tokens, chat template), ``max_length``,
+``max_conversations``, ``enable_thinking`` and :data:`DATA_CACHE_VERSION`. A directory is complete once ``report.json`` is in it (written last,
 then the directory is renamed into place), so a reader never sees half a corpus.
 """
 
