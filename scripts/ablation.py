@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets
-from dflash.inference.tau_stats import paired_gain
+from dflash.inference.tau_stats import GAIN_SE, paired_gain
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -182,9 +182,8 @@ def decode_summary(bench: dict[str, Any]) -> dict[str, Any]:
 
 #: Decoding-τ gain over ``baseline`` a variant needs to enter the stacked recipe, at least.
 GAIN_MARGIN = 0.02
-#: ... and its per-response gain, paired prompt by prompt, must exceed this many of its standard
-#: errors (:func:`dflash.inference.tau_stats.paired_gain`; where both carry each response's τ).
-GAIN_SE = 2.0
+#: ... and its per-response gain, paired prompt by prompt, must exceed
+#: :data:`dflash.inference.tau_stats.GAIN_SE` of its standard errors (where both carry each response's τ).
 
 
 def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN,

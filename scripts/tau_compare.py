@@ -28,11 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from dflash.inference.tau_stats import paired_gain, standard_error
+from dflash.inference.tau_stats import GAIN_SE, paired_gain, standard_error
 
-#: A gain is reported as one when it exceeds this many of its paired standard errors (the
-#: ablation's rule, ``scripts.ablation.GAIN_SE``).
-GAIN_SE = 2.0
 POOLED = "pooled"
 
 
@@ -181,17 +178,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
             raise CompareError(f"--json {args.json}: not a file in an existing folder")
-        taus, labels = [], []
+        taus, kinds = [], []
         for name in (args.base, args.other):
             run = pick_run(load_bench(name), name, args.dtype, args.mode)
             taus.append(prompt_tau(run, name))
-            labels.append(f"{name} ({run_label(run)})")
+            kinds.append(run_label(run))
         rows = compare(*taus)
     except CompareError as exc:
         print(f"tau_compare: {exc}", file=sys.stderr)
         return 2
+    labels = [f"{name} ({kind})" for name, kind in zip((args.base, args.other), kinds)]
     print(table(rows, *labels))
-    if labels[0].rsplit("(", 1)[1] != labels[1].rsplit("(", 1)[1]:
+    if kinds[0] != kinds[1]:
         print("note: the two runs differ in dtype or mode (--dtype, --mode pick the runs)")
     if args.json:
         clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]

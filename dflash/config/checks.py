@@ -168,11 +168,11 @@ def _check_data(t: DataConfig, d: DrafterConfig) -> None:
     if t.dataset != "sharegpt":
         _need(Path(t.dataset).is_file(), "data.dataset", f"no such file: {t.dataset} (use 'sharegpt' or a JSONL path)")
     for i, extra in enumerate(t.extra_datasets):
-        _need(isinstance(extra, str), f"data.extra_datasets[{i}]", f"expected a path, got {extra!r}")
-        _need(extra == "sharegpt" or not Path(extra).is_dir(), f"data.extra_datasets[{i}]",
-              f"{extra} is a directory (give the JSONL file in it)")
-        _need(extra == "sharegpt" or Path(extra).is_file(), f"data.extra_datasets[{i}]",
-              f"no such file: {extra} (use 'sharegpt' or a JSONL path)")
+        key = f"data.extra_datasets[{i}]"
+        _need(isinstance(extra, str), key, f"expected a path, got {extra!r}")
+        if extra != "sharegpt":
+            _need(not Path(extra).is_dir(), key, f"{extra} is a directory (give the JSONL file in it)")
+            _need(Path(extra).is_file(), key, f"no such file: {extra} (use 'sharegpt' or a JSONL path)")
 
 
 def _check_train(tr: TrainConfig) -> None:

@@ -48,8 +48,8 @@ def cache_key(cfg: RunConfig, path: Path, fingerprint: str) -> str:
     d = cfg.data
     extra = {}
     if d.extra_datasets:  # (absent otherwise: the keys of caches without extra rows stay as they were)
-        files = [dataset_path(x) for x in d.extra_datasets]
-        extra = {"extra": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+        stats = [(f.resolve(), f.stat()) for f in map(dataset_path, d.extra_datasets)]
+        extra = {"extra": [[str(f), st.st_size, st.st_mtime_ns] for f, st in stats]}
     payload = {**extra,
         "version": DATA_CACHE_VERSION,
         "file": [str(path.resolve()), stat.st_size, stat.st_mtime_ns],

@@ -9,7 +9,11 @@ import math
 import statistics
 from typing import Any, Iterable
 
-__all__ = ["standard_error", "paired_gain"]
+__all__ = ["GAIN_SE", "standard_error", "paired_gain"]
+
+#: A paired gain counts as one (a win, or a loss) beyond this many of its standard errors
+#: (:func:`paired_gain`): the ablation's stacked recipe and ``scripts.tau_compare`` both use it.
+GAIN_SE = 2.0
 
 
 def standard_error(values: Iterable[float]) -> float:
