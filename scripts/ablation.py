@@ -70,6 +70,10 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "label-chain": (["drafter.label_chain=true"], "a block's labels cut where the text leaves the target's greedy path"),
     "raw-extra": (["data.extra_datasets=[sharegpt]", "drafter.label_chain=true"],
                   "raw ShareGPT beside the data, training only, labels cut off the target's greedy path"),
+    "no-extra": (["data.extra_datasets=[]", "data.extra_token_ratio=null"], "no rows beside the data (the regeneration "
+                 "config's raw ShareGPT sample left out)"),
+    "extra-all": (["data.extra_token_ratio=null"], "every row of data.extra_datasets, not a sample"),
+    "extra-2": (["data.extra_token_ratio=2.0"], "a sample of data.extra_datasets twice the data's tokens"),
     "weight-decay-0.1": (["train.weight_decay=0.1"], "AdamW weight decay 0.1"),
     "anchors-512": (["drafter.anchors_per_row=512"], "512 anchors a packed row"),
     "dpace": (["drafter.loss_weighting=dpace"], "D-PACE position weights (α 0.5)"),

@@ -552,6 +552,75 @@ def test_extra_datasets_only_train(qwen3, tmp_path, seed):
     assert rows(prepare_heldout(cold, qwen3)) == held
 
 
+@pytest.mark.parametrize("seed,ratio", [(0, 0.5), (1, 1.0), (2, 0.05)])
+def test_extra_token_ratio_samples_extra_rows(qwen3, tmp_path, seed, ratio):
+    """data.extra_token_ratio against a naive reference: the extra rows in the order of the seeded
+    permutation, each counted with its own tokens (0 for a duplicate of a row read before it or a
+    malformed row), kept while the kept extra tokens are below ratio × the primary tokens; the rest are
+    extra_not_sampled. The held-out split is the same as without extras; the cache key has the sample."""
+    from dflash.data.corpus_cache import cache_key
+
+    rng = np.random.default_rng(100 + seed)
+    words = lambda: " ".join(f"w{int(x)}" for x in rng.integers(0, 500, int(rng.integers(2, 30))))  # noqa: E731
+    primary = [{"id": f"p{k}_0", "conversations": _turns(("human", f"Q{k} {words()}?"), ("gpt", words()))}
+               for k in range(24)]
+    files = [[{"id": f"x{f}{k}", "conversations": _turns(("human", words()), ("gpt", words()))} for k in range(12)]
+             for f in range(2)]
+    files[0][4] = dict(files[0][1])                           # a duplicate within the first file
+    files[1][7] = dict(primary[5])                            # a duplicate of a primary row
+    files[1][2] = {"id": "bad", "conversations": "not a list"}  # a malformed row
+    main_path = tmp_path / "main.jsonl"
+    main_path.write_text("\n".join(json.dumps(r) for r in primary) + "\n")
+    paths = []
+    for f, rows in enumerate(files):
+        paths.append(tmp_path / f"extra{f}.jsonl")
+        paths[-1].write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    def config(extras, r):
+        return RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                         data=DataConfig(dataset=str(main_path), extra_datasets=extras, extra_token_ratio=r,
+                                         max_length=256, cache_dir=str(tmp_path / "cache"), heldout_conversations=4,
+                                         enable_thinking=False, seed=seed))
+
+    def tokens_of(row):  # one row tokenised alone: its kept tokens (0 when dropped)
+        return int(tokenize_rows(iter([row]), qwen3, 256, False)[0].size)
+
+    primary_tokens = sum(tokens_of(r) for r in primary)
+    pool = files[0] + files[1]
+    seen, kept, total, not_sampled = {conversation_hash(*_normalized(r)) for r in primary}, set(), 0, 0
+    for index in np.random.default_rng(seed).permutation(len(pool)).tolist():
+        if total >= ratio * primary_tokens:
+            not_sampled += 1
+            continue
+        row = pool[index]
+        key = conversation_hash(*_normalized(row)) if _normalized(row)[0] is not None else None
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        if tokens_of(row):
+            kept.add(24 + index)
+            total += tokens_of(row)
+    assert kept and (not_sampled > 0 or ratio >= 1.0)  # the case samples something and, below 1, leaves rows out
+
+    alone = prepare_data(config([], None), qwen3)
+    mixed = prepare_data(config([str(p) for p in paths], ratio), qwen3)
+    rows = lambda c: [int(c.source_row(i)) for i in range(len(c))]  # noqa: E731
+    assert rows(mixed.heldout) == rows(alone.heldout)
+    stored = set(int(r) for r in np.load(mixed.cache_path / "source_rows.npy")) - set(range(24))
+    assert stored == kept
+    report = mixed.report
+    assert report.dropped.get("extra_not_sampled", 0) == not_sampled
+    assert report.rows_read == 24 + len(pool) and report.extra_conversations == len(kept)
+    assert report.tokens == primary_tokens + total
+    keys = {cache_key(config([str(p) for p in paths], r), main_path, "fp") for r in (None, ratio, ratio * 2)}
+    assert len(keys) == 3
+
+
+def _normalized(row):
+    n = normalize_conversation(row)
+    return n.messages, n.tools
+
+
 def test_an_unreadable_extra_dataset_is_named(qwen3, tmp_path):
     """JSON lines saved as .json in data.extra_datasets: the error names the extra's key and file."""
     main_path, bad = tmp_path / "main.jsonl", tmp_path / "lines.json"

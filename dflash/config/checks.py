@@ -173,6 +173,11 @@ def _check_data(t: DataConfig, d: DrafterConfig) -> None:
         if extra != "sharegpt":
             _need(not Path(extra).is_dir(), key, f"{extra} is a directory (give the JSONL file in it)")
             _need(Path(extra).is_file(), key, f"no such file: {extra} (use 'sharegpt' or a JSONL path)")
+    if t.extra_token_ratio is not None:
+        _need(t.extra_token_ratio > 0, "data.extra_token_ratio", f"must be > 0 (or null: every extra row), "
+                                                                  f"got {t.extra_token_ratio}")
+        _need(bool(t.extra_datasets), "data.extra_token_ratio", "samples data.extra_datasets, which is empty "
+                                                          "(set data.extra_token_ratio=null too)")
 
 
 def _check_train(tr: TrainConfig) -> None:

@@ -166,6 +166,11 @@ class DataConfig:
     #: ``data.set_aside_parts``) are set aside here too. E.g. the raw ShareGPT turns beside their
     #: regeneration, with ``drafter.label_chain`` so that text the target did not write is exact.
     extra_datasets: list[str] = field(default_factory=list)
+    #: Train on a sample of ``extra_datasets`` instead of all of it: their rows in a random order
+    #: (``seed``) until the kept ones hold this many times the tokens of ``dataset``'s kept rows
+    #: (1.0 = as many extra tokens as primary ones); the rest are counted as ``extra_not_sampled``.
+    #: ``null`` = every extra row.
+    extra_token_ratio: Optional[float] = None
     #: Use at most this many conversations (``null`` = all).
     max_conversations: Optional[int] = None
     #: Tokens per sequence; longer conversations are truncated.

