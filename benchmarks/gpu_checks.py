@@ -641,7 +641,8 @@ CHECKS: tuple[Check, ...] = (
           gpus=2, limit_s=600, needs=("gguf", "sharegpt")),
     Check("train_regen", "configs/smollm2-135m-h200-regen.yaml over regen's data (both roles on one GPU when only "
           "one is visible)",
-          ((_train(_REGEN, "{out}/run", "{regen_data}", "regenerate.enabled=false", _RAW_EXTRA, "train.max_steps={steps}",
+          ((_train(_REGEN, "{out}/run", "{regen_data}", "regenerate.enabled=false", _RAW_EXTRA,
+                   "train.max_steps={steps}",
                    "{one_gpu}", "{train_overrides}"),),), gpus=1, limit_s=1800, needs=("gguf", "sharegpt")),
     Check("decode_regen", "decode_bench for train_regen's drafter: 96 new tokens (bf16, fp32) on GPU 0, 512 (bf16) "
           "on GPU 1; exported",
@@ -661,7 +662,8 @@ CHECKS: tuple[Check, ...] = (
           gpus=1, limit_s=7200, needs=("gguf", "sharegpt")),
     Check("train_best", "as train_regen, with the overrides of ablation's recipe.json (the variants that beat the "
           "baseline, stacked)",
-          ((_train(_REGEN, "{out}/run", "{regen_data}", "regenerate.enabled=false", _RAW_EXTRA, "train.max_steps={steps}",
+          ((_train(_REGEN, "{out}/run", "{regen_data}", "regenerate.enabled=false", _RAW_EXTRA,
+                   "train.max_steps={steps}",
                    "{one_gpu}", "{recipe}", "{train_overrides}"),),), gpus=1, limit_s=1800, needs=("gguf", "sharegpt")),
     CHECK_DECODE_ONE,
     Check("decode", "decode_bench on the real target with `decode_checkpoint` (a random drafter without it)",

@@ -49,7 +49,8 @@ from dflash.data.corpus_cache import cache_key, cache_root, load_cached, save_ca
 from dflash.data.heldout import conversation_group, split_heldout
 from dflash.data.render import ChatRenderer, tokenize_conversation
 from dflash.data.report import (
-    DUPLICATE_CONVERSATION, DUPLICATE_ID, EXTRA_NOT_SAMPLED, REASONING_DROPPED, TOOL_CALLS_UNSUPPORTED, TOOL_TURNS_CUT, DataReport,
+    DUPLICATE_CONVERSATION, DUPLICATE_ID, EXTRA_NOT_SAMPLED, REASONING_DROPPED, TOOL_CALLS_UNSUPPORTED, TOOL_TURNS_CUT,
+    DataReport,
     drop_example, row_id,
 )
 from dflash.data.sources import SHAREGPT, dataset_path, read_rows

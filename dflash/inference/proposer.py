@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.inference.decode_layers import ATTENTIONS, cache_attention, decode_block_mask
@@ -127,6 +128,11 @@ class CachedDFlashProposer:
       that hold rejected drafts' features are never read, and are rewritten before they are.
     * Drafts are ``argmax lm_head(norm(h))`` at block positions ``1 … B−1``, as in
       :class:`DFlashProposer`; the forward runs under the same autocast (:func:`drafter_hidden`).
+    * Each layer's projections run as the engines load them (vLLM ``QKVParallelLinear`` and
+      ``MergedColumnParallelLinear``): one GEMM of the concatenated ``q_proj / k_proj / v_proj``
+      weights over ``[window ; block]`` (the window's queries are not used) and one of ``gate_proj /
+      up_proj``, so a draft launches 4 GEMMs a layer instead of 7. The concatenated weights are
+      copies taken at construction: the drafter's weights must not change afterwards.
 
     Same math as :class:`DFlashProposer` up to floating-point order (the context is projected a
     window at a time; the softmax runs over the cache's slots): in fp32 the same drafts over whole
@@ -149,7 +155,8 @@ class CachedDFlashProposer:
             (verification's, :attr:`dflash.inference.decode_steps.DecodeSteps.block_attention`).
 
     Raises:
-        ValueError: a sliding-attention layer, or an unknown ``attention``.
+        ValueError: a sliding-attention layer, an unknown ``attention``, or a q / k / v or gate / up
+            projection with a bias.
     """
 
     def __init__(self, drafter: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype,
@@ -172,16 +179,28 @@ class CachedDFlashProposer:
         self.values = [torch.zeros(shape, dtype=cache_dtype, device=param.device) for _ in drafter.layers]
         for t in self.keys + self.values:
             torch._dynamo.mark_static_address(t)
+        if any(m.bias is not None for layer in drafter.layers
+               for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                         layer.mlp.gate_proj, layer.mlp.up_proj)):
+            raise ValueError("CachedDFlashProposer: projections with a bias are not supported")
+        with torch.no_grad():
+            #: per layer: ``[(H + 2·H_kv)·hd, D]`` q / k / v weights and ``[2·I, D]`` gate / up weights
+            self.wqkv = [torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                    layer.self_attn.v_proj.weight]) for layer in drafter.layers]
+            self.w_gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+                              for layer in drafter.layers]
+        self.q_width = self.heads * self.head_dim
 
-    def _write_kv(self, i: int, kv_in: Tensor, slots: Tensor, cos: Tensor, sin: Tensor, rows: Tensor) -> None:
-        """Layer ``i``'s keys/values of ``kv_in [b', T, D]`` (its ``k_proj`` / ``k_norm`` / ``v_proj``,
-        rotated by ``cos, sin [b', 1, T, hd]``, as :class:`dflash.models.modeling_dflash.DFlashAttention`
-        computes them from ``[context ; block]``), written at ``slots [b', T]`` of cache rows
-        ``rows [b']``."""
+    def _write_kv(self, i: int, kv: Tensor, slots: Tensor, cos: Tensor, sin: Tensor, rows: Tensor) -> None:
+        """Layer ``i``'s keys/values from ``kv [b', T, 2·H_kv·hd]``, the ``k_proj`` and ``v_proj``
+        outputs side by side (normed by ``k_norm`` and rotated by ``cos, sin [b', 1, T, hd]``, as
+        :class:`dflash.models.modeling_dflash.DFlashAttention` computes them from ``[context ; block]``),
+        written at ``slots [b', T]`` of cache rows ``rows [b']``."""
         a = self.drafter.layers[i].self_attn
-        b, t, _ = kv_in.shape
-        k = a.k_norm(a.k_proj(kv_in).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)  # [b', H_kv, T, hd]
-        v = a.v_proj(kv_in).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        b, t, _ = kv.shape
+        k, v = kv.view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
+        k = a.k_norm(k).transpose(1, 2)  # [b', H_kv, T, hd]
+        v = v.transpose(1, 2)
         k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         self.keys[i][rows.unsqueeze(1), :, slots] = k.transpose(1, 2).to(self.keys[i].dtype)
         self.values[i][rows.unsqueeze(1), :, slots] = v.transpose(1, 2).to(self.values[i].dtype)
@@ -199,7 +218,8 @@ class CachedDFlashProposer:
             ctx = d.hidden_norm(d.fc(features))  # [b', W, D]
             cos, sin = d.rotary_emb(positions, dtype=torch.float32)
             for i in range(len(d.layers)):
-                self._write_kv(i, ctx, positions, cos, sin, rows)
+                kv = F.linear(ctx, self.wqkv[i][self.q_width:])  # the k / v rows of the fused weight
+                self._write_kv(i, kv, positions, cos, sin, rows)
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor, features: Tensor, anchor: Tensor) -> Tensor:
@@ -243,9 +263,10 @@ class CachedDFlashProposer:
                 a = layer.self_attn
                 h = layer.input_layernorm(x)
                 # the window's context and the block in one projection, as the training forward
-                # projects [context ; block]
-                self._write_kv(i, torch.cat([ctx.to(h.dtype), h], dim=1), slots, cos, sin, rows)
-                q = a.q_norm(a.q_proj(h).view(b, bs, hq, hd)).transpose(1, 2)  # [b, H, B, hd]
+                # projects [context ; block]; the block's rows give the queries too
+                qkv = F.linear(torch.cat([ctx.to(h.dtype), h], dim=1), self.wqkv[i])  # [b, 2B, (H + 2·H_kv)·hd]
+                self._write_kv(i, qkv[..., self.q_width:], slots, cos, sin, rows)
+                q = a.q_norm(qkv[:, bs:, :self.q_width].reshape(b, bs, hq, hd)).transpose(1, 2)  # [b, H, B, hd]
                 q = apply_rope(q, cos_q.to(q.dtype), sin_q.to(q.dtype))
                 # [b, H, B, hd] → [b, H_kv, g·B, hd]: the g query heads of a group read one key/value head
                 keys, values = self.keys[i], self.values[i]
@@ -253,5 +274,6 @@ class CachedDFlashProposer:
                 out = cache_attention(qf, keys, values, last, mask, a.scale, self.attention)
                 out = out.view(b, hkv, g, bs, hd).reshape(b, hq, bs, hd).transpose(1, 2).reshape(b, bs, hq * hd)
                 x = x + a.o_proj(out.to(x.dtype))
-                x = layer.mlp_block(x)
+                gate, up = F.linear(layer.post_attention_layernorm(x), self.w_gate_up[i]).chunk(2, dim=-1)
+                x = x + layer.mlp.down_proj(F.silu(gate) * up)  # DFlashDecoderLayer.mlp_block, one GEMM for gate / up
             return d.norm(x)
