@@ -189,6 +189,8 @@ class CachedDFlashProposer:
                                     layer.self_attn.v_proj.weight]) for layer in drafter.layers]
             self.w_gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
                               for layer in drafter.layers]
+        for t in self.wqkv + self.w_gate_up:  # fixed weights: CUDA graphs read them where they are
+            torch._dynamo.mark_static_address(t)
         self.q_width = self.heads * self.head_dim
 
     def _write_kv(self, i: int, kv: Tensor, slots: Tensor, cos: Tensor, sin: Tensor, rows: Tensor) -> None:
