@@ -552,8 +552,8 @@ def test_extra_datasets_only_train(qwen3, tmp_path, seed):
     assert rows(prepare_heldout(cold, qwen3)) == held
 
 
-@pytest.mark.parametrize("seed,ratio", [(0, 0.5), (1, 1.0), (2, 0.05)])
-def test_extra_token_ratio_samples_extra_rows(qwen3, tmp_path, seed, ratio):
+@pytest.mark.parametrize("seed,ratio", [(0, 0.5), (1, 1.0), (2, 0.05), (3, 1e6)])
+def test_extra_token_ratio_samples_extra_rows(qwen3, tmp_path, caplog, seed, ratio):
     """data.extra_token_ratio against a naive reference: the extra rows in the order of the seeded
     permutation, each counted with its own tokens (0 for a duplicate of a row read before it or a
     malformed row), kept while the kept extra tokens are below ratio × the primary tokens; the rest are
@@ -588,7 +588,7 @@ def test_extra_token_ratio_samples_extra_rows(qwen3, tmp_path, seed, ratio):
     primary_tokens = sum(tokens_of(r) for r in primary)
     pool = files[0] + files[1]
     seen, kept, total, not_sampled = {conversation_hash(*_normalized(r)) for r in primary}, set(), 0, 0
-    for index in np.random.default_rng(seed).permutation(len(pool)).tolist():
+    for index in np.random.default_rng([1, seed]).permutation(len(pool)).tolist():  # the sample's own stream
         if total >= ratio * primary_tokens:
             not_sampled += 1
             continue
@@ -612,6 +612,10 @@ def test_extra_token_ratio_samples_extra_rows(qwen3, tmp_path, seed, ratio):
     assert report.dropped.get("extra_not_sampled", 0) == not_sampled
     assert report.rows_read == 24 + len(pool) and report.extra_conversations == len(kept)
     assert report.tokens == primary_tokens + total
+    assert (report.primary_tokens, report.extra_token_ratio) == (primary_tokens, ratio)
+    assert f"{total} of the {primary_tokens + total} tokens, a sample of {ratio:g} × data.dataset's" in report.summary()
+    short = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "short of" in r.getMessage()]
+    assert bool(short) == (total < ratio * primary_tokens) and (short or ratio != 1e6)  # too few: all train
     keys = {cache_key(config([str(p) for p in paths], r), main_path, "fp") for r in (None, ratio, ratio * 2)}
     assert len(keys) == 3
 

@@ -174,8 +174,8 @@ def _check_data(t: DataConfig, d: DrafterConfig) -> None:
             _need(not Path(extra).is_dir(), key, f"{extra} is a directory (give the JSONL file in it)")
             _need(Path(extra).is_file(), key, f"no such file: {extra} (use 'sharegpt' or a JSONL path)")
     if t.extra_token_ratio is not None:
-        _need(t.extra_token_ratio > 0, "data.extra_token_ratio", f"must be > 0 (or null: every extra row), "
-                                                                  f"got {t.extra_token_ratio}")
+        _need(math.isfinite(t.extra_token_ratio) and t.extra_token_ratio > 0, "data.extra_token_ratio",
+              f"must be a finite number > 0 (or null: every extra row), got {t.extra_token_ratio}")
         _need(bool(t.extra_datasets), "data.extra_token_ratio", "samples data.extra_datasets, which is empty "
                                                           "(set data.extra_token_ratio=null too)")
 

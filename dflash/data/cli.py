@@ -32,6 +32,9 @@ def report_lines(prepared: PreparedData, twins: int, max_length: int) -> list[st
     report = prepared.report
     lines = [f"rows read: {report.rows_read}", f"kept: {report.conversations} conversations, "
              f"{report.sequences} sequences ({report.truncated} truncated at {max_length} tokens)"]
+    if report.primary_rows is not None:
+        lines.append(f"  of them from data.extra_datasets (training only): {report.extra_conversations} "
+                     f"conversations{report._extra_tokens()}")
     for title, reasons, counts in (("dropped", DROP_REASONS, report.dropped), ("fixed", FIX_REASONS, report.fixed),
                                    ("flagged", FLAG_REASONS, report.flagged)):
         lines.append(f"{title}: {sum(counts.values())}")

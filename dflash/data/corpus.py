@@ -311,21 +311,30 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
         if part == 1:
             report.primary_rows = report.rows_read
             primary_conversations = report.conversations
-            primary_tokens = sum(builder.lengths)
+            report.primary_tokens = sum(builder.lengths)
         builder.seen_ids.clear()
         for row in part_rows:
             line = part_stats.get("line") if part_stats is not None else None
             if part and sampled:
                 pool.append((part, row, line))
+                if len(pool) % PROGRESS_EVERY_ROWS == 0:
+                    log.info("read %d rows of data.extra_datasets to sample (%.1f s)", len(pool),
+                             time.perf_counter() - start)
                 continue
             builder.add(report.rows_read, row, line)
             if report.rows_read % PROGRESS_EVERY_ROWS == 0:
                 log.info("tokenised %d rows (%.1f s)", report.rows_read, time.perf_counter() - start)
     if sampled:
-        _add_sample(builder, pool, extra_token_ratio * primary_tokens, seed, start)
+        report.extra_token_ratio = float(extra_token_ratio)
+        _add_sample(builder, pool, extra_token_ratio * report.primary_tokens, seed, start)
     if extra:
         report.extra_conversations = report.conversations - primary_conversations
     return builder.finish(start)
+
+
+#: The sample of ``data.extra_token_ratio`` draws its order from ``numpy.random.default_rng([EXTRA_SAMPLE_STREAM,
+#: data.seed])``: a stream of its own, apart from the held-out split's ``default_rng(data.seed)``.
+EXTRA_SAMPLE_STREAM = 1
 
 
 def _add_sample(builder: _CorpusBuilder, pool: list[tuple[int, Any, Optional[int]]], wanted_tokens: float,
@@ -333,14 +342,17 @@ def _add_sample(builder: _CorpusBuilder, pool: list[tuple[int, Any, Optional[int
     """:func:`tokenize_rows`' sample of the extra rows ``pool`` (``(file number, row, line)`` in file
     order, numbered on from ``builder.report.rows_read``): tokenised in the order of
     ``numpy.random.default_rng(seed).permutation`` until the sequences kept from them hold
-    ``wanted_tokens``; the others are dropped as :data:`EXTRA_NOT_SAMPLED` without being read further.
-    Duplicate ids are flagged within a file, as without sampling."""
+    ``wanted_tokens``; the others are dropped as :data:`EXTRA_NOT_SAMPLED` without being read further
+    (the order: ``default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation``). Duplicate ids are flagged
+    within a file, as without sampling. Extra rows holding fewer tokens than wanted are all kept,
+    with a warning."""
     report = builder.report
     first = report.rows_read
     before = len(builder.lengths)
     kept_tokens = 0
     seen_ids: dict[int, set] = {}
-    for done, index in enumerate(np.random.default_rng(seed).permutation(len(pool)).tolist(), 1):
+    order = np.random.default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation(len(pool)).tolist()
+    for done, index in enumerate(order, 1):
         part, row, line = pool[index]
         if kept_tokens >= wanted_tokens:
             report.rows_read += 1
@@ -351,8 +363,13 @@ def _add_sample(builder: _CorpusBuilder, pool: list[tuple[int, Any, Optional[int
         builder.add(first + index, row, line)
         kept_tokens += sum(builder.lengths[sequences:])
         if done % PROGRESS_EVERY_ROWS == 0:
-            log.info("tokenised %d rows (%.1f s)", first + done, time.perf_counter() - start)
+            log.info("sampled %d of the %d rows of data.extra_datasets (%.1f s)", done, len(pool),
+                     time.perf_counter() - start)
     left_out = report.dropped.get(EXTRA_NOT_SAMPLED, 0)
+    if kept_tokens < wanted_tokens:
+        log.warning("data.extra_token_ratio: every row of data.extra_datasets gives %d tokens, short of the %.0f "
+                    "asked for (%g × data.dataset's %d): all of them train", kept_tokens, wanted_tokens,
+                    report.extra_token_ratio, report.primary_tokens)
     log.info("data.extra_token_ratio: %d of the %d rows of data.extra_datasets read in a random order (seed %d) "
              "until they gave %.0f tokens: %d tokens in %d sequences; %d rows left out", len(pool) - left_out,
              len(pool), seed, wanted_tokens, kept_tokens, len(builder.lengths) - before, left_out)

@@ -91,12 +91,14 @@ class DataReport:
     fixed: dict[str, int] = field(default_factory=dict)
     #: Kept rows flagged, by reason (keys from :data:`FLAG_REASONS`).
     flagged: dict[str, int] = field(default_factory=dict)
-    #: The first :data:`DROP_EXAMPLES_PER_REASON` dropped rows of each reason, in file order, each
+    #: The first :data:`DROP_EXAMPLES_PER_REASON` dropped rows of each reason, in the order the rows
+    #: were read (file order; a ``data.extra_token_ratio`` sample is read in its random order), each
     #: ``{"row": 0-based row index (numbered as TokenizedCorpus.source_rows), "line": 1-based line
     #: of a JSONL file (absent for a JSON array), "id": the row's ``id`` field (absent when it has
     #: none), "error": the parser's message (``invalid_json`` only)}``.
     drop_examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    #: Every row under each reason (dropped, fixed or flagged), in file order: its ``id`` as a
+    #: Every row under each reason (dropped, fixed or flagged), in the order the rows were read (as
+    #: :attr:`drop_examples`; so is which of two rows with one id is flagged): its ``id`` as a
     #: string, or ``row:<index>`` when it has none. See :meth:`ids`.
     row_ids: dict[str, list[str]] = field(default_factory=dict)
     #: Kept conversations with a sequence cut at ``data.max_length``.
@@ -115,6 +117,11 @@ class DataReport:
     #: the extra datasets (included in :attr:`conversations`); ``None`` / 0 without them.
     primary_rows: Optional[int] = None
     extra_conversations: int = 0
+    #: With ``data.extra_datasets``: the tokens kept from ``data.dataset`` (the rest of
+    #: :attr:`tokens` are the extra rows'); ``None`` without them.
+    primary_tokens: Optional[int] = None
+    #: ``data.extra_token_ratio`` when the extra rows were sampled (``None``: all of them).
+    extra_token_ratio: Optional[float] = None
     #: Seconds spent reading and tokenising (when first prepared).
     seconds: float = 0.0
     #: True when this report was loaded with the cached data.
@@ -175,11 +182,23 @@ class DataReport:
                 more = ", ..." if count > len(shown) else ""
                 examples.append(f"{reason} [{', '.join(_format_example(e) for e in shown)}{more}]")
         first = f"; first dropped: {'; '.join(examples)}" if examples else ""
-        extra = (f" ({self.extra_conversations} of them from the {self.rows_read - self.primary_rows} rows of "
-                 f"data.extra_datasets, training only)" if self.primary_rows is not None else "")
+        extra = ""
+        if self.primary_rows is not None:
+            extra = (f" ({self.extra_conversations} of them from the {self.rows_read - self.primary_rows} rows of "
+                     f"data.extra_datasets, training only{self._extra_tokens()})")
         return (f"prepared {self.conversations} conversations ({self.sequences} sequences) from {self.rows_read} "
                 f"rows of {self.source}{extra}; {dropped}; {self.truncated} truncated; {self.tokens} tokens, "
                 f"{self.assistant_tokens} assistant{where}{first}")
+
+    def _extra_tokens(self) -> str:
+        """``, 1200 of the 2400 tokens, a sample of 1.0 × data.dataset's 1200`` (empty for a report
+        without :attr:`primary_tokens`)."""
+        if self.primary_tokens is None:
+            return ""
+        text = f", {self.tokens - self.primary_tokens} of the {self.tokens} tokens"
+        if self.extra_token_ratio is not None:
+            text += f", a sample of {self.extra_token_ratio:g} × data.dataset's {self.primary_tokens}"
+        return text
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
