@@ -290,7 +290,8 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
             duplicate-id flag across files) and conversation numbers are shared, so a part of a
             conversation of ``rows`` is in that conversation here too.
         extra_token_ratio: keep a sample of ``extra`` (``data.extra_token_ratio``): all their rows are
-            read, then tokenised in the order of a permutation drawn with ``seed`` until the kept ones
+            read, then tokenised in the order of a permutation drawn with ``seed``
+            (:data:`EXTRA_SAMPLE_STREAM`) until the kept ones
             hold ``extra_token_ratio`` × the tokens kept from ``rows``; each row after that is counted
             as :data:`dflash.data.report.EXTRA_NOT_SAMPLED` (row numbers stay the files' order, so
             the arrays' extra sequences are in sample order). ``None``: every extra row, in file order.
@@ -341,9 +342,9 @@ def _add_sample(builder: _CorpusBuilder, pool: list[tuple[int, Any, Optional[int
                 seed: int, start: float) -> None:
     """:func:`tokenize_rows`' sample of the extra rows ``pool`` (``(file number, row, line)`` in file
     order, numbered on from ``builder.report.rows_read``): tokenised in the order of
-    ``numpy.random.default_rng(seed).permutation`` until the sequences kept from them hold
-    ``wanted_tokens``; the others are dropped as :data:`EXTRA_NOT_SAMPLED` without being read further
-    (the order: ``default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation``). Duplicate ids are flagged
+    ``numpy.random.default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation`` until the sequences kept
+    from them hold ``wanted_tokens``; the others are dropped as :data:`EXTRA_NOT_SAMPLED` without
+    being tokenised. Duplicate ids are flagged
     within a file, as without sampling. Extra rows holding fewer tokens than wanted are all kept,
     with a warning."""
     report = builder.report

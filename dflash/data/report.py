@@ -191,7 +191,7 @@ class DataReport:
                 f"{self.assistant_tokens} assistant{where}{first}")
 
     def _extra_tokens(self) -> str:
-        """``, 1200 of the 2400 tokens, a sample of 1.0 × data.dataset's 1200`` (empty for a report
+        """``, 1200 of the 2400 tokens, a sample of 1 × data.dataset's 1200`` (empty for a report
         without :attr:`primary_tokens`)."""
         if self.primary_tokens is None:
             return ""
