@@ -34,7 +34,7 @@ def report_lines(prepared: PreparedData, twins: int, max_length: int) -> list[st
              f"{report.sequences} sequences ({report.truncated} truncated at {max_length} tokens)"]
     if report.primary_rows is not None:
         lines.append(f"  of them from data.extra_datasets (training only): {report.extra_conversations} "
-                     f"conversations{report._extra_tokens()}")
+                     f"conversations{report.extra_tokens_text()}")
     for title, reasons, counts in (("dropped", DROP_REASONS, report.dropped), ("fixed", FIX_REASONS, report.fixed),
                                    ("flagged", FLAG_REASONS, report.flagged)):
         lines.append(f"{title}: {sum(counts.values())}")

@@ -185,12 +185,12 @@ class DataReport:
         extra = ""
         if self.primary_rows is not None:
             extra = (f" ({self.extra_conversations} of them from the {self.rows_read - self.primary_rows} rows of "
-                     f"data.extra_datasets, training only{self._extra_tokens()})")
+                     f"data.extra_datasets, training only{self.extra_tokens_text()})")
         return (f"prepared {self.conversations} conversations ({self.sequences} sequences) from {self.rows_read} "
                 f"rows of {self.source}{extra}; {dropped}; {self.truncated} truncated; {self.tokens} tokens, "
                 f"{self.assistant_tokens} assistant{where}{first}")
 
-    def _extra_tokens(self) -> str:
+    def extra_tokens_text(self) -> str:
         """``, 1200 of the 2400 tokens, a sample of 1 × data.dataset's 1200`` (empty for a report
         without :attr:`primary_tokens`)."""
         if self.primary_tokens is None:
