@@ -338,9 +338,14 @@ def causal_prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, wind
     return out.transpose(1, 2)
 
 
-def _fuse(linears: list[nn.Linear]) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
+def fuse_linears(linears: list[nn.Linear]) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
     """Concatenate the linears' weights (and biases) along the output dimension and make each
-    linear's weight a view into the result."""
+    linear's weight a view into the result: one GEMM instead of ``len(linears)`` (the fused
+    projections of :class:`FusedDecoderLayer` and :class:`dflash.inference.proposer.CachedDFlashProposer`).
+
+    Returns:
+        ``(weight [Σ out_features, in_features], bias [Σ out_features] or None)``, without gradients;
+        a linear without a bias has zeros in the fused bias when another has one."""
     weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
     has_bias = [m.bias is not None for m in linears]
     bias = None
@@ -391,7 +396,8 @@ class FusedDecoderLayer(nn.Module):
         fused = getattr(layer, FUSED_ATTR, None)
         if fused is None or attn.q_proj.weight.data_ptr() != fused[0].data_ptr() \
                 or mlp.gate_proj.weight.data_ptr() != fused[2].data_ptr():
-            fused = (*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), *_fuse([mlp.gate_proj, mlp.up_proj]))
+            fused = (*fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
+                     *fuse_linears([mlp.gate_proj, mlp.up_proj]))
             object.__setattr__(layer, FUSED_ATTR, fused)
         self.wqkv, self.bqkv, self.w_gate_up, self.b_gate_up = fused
         self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.inference.decode_layers import ATTENTIONS, cache_attention, decode_block_mask
+from dflash.inference.decode_layers import ATTENTIONS, cache_attention, decode_block_mask, fuse_linears
 from dflash.models.modeling_dflash import FULL_ATTENTION, apply_rope
 
 __all__ = ["Proposer", "drafter_hidden", "drafter_for_decoding", "DFlashProposer", "CachedDFlashProposer",
@@ -131,8 +131,10 @@ class CachedDFlashProposer:
     * Each layer's projections run as the engines load them (vLLM ``QKVParallelLinear`` and
       ``MergedColumnParallelLinear``): one GEMM of the concatenated ``q_proj / k_proj / v_proj``
       weights over ``[window ; block]`` (the window's queries are not used) and one of ``gate_proj /
-      up_proj``, so a draft launches 4 GEMMs a layer instead of 7. The concatenated weights are
-      copies taken at construction: the drafter's weights must not change afterwards.
+      up_proj``, so a draft launches 4 GEMMs a layer instead of 7
+      (:func:`dflash.inference.decode_layers.fuse_linears`: the drafter's linears become views into
+      the fused weights, as the target's fused layers do; a drafter moved or cast afterwards needs a
+      new proposer).
 
     Same math as :class:`DFlashProposer` up to floating-point order (the context is projected a
     window at a time; the softmax runs over the cache's slots): in fp32 the same drafts over whole
@@ -155,8 +157,7 @@ class CachedDFlashProposer:
             (verification's, :attr:`dflash.inference.decode_steps.DecodeSteps.block_attention`).
 
     Raises:
-        ValueError: a sliding-attention layer, an unknown ``attention``, or a q / k / v or gate / up
-            projection with a bias.
+        ValueError: a sliding-attention layer, or an unknown ``attention``.
     """
 
     def __init__(self, drafter: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype,
@@ -179,18 +180,13 @@ class CachedDFlashProposer:
         self.values = [torch.zeros(shape, dtype=cache_dtype, device=param.device) for _ in drafter.layers]
         for t in self.keys + self.values:
             torch._dynamo.mark_static_address(t)
-        if any(m.bias is not None for layer in drafter.layers
-               for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                         layer.mlp.gate_proj, layer.mlp.up_proj)):
-            raise ValueError("CachedDFlashProposer: projections with a bias are not supported")
-        with torch.no_grad():
-            #: per layer: ``[(H + 2·H_kv)·hd, D]`` q / k / v weights and ``[2·I, D]`` gate / up weights
-            self.wqkv = [torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                                    layer.self_attn.v_proj.weight]) for layer in drafter.layers]
-            self.w_gate_up = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
-                              for layer in drafter.layers]
-        for t in self.wqkv + self.w_gate_up:  # fixed weights: CUDA graphs read them where they are
-            torch._dynamo.mark_static_address(t)
+        #: per layer: ``(weight [(H + 2·H_kv)·hd, D], bias)`` of q / k / v and ``(weight [2·I, D], bias)``
+        #: of gate / up
+        self.qkv = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                    for layer in drafter.layers]
+        self.gate_up = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in drafter.layers]
+        for t in (t for pair in self.qkv + self.gate_up for t in pair if t is not None):
+            torch._dynamo.mark_static_address(t)  # fixed weights: CUDA graphs read them where they are
         self.q_width = self.heads * self.head_dim
 
     def _write_kv(self, i: int, kv: Tensor, slots: Tensor, cos: Tensor, sin: Tensor, rows: Tensor) -> None:
@@ -220,7 +216,8 @@ class CachedDFlashProposer:
             ctx = d.hidden_norm(d.fc(features))  # [b', W, D]
             cos, sin = d.rotary_emb(positions, dtype=torch.float32)
             for i in range(len(d.layers)):
-                kv = F.linear(ctx, self.wqkv[i][self.q_width:])  # the k / v rows of the fused weight
+                w, bias = self.qkv[i]  # the k / v rows of the fused weight
+                kv = F.linear(ctx, w[self.q_width:], None if bias is None else bias[self.q_width:])
                 self._write_kv(i, kv, positions, cos, sin, rows)
 
     @torch.no_grad()
@@ -266,7 +263,7 @@ class CachedDFlashProposer:
                 h = layer.input_layernorm(x)
                 # the window's context and the block in one projection, as the training forward
                 # projects [context ; block]; the block's rows give the queries too
-                qkv = F.linear(torch.cat([ctx.to(h.dtype), h], dim=1), self.wqkv[i])  # [b, 2B, (H + 2·H_kv)·hd]
+                qkv = F.linear(torch.cat([ctx.to(h.dtype), h], dim=1), *self.qkv[i])  # [b, 2B, (H + 2·H_kv)·hd]
                 self._write_kv(i, qkv[..., self.q_width:], slots, cos, sin, rows)
                 q = a.q_norm(qkv[:, bs:, :self.q_width].reshape(b, bs, hq, hd)).transpose(1, 2)  # [b, H, B, hd]
                 q = apply_rope(q, cos_q.to(q.dtype), sin_q.to(q.dtype))
@@ -276,6 +273,6 @@ class CachedDFlashProposer:
                 out = cache_attention(qf, keys, values, last, mask, a.scale, self.attention)
                 out = out.view(b, hkv, g, bs, hd).reshape(b, hq, bs, hd).transpose(1, 2).reshape(b, bs, hq * hd)
                 x = x + a.o_proj(out.to(x.dtype))
-                gate, up = F.linear(layer.post_attention_layernorm(x), self.w_gate_up[i]).chunk(2, dim=-1)
+                gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
                 x = x + layer.mlp.down_proj(F.silu(gate) * up)  # DFlashDecoderLayer.mlp_block, one GEMM for gate / up
             return d.norm(x)
