@@ -3,7 +3,10 @@ normalisation, loss mask, drop report, cache, split."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -623,6 +626,39 @@ def test_extra_token_ratio_samples_extra_rows(qwen3, tmp_path, caplog, seed, rat
 def _normalized(row):
     n = normalize_conversation(row)
     return n.messages, n.tools
+
+
+def test_the_data_stage_shows_progress(qwen3, tmp_path, caplog):
+    """prepare_data's tokenising shows a progress line over the MiB of every input (a gzip file
+    counted by its compressed bytes) and one over the thousands of tokens the sample wants; each
+    ends at its total with the rows counted."""
+    caplog.set_level(logging.INFO, logger="dflash.data.corpus")
+    rng = np.random.default_rng(7)
+    words = lambda: " ".join(f"w{int(x)}" for x in rng.integers(0, 500, int(rng.integers(5, 40))))  # noqa: E731
+    primary = [{"id": f"p{k}_0", "conversations": _turns(("human", words()), ("gpt", words()))} for k in range(20)]
+    extra = [{"id": f"x{k}", "conversations": _turns(("human", words()), ("gpt", words()))} for k in range(30)]
+    main_path, extra_path = tmp_path / "main.jsonl", tmp_path / "extra.jsonl.gz"
+    main_path.write_text("\n".join(json.dumps(r) for r in primary) + "\n")
+    with gzip.open(extra_path, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in extra) + "\n")
+    stats: dict = {}
+    positions = [stats["position"] for _ in read_rows(str(extra_path), stats=stats)]
+    assert positions == sorted(positions) and positions[-1] == extra_path.stat().st_size
+
+    cfg = RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                    data=DataConfig(dataset=str(main_path), extra_datasets=[str(extra_path)], extra_token_ratio=0.5,
+                                    max_length=256, cache_dir=str(tmp_path / "cache"), heldout_conversations=2,
+                                    enable_thinking=False))
+    report = prepare_data(cfg, qwen3).report
+    lines = [r.getMessage() for r in caplog.records]
+    read = [m for m in lines if m.startswith("data: reading and tokenising ")]
+    assert read and read[-1].startswith("data: reading and tokenising 1/1 MiB read, 50 rows, 20 kept | ")
+    wanted_k = math.ceil(0.5 * report.primary_tokens / 1000)
+    sampled = [m for m in lines if m.startswith("data: sampling data.extra_datasets ")]
+    rows_tokenised = 30 - report.dropped.get("extra_not_sampled", 0)
+    assert sampled and sampled[-1].startswith(
+        f"data: sampling data.extra_datasets {wanted_k}/{wanted_k} thousand tokens, {rows_tokenised} rows | ")
+    assert 0 < rows_tokenised < 30 and "eta 0:00" in sampled[-1]
 
 
 def test_an_unreadable_extra_dataset_is_named(qwen3, tmp_path):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,7 @@ __all__ = ["TokenizedCorpus", "PreparedData", "prepare_cache", "load_prepared", 
 
 log = logging.getLogger(__name__)
 
-#: Log progress every this many rows while tokenising.
-PROGRESS_EVERY_ROWS = 5000
+_MIB = 1 << 20
 
 
 class TokenizedCorpus:
@@ -274,7 +274,8 @@ class _CorpusBuilder:
 def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_length: int,
                   enable_thinking: Optional[bool], source: str = "rows", stats: Optional[dict] = None,
                   extra: Sequence[tuple[Iterator[Any], dict]] = (), extra_token_ratio: Optional[float] = None,
-                  seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
+                  seed: int = 0, sizes: Sequence[int] = ()
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
     """Normalise, deduplicate and tokenise every row; never raises on a bad row.
 
     Each dropped row is counted under one reason, each changed or flagged row under its reasons
@@ -295,6 +296,11 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
             hold ``extra_token_ratio`` × the tokens kept from ``rows``; each row after that is counted
             as :data:`dflash.data.report.EXTRA_NOT_SAMPLED` (row numbers stay the files' order, so
             the arrays' extra sequences are in sample order). ``None``: every extra row, in file order.
+        sizes: the bytes of ``rows``' file and of each of ``extra``'s, in that order: with them a
+            progress line (:class:`dflash.progress.Progress`, MiB read of their sum, with an ETA;
+            each reader's ``stats["position"]`` says how far it is) runs while the rows are read and
+            tokenised, and another (thousands of tokens kept of the wanted ones) while the sample
+            is tokenised. Empty: no progress lines.
 
     Returns:
         ``(tokens int32 [T], loss_mask uint8 [T], offsets int64 [N + 1], source_rows int64 [N],
@@ -308,26 +314,35 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
     report = builder.report
     sampled = extra_token_ratio is not None and bool(extra)
     pool: list[tuple[int, Any, Optional[int]]] = []  # (file, row, line) of every extra row, when sampled
-    for part, (part_rows, part_stats) in enumerate([(rows, stats), *extra]):
-        if part == 1:
-            report.primary_rows = report.rows_read
-            primary_conversations = report.conversations
-            report.primary_tokens = sum(builder.lengths)
-        builder.seen_ids.clear()
-        for row in part_rows:
-            line = part_stats.get("line") if part_stats is not None else None
-            if part and sampled:
-                pool.append((part, row, line))
-                if len(pool) % PROGRESS_EVERY_ROWS == 0:
-                    log.info("read %d rows of data.extra_datasets to sample (%.1f s)", len(pool),
-                             time.perf_counter() - start)
-                continue
-            builder.add(report.rows_read, row, line)
-            if report.rows_read % PROGRESS_EVERY_ROWS == 0:
-                log.info("tokenised %d rows (%.1f s)", report.rows_read, time.perf_counter() - start)
+    total_mib = max(1, -(-sum(sizes) // _MIB))
+    bar = Progress(total_mib, desc="data: reading and tokenising", unit="MiB", logger=log) if sizes else None
+    read_before = 0  # bytes of the files already read
+    try:
+        for part, (part_rows, part_stats) in enumerate([(rows, stats), *extra]):
+            if part == 1:
+                report.primary_rows = report.rows_read
+                primary_conversations = report.conversations
+                report.primary_tokens = sum(builder.lengths)
+            builder.seen_ids.clear()
+            for row in part_rows:
+                line = part_stats.get("line") if part_stats is not None else None
+                if part and sampled:
+                    pool.append((part, row, line))
+                else:
+                    builder.add(report.rows_read, row, line)
+                if bar is not None:
+                    position = read_before + (part_stats or {}).get("position", 0)
+                    bar.update(min(total_mib - 1, position // _MIB),  # the total once all is read
+                               f"MiB read, {report.rows_read + len(pool)} rows, {report.conversations} kept")
+            read_before += sizes[part] if part < len(sizes) else 0
+        if bar is not None:
+            bar.update(total_mib)
+    finally:
+        if bar is not None:
+            bar.close()
     if sampled:
         report.extra_token_ratio = float(extra_token_ratio)
-        _add_sample(builder, pool, extra_token_ratio * report.primary_tokens, seed, start)
+        _add_sample(builder, pool, extra_token_ratio * report.primary_tokens, seed, show=bool(sizes))
     if extra:
         report.extra_conversations = report.conversations - primary_conversations
     return builder.finish(start)
@@ -339,33 +354,41 @@ EXTRA_SAMPLE_STREAM = 1
 
 
 def _add_sample(builder: _CorpusBuilder, pool: list[tuple[int, Any, Optional[int]]], wanted_tokens: float,
-                seed: int, start: float) -> None:
+                seed: int, show: bool = False) -> None:
     """:func:`tokenize_rows`' sample of the extra rows ``pool`` (``(file number, row, line)`` in file
     order, numbered on from ``builder.report.rows_read``): tokenised in the order of
     ``numpy.random.default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation`` until the sequences kept
     from them hold ``wanted_tokens``; the others are dropped as :data:`EXTRA_NOT_SAMPLED` without
     being tokenised. Duplicate ids are flagged
     within a file, as without sampling. Extra rows holding fewer tokens than wanted are all kept,
-    with a warning."""
+    with a warning. ``show``: a progress line (thousands of tokens kept of the wanted ones)."""
     report = builder.report
     first = report.rows_read
     before = len(builder.lengths)
     kept_tokens = 0
     seen_ids: dict[int, set] = {}
     order = np.random.default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation(len(pool)).tolist()
-    for done, index in enumerate(order, 1):
-        part, row, line = pool[index]
-        if kept_tokens >= wanted_tokens:
-            report.rows_read += 1
-            report.drop(EXTRA_NOT_SAMPLED, drop_example(row, first + index, line))
-            continue
-        builder.seen_ids = seen_ids.setdefault(part, set())
-        sequences = len(builder.lengths)
-        builder.add(first + index, row, line)
-        kept_tokens += sum(builder.lengths[sequences:])
-        if done % PROGRESS_EVERY_ROWS == 0:
-            log.info("sampled %d of the %d rows of data.extra_datasets (%.1f s)", done, len(pool),
-                     time.perf_counter() - start)
+    wanted_k = max(1, math.ceil(wanted_tokens / 1000))
+    bar = (Progress(wanted_k, desc="data: sampling data.extra_datasets", unit="thousand tokens", logger=log)
+           if show else None)
+    try:
+        for index in order:
+            part, row, line = pool[index]
+            if kept_tokens >= wanted_tokens:
+                report.rows_read += 1
+                report.drop(EXTRA_NOT_SAMPLED, drop_example(row, first + index, line))
+                continue
+            builder.seen_ids = seen_ids.setdefault(part, set())
+            sequences = len(builder.lengths)
+            builder.add(first + index, row, line)
+            kept_tokens += sum(builder.lengths[sequences:])
+            if bar is not None:
+                bar.update(min(wanted_k - 1, kept_tokens // 1000), f"thousand tokens, {report.rows_read - first} rows")
+        if bar is not None:
+            bar.update(wanted_k)
+    finally:
+        if bar is not None:
+            bar.close()
     left_out = report.dropped.get(EXTRA_NOT_SAMPLED, 0)
     if kept_tokens < wanted_tokens:
         log.warning("data.extra_token_ratio: every row of data.extra_datasets gives %d tokens, short of the %.0f "
@@ -391,10 +414,11 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
     for i, x in enumerate(d.extra_datasets):
         extra_stats: dict = {}
         extra.append((_rows_of_extra(i, x, extra_stats), extra_stats))
+    sizes = [path.stat().st_size] + [_size_of(x) for x in d.extra_datasets]
     tokens, loss_mask, offsets, source_rows, source_groups, report = tokenize_rows(
         read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
         source=source if not d.extra_datasets else f"{source} + {', '.join(d.extra_datasets)}", stats=stats,
-        extra=extra, extra_token_ratio=d.extra_token_ratio, seed=d.seed)
+        extra=extra, extra_token_ratio=d.extra_token_ratio, seed=d.seed, sizes=sizes)
     report.unparsed_tail_chars = int(stats.get("tail_chars", 0))
     meta = {"dataset": str(path), "key": directory.name, "tokenizer": fingerprint,
             "max_length": d.max_length, "max_conversations": d.max_conversations,
@@ -403,6 +427,15 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
               "source_groups": source_groups}
     save_cached(directory, arrays, report, meta)
     return arrays, report
+
+
+def _size_of(dataset: str) -> int:
+    """Bytes of the file ``dataset`` names (:func:`dflash.data.sources.dataset_path`), 0 when there is
+    none (its reader then raises the error that names it)."""
+    try:
+        return dataset_path(dataset).stat().st_size
+    except (ConfigError, OSError):
+        return 0
 
 
 def _rows_of_extra(index: int, dataset: str, stats: dict) -> Iterator[Any]:

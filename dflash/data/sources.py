@@ -123,17 +123,19 @@ def iter_jsonl(path: Union[str, os.PathLike], stats: Optional[dict] = None) -> I
     Args:
         stats: if given, ``stats["line"]`` is the 1-based line number of the row just yielded (blank
             lines are skipped, so it can differ from the row's index + 1) and ``stats["position"]``
-            the bytes of the file up to its end (for progress).
+            the bytes of the file up to its end (for progress; of a ``.gz`` file, the compressed
+            bytes read so far, read-ahead included).
     """
     stats = stats if stats is not None else {}
     position = 0
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as handle:
+    compressed = str(path).endswith(".gz")
+    with (gzip.open if compressed else open)(path, "rb") as handle:
         for line, raw in enumerate(handle, start=1):
             position += len(raw)
             if not raw.strip():
                 continue
             stats["line"] = line
-            stats["position"] = position
+            stats["position"] = handle.fileobj.tell() if compressed else position
             if line == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8):]
             try:
