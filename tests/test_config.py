@@ -102,6 +102,7 @@ BAD_CASES = [
      r"^data\.extra_token_ratio: must be a finite number > 0 \(or null: every extra row\), got 0"),
     (["data.extra_datasets=[sharegpt]", "data.extra_token_ratio=.inf"], 0,
      r"^data\.extra_token_ratio: must be a finite number > 0 \(or null: every extra row\), got inf"),
+    (["data.tokenize_workers=0"], 0, r"^data\.tokenize_workers: must be >= 1 \(or null: by the data's size\), got 0"),
     (["drafter.label_chain=true", "drafter.labels=data"], 0,
      r"^drafter\.label_chain: applies only to drafter\.labels: target .*got labels: data\)$"),
     (["drafter.distillation=1.5"], 0, r"^drafter\.distillation: must be in \[0, 1\], got 1\.5$"),

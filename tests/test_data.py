@@ -628,6 +628,54 @@ def _normalized(row):
     return n.messages, n.tools
 
 
+@pytest.mark.parametrize("ratio", [None, 0.6])
+def test_tokenising_in_processes_gives_the_same_corpus(qwen3, tmp_path, caplog, ratio):
+    """tokenize_rows with 3 worker processes (chunks of 5 conversations, so that results cross
+    chunks and the sample stops inside one) against the one-process path on rows with duplicates,
+    malformed rows, repeated ids, multi-turn and long conversations: the same arrays, report and drop
+    examples, with and without a sample of the extra rows."""
+    from dflash.data import tokenize_pool
+
+    rng = np.random.default_rng(11)
+    words = lambda n: " ".join(f"w{int(x)}" for x in rng.integers(0, 900, n))  # noqa: E731
+    rows = []
+    for k in range(40):
+        turns = [("human" if t % 2 == 0 else "gpt", words(int(rng.integers(1, 120)))) for t in range(2 * int(rng.integers(1, 4)))]
+        rows.append({"id": f"c{k % 30}_{k // 30}", "conversations": _turns(*turns)})
+    rows[7] = dict(rows[3])                                          # a duplicate
+    rows[12] = {"id": "bad", "conversations": "not a list"}          # malformed
+    rows[20] = {"id": "x", "conversations": _turns(("gpt", "no user"))}
+    extra = [{"id": f"e{k}", "conversations": _turns(("human", words(20)), ("gpt", words(int(rng.integers(5, 300)))))}
+             for k in range(30)]
+    extra[4] = dict(rows[9])                                         # a duplicate of a primary row
+    main_path, extra_path = tmp_path / "main.jsonl", tmp_path / "extra.jsonl"
+    main_path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    extra_path.write_text("\n".join(json.dumps(r) for r in extra) + "\n")
+
+    def run(workers):
+        stats, extra_stats = {}, {}
+        return tokenize_rows(read_rows(str(main_path), stats=stats), qwen3, 160, False, stats=stats,
+                             extra=[(read_rows(str(extra_path), stats=extra_stats), extra_stats)],
+                             extra_token_ratio=ratio, seed=3, workers=workers)
+
+    caplog.set_level(logging.INFO, logger="dflash.data.tokenize_pool")
+    one = run(1)
+    old_chunk = tokenize_pool.CHUNK_CONVERSATIONS
+    tokenize_pool.CHUNK_CONVERSATIONS = 5
+    try:
+        three = run(3)
+    finally:
+        tokenize_pool.CHUNK_CONVERSATIONS = old_chunk
+    assert [r.getMessage() for r in caplog.records] == ["tokenising in 3 processes (data.tokenize_workers)"]
+    for a, b in zip(one[:5], three[:5]):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    r1, r3 = one[5], three[5]
+    assert r1.dropped and r1.truncated and (ratio is None or r1.dropped.get("extra_not_sampled"))
+    for field in ("rows_read", "conversations", "sequences", "tokens", "assistant_tokens", "dropped", "fixed",
+                  "flagged", "drop_examples", "row_ids", "truncated", "primary_rows", "primary_tokens", "extra_conversations"):
+        assert getattr(r1, field) == getattr(r3, field), field
+
+
 def test_the_data_stage_shows_progress(qwen3, tmp_path, caplog):
     """prepare_data's tokenising shows a progress line over the MiB of every input (a gzip file
     counted by its compressed bytes) and one over the thousands of tokens the sample wants; each

@@ -173,6 +173,8 @@ def _check_data(t: DataConfig, d: DrafterConfig) -> None:
         if extra != "sharegpt":
             _need(not Path(extra).is_dir(), key, f"{extra} is a directory (give the JSONL file in it)")
             _need(Path(extra).is_file(), key, f"no such file: {extra} (use 'sharegpt' or a JSONL path)")
+    _need(t.tokenize_workers is None or t.tokenize_workers >= 1, "data.tokenize_workers",
+          f"must be >= 1 (or null: by the data's size), got {t.tokenize_workers}")
     if t.extra_token_ratio is not None:
         _need(math.isfinite(t.extra_token_ratio) and t.extra_token_ratio > 0, "data.extra_token_ratio",
               f"must be a finite number > 0 (or null: every extra row), got {t.extra_token_ratio}")

@@ -189,6 +189,10 @@ class DataConfig:
     cache_dir: Optional[str] = None
     #: Chat template ``enable_thinking`` for templates that have it (``null`` = template default).
     enable_thinking: Optional[bool] = None
+    #: Processes that render and tokenise the conversations when the cache is cold (the same
+    #: corpus for any number). ``null`` = one below 16 MiB of data files, else every CPU this
+    #: process may use, at most 32 (:mod:`dflash.data.tokenize_pool`).
+    tokenize_workers: Optional[int] = None
 
 
 @dataclass

@@ -49,6 +49,7 @@ from dflash.data.conversations import conversation_hash, normalize_conversation
 from dflash.data.corpus_cache import cache_key, cache_root, load_cached, save_cached
 from dflash.data.heldout import conversation_group, split_heldout
 from dflash.data.render import ChatRenderer, tokenize_conversation
+from dflash.data.tokenize_pool import Job, TokenizePool, tokenize_workers
 from dflash.data.report import (
     DUPLICATE_CONVERSATION, DUPLICATE_ID, EXTRA_NOT_SAMPLED, REASONING_DROPPED, TOOL_CALLS_UNSUPPORTED, TOOL_TURNS_CUT,
     DataReport,
@@ -183,9 +184,24 @@ class _CorpusBuilder:
         self.seen_hashes: set[str] = set()
         self.seen_ids: set[Union[str, int]] = set()
 
-    def add(self, row_number: int, row: Any, line: Optional[int]) -> None:
+    def job(self, row: Any) -> tuple[Any, Optional[Job]]:
+        """``(normalized, job)`` of ``row``: its :func:`normalize_conversation` and what
+        :func:`tokenize_conversation` would be given for it (``(messages, tools)``), or None when
+        it would not be tokenised (it does not normalise, or its tool turns leave no assistant
+        turn). Depends on nothing read before it: :class:`dflash.data.tokenize_pool.TokenizePool`
+        tokenises jobs ahead of :meth:`add`."""
+        normalized = normalize_conversation(row)
+        if normalized.messages is None:
+            return normalized, None
+        reason, messages, tools = self._template_input(normalized.messages, normalized.tools, [])
+        return normalized, (None if reason is not None else (messages, tools))
+
+    def add(self, row_number: int, row: Any, line: Optional[int], normalized: Any = None,
+            tokenized: Optional[tuple[list, Optional[str], dict]] = None) -> None:
         """Normalise, deduplicate and tokenise one row; count it as kept (with its fixes and flags) or
-        dropped (with its example; ``line`` is its line in a JSONL file, or None)."""
+        dropped (with its example; ``line`` is its line in a JSONL file, or None). ``normalized``
+        and ``tokenized``: the row's :meth:`job` normalisation and its job's
+        :func:`tokenize_conversation` result when already computed (else computed here)."""
         report = self.report
         report.rows_read += 1
         example = drop_example(row, row_number, line)
@@ -193,7 +209,8 @@ class _CorpusBuilder:
         duplicate_id = identity is not None and identity in self.seen_ids
         if identity is not None:
             self.seen_ids.add(identity)
-        normalized = normalize_conversation(row)
+        if normalized is None:
+            normalized = normalize_conversation(row)
         reason = normalized.reason
         fixes = list(normalized.fixes)
         if normalized.messages is not None:
@@ -203,7 +220,8 @@ class _CorpusBuilder:
             else:
                 self.seen_hashes.add(digest)
         if reason is None:
-            reason = self._tokenize(row_number, self._group(identity), normalized.messages, normalized.tools, fixes)
+            reason = self._tokenize(row_number, self._group(identity), normalized.messages, normalized.tools, fixes,
+                                    tokenized)
         if reason is not None:
             report.drop(reason, example)
             return
@@ -219,20 +237,31 @@ class _CorpusBuilder:
             return -1 - self.report.rows_read  # negative: never shared with a numbered conversation
         return self.group_numbers.setdefault(group, len(self.group_numbers))
 
-    def _tokenize(self, row_number: int, group: int, messages: list[dict[str, Any]], tools: Optional[list[Any]],
-                  fixes: list[str]) -> Optional[str]:
-        """Tokenise a new conversation of conversation number ``group`` and keep its sequences
-        (appending its fixes to ``fixes``); returns the drop reason, or None when it is kept."""
+    def _template_input(self, messages: list[dict[str, Any]], tools: Optional[list[Any]], fixes: list[str]
+                        ) -> tuple[Optional[str], list[dict[str, Any]], Optional[list[Any]]]:
+        """``(reason, messages, tools)`` the template is given for a normalised conversation: without
+        its tool turns when the template does not write them (appending the fix to ``fixes``), or
+        the drop reason when that leaves no assistant turn."""
         if not self.renderer.supports_tools:
             kept = _without_tools(messages)
             if len(kept) < len(messages) or tools:
                 if not any(m["role"] == "assistant" for m in kept):
-                    return TOOL_CALLS_UNSUPPORTED
+                    return TOOL_CALLS_UNSUPPORTED, messages, tools
                 if len(kept) < len(messages):
                     fixes.append(TOOL_TURNS_CUT)
                 messages, tools = kept, None
-        sequences, reason, info = tokenize_conversation(messages, self.tokenizer, self.max_length, tools=tools,
-                                                        renderer=self.renderer, probe=self.probe)
+        return None, messages, tools
+
+    def _tokenize(self, row_number: int, group: int, messages: list[dict[str, Any]], tools: Optional[list[Any]],
+                  fixes: list[str], tokenized: Optional[tuple[list, Optional[str], dict]] = None) -> Optional[str]:
+        """Tokenise a new conversation of conversation number ``group`` and keep its sequences
+        (appending its fixes to ``fixes``; ``tokenized``: its :func:`tokenize_conversation` result
+        when already computed); returns the drop reason, or None when it is kept."""
+        reason, messages, tools = self._template_input(messages, tools, fixes)
+        if reason is not None:
+            return reason
+        sequences, reason, info = tokenized if tokenized is not None else tokenize_conversation(
+            messages, self.tokenizer, self.max_length, tools=tools, renderer=self.renderer, probe=self.probe)
         report = self.report
         if self.probe:
             if reason is None:
@@ -274,7 +303,7 @@ class _CorpusBuilder:
 def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_length: int,
                   enable_thinking: Optional[bool], source: str = "rows", stats: Optional[dict] = None,
                   extra: Sequence[tuple[Iterator[Any], dict]] = (), extra_token_ratio: Optional[float] = None,
-                  seed: int = 0, sizes: Sequence[int] = ()
+                  seed: int = 0, sizes: Sequence[int] = (), workers: int = 1
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
     """Normalise, deduplicate and tokenise every row; never raises on a bad row.
 
@@ -301,6 +330,9 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
             each reader's ``stats["position"]`` says how far it is) runs while the rows are read and
             tokenised, and another (thousands of tokens kept of the wanted ones) while the sample
             is tokenised. Empty: no progress lines.
+        workers: processes that render and encode the conversations
+            (:class:`dflash.data.tokenize_pool.TokenizePool`; ``data.tokenize_workers``): the same
+            arrays and report for any number; 1 = this process alone.
 
     Returns:
         ``(tokens int32 [T], loss_mask uint8 [T], offsets int64 [N + 1], source_rows int64 [N],
@@ -313,36 +345,61 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
     builder = _CorpusBuilder(tokenizer, max_length, enable_thinking, source)
     report = builder.report
     sampled = extra_token_ratio is not None and bool(extra)
-    pool: list[tuple[int, Any, Optional[int]]] = []  # (file, row, line) of every extra row, when sampled
+    parts = [(rows, stats), *extra]
+    extra_rows: list[tuple[int, Any, Optional[int]]] = []  # (file, row, line) of every extra row, when sampled
+    before = [sum(sizes[:k]) for k in range(len(parts))]  # bytes of the files before each
     total_mib = max(1, -(-sum(sizes) // _MIB))
-    bar = Progress(total_mib, desc="data: reading and tokenising", unit="MiB", logger=log) if sizes else None
-    read_before = 0  # bytes of the files already read
-    try:
-        for part, (part_rows, part_stats) in enumerate([(rows, stats), *extra]):
-            if part == 1:
-                report.primary_rows = report.rows_read
-                primary_conversations = report.conversations
-                report.primary_tokens = sum(builder.lengths)
-            builder.seen_ids.clear()
+    primary_conversations = 0
+
+    def start_part(part: int) -> None:  # what changes where the rows of a file begin
+        nonlocal primary_conversations
+        if part == 1:
+            report.primary_rows = report.rows_read
+            primary_conversations = report.conversations
+            report.primary_tokens = sum(builder.lengths)
+        builder.seen_ids.clear()
+
+    def read(jobs: bool) -> Iterator[tuple[tuple, Optional[Job]]]:  # ((part, row, line, position, normalized), job)
+        for part, (part_rows, part_stats) in enumerate(parts):
             for row in part_rows:
                 line = part_stats.get("line") if part_stats is not None else None
-                if part and sampled:
-                    pool.append((part, row, line))
-                else:
-                    builder.add(report.rows_read, row, line)
-                if bar is not None:
-                    position = read_before + (part_stats or {}).get("position", 0)
-                    bar.update(min(total_mib - 1, position // _MIB),  # the total once all is read
-                               f"MiB read, {report.rows_read + len(pool)} rows, {report.conversations} kept")
-            read_before += sizes[part] if part < len(sizes) else 0
+                position = before[part] + (part_stats or {}).get("position", 0)
+                normalized, job = builder.job(row) if jobs and not (part and sampled) else (None, None)
+                yield (part, row, line, position, normalized), job
+
+    pool = TokenizePool.create(tokenizer, max_length, enable_thinking, workers)
+    bar = Progress(total_mib, desc="data: reading and tokenising", unit="MiB", logger=log) if sizes else None
+    try:
+        current = 0
+        start_part(0)
+        items = pool.map(read(True)) if pool is not None else ((key, None) for key, _ in read(False))
+        for (part, row, line, position, normalized), tokenized in items:
+            while current < part:
+                current += 1
+                start_part(current)
+            if part and sampled:
+                extra_rows.append((part, row, line))
+            else:
+                builder.add(report.rows_read, row, line, normalized, tokenized)
+            if bar is not None:
+                bar.update(min(total_mib - 1, position // _MIB),  # the total once all is read
+                           f"MiB read, {report.rows_read + len(extra_rows)} rows, {report.conversations} kept")
+        while current < len(parts) - 1:
+            current += 1
+            start_part(current)
         if bar is not None:
             bar.update(total_mib)
+            bar.close()
+            bar = None
+        if sampled:
+            report.extra_token_ratio = float(extra_token_ratio)
+            _add_sample(builder, extra_rows, extra_token_ratio * report.primary_tokens, seed, show=bool(sizes),
+                        pool=pool)
     finally:
         if bar is not None:
             bar.close()
-    if sampled:
-        report.extra_token_ratio = float(extra_token_ratio)
-        _add_sample(builder, pool, extra_token_ratio * report.primary_tokens, seed, show=bool(sizes))
+        if pool is not None:
+            pool.close()
     if extra:
         report.extra_conversations = report.conversations - primary_conversations
     return builder.finish(start)
@@ -353,50 +410,63 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
 EXTRA_SAMPLE_STREAM = 1
 
 
-def _add_sample(builder: _CorpusBuilder, pool: list[tuple[int, Any, Optional[int]]], wanted_tokens: float,
-                seed: int, show: bool = False) -> None:
-    """:func:`tokenize_rows`' sample of the extra rows ``pool`` (``(file number, row, line)`` in file
-    order, numbered on from ``builder.report.rows_read``): tokenised in the order of
+def _add_sample(builder: _CorpusBuilder, extra_rows: list[tuple[int, Any, Optional[int]]], wanted_tokens: float,
+                seed: int, show: bool = False, pool: Optional[TokenizePool] = None) -> None:
+    """:func:`tokenize_rows`' sample of the extra rows ``extra_rows`` (``(file number, row, line)`` in
+    file order, numbered on from ``builder.report.rows_read``): tokenised in the order of
     ``numpy.random.default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation`` until the sequences kept
     from them hold ``wanted_tokens``; the others are dropped as :data:`EXTRA_NOT_SAMPLED` without
     being tokenised. Duplicate ids are flagged
     within a file, as without sampling. Extra rows holding fewer tokens than wanted are all kept,
-    with a warning. ``show``: a progress line (thousands of tokens kept of the wanted ones)."""
+    with a warning. ``show``: a progress line (thousands of tokens kept of the wanted ones).
+    ``pool``: the processes that tokenise (rows past the sample's end may be tokenised ahead and
+    are left out all the same)."""
     report = builder.report
     first = report.rows_read
     before = len(builder.lengths)
     kept_tokens = 0
     seen_ids: dict[int, set] = {}
-    order = np.random.default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation(len(pool)).tolist()
+    order = np.random.default_rng([EXTRA_SAMPLE_STREAM, seed]).permutation(len(extra_rows)).tolist()
     wanted_k = max(1, math.ceil(wanted_tokens / 1000))
     bar = (Progress(wanted_k, desc="data: sampling data.extra_datasets", unit="thousand tokens", logger=log)
            if show else None)
-    try:
+
+    def jobs() -> Iterator[tuple[tuple[int, Any], Optional[Job]]]:  # ((index, normalized), job) in sample order
         for index in order:
-            part, row, line = pool[index]
+            normalized, job = builder.job(extra_rows[index][1])
+            yield (index, normalized), job
+
+    done = 0  # rows of the order added
+    try:
+        items = pool.map(jobs()) if pool is not None else (((index, None), None) for index in order)
+        for (index, normalized), tokenized in items:
             if kept_tokens >= wanted_tokens:
-                report.rows_read += 1
-                report.drop(EXTRA_NOT_SAMPLED, drop_example(row, first + index, line))
-                continue
+                break
+            part, row, line = extra_rows[index]
             builder.seen_ids = seen_ids.setdefault(part, set())
             sequences = len(builder.lengths)
-            builder.add(first + index, row, line)
+            builder.add(first + index, row, line, normalized, tokenized)
             kept_tokens += sum(builder.lengths[sequences:])
+            done += 1
             if bar is not None:
-                bar.update(min(wanted_k - 1, kept_tokens // 1000), f"thousand tokens, {report.rows_read - first} rows")
+                bar.update(min(wanted_k - 1, kept_tokens // 1000), f"thousand tokens, {done} rows")
         if bar is not None:
             bar.update(wanted_k)
     finally:
         if bar is not None:
             bar.close()
-    left_out = report.dropped.get(EXTRA_NOT_SAMPLED, 0)
+    for index in order[done:]:
+        part, row, line = extra_rows[index]
+        report.rows_read += 1
+        report.drop(EXTRA_NOT_SAMPLED, drop_example(row, first + index, line))
+    left_out = len(order) - done
     if kept_tokens < wanted_tokens:
         log.warning("data.extra_token_ratio: every row of data.extra_datasets gives %d tokens, short of the %.0f "
                     "asked for (%g × data.dataset's %d): all of them train", kept_tokens, wanted_tokens,
                     report.extra_token_ratio, report.primary_tokens)
     log.info("data.extra_token_ratio: %d of the %d rows of data.extra_datasets read in a random order (seed %d) "
-             "until they gave %.0f tokens: %d tokens in %d sequences; %d rows left out", len(pool) - left_out,
-             len(pool), seed, wanted_tokens, kept_tokens, len(builder.lengths) - before, left_out)
+             "until they gave %.0f tokens: %d tokens in %d sequences; %d rows left out", len(extra_rows) - left_out,
+             len(extra_rows), seed, wanted_tokens, kept_tokens, len(builder.lengths) - before, left_out)
 
 
 def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: Path, fingerprint: str,
@@ -418,7 +488,8 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
     tokens, loss_mask, offsets, source_rows, source_groups, report = tokenize_rows(
         read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
         source=source if not d.extra_datasets else f"{source} + {', '.join(d.extra_datasets)}", stats=stats,
-        extra=extra, extra_token_ratio=d.extra_token_ratio, seed=d.seed, sizes=sizes)
+        extra=extra, extra_token_ratio=d.extra_token_ratio, seed=d.seed, sizes=sizes,
+        workers=tokenize_workers(d.tokenize_workers, sum(sizes)))
     report.unparsed_tail_chars = int(stats.get("tail_chars", 0))
     meta = {"dataset": str(path), "key": directory.name, "tokenizer": fingerprint,
             "max_length": d.max_length, "max_conversations": d.max_conversations,
