@@ -676,6 +676,20 @@ def test_tokenising_in_processes_gives_the_same_corpus(qwen3, tmp_path, caplog, 
         assert getattr(r1, field) == getattr(r3, field), field
 
 
+def test_tokenize_workers_by_default(monkeypatch):
+    from dflash.data import tokenize_pool as tp
+
+    monkeypatch.setattr(tp, "available_cpus", lambda: 48)
+    big = tp.PARALLEL_MIN_BYTES
+    assert [tp.tokenize_workers(None, big - 1), tp.tokenize_workers(None, big), tp.tokenize_workers(3, 10)] == [1, 32, 3]
+    assert tp.tokenize_workers(None, 10 * big, tp.PARALLEL_MIN_CONVERSATIONS - 1) == 1
+    assert tp.tokenize_workers(None, 10 * big, tp.PARALLEL_MIN_CONVERSATIONS) == 32
+    monkeypatch.setattr(tp, "available_cpus", lambda: 2)
+    assert tp.tokenize_workers(None, big) == 2
+    with pytest.raises(ValueError, match="at least 2"):
+        tp.TokenizePool(b"", 64, None, False, 1)
+
+
 def test_the_data_stage_shows_progress(qwen3, tmp_path, caplog):
     """prepare_data's tokenising shows a progress line over the MiB of every input (a gzip file
     counted by its compressed bytes) and one over the thousands of tokens the sample wants; each

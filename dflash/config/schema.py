@@ -190,8 +190,9 @@ class DataConfig:
     #: Chat template ``enable_thinking`` for templates that have it (``null`` = template default).
     enable_thinking: Optional[bool] = None
     #: Processes that render and tokenise the conversations when the cache is cold (the same
-    #: corpus for any number). ``null`` = one below 16 MiB of data files, else every CPU this
-    #: process may use, at most 32 (:mod:`dflash.data.tokenize_pool`).
+    #: corpus for any number). ``null`` = one below 16 MiB of data files or 2,000
+    #: ``max_conversations``, else every CPU this process may use, at most 32
+    #: (:mod:`dflash.data.tokenize_pool`).
     tokenize_workers: Optional[int] = None
 
 

@@ -489,7 +489,7 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
         read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
         source=source if not d.extra_datasets else f"{source} + {', '.join(d.extra_datasets)}", stats=stats,
         extra=extra, extra_token_ratio=d.extra_token_ratio, seed=d.seed, sizes=sizes,
-        workers=tokenize_workers(d.tokenize_workers, sum(sizes)))
+        workers=tokenize_workers(d.tokenize_workers, sum(sizes), d.max_conversations))
     report.unparsed_tail_chars = int(stats.get("tail_chars", 0))
     meta = {"dataset": str(path), "key": directory.name, "tokenizer": fingerprint,
             "max_length": d.max_length, "max_conversations": d.max_conversations,

@@ -10,8 +10,9 @@ for byte. Everything that depends on the order (deduplication, row numbers, the 
 sample of ``data.extra_token_ratio``) stays in the caller.
 
 ``data.tokenize_workers`` sets the number of processes; by default (:func:`tokenize_workers`)
-inputs under :data:`PARALLEL_MIN_BYTES` are tokenised in the calling process (starting workers
-takes seconds) and larger ones on every CPU this process may use, at most :data:`MAX_WORKERS`.
+inputs under :data:`PARALLEL_MIN_BYTES` or :data:`PARALLEL_MIN_CONVERSATIONS` are tokenised in the
+calling process (starting workers takes seconds) and larger ones on every CPU this process may use,
+at most :data:`MAX_WORKERS`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ __all__ = ["TokenizePool", "tokenize_workers", "PARALLEL_MIN_BYTES", "MAX_WORKER
 
 log = logging.getLogger(__name__)
 
-#: Inputs (the data files' bytes) below this are tokenised in the calling process by default.
+#: Inputs (the data files' bytes) below this are tokenised in the calling process by default ...
 PARALLEL_MIN_BYTES = 16 << 20
+#: ... and so are fewer conversations than this (``data.max_conversations``).
+PARALLEL_MIN_CONVERSATIONS = 2000
 #: At most this many tokenising processes by default.
 MAX_WORKERS = 32
 #: Conversations a worker tokenises per task.
@@ -57,13 +60,14 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def tokenize_workers(requested: Optional[int], input_bytes: int) -> int:
-    """Tokenising processes for ``input_bytes`` of data: ``requested`` (``data.tokenize_workers``)
-    when given, else 1 below :data:`PARALLEL_MIN_BYTES` and :func:`available_cpus` (at most
-    :data:`MAX_WORKERS`) from there on."""
+def tokenize_workers(requested: Optional[int], input_bytes: int, max_conversations: Optional[int] = None) -> int:
+    """Tokenising processes for ``input_bytes`` of data files read up to ``max_conversations`` rows
+    (``data.max_conversations``): ``requested`` (``data.tokenize_workers``) when given, else 1
+    below :data:`PARALLEL_MIN_BYTES` or :data:`PARALLEL_MIN_CONVERSATIONS`, and
+    :func:`available_cpus` (at most :data:`MAX_WORKERS`) from there on."""
     if requested is not None:
         return int(requested)
-    if input_bytes < PARALLEL_MIN_BYTES:
+    if input_bytes < PARALLEL_MIN_BYTES or (max_conversations is not None and max_conversations < PARALLEL_MIN_CONVERSATIONS):
         return 1
     return max(1, min(MAX_WORKERS, available_cpus()))
 
