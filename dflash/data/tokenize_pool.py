@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, TypeVar
 
@@ -76,8 +77,10 @@ _worker: Optional[tuple[Any, int, ChatRenderer, bool]] = None  # (tokenizer, max
 
 
 def _start_worker(tokenizer: bytes, max_length: int, enable_thinking: Optional[bool], probe: bool) -> None:
-    """A worker's initializer: the pickled tokenizer and a renderer of it, kept for every task."""
+    """A worker's initializer: the pickled tokenizer and a renderer of it, kept for every task.
+    Ctrl-C is left to the calling process, which stops the pool (:meth:`TokenizePool.close`)."""
     global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = pickle.loads(tokenizer)
     _worker = (tok, max_length, ChatRenderer(tok, enable_thinking), probe)
 
