@@ -366,7 +366,9 @@ def final_report(cfg: RunConfig, run_dir: Path, plan: StepPlan, coordinator: Coo
     head = f"first {cfg.train.eval_head_tokens} response tokens"
     if first and final and final["step"] != first["step"]:
         walked = (f"; walked as decoding {_tau_text(first, 'eval/tau_walk')} -> {_tau_text(final, 'eval/tau_walk')}, "
-                  f"{head} {_tau_text(first, 'eval/tau_walk_head')} -> {_tau_text(final, 'eval/tau_walk_head')}"
+                  f"{head} {_tau_text(first, 'eval/tau_walk_head')} -> {_tau_text(final, 'eval/tau_walk_head')}, "
+                  f"of each conversation's first response {_tau_text(first, 'eval/tau_walk_first')} -> "
+                  f"{_tau_text(final, 'eval/tau_walk_first')}"
                   if "eval/tau_walk" in final else "")
         evals = (f"held-out τ {first['eval/tau']:.3f} (step {first['step']}) -> {final['eval/tau']:.3f} "
                  f"(step {final['step']}), {head} {_tau_text(first, 'eval/tau_head')} -> "

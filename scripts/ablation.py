@@ -89,7 +89,7 @@ ECHO_S = 60.0
 STOP_GRACE_S = 120.0
 
 #: ``metrics.jsonl`` keys of the last held-out evaluation that go into the table.
-EVAL_KEYS = ("eval/loss", "eval/tau", "eval/tau_head", "eval/tau_walk", "eval/tau_walk_head")
+EVAL_KEYS = ("eval/loss", "eval/tau", "eval/tau_head", "eval/tau_walk", "eval/tau_walk_head", "eval/tau_walk_first")
 
 
 @dataclass
@@ -267,9 +267,9 @@ def table(variants: list[Variant], meta: dict[str, Any]) -> str:
                                                    "variant(s) a GPU at a time (s/step compares variants run alike)."),
              "",
              "| variant | change | s/step | train wall s | eval/tau | eval/tau_head | eval/tau_walk_head | "
-             "decoding τ | Δ vs baseline | Δ τ per response (paired SE) | walked τ (own text) | same/tie/FAIL | "
-             "τ per response (SE) by prompt set |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "eval/tau_walk_first | decoding τ | Δ vs baseline | Δ τ per response (paired SE) | walked τ (own text) | "
+             "same/tie/FAIL | τ per response (SE) by prompt set |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = v.result
         if not r:
@@ -287,7 +287,7 @@ def table(variants: list[Variant], meta: dict[str, Any]) -> str:
         lines.append(
             f"| {v.name}{status} | {v.about} | {f(r.get('step_s'))} | {f(r.get('train_s'), 0)} | "
             f"{f(r.get('eval/tau'))} | {f(r.get('eval/tau_head'))} | {f(r.get('eval/tau_walk_head'))} | "
-            f"{f(r.get('decode_tau'))} | {delta} | {paired} | {f(r.get('decode_walk'))} | {r.get('decode_check', '–')} | "
+            f"{f(r.get('eval/tau_walk_first'))} | {f(r.get('decode_tau'))} | {delta} | {paired} | {f(r.get('decode_walk'))} | {r.get('decode_check', '–')} | "
             f"{by_set} |")
     return "\n".join(lines) + "\n"
 

@@ -73,9 +73,10 @@ def test_table_rows_and_baseline_delta(ablation):
     assert len(rows) == 3
     cells = [c.strip() for c in rows[1].split("|")[1:-1]]
     assert cells[0] == "gamma-4"
-    assert cells[7] == f"{vs[1].result['decode_tau']:.3f}"
-    assert cells[8] == f"{vs[1].result['decode_tau'] - vs[0].result['decode_tau']:+.3f}"
-    assert rows[0].split("|")[9].strip() == "–"  # the baseline has no delta
+    assert cells[6:8] == [f"{vs[1].result['eval/tau_walk_head']:.3f}", f"{vs[1].result['eval/tau_walk_first']:.3f}"]
+    assert cells[8] == f"{vs[1].result['decode_tau']:.3f}"
+    assert cells[9] == f"{vs[1].result['decode_tau'] - vs[0].result['decode_tau']:+.3f}"
+    assert rows[0].split("|")[10].strip() == "–"  # the baseline has no delta
     assert "layers-3 (training exit 1)" in rows[2] and rows[2].count("–") >= 6
 
 

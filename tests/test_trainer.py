@@ -298,16 +298,20 @@ def test_eval_tau_head_equals_the_naive_filter(head_tokens: int) -> None:
 
 
 def naive_walk_sums(tau: list[list[int]], loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                    head_tokens: int) -> tuple[int, int, int, int]:
+                    head_tokens: int) -> tuple[int, int, int, int, int, int]:
     """Decoding token by token over every response (runs of naive response offsets): a block runs
     where the next anchor is and the response has a token after it; the head walk stops at the
-    ``head_tokens``-th token. ``(Σ τ, blocks, head Σ τ, head blocks)``."""
+    ``head_tokens``-th token; the first-response sums are the head walk's over the responses whose
+    conversation (doc id) has no response earlier in the row. ``(Σ τ, blocks, head Σ τ, head
+    blocks, first-response Σ τ, first-response blocks)``."""
     from tests.test_anchors import naive_response_offsets
 
-    total = blocks = head_total = head_blocks = 0
-    for row, offsets in zip(tau, naive_response_offsets(loss_mask, doc_ids)):
+    total = blocks = head_total = head_blocks = first_total = first_blocks = 0
+    for r, (row, offsets) in enumerate(zip(tau, naive_response_offsets(loss_mask, doc_ids))):
         s = len(offsets)
-        for start in (p for p in range(s) if offsets[p] == 0):
+        starts = [p for p in range(s) if offsets[p] == 0]
+        for start in starts:
+            earlier = [q for q in starts if q < start and int(doc_ids[r, q]) == int(doc_ids[r, start])]
             end = start
             while end + 1 < s and offsets[end + 1] == offsets[end] + 1:
                 end += 1
@@ -317,8 +321,10 @@ def naive_walk_sums(tau: list[list[int]], loss_mask: torch.Tensor, doc_ids: torc
                     total, blocks = total + row[p], blocks + 1
                     if p - start < head_tokens - 1:
                         head_total, head_blocks = head_total + row[p], head_blocks + 1
+                        if not earlier:
+                            first_total, first_blocks = first_total + row[p], first_blocks + 1
                     nxt = p + row[p]
-    return total, blocks, head_total, head_blocks
+    return total, blocks, head_total, head_blocks, first_total, first_blocks
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -337,8 +343,9 @@ def test_walked_tau_sums_equal_a_naive_scan(seed: int, head_tokens: int) -> None
     tau = torch.randint(1, b + 1, loss_mask.shape, generator=g)
     got = walked_tau_sums(tau.float(), loss_mask, doc_ids, head_tokens)
     want = naive_walk_sums(tau.tolist(), loss_mask, doc_ids, head_tokens)
-    assert (got.tau_sum, got.blocks, got.head_tau_sum, got.head_blocks) == want
+    assert (got.tau_sum, got.blocks, got.head_tau_sum, got.head_blocks, got.first_tau_sum, got.first_blocks) == want
     assert want[1] > 50 and want[0] > want[1] and (0 < want[3] <= want[1] or head_tokens == 1)  # real walks
+    assert 0 < want[5] < want[3] or head_tokens == 1  # conversations of several responses: some are not first
     total = passes = 0
     for r, offsets in enumerate(naive_response_offsets(loss_mask, doc_ids)):
         for start in (p for p in range(len(offsets)) if offsets[p] == 0):
@@ -371,16 +378,19 @@ def test_eval_walk_over_the_evaluations_own_tau() -> None:
     assert torch.equal(tau.gather(1, anchors)[keep], out.block_tau[keep])
     want = naive_walk_sums(tau.long().tolist(), loss_mask, doc_ids, head_tokens)
     assert out.walked and (out.walk_tau_sum.item(), out.walk_blocks.item(), out.walk_head_tau_sum.item(),
-                           out.walk_head_blocks.item()) == want
+                           out.walk_head_blocks.item(), out.walk_first_tau_sum.item(),
+                           out.walk_first_blocks.item()) == want
     assert out.tau_walk.item() == pytest.approx(want[0] / want[1])
     assert out.tau_walk_head.item() == pytest.approx(want[2] / want[3])
+    assert out.tau_walk_first.item() == pytest.approx(want[4] / want[5]) and 0 < want[5] < want[3]
     again = type(out).from_stats_vector(out.stats_vector() + out.stats_vector(), walked=True)
     assert again.walk_blocks.item() == 2 * want[1] and again.tau_walk.item() == pytest.approx(out.tau_walk.item())
+    assert again.walk_first_blocks.item() == 2 * want[5]
     assert again.tau_head.item() == pytest.approx(out.tau_head.item())
     tr.eval_walk = False
     plain = tr.evaluate(batch, 7)
     assert not plain.walked and plain.tau_walk is None
-    assert torch.equal(plain.stats_vector(), out.stats_vector()[:-4])
+    assert torch.equal(plain.stats_vector(), out.stats_vector()[:-6])
 
 
 def test_state_dict_resume_gives_identical_steps() -> None:

@@ -440,7 +440,9 @@ class Coordinator:
         s.done_rounds.add(item.index)
         walked = (f"; walked as decoding (its prediction of decoding τ): τ {ev['eval/tau_walk']:.3f} over "
                   f"{ev['eval/walk_blocks']} blocks, {ev['eval/tau_walk_head']:.3f} over the "
-                  f"{ev['eval/walk_head_blocks']} within train.eval_head_tokens" if "eval/tau_walk" in ev else "")
+                  f"{ev['eval/walk_head_blocks']} within train.eval_head_tokens, "
+                  f"{ev.get('eval/tau_walk_first', float('nan')):.3f} over the {ev.get('eval/walk_first_blocks', 0)} "
+                  f"of those in each conversation's first response" if "eval/tau_walk" in ev else "")
         log.info("held-out eval %s at step %d: loss %.4f, τ %.3f over %d blocks, τ %.3f over the %d within "
                  "train.eval_head_tokens of their response's start%s",
                  "(the resumed run's baseline)" if item.index < 0 else f"round {item.index}", item.at_step,

@@ -39,7 +39,7 @@ from dflash.compile_watch import CompileWatch
 from dflash.models.flops import peak_flops
 from dflash.training.factory import build_batch_plans, build_drafter, slot_spec, target_hf_config
 from dflash.training.objective import LossOutput
-from dflash.training.evaluation import eval_sums
+from dflash.training.evaluation import EvalOutput, eval_sums
 from dflash.training.optim import LRSchedule
 from dflash.training.resume import LaunchPlan, checkpoint_position
 from dflash.data.schedule import DataPosition, StepPlan
@@ -314,8 +314,7 @@ class DrafterWorker:
         b = self.trainer.block_size
         sums = sums or {"loss_sum": 0.0, "weight_sum": 0.0, "tau_sum": 0.0, "blocks": 0.0, "head_tau_sum": 0.0,
                         "head_blocks": 0.0, "correct": [0.0] * b, "count": [0.0] * b,
-                        **({"walk_tau_sum": 0.0, "walk_blocks": 0.0, "walk_head_tau_sum": 0.0, "walk_head_blocks": 0.0}
-                           if self.trainer.eval_walk else {})}
+                        **(dict.fromkeys(EvalOutput._WALK, 0.0) if self.trainer.eval_walk else {})}
         self.ctx.link.send(Evaluated(attempt=cmd.attempt, round=cmd.round, sums=sums))
 
     def save(self, block: bool = False) -> None:

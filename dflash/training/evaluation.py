@@ -31,14 +31,19 @@ class WalkSums:
     """Σ τ and the number of blocks of speculative decoding's walk over held-out responses.
 
     ``tau_sum / blocks`` is the walked τ over every token of each response; ``head_tau_sum /
-    head_blocks`` the walk cut at the first ``train.eval_head_tokens`` tokens
-    (:func:`walked_tau_sums`). Plain Python numbers (the walk runs on the host).
+    head_blocks`` the walk cut at the first ``train.eval_head_tokens`` tokens; ``first_tau_sum /
+    first_blocks`` that cut walk over each conversation's first response alone, the one a held-out
+    prompt of the decoding check asks for (:func:`dflash.inference.prompts.prompts_from_corpus`:
+    every token before a conversation's first assistant token) (:func:`walked_tau_sums`). Plain
+    Python numbers (the walk runs on the host).
     """
 
     tau_sum: float = 0.0
     blocks: int = 0
     head_tau_sum: float = 0.0
     head_blocks: int = 0
+    first_tau_sum: float = 0.0
+    first_blocks: int = 0
 
 
 @dataclass
@@ -56,6 +61,8 @@ class EvalOutput(LossOutput):
     is training's prediction of decoding τ: ``tau_walk = walk_tau_sum / walk_blocks`` over whole
     responses, ``tau_walk_head`` over the first ``train.eval_head_tokens`` tokens of each. The walk
     fields are ``None`` when the evaluation did not walk (``train.eval_walk: false``).
+    ``tau_walk_first`` is the cut walk over each conversation's first response alone: what the
+    decoding check decodes from the held-out prompts (later turns have more context to draft from).
     """
 
     #: ``Σ τ`` over head blocks (fp32 scalar).
@@ -68,8 +75,12 @@ class EvalOutput(LossOutput):
     #: The same for the walk cut at ``train.eval_head_tokens`` tokens of each response.
     walk_head_tau_sum: Optional[Tensor] = field(default=None, kw_only=True)
     walk_head_blocks: Optional[Tensor] = field(default=None, kw_only=True)
+    #: The same for the cut walk over each conversation's first response.
+    walk_first_tau_sum: Optional[Tensor] = field(default=None, kw_only=True)
+    walk_first_blocks: Optional[Tensor] = field(default=None, kw_only=True)
 
-    _WALK = ("walk_tau_sum", "walk_blocks", "walk_head_tau_sum", "walk_head_blocks")
+    _WALK = ("walk_tau_sum", "walk_blocks", "walk_head_tau_sum", "walk_head_blocks", "walk_first_tau_sum",
+             "walk_first_blocks")
 
     @property
     def tau_head(self) -> Tensor:
@@ -87,6 +98,10 @@ class EvalOutput(LossOutput):
     @property
     def tau_walk_head(self) -> Optional[Tensor]:
         return None if not self.walked else self.walk_head_tau_sum / self.walk_head_blocks.clamp_min(1.0)
+
+    @property
+    def tau_walk_first(self) -> Optional[Tensor]:
+        return None if not self.walked else self.walk_first_tau_sum / self.walk_first_blocks.clamp_min(1.0)
 
     @classmethod
     def from_loss(cls, out: LossOutput, head: Tensor, walk: Optional[WalkSums] = None) -> "EvalOutput":
@@ -108,13 +123,15 @@ class EvalOutput(LossOutput):
         if walk is not None:
             dev = out.block_tau.device
             sums.update({name: torch.tensor(float(value), dtype=torch.float32, device=dev) for name, value in
-                         zip(cls._WALK, (walk.tau_sum, walk.blocks, walk.head_tau_sum, walk.head_blocks))})
+                         zip(cls._WALK, (walk.tau_sum, walk.blocks, walk.head_tau_sum, walk.head_blocks,
+                                         walk.first_tau_sum, walk.first_blocks))})
         return cls(**sums, block_tau=out.block_tau, head_tau_sum=(out.block_tau * head.float()).sum(),
                    head_blocks=head.float().sum())
 
     def stats_vector(self) -> Tensor:
         """``[2B + 6]`` fp32: :meth:`LossOutput.stats_vector`, then head_tau_sum, head_blocks; with the
-        walk ``[2B + 10]``: then walk_tau_sum, walk_blocks, walk_head_tau_sum, walk_head_blocks."""
+        walk ``[2B + 12]``: then walk_tau_sum, walk_blocks, walk_head_tau_sum, walk_head_blocks,
+        walk_first_tau_sum, walk_first_blocks."""
         extra = [self.head_tau_sum, self.head_blocks]
         if self.walked:
             extra += [getattr(self, name) for name in self._WALK]
@@ -123,24 +140,25 @@ class EvalOutput(LossOutput):
     @classmethod
     def from_stats_vector(cls, vec: Tensor, walked: bool = False) -> "EvalOutput":
         """Read back :meth:`stats_vector` (``walked``: it holds the walk sums)."""
-        n = 6 if walked else 2
+        walk = len(cls._WALK) if walked else 0
+        n = 2 + walk
         base = LossOutput.from_stats_vector(vec[:-n])
         sums = {f.name: getattr(base, f.name) for f in fields(LossOutput) if f.name != "block_tau"}
         if walked:
-            sums.update(zip(cls._WALK, vec[-4:]))
+            sums.update(zip(cls._WALK, vec[-walk:]))
         return cls(**sums, head_tau_sum=vec[-n], head_blocks=vec[-n + 1])
 
 
 def eval_sums(out: EvalOutput) -> dict:
     """Host-side sums of one or more held-out batches' :class:`EvalOutput` (to add over batches and ranks);
-    ``walk_tau_sum``, ``walk_blocks``, ``walk_head_tau_sum``, ``walk_head_blocks`` only when it walked."""
+    ``walk_tau_sum``, ``walk_blocks``, ``walk_head_tau_sum``, ``walk_head_blocks``,
+    ``walk_first_tau_sum``, ``walk_first_blocks`` only when it walked."""
     sums = {"loss_sum": float(out.loss_sum), "weight_sum": float(out.weight_sum), "tau_sum": float(out.tau_sum),
             "blocks": float(out.num_blocks), "head_tau_sum": float(out.head_tau_sum),
             "head_blocks": float(out.head_blocks), "correct": out.block_pos_correct.tolist(),
             "count": out.block_pos_count.tolist()}
     if out.walked:
-        sums.update(walk_tau_sum=float(out.walk_tau_sum), walk_blocks=float(out.walk_blocks),
-                    walk_head_tau_sum=float(out.walk_head_tau_sum), walk_head_blocks=float(out.walk_head_blocks))
+        sums.update({name: float(getattr(out, name)) for name in EvalOutput._WALK})
     return sums
 
 
@@ -151,7 +169,7 @@ def aggregate_eval(sums: list[dict]) -> dict:
         sums: one dict per drafter with ``loss_sum``, ``weight_sum``, ``tau_sum``, ``blocks``,
             ``head_tau_sum``, ``head_blocks``, the lists ``correct`` / ``count`` indexed by block position
             and, from an evaluation that walked (``train.eval_walk``), ``walk_tau_sum``, ``walk_blocks``,
-            ``walk_head_tau_sum``, ``walk_head_blocks``.
+            ``walk_head_tau_sum``, ``walk_head_blocks`` (and ``walk_first_tau_sum``, ``walk_first_blocks``).
     Returns:
         ``eval/loss`` = Σ loss_sum / Σ weight_sum, ``eval/tau`` = Σ tau_sum / Σ blocks,
         ``eval/blocks``, ``eval/tau_head`` = Σ head_tau_sum / Σ head_blocks (the blocks whose anchor lies in
@@ -159,7 +177,9 @@ def aggregate_eval(sums: list[dict]) -> dict:
         with the walk ``eval/tau_walk`` = Σ walk_tau_sum / Σ walk_blocks (decoding's anchors walked over
         every held-out response, pooled as decoding pools: training's prediction of decoding τ),
         ``eval/walk_blocks``, ``eval/tau_walk_head`` / ``eval/walk_head_blocks`` (the walk over the first
-        ``train.eval_head_tokens`` tokens of each response; NaN without blocks), and
+        ``train.eval_head_tokens`` tokens of each response; NaN without blocks), ``eval/tau_walk_first`` /
+        ``eval/walk_first_blocks`` (that walk over each conversation's first response alone: the
+        decoding check's held-out prompts; NaN without blocks), and
         ``eval/acc_block_pos_k`` = Σ correct[k] / Σ count[k] for block positions k ≥ 1; ``{}`` without sums.
     """
     if not sums:
@@ -183,7 +203,10 @@ def aggregate_eval(sums: list[dict]) -> dict:
         out["eval/head_blocks"] = int(head)
     if "walk_blocks" in total:
         for name, tau_key, blocks_key in (("walk", "walk_tau_sum", "walk_blocks"),
-                                          ("walk_head", "walk_head_tau_sum", "walk_head_blocks")):
+                                          ("walk_head", "walk_head_tau_sum", "walk_head_blocks"),
+                                          ("walk_first", "walk_first_tau_sum", "walk_first_blocks")):
+            if blocks_key not in total:
+                continue
             n = total[blocks_key]
             out[f"eval/tau_{name}"] = total[tau_key] / n if n else float("nan")
             out[f"eval/{name}_blocks"] = int(n)
@@ -203,8 +226,10 @@ def walked_tau_sums(position_tau: Tensor, loss_mask: Tensor, doc_ids: Tensor, he
     is anchored at the response's first token ``s`` (the token the prefill emits); a block at
     anchor ``a`` accepts ``τ(a)`` tokens (``m`` drafts and the bonus), so the next anchor is
     ``a + τ(a)``; blocks run while ``a < e``. The head walk stops at ``min(e, s + head_tokens − 1)``
-    (decoding ``head_tokens`` new tokens): its blocks are the first blocks of the whole walk.
-    Pooled as decoding pools: ``Σ τ`` over walked blocks and their number, over all responses.
+    (decoding ``head_tokens`` new tokens): its blocks are the first blocks of the whole walk. The
+    first-response sums are the head walk's over each conversation's first response (the first
+    response of each ``doc_ids`` value in a row). Pooled as decoding pools: ``Σ τ`` over walked
+    blocks and their number, over all responses.
 
     ``τ(a)`` is scored on the response text only (block positions past ``e`` are invalid), so a
     whole response's last block counts ``min(m + 1, 1 + e − a)`` where decoding exactly
@@ -234,10 +259,11 @@ def walked_tau_sums(position_tau: Tensor, loss_mask: Tensor, doc_ids: Tensor, he
     taus = position_tau.detach().round().long().cpu().tolist()
     masks = loss_mask.bool().cpu().tolist()
     docs = doc_ids.cpu().tolist()
-    tau_sum = blocks = head_sum = head_blocks = 0
+    tau_sum = blocks = head_sum = head_blocks = first_sum = first_blocks = 0
     for tau, mask, doc in zip(taus, masks, docs):
         s = len(mask)
         p = 0
+        seen: set = set()  # conversations of this row whose first response was walked
         while p < s:
             if not mask[p]:
                 p += 1
@@ -246,6 +272,8 @@ def walked_tau_sums(position_tau: Tensor, loss_mask: Tensor, doc_ids: Tensor, he
             while p + 1 < s and mask[p + 1] and doc[p + 1] == doc[start]:
                 p += 1
             end, head_end = p, min(p, start + head_tokens - 1)
+            first = doc[start] not in seen
+            seen.add(doc[start])
             a = start
             while a < end:
                 t = tau[a]
@@ -256,9 +284,13 @@ def walked_tau_sums(position_tau: Tensor, loss_mask: Tensor, doc_ids: Tensor, he
                 if a < head_end:
                     head_sum += t
                     head_blocks += 1
+                    if first:
+                        first_sum += t
+                        first_blocks += 1
                 a += t
             p += 1
-    return WalkSums(tau_sum=float(tau_sum), blocks=blocks, head_tau_sum=float(head_sum), head_blocks=head_blocks)
+    return WalkSums(tau_sum=float(tau_sum), blocks=blocks, head_tau_sum=float(head_sum), head_blocks=head_blocks,
+                    first_tau_sum=float(first_sum), first_blocks=first_blocks)
 
 
 @torch.no_grad()
