@@ -179,7 +179,9 @@ class TokenizePool:
         try:
             results = iter(future.result() if future is not None else [])
         except concurrent.futures.process.BrokenProcessPool as exc:
-            raise RuntimeError(f"a tokenising process died ({exc}); give it more memory or set "
+            raise RuntimeError(f"a tokenising process died ({exc}): out of memory, killed, or started from a script "
+                               f"that prepares data outside an `if __name__ == '__main__':` guard (spawned workers "
+                               f"import the main module); give it more memory, add the guard, or set "
                                f"data.tokenize_workers to fewer processes (1: the calling process alone)") from None
         for key, job in chunk:
             yield key, (next(results) if job is not None else None)
