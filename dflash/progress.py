@@ -147,6 +147,13 @@ class Progress:
             elif n >= self.total or now - self._last_line >= self.interval_s:
                 self._emit(now)
 
+    def set_total(self, total: int) -> None:
+        """Change the units to do: an estimate refined as the work goes (>= 0; the line and the ETA use it)."""
+        with self._lock:
+            self.total = max(0, int(total))
+            if self.bar is not None:
+                self.bar.total = self.total
+
     def advance(self, k: int = 1, text: Optional[str] = None) -> None:
         """``k`` more units are done."""
         self.update(self.n + k, text)

@@ -629,7 +629,7 @@ def _normalized(row):
 
 
 @pytest.mark.parametrize("ratio", [None, 0.6])
-def test_tokenising_in_processes_gives_the_same_corpus(qwen3, tmp_path, caplog, ratio):
+def test_tokenising_in_processes_gives_the_same_corpus(qwen3, tmp_path, caplog, monkeypatch, ratio):
     """tokenize_rows with 3 worker processes (chunks of 5 conversations, so that results cross
     chunks and the sample stops inside one) against the one-process path on rows with duplicates,
     malformed rows, repeated ids, multi-turn and long conversations: the same arrays, report and drop
@@ -659,6 +659,7 @@ def test_tokenising_in_processes_gives_the_same_corpus(qwen3, tmp_path, caplog, 
                              extra_token_ratio=ratio, seed=3, workers=workers)
 
     caplog.set_level(logging.INFO, logger="dflash.data.tokenize_pool")
+    monkeypatch.setattr(tokenize_pool, "available_cpus", lambda: 8)  # 3 workers are not more than the CPUs
     one = run(1)
     old_chunk = tokenize_pool.CHUNK_CONVERSATIONS
     tokenize_pool.CHUNK_CONVERSATIONS = 5
@@ -722,6 +723,28 @@ def test_the_data_stage_shows_progress(qwen3, tmp_path, caplog):
     assert sampled and sampled[-1].startswith(
         f"data: sampling data.extra_datasets {wanted_k}/{wanted_k} thousand tokens, {rows_tokenised} rows | ")
     assert 0 < rows_tokenised < 30 and "eta 0:00" in sampled[-1]
+
+    # extra rows holding fewer tokens than asked for: the line ends at what they hold
+    caplog.clear()
+    cfg.data.extra_token_ratio = 1e6
+    cfg.data.cache_dir = str(tmp_path / "cache-all")
+    report = prepare_data(cfg, qwen3).report
+    have_k = math.ceil((report.tokens - report.primary_tokens) / 1000)
+    sampled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: sampling")]
+    assert sampled[-1].startswith(f"data: sampling data.extra_datasets {have_k}/{have_k} thousand tokens, 30 rows | ")
+
+    # data.max_conversations: the line counts the bytes read up to the limit, not the whole file
+    big = tmp_path / "big.jsonl"
+    row = lambda k: {"id": f"b{k}", "conversations": _turns(("human", f"q{k} " + "x " * 300), ("gpt", "y " * 200))}  # noqa: E731
+    big.write_text("\n".join(json.dumps(row(k)) for k in range(2800)) + "\n")
+    assert big.stat().st_size > 2.5 * (1 << 20)
+    for limit, mib in ((None, math.ceil(big.stat().st_size / (1 << 20))), (300, 1)):
+        caplog.clear()
+        stats: dict = {}
+        tokenize_rows(read_rows(str(big), limit, stats), qwen3, 64, False, stats=stats, sizes=[big.stat().st_size],
+                      row_limit=limit)
+        read = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: reading")]
+        assert read[-1].startswith(f"data: reading and tokenising {mib}/{mib} MiB read, {limit or 2800} rows"), read
 
 
 def test_an_unreadable_extra_dataset_is_named(qwen3, tmp_path):

@@ -77,6 +77,9 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     except ConfigError as exc:  # e.g. a .json data file that is not a JSON array, found while reading it
         log.error("%s", exc)
         return 2
+    except KeyboardInterrupt:
+        log.error("interrupted: nothing was cached (the next run tokenises again)")
+        return 130
     twins = heldout_twins(prepared, cfg.data.dataset, cfg.data.max_conversations)
     print("\n".join(report_lines(prepared, twins, cfg.data.max_length)))
     if args.ids:

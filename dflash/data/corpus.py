@@ -303,7 +303,7 @@ class _CorpusBuilder:
 def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_length: int,
                   enable_thinking: Optional[bool], source: str = "rows", stats: Optional[dict] = None,
                   extra: Sequence[tuple[Iterator[Any], dict]] = (), extra_token_ratio: Optional[float] = None,
-                  seed: int = 0, sizes: Sequence[int] = (), workers: int = 1
+                  seed: int = 0, sizes: Sequence[int] = (), workers: int = 1, row_limit: Optional[int] = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, DataReport]:
     """Normalise, deduplicate and tokenise every row; never raises on a bad row.
 
@@ -328,8 +328,11 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
         sizes: the bytes of ``rows``' file and of each of ``extra``'s, in that order: with them a
             progress line (:class:`dflash.progress.Progress`, MiB read of their sum, with an ETA;
             each reader's ``stats["position"]`` says how far it is) runs while the rows are read and
-            tokenised, and another (thousands of tokens kept of the wanted ones) while the sample
-            is tokenised. Empty: no progress lines.
+            tokenised, and another (thousands of tokens kept of the wanted ones, or of what the
+            extra rows hold at the rate so far when that is less) while the sample is tokenised.
+            Empty: no progress lines.
+        row_limit: at most this many rows of ``rows`` are read (``data.max_conversations``): the
+            progress line counts that file's bytes as its bytes per row so far times the limit.
         workers: processes that render and encode the conversations
             (:class:`dflash.data.tokenize_pool.TokenizePool`; ``data.tokenize_workers``): the same
             arrays and report for any number; 1 = this process alone.
@@ -347,9 +350,9 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
     sampled = extra_token_ratio is not None and bool(extra)
     parts = [(rows, stats), *extra]
     extra_rows: list[tuple[int, Any, Optional[int]]] = []  # (file, row, line) of every extra row, when sampled
-    before = [sum(sizes[:k]) for k in range(len(parts))]  # bytes of the files before each
-    total_mib = max(1, -(-sum(sizes) // _MIB))
     primary_conversations = 0
+    read_done = 0  # bytes read from the files before the current one
+    part_rows = 0  # rows read from the current file
 
     def start_part(part: int) -> None:  # what changes where the rows of a file begin
         nonlocal primary_conversations
@@ -359,36 +362,56 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
             report.primary_tokens = sum(builder.lengths)
         builder.seen_ids.clear()
 
+    def part_size(part: int) -> int:
+        return sizes[part] if part < len(sizes) else 0
+
+    def mib(part: int, position: int) -> tuple[int, int]:  # (MiB read, MiB in all) at ``position`` of ``part``
+        size = part_size(part)
+        if part == 0 and row_limit is not None and part_rows:
+            size = min(size, position * row_limit // part_rows)  # stops at the row limit
+        total = read_done + max(size, position) + sum(sizes[part + 1:])
+        return (read_done + position) // _MIB, max(1, -(-total // _MIB))
+
     def read(jobs: bool) -> Iterator[tuple[tuple, Optional[Job]]]:  # ((part, row, line, position, normalized), job)
-        for part, (part_rows, part_stats) in enumerate(parts):
-            for row in part_rows:
+        for part, (rows_of_part, part_stats) in enumerate(parts):
+            for row in rows_of_part:
                 line = part_stats.get("line") if part_stats is not None else None
-                position = before[part] + (part_stats or {}).get("position", 0)
+                position = (part_stats or {}).get("position", 0)
                 normalized, job = builder.job(row) if jobs and not (part and sampled) else (None, None)
                 yield (part, row, line, position, normalized), job
 
     pool = TokenizePool.create(tokenizer, max_length, enable_thinking, workers)
-    bar = Progress(total_mib, desc="data: reading and tokenising", unit="MiB", logger=log) if sizes else None
+    bar = Progress(mib(0, 0)[1], desc="data: reading and tokenising", unit="MiB", logger=log) if sizes else None
+    primary_read = 0  # bytes of data.dataset read
     try:
         current = 0
         start_part(0)
         items = pool.map(read(True)) if pool is not None else ((key, None) for key, _ in read(False))
         for (part, row, line, position, normalized), tokenized in items:
             while current < part:
-                current += 1
+                read_done += primary_read if current == 0 and row_limit is not None else part_size(current)
+                current, part_rows = current + 1, 0
                 start_part(current)
+            part_rows += 1
+            if part == 0:
+                primary_read = position
             if part and sampled:
                 extra_rows.append((part, row, line))
             else:
                 builder.add(report.rows_read, row, line, normalized, tokenized)
             if bar is not None:
-                bar.update(min(total_mib - 1, position // _MIB),  # the total once all is read
+                done, total = mib(part, position)
+                if total != bar.total:
+                    bar.set_total(total)
+                bar.update(min(total - 1, done),  # the total once all is read
                            f"MiB read, {report.rows_read + len(extra_rows)} rows, {report.conversations} kept")
         while current < len(parts) - 1:
             current += 1
             start_part(current)
         if bar is not None:
-            bar.update(total_mib)
+            read_all = (primary_read if row_limit is not None else part_size(0)) + sum(sizes[1:])
+            bar.set_total(max(1, -(-read_all // _MIB)))
+            bar.update(bar.total, f"MiB read, {report.rows_read + len(extra_rows)} rows, {report.conversations} kept")
             bar.close()
             bar = None
         if sampled:
@@ -449,9 +472,14 @@ def _add_sample(builder: _CorpusBuilder, extra_rows: list[tuple[int, Any, Option
             kept_tokens += sum(builder.lengths[sequences:])
             done += 1
             if bar is not None:
-                bar.update(min(wanted_k - 1, kept_tokens // 1000), f"thousand tokens, {done} rows")
+                # the wanted tokens, or what the extra rows hold at the rate so far when that is less
+                total = max(1, math.ceil(min(wanted_tokens, kept_tokens * len(order) / done) / 1000))
+                if total != bar.total:
+                    bar.set_total(total)
+                bar.update(min(total - 1, kept_tokens // 1000), f"thousand tokens, {done} rows")
         if bar is not None:
-            bar.update(wanted_k)
+            bar.set_total(wanted_k if kept_tokens >= wanted_tokens else max(1, math.ceil(kept_tokens / 1000)))
+            bar.update(bar.total, f"thousand tokens, {done} rows")
     finally:
         if bar is not None:
             bar.close()
@@ -465,7 +493,7 @@ def _add_sample(builder: _CorpusBuilder, extra_rows: list[tuple[int, Any, Option
                     "asked for (%g × data.dataset's %d): all of them train", kept_tokens, wanted_tokens,
                     report.extra_token_ratio, report.primary_tokens)
     log.info("data.extra_token_ratio: %d of the %d rows of data.extra_datasets read in a random order (seed %d) "
-             "until they gave %.0f tokens: %d tokens in %d sequences; %d rows left out", len(extra_rows) - left_out,
+             "until they gave %.6g tokens: %d tokens in %d sequences; %d rows left out", len(extra_rows) - left_out,
              len(extra_rows), seed, wanted_tokens, kept_tokens, len(builder.lengths) - before, left_out)
 
 
@@ -489,7 +517,7 @@ def _load_or_tokenize(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, path: 
         read_rows(d.dataset, d.max_conversations, stats), tokenizer, d.max_length, d.enable_thinking,
         source=source if not d.extra_datasets else f"{source} + {', '.join(d.extra_datasets)}", stats=stats,
         extra=extra, extra_token_ratio=d.extra_token_ratio, seed=d.seed, sizes=sizes,
-        workers=tokenize_workers(d.tokenize_workers, sum(sizes), d.max_conversations))
+        workers=tokenize_workers(d.tokenize_workers, sum(sizes), d.max_conversations), row_limit=d.max_conversations)
     report.unparsed_tail_chars = int(stats.get("tail_chars", 0))
     meta = {"dataset": str(path), "key": directory.name, "tokenizer": fingerprint,
             "max_length": d.max_length, "max_conversations": d.max_conversations,

@@ -23,6 +23,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, TypeVar
 
@@ -45,6 +47,8 @@ MAX_WORKERS = 32
 CHUNK_CONVERSATIONS = 32
 #: Tasks queued per worker ahead of the one whose results the caller waits for.
 TASKS_AHEAD_PER_WORKER = 4
+#: Seconds between a worker's checks that the process that started it is still there.
+ORPHAN_CHECK_S = 1.0
 
 K = TypeVar("K")
 #: ``(messages, tools)`` of one conversation, as :func:`tokenize_conversation` takes them.
@@ -78,9 +82,20 @@ _worker: Optional[tuple[Any, int, ChatRenderer, bool]] = None  # (tokenizer, max
 
 def _start_worker(tokenizer: bytes, max_length: int, enable_thinking: Optional[bool], probe: bool) -> None:
     """A worker's initializer: the pickled tokenizer and a renderer of it, kept for every task.
-    Ctrl-C is left to the calling process, which stops the pool (:meth:`TokenizePool.close`)."""
+    Ctrl-C is left to the calling process, which stops the pool (:meth:`TokenizePool.close`); a
+    worker whose calling process is gone (killed without stopping the pool) exits within
+    :data:`ORPHAN_CHECK_S`."""
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(ORPHAN_CHECK_S)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     tok = pickle.loads(tokenizer)
     _worker = (tok, max_length, ChatRenderer(tok, enable_thinking), probe)
 
@@ -126,6 +141,9 @@ class TokenizePool:
         pickle (logged: the data is then tokenised in the calling process)."""
         if workers < 2:
             return None
+        if workers > available_cpus():
+            log.warning("data.tokenize_workers=%d is more than the %d CPUs this process may use: the extra processes "
+                        "only add their memory (about 100 MiB each)", workers, available_cpus())
         try:
             payload = pickle.dumps(tokenizer)
         except Exception as exc:  # noqa: BLE001 - any pickling failure means: tokenise here
