@@ -353,6 +353,7 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
     primary_conversations = 0
     read_done = 0  # bytes read from the files before the current one
     part_rows = 0  # rows read from the current file
+    primary_read = 0  # bytes of data.dataset read
 
     def start_part(part: int) -> None:  # what changes where the rows of a file begin
         nonlocal primary_conversations
@@ -364,6 +365,12 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
 
     def part_size(part: int) -> int:
         return sizes[part] if part < len(sizes) else 0
+
+    def read_bytes(part: int) -> int:  # bytes a read file counts: data.dataset's up to the row limit
+        return primary_read if part == 0 and row_limit is not None else part_size(part)
+
+    def text() -> str:
+        return f"MiB read, {report.rows_read + len(extra_rows)} rows, {report.conversations} kept"
 
     def mib(part: int, position: int) -> tuple[int, int]:  # (MiB read, MiB in all) at ``position`` of ``part``
         size = part_size(part)
@@ -382,14 +389,13 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
 
     pool = TokenizePool.create(tokenizer, max_length, enable_thinking, workers)
     bar = Progress(mib(0, 0)[1], desc="data: reading and tokenising", unit="MiB", logger=log) if sizes else None
-    primary_read = 0  # bytes of data.dataset read
     try:
         current = 0
         start_part(0)
         items = pool.map(read(True)) if pool is not None else ((key, None) for key, _ in read(False))
         for (part, row, line, position, normalized), tokenized in items:
             while current < part:
-                read_done += primary_read if current == 0 and row_limit is not None else part_size(current)
+                read_done += read_bytes(current)
                 current, part_rows = current + 1, 0
                 start_part(current)
             part_rows += 1
@@ -403,15 +409,13 @@ def tokenize_rows(rows: Iterator[Any], tokenizer: PreTrainedTokenizerBase, max_l
                 done, total = mib(part, position)
                 if total != bar.total:
                     bar.set_total(total)
-                bar.update(min(total - 1, done),  # the total once all is read
-                           f"MiB read, {report.rows_read + len(extra_rows)} rows, {report.conversations} kept")
+                bar.update(min(total - 1, done), text())  # the total once all is read
         while current < len(parts) - 1:
             current += 1
             start_part(current)
         if bar is not None:
-            read_all = (primary_read if row_limit is not None else part_size(0)) + sum(sizes[1:])
-            bar.set_total(max(1, -(-read_all // _MIB)))
-            bar.update(bar.total, f"MiB read, {report.rows_read + len(extra_rows)} rows, {report.conversations} kept")
+            bar.set_total(max(1, -(-(read_bytes(0) + sum(sizes[1:])) // _MIB)))
+            bar.update(bar.total, text())
             bar.close()
             bar = None
         if sampled:

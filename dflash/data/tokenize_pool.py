@@ -111,8 +111,8 @@ def _tokenize_chunk(jobs: list[Job]) -> list[Result]:
 class TokenizePool:
     """:func:`tokenize_conversation` over a stream of conversations in ``workers`` processes.
 
-    Use as a context manager; :meth:`map` gives the results in order. The workers are started with
-    ``spawn`` and get the tokenizer pickled: :meth:`create` returns None (the caller tokenises
+    :meth:`map` gives the results in order; :meth:`close` stops the workers. The workers are started
+    with ``spawn`` and get the tokenizer pickled: :meth:`create` returns None (the caller tokenises
     itself) when it does not pickle.
 
     Args:
@@ -128,7 +128,6 @@ class TokenizePool:
                  workers: int) -> None:
         if workers < 2:
             raise ValueError(f"workers: a pool needs at least 2, got {workers}")
-        self.workers = workers
         self.ahead = workers * TASKS_AHEAD_PER_WORKER
         self.executor = concurrent.futures.ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
@@ -151,12 +150,6 @@ class TokenizePool:
             return None
         log.info("tokenising in %d processes (data.tokenize_workers)", workers)
         return cls(payload, max_length, enable_thinking, probe, workers)
-
-    def __enter__(self) -> "TokenizePool":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def close(self) -> None:
         """Stop the workers; tasks not started are cancelled."""

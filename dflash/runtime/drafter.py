@@ -314,7 +314,7 @@ class DrafterWorker:
         b = self.trainer.block_size
         sums = sums or {"loss_sum": 0.0, "weight_sum": 0.0, "tau_sum": 0.0, "blocks": 0.0, "head_tau_sum": 0.0,
                         "head_blocks": 0.0, "correct": [0.0] * b, "count": [0.0] * b,
-                        **(dict.fromkeys(EvalOutput._WALK, 0.0) if self.trainer.eval_walk else {})}
+                        **(dict.fromkeys(EvalOutput.WALK_SUMS, 0.0) if self.trainer.eval_walk else {})}
         self.ctx.link.send(Evaluated(attempt=cmd.attempt, round=cmd.round, sums=sums))
 
     def save(self, block: bool = False) -> None:

@@ -13,7 +13,7 @@ with its tensors and its forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import astuple, dataclass, field, fields
 from typing import Any, Callable, Optional
 
 import torch
@@ -79,8 +79,9 @@ class EvalOutput(LossOutput):
     walk_first_tau_sum: Optional[Tensor] = field(default=None, kw_only=True)
     walk_first_blocks: Optional[Tensor] = field(default=None, kw_only=True)
 
-    _WALK = ("walk_tau_sum", "walk_blocks", "walk_head_tau_sum", "walk_head_blocks", "walk_first_tau_sum",
-             "walk_first_blocks")
+    #: The walk fields, in :class:`WalkSums`' order (the stats vector's and :func:`eval_sums`' keys).
+    WALK_SUMS = ("walk_tau_sum", "walk_blocks", "walk_head_tau_sum", "walk_head_blocks", "walk_first_tau_sum",
+                 "walk_first_blocks")
 
     @property
     def tau_head(self) -> Tensor:
@@ -123,8 +124,7 @@ class EvalOutput(LossOutput):
         if walk is not None:
             dev = out.block_tau.device
             sums.update({name: torch.tensor(float(value), dtype=torch.float32, device=dev) for name, value in
-                         zip(cls._WALK, (walk.tau_sum, walk.blocks, walk.head_tau_sum, walk.head_blocks,
-                                         walk.first_tau_sum, walk.first_blocks))})
+                         zip(cls.WALK_SUMS, astuple(walk))})
         return cls(**sums, block_tau=out.block_tau, head_tau_sum=(out.block_tau * head.float()).sum(),
                    head_blocks=head.float().sum())
 
@@ -134,18 +134,18 @@ class EvalOutput(LossOutput):
         walk_first_tau_sum, walk_first_blocks."""
         extra = [self.head_tau_sum, self.head_blocks]
         if self.walked:
-            extra += [getattr(self, name) for name in self._WALK]
+            extra += [getattr(self, name) for name in self.WALK_SUMS]
         return torch.cat([super().stats_vector(), torch.stack(extra).float()])
 
     @classmethod
     def from_stats_vector(cls, vec: Tensor, walked: bool = False) -> "EvalOutput":
         """Read back :meth:`stats_vector` (``walked``: it holds the walk sums)."""
-        walk = len(cls._WALK) if walked else 0
+        walk = len(cls.WALK_SUMS) if walked else 0
         n = 2 + walk
         base = LossOutput.from_stats_vector(vec[:-n])
         sums = {f.name: getattr(base, f.name) for f in fields(LossOutput) if f.name != "block_tau"}
         if walked:
-            sums.update(zip(cls._WALK, vec[-walk:]))
+            sums.update(zip(cls.WALK_SUMS, vec[-walk:]))
         return cls(**sums, head_tau_sum=vec[-n], head_blocks=vec[-n + 1])
 
 
@@ -158,7 +158,7 @@ def eval_sums(out: EvalOutput) -> dict:
             "head_blocks": float(out.head_blocks), "correct": out.block_pos_correct.tolist(),
             "count": out.block_pos_count.tolist()}
     if out.walked:
-        sums.update({name: float(getattr(out, name)) for name in EvalOutput._WALK})
+        sums.update({name: float(getattr(out, name)) for name in EvalOutput.WALK_SUMS})
     return sums
 
 
