@@ -9,6 +9,11 @@ import logging
 import math
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -690,6 +695,111 @@ def test_tokenize_workers_by_default(monkeypatch):
     assert tp.tokenize_workers(None, big) == 2
     with pytest.raises(ValueError, match="at least 2"):
         tp.TokenizePool(b"", 64, None, False, 1)
+
+
+#: A script that tokenises with 2 worker processes outside an ``if __name__ == '__main__':`` guard, so
+#: that each worker runs it again while it starts: argv[1] the data file, argv[2] the cache directory.
+UNGUARDED_SCRIPTS = {
+    # tokenize_rows: a worker starts a pool of its own, which multiprocessing refuses: it dies
+    "dies": """
+        import os, sys
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from dflash.config import TargetConfig
+        from dflash.data.corpus import tokenize_rows
+        from dflash.data.sources import read_rows
+        from dflash.data.tokenizer import load_tokenizer
+        stats = {}
+        tokenize_rows(read_rows(sys.argv[1], stats=stats), load_tokenizer(TargetConfig(kind="random", tokenizer="qwen3")),
+                      64, False, stats=stats, workers=2)
+    """,
+    # prepare_data: a worker waits for the cache's lock, which the calling process holds while it tokenises
+    "waits": """
+        import os, sys
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from dflash.config import DataConfig, RunConfig, TargetConfig
+        from dflash.data import tokenize_pool
+        from dflash.data.corpus import prepare_data
+        from dflash.data.tokenizer import load_tokenizer
+        tokenize_pool.STARTUP_TIMEOUT_S = 5.0
+        cfg = RunConfig(target=TargetConfig(kind="random", tokenizer="qwen3"),
+                        data=DataConfig(dataset=sys.argv[1], cache_dir=sys.argv[2], max_length=64, heldout_conversations=2,
+                                        enable_thinking=False, tokenize_workers=2))
+        prepare_data(cfg, load_tokenizer(cfg.target))
+    """,
+}
+
+
+def _rows_file(path: Path, rows: int) -> Path:
+    path.write_text("\n".join(json.dumps({"id": f"r{k}", "conversations": _turns(("human", f"Question {k}?"),
+                                                                                  ("gpt", f"Answer {k}."))})
+                              for k in range(rows)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("worker", ["dies", "waits"])
+def test_a_script_without_a_main_guard_fails_with_the_guard_named(tmp_path, worker):
+    """Tokenising in 2 processes from a script without a main guard ends in an error naming the
+    guard: when the workers die running the script (the pool's tokenizer, megabytes, is not
+    written to them while they start, which would wait for them forever) and when they wait in it
+    (for the data cache's lock: none gets through its start-up within STARTUP_TIMEOUT_S, 5 s here,
+    and the pool kills them)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(UNGUARDED_SCRIPTS[worker]))
+    data = _rows_file(tmp_path / "rows.jsonl", 80)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(script), str(data), str(tmp_path / "cache")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = {"dies": "RuntimeError: a tokenising process died (",
+            "waits": "RuntimeError: no tokenising process got through its start-up within 5 s: "}[worker]
+    last = done.stderr.rstrip().splitlines()[-1]
+    assert last.startswith(said) and "`if __name__ == '__main__':` guard" in last, done.stderr[-3000:]
+    assert "data.tokenize_workers" in last
+
+
+def test_ctrl_c_while_workers_start_ends_in_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the process group) while both tokenising workers of ``python -m
+    launch.cluster data`` import the main module: the workers print nothing (they start with SIGINT
+    blocked), the command ends with its one line and exit status 130. The main module, a script
+    here, holds each worker in its start-up until the test has sent the signal."""
+    script = tmp_path / "data_command.py"
+    script.write_text(textwrap.dedent("""
+        import socket, sys
+        if __name__ == "__mp_main__":  # a tokenising worker, starting: it says so and waits for the test
+            test = socket.socket(socket.AF_UNIX)
+            test.connect(sys.argv[1])
+            test.recv(1)
+        elif __name__ == "__main__":
+            from launch import cluster
+            raise SystemExit(cluster.main(["data", *sys.argv[2:]]))
+    """))
+    data = _rows_file(tmp_path / "rows.jsonl", 100)  # 4 chunks: both workers start
+    address = str(tmp_path / "test.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen(2)
+    listener.settimeout(120)
+    overrides = [f"data.dataset={data}", f"data.cache_dir={tmp_path / 'cache'}", "data.max_length=64",
+                 "data.heldout_conversations=1", "data.tokenize_workers=2"]
+    proc = subprocess.Popen([sys.executable, str(script), address, *overrides], cwd=tmp_path,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    workers = []
+    try:
+        workers = [listener.accept()[0] for _ in range(2)]
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        for connection in workers:
+            connection.close()
+        listener.close()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1].endswith("interrupted: nothing was cached (the next run tokenises again)")
+    assert out == ""
 
 
 def test_the_data_stage_shows_progress(qwen3, tmp_path, caplog):

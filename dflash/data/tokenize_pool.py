@@ -9,6 +9,17 @@ conversations were given, so what the caller builds from them is what one proces
 for byte. Everything that depends on the order (deduplication, row numbers, the report, the
 sample of ``data.extra_token_ratio``) stays in the caller.
 
+A spawned worker imports the caller's main module before anything of this module runs in it, so
+a script that prepares data outside an ``if __name__ == '__main__':`` guard runs again in each
+worker, which dies there (it may not start processes of its own) or waits (for the data cache's
+lock, which the caller holds). Both end in an error in the caller that names the guard. A worker's
+start-up arguments are written into a pipe that the caller keeps open for reading until the write
+is done, so they are kept to a few KiB (the tokenizer goes through shared memory): megabytes
+would wait forever for a worker that died before reading them. A pool none of whose workers gets
+through its start-up within :data:`STARTUP_TIMEOUT_S` fails. Workers start with ``SIGINT``
+blocked: a Ctrl-C during their start-up leaves them quiet, and the calling process, which gets it
+too, stops the pool.
+
 ``data.tokenize_workers`` sets the number of processes; by default (:func:`tokenize_workers`)
 inputs under :data:`PARALLEL_MIN_BYTES` or :data:`PARALLEL_MIN_CONVERSATIONS` are tokenised in the
 calling process (starting workers takes seconds) and larger ones on every CPU this process may use,
@@ -18,6 +29,8 @@ at most :data:`MAX_WORKERS`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -49,6 +62,9 @@ CHUNK_CONVERSATIONS = 32
 TASKS_AHEAD_PER_WORKER = 4
 #: Seconds between a worker's checks that the process that started it is still there.
 ORPHAN_CHECK_S = 1.0
+#: Seconds from the first task for some worker to get through its start-up (import the caller's
+#: main module, load the tokenizer: about a second); none by then fails the pool (:meth:`TokenizePool.map`).
+STARTUP_TIMEOUT_S = 120.0
 
 K = TypeVar("K")
 #: ``(messages, tools)`` of one conversation, as :func:`tokenize_conversation` takes them.
@@ -80,13 +96,34 @@ def tokenize_workers(requested: Optional[int], input_bytes: int, max_conversatio
 _worker: Optional[tuple[Any, int, ChatRenderer, bool]] = None  # (tokenizer, max_length, renderer, probe), per worker
 
 
-def _start_worker(tokenizer: bytes, max_length: int, enable_thinking: Optional[bool], probe: bool) -> None:
-    """A worker's initializer: the pickled tokenizer and a renderer of it, kept for every task.
-    Ctrl-C is left to the calling process, which stops the pool (:meth:`TokenizePool.close`); a
-    worker whose calling process is gone (killed without stopping the pool) exits within
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """``SIGINT`` blocked in the calling thread inside the block, where the OS has signal masks. A
+    process started inside inherits the mask: a Ctrl-C waits in it until it unblocks the signal. One
+    that comes meanwhile reaches this process all the same: on leaving the block, or at once through
+    another of its threads, so the caller still gets its ``KeyboardInterrupt``."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _start_worker(tokenizer: Any, max_length: int, enable_thinking: Optional[bool], probe: bool,
+                  started: Any) -> None:
+    """A worker's initializer: the tokenizer (pickled, in the shared ``tokenizer`` bytes) and a
+    renderer of it, kept for every task; ``started`` set to 1 once they are loaded.
+    Ctrl-C is left to the calling process, which stops the pool (:meth:`TokenizePool.close`): the
+    worker started with ``SIGINT`` blocked and ignores it from here on (one that came meanwhile is
+    dropped). A worker whose calling process is gone (killed without stopping the pool) exits within
     :data:`ORPHAN_CHECK_S`."""
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     parent = os.getppid()
 
     def watch() -> None:
@@ -96,8 +133,17 @@ def _start_worker(tokenizer: bytes, max_length: int, enable_thinking: Optional[b
                 os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-    tok = pickle.loads(tokenizer)
+    tok = pickle.loads(bytes(tokenizer))
     _worker = (tok, max_length, ChatRenderer(tok, enable_thinking), probe)
+    started.value = 1
+
+
+def _pool_failed(what: str) -> RuntimeError:
+    """The error of a pool whose workers died or did not start: ``what`` happened, and why it may have."""
+    return RuntimeError(f"{what}: out of memory, killed, or started from a script that prepares data outside an "
+                        f"`if __name__ == '__main__':` guard (spawned workers import the main module); give it more "
+                        f"memory, add the guard, or set data.tokenize_workers to fewer processes (1: the calling "
+                        f"process alone)")
 
 
 def _tokenize_chunk(jobs: list[Job]) -> list[Result]:
@@ -112,11 +158,11 @@ class TokenizePool:
     """:func:`tokenize_conversation` over a stream of conversations in ``workers`` processes.
 
     :meth:`map` gives the results in order; :meth:`close` stops the workers. The workers are started
-    with ``spawn`` and get the tokenizer pickled: :meth:`create` returns None (the caller tokenises
-    itself) when it does not pickle.
+    with ``spawn``, ``SIGINT`` blocked, and get the tokenizer pickled, in shared memory: :meth:`create`
+    returns None (the caller tokenises itself) when it does not pickle.
 
     Args:
-        tokenizer: the tokenizer (with its chat template) every worker encodes with.
+        tokenizer: the tokenizer (with its chat template) every worker encodes with, pickled.
         max_length, enable_thinking, probe: as :func:`tokenize_conversation` takes them.
         workers: processes (>= 2).
 
@@ -129,9 +175,14 @@ class TokenizePool:
         if workers < 2:
             raise ValueError(f"workers: a pool needs at least 2, got {workers}")
         self.ahead = workers * TASKS_AHEAD_PER_WORKER
+        context = multiprocessing.get_context("spawn")
+        shared = context.RawArray(ctypes.c_ubyte, len(tokenizer))
+        ctypes.memmove(shared, tokenizer, len(tokenizer))
+        self.started = context.RawValue(ctypes.c_int, 0)  # 1 once a worker has loaded the tokenizer
+        self.deadline: Optional[float] = None  # time.monotonic() by which one must have: set by the first task
         self.executor = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-            initargs=(tokenizer, max_length, enable_thinking, probe))
+            workers, mp_context=context, initializer=_start_worker,
+            initargs=(shared, max_length, enable_thinking, probe, self.started))
 
     @classmethod
     def create(cls, tokenizer: PreTrainedTokenizerBase, max_length: int, enable_thinking: Optional[bool],
@@ -152,7 +203,12 @@ class TokenizePool:
         return cls(payload, max_length, enable_thinking, probe, workers)
 
     def close(self) -> None:
-        """Stop the workers; tasks not started are cancelled."""
+        """Stop the workers; tasks not started are cancelled. When no worker has got through its
+        start-up (stopped during it, or stuck in the caller's main module), the workers are killed
+        first, so that stopping does not wait for them."""
+        if not self.started.value:  # the executor has no public way to stop its processes
+            for process in list((getattr(self.executor, "_processes", None) or {}).values()):
+                process.kill()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
     def map(self, items: Iterable[tuple[K, Optional[Job]]]) -> Iterator[tuple[K, Optional[Result]]]:
@@ -163,8 +219,9 @@ class TokenizePool:
         leaves the rest to :meth:`close`.
 
         Raises:
-            RuntimeError: a worker process died (out of memory, killed), naming
-                ``data.tokenize_workers``.
+            RuntimeError: a worker process died (out of memory, killed, or its start-up ran a
+                script that prepares data outside a main guard), or none got through its start-up
+                within :data:`STARTUP_TIMEOUT_S` of the first task; naming ``data.tokenize_workers``.
         """
         pending: deque = deque()
         chunk: list[tuple[K, Optional[Job]]] = []
@@ -182,17 +239,29 @@ class TokenizePool:
 
     def _submit(self, chunk: list[tuple[K, Optional[Job]]]) -> tuple[list, Optional[concurrent.futures.Future]]:
         jobs = [job for _, job in chunk if job is not None]
-        return chunk, (self.executor.submit(_tokenize_chunk, jobs) if jobs else None)
-
-    @staticmethod
-    def _results(chunk: list[tuple[K, Optional[Job]]], future: Optional[concurrent.futures.Future]
-                 ) -> Iterator[tuple[K, Optional[Result]]]:
+        if not jobs:
+            return chunk, None
+        if self.deadline is None:
+            self.deadline = time.monotonic() + STARTUP_TIMEOUT_S
         try:
-            results = iter(future.result() if future is not None else [])
+            with _sigint_blocked():  # a worker it starts inherits the blocked SIGINT
+                return chunk, self.executor.submit(_tokenize_chunk, jobs)
         except concurrent.futures.process.BrokenProcessPool as exc:
-            raise RuntimeError(f"a tokenising process died ({exc}): out of memory, killed, or started from a script "
-                               f"that prepares data outside an `if __name__ == '__main__':` guard (spawned workers "
-                               f"import the main module); give it more memory, add the guard, or set "
-                               f"data.tokenize_workers to fewer processes (1: the calling process alone)") from None
+            raise _pool_failed(f"a tokenising process died ({exc})") from None
+
+    def _results(self, chunk: list[tuple[K, Optional[Job]]], future: Optional[concurrent.futures.Future]
+                 ) -> Iterator[tuple[K, Optional[Result]]]:
+        results: Iterator[Result] = iter([])
+        if future is not None:
+            while not self.started.value and not future.done():
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise _pool_failed(f"no tokenising process got through its start-up within "
+                                       f"{STARTUP_TIMEOUT_S:g} s")
+                concurrent.futures.wait([future], timeout=left)
+            try:
+                results = iter(future.result())
+            except concurrent.futures.process.BrokenProcessPool as exc:
+                raise _pool_failed(f"a tokenising process died ({exc})") from None
         for key, job in chunk:
             yield key, (next(results) if job is not None else None)
