@@ -2,7 +2,7 @@
 
 A random target at SmolLM2-135M's shape (``scripts.decode_speed.SMOLLM2_SHAPE``; random weights
 decode at the speed of trained ones) is wrapped in
-:class:`dflash.inference.regeneration.generators.StaticGreedyGenerator`, the generator a
+:class:`dflash.inference.regeneration.generators.StaticGenerator`, the generator a
 regeneration worker runs, and generates one turn for batches of ``--batch`` random prompts of
 about each of ``--widths`` tokens (prompt ``i`` is ``i mod 37`` tokens shorter, as sorted real
 prompts are), ``--new-tokens`` each, no stop token. The first batch of each generator pays its
@@ -120,11 +120,11 @@ def _profile(generator: Any, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def run_attention(spec: str, target: Any, args: argparse.Namespace, vocab: int) -> dict:
     """Every width's batches through a fresh generator decoding with ``spec``."""
-    from dflash.inference.regeneration.generators import StaticGreedyGenerator, short_prompt_tokens_for
+    from dflash.inference.regeneration.generators import StaticGenerator, short_prompt_tokens_for
 
     cuda = target.device.type == "cuda"
     torch._dynamo.reset()
-    generator = StaticGreedyGenerator(target.model, [], vocab, args.batch, args.max_prompt_tokens, args.new_tokens,
+    generator = StaticGenerator(target.model, [], vocab, args.batch, args.max_prompt_tokens, args.new_tokens,
                                       short_prompt_tokens=None if args.one_cache else short_prompt_tokens_for(spec),
                                       compile=cuda, compile_long=args.compile_long, attention=spec)
     gen = torch.Generator().manual_seed(0)

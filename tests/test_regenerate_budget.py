@@ -262,12 +262,14 @@ def test_rounds_of_two_caches_stay_full_and_write_the_same_rows(qwen3):
     assert all(any(two.cache_for(n) == cache for n in lengths) for cache, lengths in two.rounds)
 
 
-def test_two_static_caches_write_what_the_batch_generator_writes(qwen3):
-    """The real greedy generator with two caches (prompts of 30 tokens or more in the long one),
-    rounds chosen per cache: the rows the left-padded batch generator writes, one round at a time
-    for every conversation in flight."""
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.9)])
+def test_two_static_caches_write_what_the_batch_generator_writes(qwen3, temperature, top_p):
+    """The real generator with two caches (prompts of 30 tokens or more in the long one), greedy
+    and sampled (each turn's seed from its row id and turn), rounds chosen per cache: the rows the
+    left-padded batch generator writes, one round at a time for every conversation in flight."""
     from dflash.config import TargetConfig
-    from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator
+    from dflash.inference.regeneration.generators import BatchGenerator, StaticGenerator
+    from dflash.inference.sampling import Sampling
     from dflash.models.target_loader import load_target
 
     torch.set_num_threads(1)
@@ -275,9 +277,11 @@ def test_two_static_caches_write_what_the_batch_generator_writes(qwen3):
     model = load_target(target, "cpu", torch.float32).model
     stops = [qwen3.convert_tokens_to_ids("<|im_end|>")]
     rows = [SourceRow(i, f"{r.id}-{i}", r.messages) for i, r in enumerate(_rows() * 2)]
-    options = GenerationOptions(max_new_tokens=6, batch_size=3, max_prompt_tokens=60, enable_thinking=False)
-    static = StaticGreedyGenerator(model, stops, len(qwen3), options.batch_size, options.max_prompt_tokens,
-                                   options.max_new_tokens, short_prompt_tokens=30, compile=False)
+    options = GenerationOptions(max_new_tokens=6, batch_size=3, max_prompt_tokens=60, enable_thinking=False,
+                                temperature=temperature, top_p=top_p, seed=5)
+    static = StaticGenerator(model, stops, len(qwen3), options.batch_size, options.max_prompt_tokens,
+                             options.max_new_tokens, short_prompt_tokens=30, compile=False,
+                             sampling=Sampling(temperature, top_p) if temperature else None)
     assert len(static.cache_slots) == 2
     got = [r for records in regenerate_rows(rows, static, qwen3, options) for r in records]
     reference = BatchGenerator(model, stops, qwen3.pad_token_id or 0, len(qwen3))
@@ -577,3 +581,27 @@ def test_bad_budget_is_refused_before_any_model(tmp_path, monkeypatch, caplog, b
         signal.signal(signal.SIGTERM, previous)
     assert "--max-seconds: must be a finite number of seconds > 0" in caplog.text
     assert not (tmp_path / "o.jsonl.regen.json").exists()
+
+
+def test_sampled_regeneration_does_not_depend_on_the_workers(tmp_path, monkeypatch):
+    """``--temperature 0.8 --top-p 0.9`` through the workers' static generator: one worker and two
+    (each a shard of the rows, other batches) write the same conversations; greedy writes others."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    source = tmp_path / "source.jsonl"
+    ids = _write_source(source)
+    config = _cpu_config(tmp_path, source, {})
+    sampled = ("--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
+    one, two, greedy = tmp_path / "one.jsonl", tmp_path / "two.jsonl", tmp_path / "greedy.jsonl"
+    assert _regenerate(config, one, *sampled) == 0
+    assert _regenerate(config, two, *sampled, "--gpus", "0,1") == 0
+    assert _regenerate(config, greedy) == 0
+
+    def turns(path: Path) -> dict[str, list]:
+        return {r["id"]: r["conversations"] for r in read_lines(path)[0]}
+
+    assert len(turns(one)) == len(ids) - 1  # "long" is skipped
+    assert turns(one) == turns(two)
+    assert turns(one) != turns(greedy)
+    last = json.loads(two.with_name(two.name + ".regen.json").read_text())["last_run"]
+    assert len(last["per_worker"]) == 2

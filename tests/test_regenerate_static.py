@@ -1,9 +1,10 @@
-"""Greedy regeneration through the static-cache generator and the regeneration stage of training.
+"""Regeneration through the static-cache generator and the regeneration stage of training.
 
-- :class:`StaticGreedyGenerator` gives the rows :class:`BatchGenerator` gives (and a naive
+- :class:`StaticGenerator` gives the rows :class:`BatchGenerator` gives (and a naive
   full-forward loop) on random prompts of several lengths, with a stop token hit mid-way, also
   when a call runs short prompts in the long cache, and never emits an id the tokenizer lacks even
-  when the model's head prefers one;
+  when the model's head prefers one; sampled, it draws the batch generator's tokens, and a row's
+  tokens follow from its seed alone;
 - the ``regenerate`` config section fails on bad keys and values before any model loads;
 - the stage regenerates, hands the training config the output, and is skipped (no worker, no model)
   when the output is complete.
@@ -20,7 +21,9 @@ import torch
 import yaml
 
 from dflash.config import ConfigError, RunConfig, TargetConfig, load_config
-from dflash.inference.regeneration.generators import BatchGenerator, Generated, StaticGreedyGenerator, limit_vocab
+from dflash.inference.generation import Generator
+from dflash.inference.regeneration.generators import BatchGenerator, Generated, StaticGenerator, limit_vocab
+from dflash.inference.sampling import Sampling
 
 VOCAB = 512        # the tiny-llama's embedding rows
 VOCAB_LIMIT = 500  # a "tokenizer" smaller than the embedding: ids 500..511 must never appear
@@ -67,7 +70,7 @@ def test_static_greedy_equals_batch_generator_and_naive_loop(model):
     stops = [free[row].ids[3], VOCAB_LIMIT - 1]
     old = BatchGenerator(model, stops, PAD, VOCAB_LIMIT).generate(prompts, MAX_NEW)
     # prompts of 1..15 tokens run in the short cache, 17 and 29 in the long one, in the same call
-    static = StaticGreedyGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts),
+    static = StaticGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts),
                                    max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=16)
     new = static.generate(prompts, MAX_NEW)
     assert static.long is not None and static.short.max_len < static.long.max_len
@@ -93,7 +96,7 @@ def test_a_round_in_one_cache_gives_the_same_rows(model):
     chosen cache, or a cache that does not exist, is refused."""
     prompts = _prompts([3, 17, 1, 29, 8], seed=3)
     stops = [VOCAB_LIMIT - 1]
-    static = StaticGreedyGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts),
+    static = StaticGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts),
                                    max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=16)
     assert static.cache_slots == (16 - 1 + MAX_NEW + 8, MAX_PROMPT - 1 + MAX_NEW + 8)
     assert [static.cache_for(len(p)) for p in prompts] == [0, 1, 0, 1, 0]
@@ -110,7 +113,7 @@ def test_a_round_in_one_cache_gives_the_same_rows(model):
         static.generate(prompts, MAX_NEW, cache=0)
     with pytest.raises(ValueError, match="cache: an index"):
         static.generate(short, MAX_NEW, cache=2)
-    one = StaticGreedyGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=2, max_prompt_tokens=MAX_PROMPT,
+    one = StaticGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=2, max_prompt_tokens=MAX_PROMPT,
                                 max_new_tokens=MAX_NEW, short_prompt_tokens=None)
     assert len(one.cache_slots) == 1 and one.cache_for(MAX_PROMPT - 1) == 0
 
@@ -119,13 +122,81 @@ def test_one_flex_cache_equals_batch_generator(model):
     """flex decoding (the cache blocks a row has written) in one cache for every prompt length:
     the batch generator's tokens and finishes."""
     prompts = _prompts([3, 17, 1, 29, 8], seed=1)
-    static = StaticGreedyGenerator(_target().model, [VOCAB_LIMIT - 1], VOCAB_LIMIT, batch_size=len(prompts),
+    static = StaticGenerator(_target().model, [VOCAB_LIMIT - 1], VOCAB_LIMIT, batch_size=len(prompts),
                                    max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=None,
                                    attention="flex")
     assert static.short.step_attention == "flex"
     assert static.generate(prompts, MAX_NEW) == BatchGenerator(model, [VOCAB_LIMIT - 1], PAD,
                                                                VOCAB_LIMIT).generate(prompts, MAX_NEW)
     assert static.long is None  # every prompt went to the one cache
+
+
+def test_sampled_static_rows_equal_batch_generator_and_follow_their_seeds(model):
+    """Sampling at temperature / top-p: the static generator (both caches) draws the batch
+    generator's tokens from the same logits; a row alone, or beside other rows in another order,
+    gets the same tokens; another seed gives others; a nucleus of one token is greedy."""
+    prompts = _prompts([3, 17, 1, 29, 8], seed=4)
+    seeds = [11, 12, 13, 14, (1 << 62) + 5]
+    stops = [VOCAB_LIMIT - 1]
+    sampling = Sampling(0.9, 0.95)
+    static = StaticGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts), max_prompt_tokens=MAX_PROMPT,
+                             max_new_tokens=MAX_NEW, short_prompt_tokens=16, sampling=sampling)
+    got = static.generate(prompts, MAX_NEW, 0.9, 0.95, seeds)
+    reference = BatchGenerator(model, stops, PAD, VOCAB_LIMIT)
+    assert got == reference.generate(prompts, MAX_NEW, 0.9, 0.95, seeds)
+    greedy = reference.generate(prompts, MAX_NEW)
+    assert got != greedy and all(t < VOCAB_LIMIT for g in got for t in g.ids)
+    order = [3, 0, 4]
+    assert static.generate([prompts[i] for i in order], MAX_NEW, 0.9, 0.95, [seeds[i] for i in order]) == \
+        [got[i] for i in order]
+    assert static.generate([prompts[1]], MAX_NEW, 0.9, 0.95, [seeds[1]]) == [got[1]]
+    assert static.generate([prompts[1]], MAX_NEW, 0.9, 0.95, [seeds[1] + 1]) != [got[1]]
+    one = StaticGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts), max_prompt_tokens=MAX_PROMPT,
+                          max_new_tokens=MAX_NEW, short_prompt_tokens=16, sampling=Sampling(1.0, 1e-9))
+    assert one.generate(prompts, MAX_NEW, 1.0, 1e-9, seeds) == greedy
+    with pytest.raises(ValueError, match="samples at 0.9 / 0.95"):
+        static.generate(prompts, MAX_NEW, 0.8, 0.95, seeds)
+    with pytest.raises(ValueError, match="samples at"):
+        static.generate(prompts, MAX_NEW)
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        static.generate(prompts, MAX_NEW, 0.9, 0.95, seeds[:2])
+
+
+def test_a_sampling_decoder_refuses_speculative_decoding_and_checks_seeds():
+    prompts = [torch.tensor(p) for p in _prompts([5, 9], seed=6)]
+    sampler = Generator(_target().model, [], max_len=64, batch_size=2, sampling=Sampling(1.0))
+    with pytest.raises(ValueError, match="seeds: a sampling decoder needs one per prompt"):
+        sampler.greedy(prompts, 4)
+    with pytest.raises(ValueError, match="a sampling decoder takes no drafter"):
+        Generator(_target().model, [], max_len=64, batch_size=2, sampling=Sampling(1.0), drafter=object())
+    runs = sampler.greedy(prompts, 4, seeds=[1, 2])
+    assert [len(r.tokens) for r in runs] == [4, 4]
+    with pytest.raises(ValueError, match="seeds: this decoder is greedy"):
+        Generator(_target().model, [], max_len=64, batch_size=2).greedy(prompts, 4, seeds=[1, 2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_sampling_equals_eager_and_batch_generator_on_gpu():
+    """fp32 on CUDA: the sampled static generator with its step compiled and recorded as a CUDA
+    graph draws the eager one's tokens and the batch generator's, per row seed."""
+    from dflash.models.target_loader import load_target
+
+    def model():
+        return load_target(TargetConfig(kind="random", arch="tiny-llama", seed=0), "cuda", torch.float32).model
+
+    prompts = _prompts([3, 17, 1, 29, 8], seed=7)
+    seeds = [21, 22, 23, 24, 25]
+    stops = [VOCAB_LIMIT - 1]
+    rows = {}
+    for compiled in (False, True):
+        static = StaticGenerator(model(), stops, VOCAB_LIMIT, batch_size=len(prompts), max_prompt_tokens=MAX_PROMPT,
+                                 max_new_tokens=MAX_NEW, short_prompt_tokens=16, compile=compiled, compile_long=compiled,
+                                 sampling=Sampling(0.9, 0.95))
+        rows[compiled] = static.generate(prompts, MAX_NEW, 0.9, 0.95, seeds)
+        assert static.generate(prompts[2:], MAX_NEW, 0.9, 0.95, seeds[2:]) == rows[compiled][2:]
+    assert rows[True] == rows[False]
+    assert rows[True] == BatchGenerator(model(), stops, PAD, VOCAB_LIMIT).generate(prompts, MAX_NEW, 0.9, 0.95, seeds)
 
 
 def test_prompt_chars_is_the_first_prompt():
@@ -147,7 +218,7 @@ def test_ids_beyond_the_tokenizer_are_never_generated():
     unmasked = BatchGenerator(biased, [], PAD, VOCAB).generate(prompts, MAX_NEW)
     assert any(t >= VOCAB_LIMIT for g in unmasked for t in g.ids)  # the bias bites without the limit
     old = BatchGenerator(biased, [], PAD, VOCAB_LIMIT).generate(prompts, MAX_NEW)
-    new = StaticGreedyGenerator(biased, [], VOCAB_LIMIT, 3, MAX_PROMPT, MAX_NEW).generate(prompts, MAX_NEW)
+    new = StaticGenerator(biased, [], VOCAB_LIMIT, 3, MAX_PROMPT, MAX_NEW).generate(prompts, MAX_NEW)
     assert new == old and all(t < VOCAB_LIMIT for g in new for t in g.ids)
     assert biased.get_output_embeddings().weight.shape[0] == VOCAB_LIMIT
     assert biased.get_output_embeddings().weight.data_ptr() == biased.lm_head.weight.data_ptr()

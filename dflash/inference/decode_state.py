@@ -97,6 +97,7 @@ class DecodeState:
     accepted: Tensor    # [b, T_max] int64: m + 1 of the verification pass anchored at j (0 = none)
     limit: Tensor       # [b] int64: the last position a row may emit (prompt length + max_new_tokens − 1)
     stop_ids: Tensor    # [S] int64: stop tokens, padded with -1 (never an id)
+    seeds: Tensor       # [b] int64: each row's sampling seed (read only by a sampling decoder)
 
     @classmethod
     def allocate(cls, kv: StaticKVCache, batch: int, max_len: int, feature_width: int, block_size: int,
@@ -122,8 +123,9 @@ class DecodeState:
             logit_stats=torch.zeros(b, max_len, 3, dtype=torch.float32, device=dev),
             accepted=torch.zeros(b, max_len, dtype=torch.long, device=dev),
             limit=torch.zeros(b, dtype=torch.long, device=dev),
-            stop_ids=torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev))
+            stop_ids=torch.full((STOP_SLOTS,), -1, dtype=torch.long, device=dev),
+            seeds=torch.zeros(b, dtype=torch.long, device=dev))
         for t in (state.tokens, state.anchor, state.active, state.features, state.drafts, state.logit_stats,
-                  state.accepted, state.limit, state.stop_ids):
+                  state.accepted, state.limit, state.stop_ids, state.seeds):
             torch._dynamo.mark_static_address(t)
         return state

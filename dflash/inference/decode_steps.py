@@ -14,7 +14,8 @@ replays), or through CUDAGraph Trees (``torch.compile(mode="reduce-overhead")``,
 * :meth:`DecodeSteps.prefill` (all prompts right-padded in one forward; causal attention over
   the prompts' own keys in the fused layers; compiled with dynamic shapes on CUDA, eager
   elsewhere): the prompts' keys/values, features and the first generated token.
-* target-only step (compiled): run the anchor at ``anchor``, append the argmax, ``anchor += 1``;
+* target-only step (compiled): run the anchor at ``anchor``, append the argmax (a sample, for a
+  decoder built with ``sampling``: :mod:`dflash.inference.sampling`), ``anchor += 1``;
   the row turns inactive after a stop token or its last position.
 * draft (compiled): for a drafter of full-attention layers,
   :class:`dflash.inference.proposer.CachedDFlashProposer`: the drafter's layers over the block,
@@ -58,6 +59,7 @@ from dflash.inference.decode_layers import (FLEX_KV_BLOCK, PREFILL_ATTENTION, de
                                             fuse_layers, split_attention)
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cacheable, drafter_for_decoding
+from dflash.inference.sampling import Sampling, sample_tokens
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder, layer_types_of
 
@@ -238,22 +240,33 @@ class DecodeSteps:
             once into a :class:`torch.cuda.CUDAGraph` over the static state, replayed directly) or
             ``"trees"`` (CUDAGraph Trees through ``mode="reduce-overhead"``: their Python
             bookkeeping runs at every call). The same kernels and outputs either way.
+        sampling: target-only decoding samples each token at this temperature / top-p
+            (:func:`dflash.inference.sampling.sample_tokens`: the noise is a function of the row's
+            seed in :attr:`DecodeState.seeds`, the token's position and id, so a row's tokens do not
+            depend on the batch) instead of taking the argmax; ``None`` = greedy. Fixed for the
+            decoder's life (its compiled steps hold it). Speculative decoding here is greedy: a
+            sampling decoder takes no drafter.
 
     Raises:
         ValueError: a layer id outside the target, a layer type other than full / sliding attention
             (linear attention), an attention implementation other than sdpa / eager, an
             ``attention`` that :func:`dflash.inference.decode_layers.split_attention` refuses (or ``"flex"``
             compiled on CUDA with a target's or cached drafter's head dim below 16), ``max_len < 2``,
-            ``batch_size < 1`` or a ``cuda_graphs`` not in :data:`CUDA_GRAPHS`.
+            ``batch_size < 1``, a ``cuda_graphs`` not in :data:`CUDA_GRAPHS`, or ``sampling`` with a
+            drafter.
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, fuse: bool = True,
                  attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
-                 draft_cache: bool = True, cuda_graphs: str = CUDA_GRAPHS[0]) -> None:
+                 draft_cache: bool = True, cuda_graphs: str = CUDA_GRAPHS[0],
+                 sampling: Optional[Sampling] = None) -> None:
         if cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs: one of {CUDA_GRAPHS}, got {cuda_graphs!r}")
+        if sampling is not None and drafter is not None:
+            raise ValueError("sampling: speculative decoding here is greedy; a sampling decoder takes no drafter")
         self.cuda_graphs = cuda_graphs
+        self.sampling = sampling
         self.attention = default_attention(batch_size) if attention is None else attention
         self.step_attention, self.block_attention = split_attention(self.attention)
         self.model = model.eval()
@@ -417,8 +430,8 @@ class DecodeSteps:
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, rows: Optional[Tensor] = None,
-                features: bool = True, logits_at: Optional[Tensor] = None, attention: Optional[str] = None
-                ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+                features: bool = True, logits_at: Optional[Tensor] = None, attention: Optional[str] = None,
+                sample_at: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """The target over ``input_ids`` at ``positions``, on top of the cache; writes their keys/values.
         Without gradients (decoding never needs them; flex_attention has no CPU backward).
 
@@ -431,9 +444,11 @@ class DecodeSteps:
             attention: the fused layers' attention in this forward (default: the multi-token one;
                 :data:`dflash.inference.decode_layers.PREFILL_ATTENTION` when ``positions`` are
                 ``0 … T−1`` in every row: a prefill into empty rows, which reads no cache slot).
+            sample_at: ``[b', T']`` int64, the positions the chosen tokens are written at: a
+                sampling decoder (``sampling``) samples them there instead of taking the argmax.
 
         Returns:
-            ``(logit stats [b', T', 3] fp32, argmax ids [b', T', 1] int64, features [b', T, L·D] or None)``
+            ``(logit stats [b', T', 3] fp32, argmax (or sampled) ids [b', T', 1] int64, features [b', T, L·D] or None)``
             with ``T' = 1`` when ``logits_at`` is given. The stats are ``(z1, z2, spread)``: the two largest
             logits and ``max_v |z_v − mean(z)|`` over the vocabulary (the logits' scale for the tie bound,
             :func:`dflash.inference.lossless.tie_bound`). The argmax takes the lowest id of tied logits
@@ -482,7 +497,12 @@ class DecodeSteps:
         logits = self.model.get_output_embeddings()(hidden).float()
         top = logits.topk(2, dim=-1)
         spread = (logits - logits.mean(dim=-1, keepdim=True)).abs().amax(dim=-1, keepdim=True)
-        return torch.cat([top.values, spread], dim=-1), logits.argmax(dim=-1, keepdim=True), feats
+        if sample_at is not None and self.sampling is not None:
+            seeds = self.state.seeds if rows is None else self.state.seeds[rows]
+            ids = sample_tokens(logits, seeds, sample_at, self.sampling).unsqueeze(-1)
+        else:
+            ids = logits.argmax(dim=-1, keepdim=True)
+        return torch.cat([top.values, spread], dim=-1), ids, feats
 
     # ----------------------------------------------------------------------- step functions
 
@@ -495,16 +515,17 @@ class DecodeSteps:
     def _greedy_step_impl(self) -> None:
         """One target-only token per active row, entirely on the device (no output, no host sync).
 
-        The argmax at ``anchor`` is written at ``anchor + 1`` with its logit stats, the anchor
+        The argmax at ``anchor`` (sampled, by a sampling decoder) is written at ``anchor + 1`` with
+        its logit stats, the anchor
         moves there, and the row turns inactive when that token is a stop token or sits at the
         row's last position. Inactive rows run the forward too (fixed shapes) but change nothing.
         """
         st = self.state
         a, active = st.anchor, st.active
-        vals, ids, _ = self.forward(st.tokens.gather(1, a[:, None]), a[:, None], features=False,
-                                    attention=self.step_attention)
-        tok = ids[:, :, 0]  # [b, 1]
         nxt = torch.clamp(a + 1, max=self.max_len - 1)[:, None]  # [b, 1]
+        vals, ids, _ = self.forward(st.tokens.gather(1, a[:, None]), a[:, None], features=False,
+                                    attention=self.step_attention, sample_at=nxt)
+        tok = ids[:, :, 0]  # [b, 1]
         act = active[:, None]
         st.tokens.scatter_(1, nxt, torch.where(act, tok, st.tokens.gather(1, nxt)))
         at = nxt.unsqueeze(-1).expand(-1, -1, 3)
@@ -576,8 +597,8 @@ class DecodeSteps:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Tensor], fill_draft_cache: bool = True) -> list[int]:
         """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
-        ``0 … P_r − 1``; each row's first generated token is written at ``P_r`` (its logit stats
-        too) and becomes its anchor. Compiled with dynamic shapes where the steps are compiled on
+        ``0 … P_r − 1``; each row's first generated token (the argmax, or a sample) is written at
+        ``P_r`` (its logit stats too) and becomes its anchor. Compiled with dynamic shapes where the steps are compiled on
         CUDA (:meth:`compile_prefill`) unless ``compile_prefill=False``, else eager. The prompts go
         longest first in forwards of as many rows as :attr:`PREFILL_CHUNK_TOKENS` (fused layers:
         causal attention over the prompts' own keys, :data:`PREFILL_ATTENTION`) or
@@ -618,7 +639,7 @@ class DecodeSteps:
             rows = torch.tensor(part, device=self.device)
             last = torch.tensor([lens[r] - 1 for r in part], device=self.device)
             vals, top, feats = self._prefill_forward(ids, pos, rows=rows, features=bool(self.layer_ids),
-                                                     logits_at=last, attention=attention)
+                                                     logits_at=last, attention=attention, sample_at=(last + 1)[:, None])
             st.tokens[rows, :width] = ids
             st.tokens[rows, last + 1] = top[:, 0, 0]
             st.logit_stats[rows, last + 1] = vals[:, 0]

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from dflash.inference.decode_state import SLACK
 from dflash.inference.decode_steps import CUDA_GRAPHS, DecodeSteps
+from dflash.inference.sampling import Sampling
 
 __all__ = ["Generation", "Generator", "PASS_SCHEDULES", "WARMUP_ROUNDS", "passes_before_check"]
 
@@ -207,7 +208,9 @@ class Generator(DecodeSteps):
 
     Args:
         model, layer_ids, max_len, batch_size, drafter, compile, fuse, attention, compile_prefill, draft_cache,
-        cuda_graphs: the decoding state and its step functions (:class:`dflash.inference.decode_steps.DecodeSteps`).
+        cuda_graphs, sampling: the decoding state and its step functions
+            (:class:`dflash.inference.decode_steps.DecodeSteps`); with ``sampling``, :meth:`greedy`
+            samples (one seed per prompt), and no drafter is taken.
         sync_every: target forwards (steps or verification passes) the host enqueues between two
             reads of the decoding state (:data:`SYNC_EVERY`); any value gives the same outputs.
             Settable on the instance (:attr:`sync_every`) without recompiling.
@@ -225,14 +228,15 @@ class Generator(DecodeSteps):
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_len: int, batch_size: int = 1,
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
                  fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
-                 pass_schedule: str = "certain", draft_cache: bool = True, cuda_graphs: str = CUDA_GRAPHS[0]) -> None:
+                 pass_schedule: str = "certain", draft_cache: bool = True, cuda_graphs: str = CUDA_GRAPHS[0],
+                 sampling: Optional[Sampling] = None) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
         if pass_schedule not in PASS_SCHEDULES:
             raise ValueError(f"pass_schedule: must be one of {PASS_SCHEDULES}, got {pass_schedule!r}")
         super().__init__(model, layer_ids, max_len, batch_size=batch_size, drafter=drafter, compile=compile,
                          fuse=fuse, attention=attention, compile_prefill=compile_prefill, draft_cache=draft_cache,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, sampling=sampling)
         self.sync_every = int(sync_every)
         self.pass_schedule = pass_schedule
         # pinned host copies of (anchor, active) for the checks, reused in turn (at most two chunks in flight)
@@ -267,11 +271,19 @@ class Generator(DecodeSteps):
         st.stop_ids.copy_(torch.tensor(padded, dtype=torch.long))
 
     def _start(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int],
-               speculative: bool) -> list[bool]:
+               speculative: bool, seeds: Optional[Sequence[int]] = None) -> list[bool]:
         """Validate, prefill every prompt (filling the drafter's context cache when ``speculative``)
-        and arm the device state. Returns which rows still generate."""
+        and arm the device state (``seeds``: a sampling decoder's, one per prompt). Returns which
+        rows still generate."""
         self._check(prompts, max_new_tokens, stop_ids)
         st = self.state
+        if self.sampling is not None:
+            if seeds is None or len(seeds) != len(prompts):
+                raise ValueError(f"seeds: a sampling decoder needs one per prompt ({len(prompts)}), got "
+                                 f"{'none' if seeds is None else len(seeds)}")
+            st.seeds[:len(prompts)].copy_(torch.tensor([int(x) for x in seeds], dtype=torch.long))
+        elif seeds is not None:
+            raise ValueError("seeds: this decoder is greedy (Generator(sampling=...) samples)")
         st.active.zero_()
         st.anchor.zero_()
         st.accepted.zero_()
@@ -363,8 +375,10 @@ class Generator(DecodeSteps):
 
     @torch.no_grad()
     def greedy(self, prompts: Sequence[Tensor], max_new_tokens: int, stop_ids: Sequence[int] = (),
-               progress: Optional[Callable[[int], None]] = None, logit_stats: bool = True) -> list[Generation]:
-        """Target-only greedy decoding of up to ``batch_size`` prompts (one token per forward).
+               progress: Optional[Callable[[int], None]] = None, logit_stats: bool = True,
+               seeds: Optional[Sequence[int]] = None) -> list[Generation]:
+        """Target-only decoding of up to ``batch_size`` prompts (one token per forward): greedy, or
+        sampled by a decoder built with ``sampling``.
 
         The steps run back to back on the device (:meth:`_greedy_step_impl` stops each row itself);
         the host reads the anchors and active flags every :attr:`sync_every` steps (never more
@@ -380,16 +394,18 @@ class Generator(DecodeSteps):
                 (:attr:`Generation.top2`, :attr:`Generation.spread`); ``False`` leaves them empty
                 (callers that need only the tokens: the ``[n, T, 3]`` read is the costliest of a
                 large batch).
+            seeds: a sampling decoder's seed of each prompt (its row's tokens depend on it, the
+                prompt and the model only: :mod:`dflash.inference.sampling`); none for a greedy one.
 
         Returns:
             one :class:`Generation` per prompt.
 
         Raises:
-            ValueError: too many prompts, an empty prompt, one that does not fit ``max_len``, or a
-                negative stop id.
+            ValueError: too many prompts, an empty prompt, one that does not fit ``max_len``, a
+                negative stop id, or ``seeds`` missing (sampling) or given (greedy).
         """
         start = time.perf_counter()
-        active = self._start(prompts, max_new_tokens, stop_ids, speculative=False)
+        active = self._start(prompts, max_new_tokens, stop_ids, speculative=False, seeds=seeds)
         prefilled = time.perf_counter()  # the prefill's first tokens reached the host: synchronised
         n = len(prompts)
         lens = [p.numel() for p in prompts]

@@ -22,9 +22,10 @@ so far) when ``--max-turns`` turns are done, when the next prompt is ``--max-pro
 or longer (default ``data.max_length``: the trainer cuts longer sequences anyway, so later turns
 would be wasted work), when a response is empty, or when the template fails. Leading assistant
 turns (ShareGPT continuation rows: nothing to answer) are dropped. Greedy (``--temperature 0``, the
-default) takes the argmax, which is the target's own greedy continuation, through the static-cache
-generator; sampling uses temperature and top-p with one ``torch.Generator`` per (seed, row id,
-turn), so a sampled row does not depend on batching, sharding or restarts
+default) takes the argmax, which is the target's own greedy continuation; sampling
+(``--temperature T --top-p P``) draws each token with noise computed from the seed of its (seed, row
+id, turn) and its position (:mod:`dflash.inference.sampling`), so a sampled row does not depend on
+batching, sharding or restarts. Both run through the static-cache generator
 (:mod:`dflash.inference.regeneration.generators`). A turn ends at the tokenizer's end-of-turn / EOS
 token (not stored: the template adds it back) or after ``--max-new-tokens``. Token ids the
 tokenizer does not have (padding rows of the embedding) are never generated. Responses are decoded

@@ -1,12 +1,15 @@
 """One generated turn for a batch of prompts: the target's greedy or sampled continuation.
 
-Greedy (temperature 0) goes through :class:`StaticGreedyGenerator`: the static KV cache of
+Regeneration goes through :class:`StaticGenerator`: the static KV cache of
 :class:`dflash.inference.generation.Generator`, one row per conversation, its step compiled into a
 CUDA graph on GPU (``target.compile``); prompts of :data:`SHORT_PROMPT_TOKENS` tokens or more go to
-a second cache sized for ``--max-prompt-tokens`` (eager unless asked). Sampling keeps :class:`BatchGenerator`: one
-left-padded batch with the Hugging Face causal LM called step by step; left padding is exact for
-attention layers (padded keys are masked, positions restart at 0 at each row's first token). A turn
-ends at a stop token (:func:`dflash.data.render.stop_token_ids`; not returned) or after ``max_new_tokens``; ids the
+a second cache sized for ``--max-prompt-tokens`` (eager unless asked). :class:`BatchGenerator` is
+the plain reference: one left-padded batch with the Hugging Face causal LM called step by step; left
+padding is exact for attention layers (padded keys are masked, positions restart at 0 at each row's
+first token). Both sample with :func:`dflash.inference.sampling.sample_tokens` (noise from the
+row's seed, the token's position and id), so they draw the same tokens from the same logits, and a
+row's turn never depends on the rows beside it. A turn ends at a stop token
+(:func:`dflash.data.render.stop_token_ids`; not returned) or after ``max_new_tokens``; ids the
 tokenizer does not have (padding rows of the embedding) are never generated.
 """
 
@@ -19,8 +22,10 @@ from typing import Any, Optional
 
 import torch
 
+from dflash.inference.sampling import Sampling, sample_tokens
+
 __all__ = ["STATIC_SLACK", "SHORT_PROMPT_TOKENS", "Generated", "BatchGenerator", "limit_vocab",
-           "short_prompt_tokens_for", "StaticGreedyGenerator"]
+           "short_prompt_tokens_for", "StaticGenerator"]
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +64,17 @@ class BatchGenerator:
         params = inspect.signature(model.forward).parameters
         self.cache_key = "cache" if "cache" in params else "past_key_values"
 
-    def _choose(self, logits: torch.Tensor, temperature: float, top_p: float,
-                generators: Optional[list[torch.Generator]]) -> torch.Tensor:
-        """Next token per row from ``logits`` ``[B, V]`` → int64 ``[B]`` (argmax when temperature is 0)."""
+    def _choose(self, logits: torch.Tensor, sampling: Optional[Sampling], seeds: Optional[torch.Tensor],
+                at: torch.Tensor) -> torch.Tensor:
+        """Next token per row from ``logits`` ``[B, V]`` → int64 ``[B]``: the argmax without
+        ``sampling``, else :func:`dflash.inference.sampling.sample_tokens` with ``seeds [B]`` at
+        the positions ``at [B]`` the tokens are written at."""
         logits = logits.float()
         if logits.shape[-1] > self.vocab_limit:
             logits[:, self.vocab_limit:] = float("-inf")
-        if temperature == 0:
+        if sampling is None:
             return logits.argmax(dim=-1)
-        logits = logits / temperature
-        if top_p < 1.0:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the tokens ranked before it already reach top_p (the first always stays).
-            drop = (probs.cumsum(dim=-1) - probs) >= top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        if generators is None or len(generators) != probs.shape[0]:
-            raise ValueError("sampling needs one generator per row")
-        return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)[0] for i, g in enumerate(generators)])
+        return sample_tokens(logits[:, None], seeds, at[:, None], sampling)[:, 0]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -90,19 +86,21 @@ class BatchGenerator:
             max_new_tokens: at most this many new tokens per row (the stop token included).
             temperature: 0 = greedy; else sampling at this temperature.
             top_p: nucleus sampling mass (1 = off); only with ``temperature > 0``.
-            seeds: one seed per row (required when sampling): row i samples from its own generator.
+            seeds: one seed per row (required when sampling): row i's tokens depend on its seed,
+                prompt and the model only (:mod:`dflash.inference.sampling`).
         Returns:
             B :class:`Generated`, in prompt order.
         Raises:
-            ValueError: an empty prompt, or sampling without one seed per row.
+            ValueError: an empty prompt, sampling without one seed per row, or a top_p outside (0, 1].
         """
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
-        generators = None
+        sampling, seed_ids = None, None
         if temperature > 0:
             if seeds is None or len(seeds) != len(prompts):
                 raise ValueError("generate: sampling needs one seed per prompt")
-            generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+            sampling = Sampling(temperature, top_p)
+            seed_ids = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=self.device)
         rows, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((rows, width), dtype=torch.long)
@@ -117,7 +115,7 @@ class BatchGenerator:
         finish = ["length"] * rows
         active = list(range(rows))
         for step in range(max_new_tokens):
-            chosen = self._choose(out.logits[:, -1, :], temperature, top_p, generators)
+            chosen = self._choose(out.logits[:, -1, :], sampling, seed_ids, positions[:, -1] + 1)
             host = chosen.tolist()
             still = []
             for i in active:
@@ -146,12 +144,12 @@ class BatchGenerator:
 #: Positions of the static cache beyond the longest prompt allowed plus ``max_new_tokens``
 #: (:class:`dflash.inference.generation.Generator` keeps a few slots past a row's last token).
 STATIC_SLACK = 8
-#: Prompts shorter than this (tokens) use :class:`StaticGreedyGenerator`'s short cache.
+#: Prompts shorter than this (tokens) use :class:`StaticGenerator`'s short cache.
 SHORT_PROMPT_TOKENS = 512
 
 
 def short_prompt_tokens_for(attention: Optional[str]) -> Optional[int]:
-    """:class:`StaticGreedyGenerator`'s ``short_prompt_tokens`` for a decoding attention spec:
+    """:class:`StaticGenerator`'s ``short_prompt_tokens`` for a decoding attention spec:
     ``None`` (one cache for every prompt) when the one-token step runs ``flex``, which visits only
     the cache blocks a row has written, so a step costs what the rows hold whatever the cache's
     length; else :data:`SHORT_PROMPT_TOKENS` (the other attentions read the whole cache).
@@ -197,10 +195,11 @@ def limit_vocab(model: Any, vocab_limit: int) -> None:
     log.info("output embedding cut from %d to %d rows (the tokenizer's size)", weight.shape[0], vocab_limit)
 
 
-class StaticGreedyGenerator:
-    """Greedy generation through :class:`dflash.inference.generation.Generator` (static KV cache, fixed
+class StaticGenerator:
+    """Generation through :class:`dflash.inference.generation.Generator` (static KV cache, fixed
     shapes; on CUDA a compiled step replayed as a CUDA graph): the :meth:`generate` contract of
-    :class:`BatchGenerator` at temperature 0.
+    :class:`BatchGenerator`, greedy, or sampled at the one temperature / top-p it was built for
+    (its compiled step holds them).
 
     Every step attends over the whole static cache, so its cost grows with ``max_len``, not with
     the prompts. Two caches keep it small for most rows: prompts shorter than
@@ -236,6 +235,8 @@ class StaticGreedyGenerator:
         compile_long: compile the long generator's step too (one more compilation, on its first
             use): worth it when many batches are long (every turn of a conversation regenerated,
             where later turns' prompts hold the earlier ones).
+        sampling: sample at this temperature / top-p (:mod:`dflash.inference.sampling`; one seed
+            per prompt, :meth:`generate`); ``None`` = greedy.
 
     Raises:
         ValueError: see :class:`dflash.inference.generation.Generator` and :func:`limit_vocab`.
@@ -244,7 +245,7 @@ class StaticGreedyGenerator:
     def __init__(self, model: Any, stop_ids: list[int], vocab_limit: int, batch_size: int, max_prompt_tokens: int,
                  max_new_tokens: int, short_prompt_tokens: Optional[int] = SHORT_PROMPT_TOKENS,
                  compile: Optional[bool] = None, compile_long: bool = False,
-                 attention: Optional[str] = None) -> None:
+                 attention: Optional[str] = None, sampling: Optional[Sampling] = None) -> None:
         from dflash.inference.generation import Generator
 
         limit_vocab(model, vocab_limit)
@@ -259,8 +260,9 @@ class StaticGreedyGenerator:
         self.short_prompt_tokens = short_prompt_tokens
         # The prefill stays eager: at regeneration's batch sizes each prefill forward keeps the device
         # busy, and a dynamic-shape compilation of it (plus its recompilations) costs more than it saves.
+        self.sampling = sampling
         self.short = Generator(model, [], max_len=self._max_len(short_prompt_tokens), batch_size=batch_size,
-                               compile=compile, compile_prefill=False, attention=attention)
+                               compile=compile, compile_prefill=False, attention=attention, sampling=sampling)
         self.long: Any = None
         self.compile_long = bool(compile_long) and self.short.compiled  # never where the short one is eager
         self.attention = attention
@@ -293,12 +295,13 @@ class StaticGreedyGenerator:
 
             self.long = Generator(self.model, [], max_len=self._max_len(self.max_prompt_tokens),
                                   batch_size=self.batch_size, compile=self.compile_long, compile_prefill=False,
-                                  attention=self.attention)
+                                  attention=self.attention, sampling=self.sampling)
         return self.long
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seeds: Optional[list[int]] = None, cache: Optional[int] = None) -> list[Generated]:
-        """Greedy turn for each prompt (``top_p`` and ``seeds`` are ignored: greedy needs neither).
+        """One turn for each prompt: greedy (``temperature`` 0; ``top_p`` and ``seeds`` are ignored),
+        or sampled with one seed per prompt at the temperature / top-p the generator was built for.
 
         Args:
             cache: run every prompt in this cache (an index into :attr:`cache_slots`; each prompt
@@ -307,13 +310,19 @@ class StaticGreedyGenerator:
         Returns:
             B :class:`Generated`, in prompt order (the stop token excluded, as :class:`BatchGenerator`).
         Raises:
-            ValueError: ``temperature != 0``, ``max_new_tokens`` above the constructor's, more prompts
-                than ``batch_size``, an empty prompt or one of ``max_prompt_tokens`` tokens or more,
-                ``cache`` out of range or a prompt too long for it.
+            ValueError: a ``temperature`` / ``top_p`` other than the constructor's ``sampling`` (0 when
+                greedy), sampling without one seed per prompt, ``max_new_tokens`` above the
+                constructor's, more prompts than ``batch_size``, an empty prompt or one of
+                ``max_prompt_tokens`` tokens or more, ``cache`` out of range or a prompt too long for it.
             RuntimeError: an id ``>= vocab_limit`` was generated (a head :func:`limit_vocab` did not cut).
         """
-        if temperature != 0:
-            raise ValueError(f"temperature: StaticGreedyGenerator is greedy only, got {temperature}")
+        if self.sampling is None and temperature != 0:
+            raise ValueError(f"temperature: this StaticGenerator is greedy (sampling=None), got {temperature}")
+        if self.sampling is not None and (temperature, top_p) != (self.sampling.temperature, self.sampling.top_p):
+            raise ValueError(f"temperature / top_p: this StaticGenerator samples at {self.sampling.temperature} / "
+                             f"{self.sampling.top_p}, got {temperature} / {top_p}")
+        if self.sampling is not None and (seeds is None or len(seeds) != len(prompts)):
+            raise ValueError("seeds: sampling needs one seed per prompt")
         if max_new_tokens > self.max_new_tokens:
             raise ValueError(f"max_new_tokens: {max_new_tokens} exceeds the cache's {self.max_new_tokens}")
         if len(prompts) > self.batch_size:
@@ -337,7 +346,8 @@ class StaticGreedyGenerator:
                 continue
             generator = self.short if index == 0 else self._long()
             runs = generator.greedy([torch.tensor(prompts[i], dtype=torch.long) for i in rows], max_new_tokens,
-                                    self.stop_ids, logit_stats=False)
+                                    self.stop_ids, logit_stats=False,
+                                    seeds=None if self.sampling is None else [seeds[i] for i in rows])
             self.timings["prefill_s"] += runs[0].prefill_seconds
             self.timings["decode_s"] += runs[0].decode_seconds
             self.timings["batches"] += 1

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 from jinja2.exceptions import TemplateError
 
 from dflash.config import ConfigError
-from dflash.inference.regeneration.generators import BatchGenerator, Generated, StaticGreedyGenerator
+from dflash.inference.regeneration.generators import BatchGenerator, Generated, StaticGenerator
 from dflash.inference.regeneration.rows import SourceRow, turn_seed
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_BATCH_SIZE", "SKIP_REASONS", "SHAREGPT_ROLE", "GenerationOptions",
@@ -329,7 +329,7 @@ def choose_round(caches: Sequence[int], batch_size: int, waits: Optional[Sequenc
     return cache, sorted(fits[:batch_size])
 
 
-def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGreedyGenerator, tokenizer: Any,
+def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGenerator, tokenizer: Any,
                     options: GenerationOptions, deadline: Optional[float] = None,
                     clock: Callable[[], float] = time.time) -> Iterator[list[dict]]:
     """Regenerate ``rows``; yield the records of the conversations that finish, as soon as they do.
@@ -337,7 +337,7 @@ def regenerate_rows(rows: list[SourceRow], generator: BatchGenerator | StaticGre
     A pool of conversations, each with its next prompt ready, generates one turn of up to
     ``options.batch_size`` of them per round (one batch); finished conversations leave the pool
     and the queue refills it. A generator with several caches (``cache_slots`` and ``cache_for``,
-    :class:`dflash.inference.regeneration.generators.StaticGreedyGenerator`) gets one cache's
+    :class:`dflash.inference.regeneration.generators.StaticGenerator`) gets one cache's
     prompts a round (``generate(..., cache=c)``, the cache and rows of :func:`choose_round`, the
     rows that waited longest first; the others wait in the pool), and the pool is refilled while
     the smallest cache has fewer than ``batch_size`` rows of its own, to at most ``batch_size``

@@ -24,9 +24,10 @@ import torch
 from dflash.compile_watch import compile_counts
 from dflash.config import RunConfig, resolve_device
 from dflash.data.render import stop_token_ids
-from dflash.inference.regeneration.generators import BatchGenerator, StaticGreedyGenerator, short_prompt_tokens_for
+from dflash.inference.regeneration.generators import StaticGenerator, short_prompt_tokens_for
 from dflash.inference.regeneration.jobs import GenerationOptions, prompt_chars, regenerate_rows
 from dflash.inference.regeneration.rows import SourceRow, iter_source, shard_of
+from dflash.inference.sampling import Sampling
 from dflash.inference.regeneration.shards import ShardWriter, done_ids, is_partial, shard_path
 
 __all__ = ["stats_path", "run_worker"]
@@ -102,24 +103,23 @@ def _device(cfg: RunConfig, rank: int, world: int, gpus: Optional[list[int]]) ->
 
 
 def _generator(cfg: RunConfig, options: GenerationOptions, rows: list[SourceRow], device: torch.device,
-               tokenizer: Any) -> BatchGenerator | StaticGreedyGenerator:
-    """Load the target on ``device`` and wrap it: :class:`StaticGreedyGenerator` when greedy (``rows``
-    are sorted by first-prompt length, so that similar lengths share a batch and a cache), else
-    :class:`BatchGenerator`."""
+               tokenizer: Any) -> StaticGenerator:
+    """Load the target on ``device`` and wrap it in a :class:`StaticGenerator`, greedy or sampling
+    at ``options``' temperature / top-p (``rows`` are sorted by first-prompt length, so that similar
+    lengths share a batch and a cache)."""
     from dflash.models.target_loader import load_target
-    from dflash.training.factory import pad_token_id
 
     model = load_target(cfg.target, device).model
     stop_ids = stop_token_ids(tokenizer, None if cfg.target.kind == "random" else model)
-    if options.temperature != 0:
-        return BatchGenerator(model, stop_ids, pad_token_id(tokenizer), len(tokenizer))
+    sampling = Sampling(options.temperature, options.top_p) if options.temperature != 0 else None
     rows.sort(key=prompt_chars)
     compile = cfg.target.compile and device.type == "cuda"
     # Later turns' prompts hold the earlier turns: most of their batches go to the long cache.
-    return StaticGreedyGenerator(model, stop_ids, len(tokenizer), min(options.batch_size, len(rows)),
-                                 options.max_prompt_tokens, options.max_new_tokens,
-                                 short_prompt_tokens=short_prompt_tokens_for(options.attention), compile=compile,
-                                 compile_long=compile and options.max_turns != 1, attention=options.attention)
+    return StaticGenerator(model, stop_ids, len(tokenizer), min(options.batch_size, len(rows)),
+                           options.max_prompt_tokens, options.max_new_tokens,
+                           short_prompt_tokens=short_prompt_tokens_for(options.attention), compile=compile,
+                           compile_long=compile and options.max_turns != 1, attention=options.attention,
+                           sampling=sampling)
 
 
 def _past(deadline: Optional[float], clock: Callable[[], float]) -> bool:
@@ -132,9 +132,9 @@ def run_worker(cfg: RunConfig, options: GenerationOptions, output: Path, rank: i
                clock: Callable[[], float] = time.time) -> int:
     """One worker process: load the target, regenerate the pending rows of shard ``rank``, append them.
 
-    Runs on ``cuda:<gpus[rank]>`` (``gpus`` defaults to ``cluster.targets``) or the CPU. Greedy
-    generation goes through :class:`StaticGreedyGenerator` (one per worker, ``options.batch_size``
-    rows), sampling through :class:`BatchGenerator`. Logs a progress line (rows, new tokens/s, ETA)
+    Runs on ``cuda:<gpus[rank]>`` (``gpus`` defaults to ``cluster.targets``) or the CPU. Generation,
+    greedy or sampled, goes through :class:`StaticGenerator` (one per worker, ``options.batch_size``
+    rows). Logs a progress line (rows, new tokens/s, ETA)
     at least every 30 s and writes :func:`stats_path` (rows finished, ``partial_rows``, new tokens,
     seconds, new tokens/s, device, ``rows_left`` and ``stopped_at_deadline``) at the end. The
     shard's lock is held from before the shard is read until the end.

@@ -1,0 +1,114 @@
+"""Temperature / top-p sampling whose randomness is a function of (row seed, position, token id).
+
+A sampled token is ``argmax_v (z_v / T + g_v)`` over the ids the nucleus keeps, where ``g_v`` is
+Gumbel noise: the Gumbel-max trick (Gumbel 1954; Maddison, Tarlow & Minka, "A* Sampling", NeurIPS
+2014, §2) draws exactly from ``softmax(z / T)`` restricted to the kept ids. The noise is not drawn
+from a generator's stream but computed: ``g = −log(−log u)`` with ``u`` uniform in (0, 1) from a
+32-bit integer hash of the row's seed, the position the token is written at and the token id
+(:func:`uniform_noise`). So a row's sample never depends on the batch it runs in, the rows beside
+it, how many steps ran before or on which device, and it is computed inside a compiled step or a
+CUDA graph without a host round trip: the static-cache generator and the Hugging Face batch
+generator of regeneration draw the same tokens from the same logits.
+
+The hash is ``lowbias32`` (C. Wellons, "Prospecting for Hash Functions", 2018: ``x ^= x >> 16;
+x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``), evaluated in int64 tensors with
+every product below 2⁶³ (:func:`_mul32`), so it is exact on every backend. ``u`` takes the top 24
+bits of the hash, ``(h >> 8 + ½) / 2²⁴``: exactly representable in fp32 and never 0 or 1.
+
+**Top-p** (nucleus; Holtzman et al., "The Curious Case of Neural Text Degeneration", ICLR 2020,
+§3.1) keeps, in descending order of ``z``, each id whose predecessors' probabilities sum to less
+than ``top_p`` (the first id always), and then every id whose logit equals the last kept one's: a
+rule on values, so ties at the cut are kept or dropped together whatever order a sort gives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Sampling", "gumbel_noise", "lowbias32", "sample_tokens", "uniform_noise"]
+
+_M32 = 0xFFFFFFFF
+_M16 = 0xFFFF
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of a decoder: ``temperature`` > 0 and ``top_p`` in (0, 1] (1 = off).
+
+    Raises:
+        ValueError: a temperature <= 0 or a top_p outside (0, 1].
+    """
+
+    temperature: float
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: sampling needs > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x · c mod 2³²`` for int64 ``x`` in [0, 2³²) and a 32-bit constant ``c``, in two 16-bit halves
+    so that no product reaches 2⁶³ (signed overflow is not defined in the generated kernels)."""
+    hi = ((x >> 16) * c) & _M16
+    return ((hi << 16) + (x & _M16) * c) & _M32
+
+
+def lowbias32(x: Tensor) -> Tensor:
+    """The ``lowbias32`` hash of int64 ``x`` (any shape; its low 32 bits are hashed), int64 in [0, 2³²)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+    """Uniform noise in (0, 1), a function of (seed, position, token id) only.
+
+    Args:
+        seeds: ``[b]`` int64, one per row (its 64 bits are used).
+        positions: ``[b, T]`` int64: the position each row's token is written at.
+        vocab: ``V``, the token ids ``0 … V−1``.
+
+    Returns:
+        ``[b, T, V]`` fp32 on ``positions``' device.
+    """
+    row = lowbias32(lowbias32(seeds) ^ ((seeds >> 32) & _M32))  # [b]
+    at = lowbias32(row[:, None] ^ lowbias32(positions + 0x9E3779B9))  # [b, T]
+    ids = lowbias32(torch.arange(vocab, device=positions.device, dtype=torch.int64) + 0x85EBCA6B)  # [V]
+    h = lowbias32(at[..., None] ^ ids)  # [b, T, V]
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+    """Standard Gumbel noise ``−log(−log u)`` of :func:`uniform_noise`'s ``u``: ``[b, T, V]`` fp32."""
+    return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))
+
+
+def sample_tokens(logits: Tensor, seeds: Tensor, positions: Tensor, sampling: Sampling) -> Tensor:
+    """One sampled token per row and position (see the module docstring for the rule).
+
+    Args:
+        logits: ``[b, T, V]`` (any float dtype; computed in fp32).
+        seeds: ``[b]`` int64, one per row.
+        positions: ``[b, T]`` int64: where each token is written (its noise's position).
+        sampling: temperature and top-p.
+
+    Returns:
+        ``[b, T]`` int64 token ids.
+    """
+    scaled = logits.float() / sampling.temperature
+    if sampling.top_p < 1.0:
+        ranked = scaled.sort(dim=-1, descending=True).values
+        probs = ranked.softmax(dim=-1)
+        kept = ((probs.cumsum(dim=-1) - probs) < sampling.top_p).sum(dim=-1, keepdim=True)  # >= 1
+        floor = ranked.gather(-1, kept - 1)  # the last kept logit
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    return (scaled + gumbel_noise(seeds, positions, scaled.shape[-1])).argmax(dim=-1)

@@ -1,0 +1,133 @@
+"""Counter-based sampling (dflash.inference.sampling) against plain-Python references."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from dflash.inference.sampling import Sampling, gumbel_noise, lowbias32, sample_tokens, uniform_noise
+
+M32 = 0xFFFFFFFF
+
+
+def py_lowbias32(x: int) -> int:
+    """The published lowbias32, on Python ints (exact 32-bit arithmetic)."""
+    x &= M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    x ^= x >> 16
+    return x
+
+
+def py_uniform(seed: int, position: int, token: int) -> float:
+    row = py_lowbias32(py_lowbias32(seed) ^ ((seed >> 32) & M32))
+    at = py_lowbias32(row ^ py_lowbias32(position + 0x9E3779B9))
+    h = py_lowbias32(at ^ py_lowbias32(token + 0x85EBCA6B))
+    return ((h >> 8) + 0.5) / (1 << 24)
+
+
+def py_sample(logits: list[float], seed: int, position: int, temperature: float, top_p: float) -> int:
+    """One token by a loop over the vocabulary: the nucleus by value, then Gumbel-max."""
+    scaled = [z / temperature for z in logits]
+    kept = set(range(len(scaled)))
+    if top_p < 1.0:
+        order = sorted(range(len(scaled)), key=lambda v: -scaled[v])
+        top = max(scaled)
+        weights = [math.exp(scaled[v] - top) for v in order]
+        total = sum(weights)
+        mass, floor = 0.0, None
+        for v, w in zip(order, weights):
+            if mass < top_p:
+                floor = scaled[v]
+            mass += w / total
+        kept = {v for v in range(len(scaled)) if scaled[v] >= floor}
+    best, best_v = -math.inf, -1
+    for v in range(len(scaled)):
+        if v in kept:
+            score = scaled[v] - math.log(-math.log(py_uniform(seed, position, v)))
+            if score > best:
+                best, best_v = score, v
+    return best_v
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lowbias32_is_the_published_hash(seed):
+    rng = random.Random(seed)
+    xs = [rng.randrange(0, 1 << 32) for _ in range(200)] + [0, 1, M32, 0x80000000]
+    got = lowbias32(torch.tensor(xs, dtype=torch.int64)).tolist()
+    assert got == [py_lowbias32(x) for x in xs]
+    assert len(set(got)) == len(set(xs))  # a bijection on 32 bits
+
+
+def test_uniform_noise_is_a_function_of_seed_position_and_token():
+    rng = random.Random(3)
+    seeds = [rng.randrange(0, 1 << 63) for _ in range(3)]
+    positions = [[rng.randrange(0, 4096) for _ in range(4)] for _ in range(3)]
+    u = uniform_noise(torch.tensor(seeds), torch.tensor(positions), 37)
+    assert u.shape == (3, 4, 37) and u.dtype == torch.float32
+    for b in range(3):
+        for t in range(4):
+            for v in range(37):
+                assert u[b, t, v].item() == pytest.approx(py_uniform(seeds[b], positions[b][t], v), abs=1e-7)
+    assert 0 < u.min().item() and u.max().item() < 1
+    # the rows in another order, one of them alone: the same noise
+    swapped = uniform_noise(torch.tensor(seeds[::-1]), torch.tensor(positions[::-1]), 37)
+    assert torch.equal(swapped, u.flip(0))
+    alone = uniform_noise(torch.tensor(seeds[1:2]), torch.tensor(positions[1:2]), 37)
+    assert torch.equal(alone[0], u[1])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (0.5, 1e-9)])
+def test_sample_tokens_equals_a_loop_over_the_vocabulary(temperature, top_p):
+    g = torch.Generator().manual_seed(11)
+    b, t, v = 3, 5, 23
+    logits = torch.randn(b, t, v, generator=g) * 3
+    logits[0, 0, 7] = logits[0, 0, 8] = logits[0, 0].max() + 1.0  # a tie at the top
+    seeds = torch.randint(0, 1 << 62, (b,), generator=g)
+    positions = torch.randint(0, 2048, (b, t), generator=g)
+    got = sample_tokens(logits, seeds, positions, Sampling(temperature, top_p))
+    assert got.shape == (b, t) and got.dtype == torch.int64
+    for i in range(b):
+        for j in range(t):
+            want = py_sample(logits[i, j].tolist(), int(seeds[i]), int(positions[i, j]), temperature, top_p)
+            assert got[i, j].item() == want
+    if top_p < 1e-6:  # the nucleus of the single largest logit: the argmax (a tie keeps both)
+        top = logits.max(dim=-1, keepdim=True).values
+        assert bool((logits.gather(-1, got[..., None]) == top).all())
+
+
+def test_sampled_frequencies_follow_the_softmax():
+    """Gumbel-max over counter noise draws from softmax(z / T) (restricted to the nucleus)."""
+    z = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 40_000
+    positions = torch.arange(n).view(1, n)
+    seeds = torch.tensor([12345])
+    for temperature, top_p in ((1.0, 1.0), (0.8, 1.0), (1.0, 0.8)):
+        scaled = z / temperature
+        probs = scaled.softmax(-1)
+        if top_p < 1:
+            before = probs.cumsum(-1) - probs  # z is sorted descending already
+            probs = torch.where(before < top_p, probs, torch.zeros(()))
+            probs = probs / probs.sum()
+        tokens = sample_tokens(z.expand(1, n, 6), seeds, positions, Sampling(temperature, top_p))[0]
+        freq = torch.bincount(tokens, minlength=6).float() / n
+        assert torch.allclose(freq, probs, atol=0.008), (temperature, top_p, freq, probs)
+        assert bool((freq[probs == 0] == 0).all())
+
+
+def test_gumbel_noise_has_the_gumbel_mean():
+    g = gumbel_noise(torch.tensor([7, 8]), torch.arange(64).view(1, 64).expand(2, 64), 512)
+    assert abs(g.mean().item() - 0.5772) < 0.01  # the Euler-Mascheroni constant
+    assert torch.isfinite(g).all()
+
+
+def test_sampling_settings_are_checked():
+    for bad in (dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=1.0, top_p=0.0),
+                dict(temperature=1.0, top_p=1.5)):
+        with pytest.raises(ValueError):
+            Sampling(**bad)
