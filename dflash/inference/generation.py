@@ -281,6 +281,9 @@ class Generator(DecodeSteps):
             if seeds is None or len(seeds) != len(prompts):
                 raise ValueError(f"seeds: a sampling decoder needs one per prompt ({len(prompts)}), got "
                                  f"{'none' if seeds is None else len(seeds)}")
+            bad = [x for x in seeds if not -(1 << 63) <= int(x) < (1 << 63)]
+            if bad:
+                raise ValueError(f"seeds: int64 values, got {bad[:3]}")
             st.seeds[:len(prompts)].copy_(torch.tensor([int(x) for x in seeds], dtype=torch.long))
         elif seeds is not None:
             raise ValueError("seeds: this decoder is greedy (Generator(sampling=...) samples)")
@@ -402,7 +405,7 @@ class Generator(DecodeSteps):
 
         Raises:
             ValueError: too many prompts, an empty prompt, one that does not fit ``max_len``, a
-                negative stop id, or ``seeds`` missing (sampling) or given (greedy).
+                negative stop id, or ``seeds`` missing (sampling), outside int64 or given (greedy).
         """
         start = time.perf_counter()
         active = self._start(prompts, max_new_tokens, stop_ids, speculative=False, seeds=seeds)
