@@ -125,8 +125,8 @@ def run_attention(spec: str, target: Any, args: argparse.Namespace, vocab: int) 
     cuda = target.device.type == "cuda"
     torch._dynamo.reset()
     generator = StaticGenerator(target.model, [], vocab, args.batch, args.max_prompt_tokens, args.new_tokens,
-                                      short_prompt_tokens=None if args.one_cache else short_prompt_tokens_for(spec),
-                                      compile=cuda, compile_long=args.compile_long, attention=spec)
+                                short_prompt_tokens=None if args.one_cache else short_prompt_tokens_for(spec),
+                                compile=cuda, compile_long=args.compile_long, attention=spec)
     gen = torch.Generator().manual_seed(0)
     row: dict[str, Any] = {"widths": {}}
     warmed: set[bool] = set()

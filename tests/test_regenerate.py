@@ -114,7 +114,8 @@ def test_sampling_depends_on_row_seed_only(tokenizer, generator):
 def test_options_are_checked():
     from dflash.config import ConfigError
 
-    for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1.0), dict(temperature=float("nan")),
+                dict(temperature=float("inf")), dict(top_p=0.0), dict(top_p=1.5),
                 dict(batch_size=0), dict(max_turns=0), dict(attention="flex+cudnn")):
         with pytest.raises(ConfigError):
             GenerationOptions(**bad).check()

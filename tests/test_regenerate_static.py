@@ -71,7 +71,7 @@ def test_static_greedy_equals_batch_generator_and_naive_loop(model):
     old = BatchGenerator(model, stops, PAD, VOCAB_LIMIT).generate(prompts, MAX_NEW)
     # prompts of 1..15 tokens run in the short cache, 17 and 29 in the long one, in the same call
     static = StaticGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts),
-                                   max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=16)
+                             max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=16)
     new = static.generate(prompts, MAX_NEW)
     assert static.long is not None and static.short.max_len < static.long.max_len
     assert new == old
@@ -97,7 +97,7 @@ def test_a_round_in_one_cache_gives_the_same_rows(model):
     prompts = _prompts([3, 17, 1, 29, 8], seed=3)
     stops = [VOCAB_LIMIT - 1]
     static = StaticGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=len(prompts),
-                                   max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=16)
+                             max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=16)
     assert static.cache_slots == (16 - 1 + MAX_NEW + 8, MAX_PROMPT - 1 + MAX_NEW + 8)
     assert [static.cache_for(len(p)) for p in prompts] == [0, 1, 0, 1, 0]
     split = static.generate(prompts, MAX_NEW)
@@ -114,7 +114,7 @@ def test_a_round_in_one_cache_gives_the_same_rows(model):
     with pytest.raises(ValueError, match="cache: an index"):
         static.generate(short, MAX_NEW, cache=2)
     one = StaticGenerator(_target().model, stops, VOCAB_LIMIT, batch_size=2, max_prompt_tokens=MAX_PROMPT,
-                                max_new_tokens=MAX_NEW, short_prompt_tokens=None)
+                          max_new_tokens=MAX_NEW, short_prompt_tokens=None)
     assert len(one.cache_slots) == 1 and one.cache_for(MAX_PROMPT - 1) == 0
 
 
@@ -123,8 +123,8 @@ def test_one_flex_cache_equals_batch_generator(model):
     the batch generator's tokens and finishes."""
     prompts = _prompts([3, 17, 1, 29, 8], seed=1)
     static = StaticGenerator(_target().model, [VOCAB_LIMIT - 1], VOCAB_LIMIT, batch_size=len(prompts),
-                                   max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=None,
-                                   attention="flex")
+                             max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, short_prompt_tokens=None,
+                             attention="flex")
     assert static.short.step_attention == "flex"
     assert static.generate(prompts, MAX_NEW) == BatchGenerator(model, [VOCAB_LIMIT - 1], PAD,
                                                                VOCAB_LIMIT).generate(prompts, MAX_NEW)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dflash.inference.sampling import Sampling, gumbel_noise, lowbias32, sample_tokens, uniform_noise
+from dflash.inference.sampling import Sampling, gumbel_noise, lowbias32, sample_tokens, uniform_noise, unit_interval
 
 M32 = 0xFFFFFFFF
 
@@ -25,15 +25,21 @@ def py_lowbias32(x: int) -> int:
 
 
 def py_uniform(seed: int, position: int, token: int) -> float:
-    row = py_lowbias32(py_lowbias32(seed) ^ ((seed >> 32) & M32))
-    at = py_lowbias32(row ^ py_lowbias32(position + 0x9E3779B9))
-    h = py_lowbias32(at ^ py_lowbias32(token + 0x85EBCA6B))
-    return ((h >> 8) + 0.5) / (1 << 24)
+    """Two 32-bit lanes (the seed's halves, as int64 bits), each hashed with the position and the id."""
+    seed &= (1 << 64) - 1
+    h = None
+    for half, (c_pos, c_id) in enumerate(((0x9E3779B9, 0x85EBCA6B), (0xC2B2AE35, 0x27D4EB2F))):
+        lane = py_lowbias32(py_lowbias32((seed >> (32 * half)) & M32) + half)
+        at = py_lowbias32(lane ^ py_lowbias32(position + c_pos))
+        mixed = py_lowbias32(at ^ py_lowbias32(token + c_id))
+        h = mixed if h is None else py_lowbias32(h ^ mixed)
+    return ((h >> 9) + 0.5) / (1 << 23)
 
 
 def py_sample(logits: list[float], seed: int, position: int, temperature: float, top_p: float) -> int:
     """One token by a loop over the vocabulary: the nucleus by value, then Gumbel-max."""
-    scaled = [z / temperature for z in logits]
+    top = max(logits)
+    scaled = [(z - top) / temperature for z in logits]
     kept = set(range(len(scaled)))
     if top_p < 1.0:
         order = sorted(range(len(scaled)), key=lambda v: -scaled[v])
@@ -127,7 +133,47 @@ def test_gumbel_noise_has_the_gumbel_mean():
 
 
 def test_sampling_settings_are_checked():
-    for bad in (dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=1.0, top_p=0.0),
-                dict(temperature=1.0, top_p=1.5)):
+    for bad in (dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=float("nan")),
+                dict(temperature=float("inf")), dict(temperature=1.0, top_p=0.0), dict(temperature=1.0, top_p=1.5)):
         with pytest.raises(ValueError):
             Sampling(**bad)
+
+
+def test_the_unit_interval_never_reaches_its_ends():
+    """The largest and smallest hashes map strictly inside (0, 1), so the Gumbel noise is finite."""
+    h = torch.tensor([0, 1, (1 << 31), (1 << 32) - 1, (1 << 32) - 512, (1 << 32) - 513], dtype=torch.int64)
+    u = unit_interval(h)
+    assert u.tolist() == [((x >> 9) + 0.5) / (1 << 23) for x in h.tolist()]
+    assert 0 < u.min().item() and u.max().item() < 1
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_a_one_token_nucleus_is_the_argmax_at_a_large_vocabulary(monkeypatch):
+    """Qwen3's vocabulary, ids past the tokenizer at -inf (as the batch generator sets them), many
+    rows and positions (the rows taken in chunks): a nucleus of one token and a tiny temperature
+    both give the argmax, and a -inf id is never drawn at any temperature."""
+    import dflash.inference.sampling as sampling
+
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_ELEMENTS", 1 << 22)  # one row at a time
+    g = torch.Generator().manual_seed(2)
+    b, t, v = 3, 24, 151_936
+    logits = torch.randn(b, t, v, generator=g)
+    logits[..., 151_669:] = float("-inf")
+    seeds = torch.randint(-(1 << 62), 1 << 62, (b,), generator=g)
+    positions = torch.arange(t).expand(b, t)
+    argmax = logits.argmax(dim=-1)
+    assert torch.equal(sample_tokens(logits, seeds, positions, Sampling(1.0, 1e-9)), argmax)
+    assert torch.equal(sample_tokens(logits, seeds, positions, Sampling(1e-40)), argmax)
+    drawn = sample_tokens(logits, seeds, positions, Sampling(50.0))
+    assert int(drawn.max()) < 151_669 and len(set(drawn.flatten().tolist())) > b * t // 2
+
+
+def test_seeds_that_share_a_half_give_other_noise():
+    """Every bit of the 64-bit seed counts: seeds equal in one 32-bit half, or built to collide
+    through one lane, differ in their noise."""
+    positions = torch.arange(32).view(1, 32)
+    base = uniform_noise(torch.tensor([5]), positions, 64)
+    for other in (5 + (1 << 32), 5 - (1 << 40), -313555955755253754, (1 << 62) + 5):
+        assert not torch.equal(uniform_noise(torch.tensor([other]), positions, 64), base)
+    shifted = uniform_noise(torch.tensor([-2617223156011630585]), torch.arange(32).view(1, 32) - 1, 64)
+    assert not torch.equal(shifted[:, 1:], base[:, :-1])

@@ -87,7 +87,7 @@ a greedy batch runs until its longest row ends (finished rows ride along on the 
 each prompt's prefill is its own eager forward; a worker's ETA is optimistic early on (short prompts first);
 thinking templates that strip earlier turns' reasoning are rendered as the template does; the time
 budget is checked between rounds, so a run overshoots it by up to one round (a greedy batch runs to its
-longest row) plus the merge, and a time-limited output (greedy: the shortest prompts first) is not a
+longest row) plus the merge, and a time-limited output (the shortest prompts first) is not a
 uniform sample of the data.
 """
 
@@ -153,7 +153,7 @@ def parse_args(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> 
                    help="stop a conversation before a prompt this long "
                         "(default regenerate.max_prompt_tokens, else data.max_length)")
     p.add_argument("--attention", default=None,
-                   help="the greedy generator's decoding attention: sdpa, flex, matmul, reduce or X+Y (default "
+                   help="the static-cache generator's decoding attention: sdpa, flex, matmul, reduce or X+Y (default "
                         "regenerate.attention, else the batch size's default); flex visits only the cache blocks a "
                         "row has written and uses one cache for every prompt length")
     p.add_argument("--max-seconds", type=float, default=None,

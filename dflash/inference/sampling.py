@@ -12,42 +12,53 @@ generator of regeneration draw the same tokens from the same logits.
 
 The hash is ``lowbias32`` (C. Wellons, "Prospecting for Hash Functions", 2018: ``x ^= x >> 16;
 x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``), evaluated in int64 tensors with
-every product below 2⁶³ (:func:`_mul32`), so it is exact on every backend. ``u`` takes the top 24
-bits of the hash, ``(h >> 8 + ½) / 2²⁴``: exactly representable in fp32 and never 0 or 1.
+every product below 2⁶³ (:func:`_mul32`), so it is exact on every backend. It runs in two 32-bit
+lanes, one per half of the 64-bit seed, each mixed with the position and the token id and XORed at
+the end: two seeds give the same noise at a position only when they are equal. ``u`` takes the top
+23 bits, ``(h >> 9 + ½) / 2²³``: exact in fp32 and in [2⁻²⁴, 1 − 2⁻²⁴], so ``g`` lies in
+[−2.8, 16.6]: a token whose scaled logit is more than about 19 below the largest (softmax mass
+under 5·10⁻⁹ each) is never drawn.
 
-**Top-p** (nucleus; Holtzman et al., "The Curious Case of Neural Text Degeneration", ICLR 2020,
-§3.1) keeps, in descending order of ``z``, each id whose predecessors' probabilities sum to less
+Logits are shifted by their row's maximum before the temperature divides them (the same
+distribution; no overflow at tiny temperatures). **Top-p** (nucleus; Holtzman et al., "The Curious
+Case of Neural Text Degeneration", ICLR 2020, §3.1) keeps, in descending order of ``z``, each id whose predecessors' probabilities sum to less
 than ``top_p`` (the first id always), and then every id whose logit equals the last kept one's: a
 rule on values, so ties at the cut are kept or dropped together whatever order a sort gives them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["Sampling", "gumbel_noise", "lowbias32", "sample_tokens", "uniform_noise"]
+__all__ = ["SAMPLE_CHUNK_ELEMENTS", "Sampling", "gumbel_noise", "lowbias32", "sample_tokens", "uniform_noise",
+           "unit_interval"]
 
 _M32 = 0xFFFFFFFF
 _M16 = 0xFFFF
+#: Eagerly (not compiled), :func:`sample_tokens` takes rows in chunks of at most this many
+#: ``T × V`` elements: the hash's int64 temporaries stay near 128 MiB each (a regeneration
+#: prefill samples thousands of rows at once). Compiled, the hash is one fused kernel.
+SAMPLE_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling settings of a decoder: ``temperature`` > 0 and ``top_p`` in (0, 1] (1 = off).
+    """Sampling settings of a decoder: a finite ``temperature`` > 0 and ``top_p`` in (0, 1] (1 = off).
 
     Raises:
-        ValueError: a temperature <= 0 or a top_p outside (0, 1].
+        ValueError: a temperature that is not finite and > 0, or a top_p outside (0, 1].
     """
 
     temperature: float
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: sampling needs > 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature: sampling needs a finite value > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
 
@@ -80,11 +91,20 @@ def uniform_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
     Returns:
         ``[b, T, V]`` fp32 on ``positions``' device.
     """
-    row = lowbias32(lowbias32(seeds) ^ ((seeds >> 32) & _M32))  # [b]
-    at = lowbias32(row[:, None] ^ lowbias32(positions + 0x9E3779B9))  # [b, T]
-    ids = lowbias32(torch.arange(vocab, device=positions.device, dtype=torch.int64) + 0x85EBCA6B)  # [V]
-    h = lowbias32(at[..., None] ^ ids)  # [b, T, V]
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    ids = torch.arange(vocab, device=positions.device, dtype=torch.int64)
+    h = None
+    for half, (c_pos, c_id) in enumerate(((0x9E3779B9, 0x85EBCA6B), (0xC2B2AE35, 0x27D4EB2F))):
+        lane = lowbias32(lowbias32((seeds >> (32 * half)) & _M32) + half)  # [b]
+        at = lowbias32(lane[:, None] ^ lowbias32(positions + c_pos))  # [b, T]
+        mixed = lowbias32(at[..., None] ^ lowbias32(ids + c_id))  # [b, T, V]
+        h = mixed if h is None else lowbias32(h ^ mixed)
+    return unit_interval(h)
+
+
+def unit_interval(h: Tensor) -> Tensor:
+    """int64 hashes in [0, 2³²) → fp32 in (0, 1): ``((h >> 9) + ½) / 2²³``, whose every value fp32
+    holds exactly (24 significant bits), so neither end is reached by rounding."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
@@ -104,7 +124,13 @@ def sample_tokens(logits: Tensor, seeds: Tensor, positions: Tensor, sampling: Sa
     Returns:
         ``[b, T]`` int64 token ids.
     """
-    scaled = logits.float() / sampling.temperature
+    b, t, v = logits.shape
+    rows = max(1, SAMPLE_CHUNK_ELEMENTS // max(1, t * v))
+    if rows < b and not torch.compiler.is_compiling():
+        return torch.cat([sample_tokens(logits[i:i + rows], seeds[i:i + rows], positions[i:i + rows], sampling)
+                          for i in range(0, b, rows)])
+    logits = logits.float()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / sampling.temperature
     if sampling.top_p < 1.0:
         ranked = scaled.sort(dim=-1, descending=True).values
         probs = ranked.softmax(dim=-1)

@@ -91,7 +91,7 @@ class BatchGenerator:
         Returns:
             B :class:`Generated`, in prompt order.
         Raises:
-            ValueError: an empty prompt, sampling without one seed per row, or a top_p outside (0, 1].
+            ValueError: an empty prompt, sampling without one int64 seed per row, or a top_p outside (0, 1].
         """
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
@@ -100,6 +100,9 @@ class BatchGenerator:
             if seeds is None or len(seeds) != len(prompts):
                 raise ValueError("generate: sampling needs one seed per prompt")
             sampling = Sampling(temperature, top_p)
+            bad = [s for s in seeds if not -(1 << 63) <= int(s) < (1 << 63)]
+            if bad:
+                raise ValueError(f"generate: seeds are int64 values, got {bad[:3]}")
             seed_ids = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=self.device)
         rows, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)

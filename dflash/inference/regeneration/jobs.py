@@ -11,9 +11,9 @@ response is empty, or when the template fails; a row with no regenerated turn be
 **Batching** (:func:`regenerate_rows`): a worker keeps a pool of conversations in flight, each
 waiting for its next turn, and refills it from its queue as conversations finish. Each round
 generates the next turn of up to ``batch_size`` of them in one batch
-(:mod:`dflash.inference.regeneration.generators`). With one cache (sampling, or one static cache
-for every prompt) the pool holds ``batch_size`` conversations and every round takes them all. The
-greedy generator's two static caches (short and long prompts) cost a batch of steps each whatever
+(:mod:`dflash.inference.regeneration.generators`). With one cache (the batch generator, or one
+static cache for every prompt) the pool holds ``batch_size`` conversations and every round takes
+them all. The static generator's two caches (short and long prompts) cost a batch of steps each whatever
 rows they hold, so each round runs one cache, chosen by :func:`choose_round`, and the pool is
 refilled while the short cache (where first turns mostly go) lacks a batch of its own rows, up to
 ``batch_size`` per cache in all: a conversation whose prompts grow past the short cache moves to the
@@ -30,6 +30,7 @@ neither on batching nor on sharding.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
@@ -65,7 +66,7 @@ class GenerationOptions:
 
     ``temperature == 0`` is greedy; ``top_p`` in (0, 1] (1 = off); ``max_turns`` = None regenerates
     every assistant turn; ``max_prompt_tokens`` (tokens) stops a conversation before a longer prompt;
-    ``attention`` is the greedy generator's decoding attention (``None`` = the batch size's default).
+    ``attention`` is the static-cache generator's decoding attention (``None`` = the batch size's default).
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -83,8 +84,8 @@ class GenerationOptions:
             ConfigError: a value out of range (the message names the option)."""
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens: must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature: must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"--temperature: must be a finite value >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p: must be in (0, 1], got {self.top_p}")
         if self.batch_size < 1:

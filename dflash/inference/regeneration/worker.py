@@ -27,8 +27,8 @@ from dflash.data.render import stop_token_ids
 from dflash.inference.regeneration.generators import StaticGenerator, short_prompt_tokens_for
 from dflash.inference.regeneration.jobs import GenerationOptions, prompt_chars, regenerate_rows
 from dflash.inference.regeneration.rows import SourceRow, iter_source, shard_of
-from dflash.inference.sampling import Sampling
 from dflash.inference.regeneration.shards import ShardWriter, done_ids, is_partial, shard_path
+from dflash.inference.sampling import Sampling
 
 __all__ = ["stats_path", "run_worker"]
 
