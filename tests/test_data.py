@@ -770,6 +770,8 @@ def test_ctrl_c_while_workers_start_ends_in_one_line(tmp_path):
             test.connect(sys.argv[1])
             test.recv(1)
         elif __name__ == "__main__":
+            import faulthandler, signal
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
             from launch import cluster
             raise SystemExit(cluster.main(["data", *sys.argv[2:]]))
     """))
@@ -788,7 +790,16 @@ def test_ctrl_c_while_workers_start_ends_in_one_line(tmp_path):
     try:
         workers = [listener.accept()[0] for _ in range(2)]
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack into stderr, for the failure below
+            try:
+                out, err = proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate(timeout=60)
+            pytest.fail(f"the data command did not end within 120 s of Ctrl-C; its stderr:\n{err[-8000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
