@@ -177,3 +177,11 @@ def test_seeds_that_share_a_half_give_other_noise():
         assert not torch.equal(uniform_noise(torch.tensor([other]), positions, 64), base)
     shifted = uniform_noise(torch.tensor([-2617223156011630585]), torch.arange(32).view(1, 32) - 1, 64)
     assert not torch.equal(shifted[:, 1:], base[:, :-1])
+
+
+def test_seeds_outside_int64_are_refused_by_name():
+    from dflash.inference.sampling import seed_tensor
+
+    assert seed_tensor([0, -1, (1 << 63) - 1, -(1 << 63)]).tolist() == [0, -1, (1 << 63) - 1, -(1 << 63)]
+    with pytest.raises(ValueError, match=r"seeds: int64 values, got \[9223372036854775808\]"):
+        seed_tensor([1, 1 << 63])

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from dflash.inference.decode_state import SLACK
 from dflash.inference.decode_steps import CUDA_GRAPHS, DecodeSteps
-from dflash.inference.sampling import Sampling
+from dflash.inference.sampling import Sampling, seed_tensor
 
 __all__ = ["Generation", "Generator", "PASS_SCHEDULES", "WARMUP_ROUNDS", "passes_before_check"]
 
@@ -281,10 +281,7 @@ class Generator(DecodeSteps):
             if seeds is None or len(seeds) != len(prompts):
                 raise ValueError(f"seeds: a sampling decoder needs one per prompt ({len(prompts)}), got "
                                  f"{'none' if seeds is None else len(seeds)}")
-            bad = [x for x in seeds if not -(1 << 63) <= int(x) < (1 << 63)]
-            if bad:
-                raise ValueError(f"seeds: int64 values, got {bad[:3]}")
-            st.seeds[:len(prompts)].copy_(torch.tensor([int(x) for x in seeds], dtype=torch.long))
+            st.seeds[:len(prompts)].copy_(seed_tensor(seeds))
         elif seeds is not None:
             raise ValueError("seeds: this decoder is greedy (Generator(sampling=...) samples)")
         st.active.zero_()

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["SAMPLE_CHUNK_ELEMENTS", "Sampling", "gumbel_noise", "lowbias32", "sample_tokens", "uniform_noise",
-           "unit_interval"]
+__all__ = ["SAMPLE_CHUNK_ELEMENTS", "Sampling", "gumbel_noise", "lowbias32", "sample_tokens", "seed_tensor",
+           "uniform_noise", "unit_interval"]
 
 _M32 = 0xFFFFFFFF
 _M16 = 0xFFFF
@@ -61,6 +62,18 @@ class Sampling:
             raise ValueError(f"temperature: sampling needs a finite value > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+
+def seed_tensor(seeds: Sequence[int], device: Union[str, torch.device, None] = None) -> Tensor:
+    """``[n]`` int64 of one seed per row (any ints in the int64 range; negative ones too).
+
+    Raises:
+        ValueError: a seed outside the int64 range, naming it.
+    """
+    bad = [s for s in seeds if not -(1 << 63) <= int(s) < (1 << 63)]
+    if bad:
+        raise ValueError(f"seeds: int64 values, got {bad[:3]}")
+    return torch.tensor([int(s) for s in seeds], dtype=torch.int64, device=device)
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:

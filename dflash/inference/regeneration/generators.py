@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from dflash.inference.sampling import Sampling, sample_tokens
+from dflash.inference.sampling import Sampling, sample_tokens, seed_tensor
 
 __all__ = ["STATIC_SLACK", "SHORT_PROMPT_TOKENS", "Generated", "BatchGenerator", "limit_vocab",
            "short_prompt_tokens_for", "StaticGenerator"]
@@ -100,10 +100,7 @@ class BatchGenerator:
             if seeds is None or len(seeds) != len(prompts):
                 raise ValueError("generate: sampling needs one seed per prompt")
             sampling = Sampling(temperature, top_p)
-            bad = [s for s in seeds if not -(1 << 63) <= int(s) < (1 << 63)]
-            if bad:
-                raise ValueError(f"generate: seeds are int64 values, got {bad[:3]}")
-            seed_ids = torch.tensor([int(s) for s in seeds], dtype=torch.long, device=self.device)
+            seed_ids = seed_tensor(seeds, self.device)
         rows, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((rows, width), dtype=torch.long)
