@@ -3,8 +3,8 @@
 A sampled token is ``argmax_v (z_v / T + g_v)`` over the ids the nucleus keeps, where ``g_v`` is
 Gumbel noise: the Gumbel-max trick (Gumbel 1954; Maddison, Tarlow & Minka, "A* Sampling", NeurIPS
 2014, §2) draws exactly from ``softmax(z / T)`` restricted to the kept ids. The noise is not drawn
-from a generator's stream but computed: ``g = −log(−log u)`` with ``u`` uniform in (0, 1) from a
-32-bit integer hash of the row's seed, the position the token is written at and the token id
+from a generator's stream but computed: ``g = −log(−log u)`` with ``u`` uniform in (0, 1) from an
+integer hash of the row's seed, the position the token is written at and the token id
 (:func:`uniform_noise`). So a row's sample never depends on the batch it runs in, the rows beside
 it, how many steps ran before or on which device, and it is computed inside a compiled step or a
 CUDA graph without a host round trip: the static-cache generator and the Hugging Face batch
@@ -14,16 +14,17 @@ The hash is ``lowbias32`` (C. Wellons, "Prospecting for Hash Functions", 2018: `
 x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``), evaluated in int64 tensors with
 every product below 2⁶³ (:func:`_mul32`), so it is exact on every backend. It runs in two 32-bit
 lanes, one per half of the 64-bit seed, each mixed with the position and the token id and XORed at
-the end: two seeds give the same noise at a position only when they are equal. ``u`` takes the top
+the end: two seeds give the same noise at a position, in effect, only when they are equal. ``u`` takes the top
 23 bits, ``(h >> 9 + ½) / 2²³``: exact in fp32 and in [2⁻²⁴, 1 − 2⁻²⁴], so ``g`` lies in
 [−2.8, 16.6]: a token whose scaled logit is more than about 19 below the largest (softmax mass
 under 5·10⁻⁹ each) is never drawn.
 
 Logits are shifted by their row's maximum before the temperature divides them (the same
 distribution; no overflow at tiny temperatures). **Top-p** (nucleus; Holtzman et al., "The Curious
-Case of Neural Text Degeneration", ICLR 2020, §3.1) keeps, in descending order of ``z``, each id whose predecessors' probabilities sum to less
-than ``top_p`` (the first id always), and then every id whose logit equals the last kept one's: a
-rule on values, so ties at the cut are kept or dropped together whatever order a sort gives them.
+Case of Neural Text Degeneration", ICLR 2020, §3.1) keeps, in descending order of ``z``, each id
+whose predecessors' probabilities sum to less than ``top_p`` (the first id always), and then every
+id whose logit equals the last kept one's: a rule on values, so ties at the cut are kept or dropped
+together whatever order a sort gives them.
 """
 
 from __future__ import annotations
