@@ -30,8 +30,6 @@ from typing import Callable, Optional, TextIO
 
 from tqdm import tqdm
 
-from dflash.utils import leave_stop_signals_to_the_main_thread
-
 __all__ = ["Progress", "is_live", "format_duration", "DEFAULT_INTERVAL_S"]
 
 log = logging.getLogger("dflash.progress")
@@ -190,7 +188,6 @@ class Progress:
                 self.stream.flush()
 
     def _beat(self) -> None:
-        leave_stop_signals_to_the_main_thread()
         while not self._closed.wait(HEARTBEAT_POLL_S):
             self.poll()
 

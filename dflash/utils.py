@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import uuid
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -140,24 +139,6 @@ def file_lock(path: PathLike) -> filelock.FileLock:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return filelock.FileLock(str(path))
-
-
-#: Signals that stop or interrupt a process; this package's handlers for them run in the main thread.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def leave_stop_signals_to_the_main_thread() -> None:
-    """Block :data:`STOP_SIGNALS` in the calling thread (the first thing a helper thread does).
-
-    The OS hands a signal sent to the process to any thread that does not block it. When that is
-    a helper thread running Python, CPython before 3.12 can let it reset the flag that tells the
-    main thread a signal is pending, so the main thread's handler (``KeyboardInterrupt``, a stop
-    request) runs late or not at all: a Ctrl-C that a progress heartbeat received was missed for the
-    whole of a wait. Blocked here, such a signal goes to the main thread (or waits for it to unblock
-    it). No-op where the OS has no signal masks.
-    """
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
 
 
 def process_alive(pid: int) -> bool:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
-import signal
-import threading
 
 import pytest
 
@@ -120,30 +117,3 @@ def test_lines_from_many_threads_stay_whole():
     assert all(not t.is_alive() for t in threads)
     assert all(c.endswith("\n") and c.count("\n") == 1 for c in stream.calls)
     assert set(stream.getvalue().splitlines()) == lines and len(stream.getvalue().splitlines()) == len(lines)
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads a thread's signal mask from /proc (Linux)")
-def test_the_heartbeat_thread_leaves_stop_signals_to_the_main_thread():
-    """The heartbeat thread blocks SIGINT, SIGTERM and SIGHUP (so the OS hands them to the main
-    thread, whose handlers they are); the main thread's own mask is left as it was."""
-
-    def blocked(tid: int) -> int:
-        with open(f"/proc/self/task/{tid}/status") as f:
-            return int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
-
-    main_before = blocked(threading.main_thread().native_id)
-    p = Progress(5, desc="x", stream=io.StringIO(), live=False)
-    try:
-        thread = p._thread
-        assert thread is not None
-        mask = 0
-        for _ in range(200):  # until the thread has run its first line: bounded by 10 s
-            mask = blocked(thread.native_id)
-            if mask:
-                break
-            p._closed.wait(0.05)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            assert mask >> (int(sig) - 1) & 1, (sig, hex(mask))
-    finally:
-        p.close()
-    assert blocked(threading.main_thread().native_id) == main_before

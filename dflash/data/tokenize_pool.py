@@ -42,7 +42,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, TypeVar
 
 from dflash.data.render import ChatRenderer, tokenize_conversation
-from dflash.utils import leave_stop_signals_to_the_main_thread
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -132,7 +131,6 @@ def _start_worker(tokenizer: Any, max_length: int, enable_thinking: Optional[boo
     parent = os.getppid()
 
     def watch() -> None:
-        leave_stop_signals_to_the_main_thread()
         while True:
             time.sleep(ORPHAN_CHECK_S)
             if os.getppid() != parent:

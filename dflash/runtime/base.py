@@ -25,7 +25,6 @@ from dflash.logs import setup_logging
 from dflash.transport.messages import new_incarnation
 from dflash.runtime.control import WorkerLink, set_parent_death_signal
 from dflash.runtime.messages import CODEC, Failed, Heartbeat, Hello
-from dflash.utils import leave_stop_signals_to_the_main_thread
 
 __all__ = ["WorkerContext", "WorkerStop", "start_worker", "run_worker", "memory_gib"]
 
@@ -81,7 +80,6 @@ def _cpu_threads(cfg: RunConfig, role: str, rank: int) -> int:
 
 
 def _heartbeat(endpoint: str, name: str, period_s: float, stop: threading.Event, stats: dict, device: torch.device) -> None:
-    leave_stop_signals_to_the_main_thread()
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"{name}/heartbeat".encode())

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Collection, Optional
 
-from dflash.utils import leave_stop_signals_to_the_main_thread
-
 __all__ = ["WorkerSpec", "WorkerProcess", "Supervisor"]
 
 log = logging.getLogger(__name__)
@@ -86,7 +84,6 @@ class WorkerProcess:
         remaining = [2]
 
         def pump(stream) -> None:
-            leave_stop_signals_to_the_main_thread()
             tag = f"[{self.spec.name}]"
             for line in stream:
                 line = line.rstrip("\n")

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from dflash.training.checkpoint_load import CheckpointError, checkpoint_steps
-from dflash.utils import atomic_directory, leave_stop_signals_to_the_main_thread, process_alive
+from dflash.utils import atomic_directory, process_alive
 
 __all__ = ["CheckpointWriter", "host_copy", "save_checkpoint", "rng_state", "set_rng_state"]
 
@@ -206,7 +206,6 @@ class CheckpointWriter:
 
     def _write(self, step: int, epoch: int, model: Any, trainer_state: dict, model_state: dict,
                rng: dict, extra: Optional[dict]) -> None:
-        leave_stop_signals_to_the_main_thread()
         try:
             self._result = save_checkpoint(self.run_dir, step, epoch, model, trainer_state, self.keep_last, extra,
                                            model_state=model_state, rng=rng)
