@@ -65,10 +65,6 @@ ORPHAN_CHECK_S = 1.0
 #: Seconds from the first task for some worker to get through its start-up (import the caller's
 #: main module, load the tokenizer: about a second); none by then fails the pool (:meth:`TokenizePool.map`).
 STARTUP_TIMEOUT_S = 120.0
-#: Seconds between the caller's looks at a task it waits for. A Ctrl-C that the OS hands to another
-#: of its threads (any that do not block ``SIGINT``: a tokenizer's, a logger's) does not wake a
-#: blocking wait in the main thread, which raises ``KeyboardInterrupt`` only when it next runs Python.
-WAIT_SLICE_S = 0.2
 
 K = TypeVar("K")
 #: ``(messages, tools)`` of one conversation, as :func:`tokenize_conversation` takes them.
@@ -257,11 +253,12 @@ class TokenizePool:
                  ) -> Iterator[tuple[K, Optional[Result]]]:
         results: Iterator[Result] = iter([])
         if future is not None:
-            while not future.done():
-                if not self.started.value and time.monotonic() >= self.deadline:
+            while not self.started.value and not future.done():
+                left = self.deadline - time.monotonic()
+                if left <= 0:
                     raise _pool_failed(f"no tokenising process got through its start-up within "
                                        f"{STARTUP_TIMEOUT_S:g} s")
-                concurrent.futures.wait([future], timeout=WAIT_SLICE_S)
+                concurrent.futures.wait([future], timeout=left)
             try:
                 results = iter(future.result())
             except concurrent.futures.process.BrokenProcessPool as exc:
