@@ -772,6 +772,10 @@ def test_ctrl_c_while_workers_start_ends_in_one_line(tmp_path):
         elif __name__ == "__main__":
             import faulthandler, signal
             faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
+            # Ctrl-C as a terminal's foreground job gets it: a test run started in the background
+            # (`make test &`) passes SIGINT ignored down to every process it starts
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             from launch import cluster
             raise SystemExit(cluster.main(["data", *sys.argv[2:]]))
     """))
