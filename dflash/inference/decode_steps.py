@@ -516,9 +516,9 @@ class DecodeSteps:
         """One target-only token per active row, entirely on the device (no output, no host sync).
 
         The argmax at ``anchor`` (sampled, by a sampling decoder) is written at ``anchor + 1`` with
-        its logit stats, the anchor
-        moves there, and the row turns inactive when that token is a stop token or sits at the
-        row's last position. Inactive rows run the forward too (fixed shapes) but change nothing.
+        its logit stats, the anchor moves there, and the row turns inactive when that token is a
+        stop token or sits at the row's last position. Inactive rows run the forward too (fixed
+        shapes) but change nothing.
         """
         st = self.state
         a, active = st.anchor, st.active
@@ -598,8 +598,9 @@ class DecodeSteps:
     def prefill(self, prompts: Sequence[Tensor], fill_draft_cache: bool = True) -> list[int]:
         """Run ``prompts [P_r]`` into rows ``0 … n−1``: keys/values and features of positions
         ``0 … P_r − 1``; each row's first generated token (the argmax, or a sample) is written at
-        ``P_r`` (its logit stats too) and becomes its anchor. Compiled with dynamic shapes where the steps are compiled on
-        CUDA (:meth:`compile_prefill`) unless ``compile_prefill=False``, else eager. The prompts go
+        ``P_r`` (its logit stats too) and becomes its anchor. Compiled with dynamic shapes where the
+        steps are compiled on CUDA (:meth:`compile_prefill`) unless ``compile_prefill=False``, else
+        eager. The prompts go
         longest first in forwards of as many rows as :attr:`PREFILL_CHUNK_TOKENS` (fused layers:
         causal attention over the prompts' own keys, :data:`PREFILL_ATTENTION`) or
         :attr:`PREFILL_CHUNK_ELEMENTS` (transformers layers: attention over the cache) allows at
