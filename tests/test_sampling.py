@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from dflash.inference.sampling import Sampling, gumbel_noise, lowbias32, sample_tokens, uniform_noise, unit_interval
+from dflash.inference.sampling import (Sampling, gumbel_noise, lowbias32, sample_tokens, token_ids, uniform_noise,
+                                      unit_interval)
 
 M32 = 0xFFFFFFFF
 
@@ -105,6 +106,33 @@ def test_sample_tokens_equals_a_loop_over_the_vocabulary(temperature, top_p):
     if top_p < 1e-6:  # the nucleus of the single largest logit: the argmax (a tie keeps both)
         top = logits.max(dim=-1, keepdim=True).values
         assert bool((logits.gather(-1, got[..., None]) == top).all())
+
+
+def test_token_ids_given_equal_token_ids_made_and_compiled_equals_eager():
+    """The ids a compiled decoder hands in (read from memory, not an in-graph arange) give the same
+    tokens as ids made inside, eagerly and compiled (CPU inductor; the GPU path: the compiled
+    sampling test of tests/test_regenerate_static.py)."""
+    g = torch.Generator().manual_seed(5)
+    b, t, v = 2, 3, 41
+    logits = torch.randn(b, t, v, generator=g) * 2
+    seeds = torch.randint(0, 1 << 62, (b,), generator=g)
+    positions = torch.randint(0, 4096, (b, t), generator=g)
+    ids = token_ids(v)
+    assert ids.dtype == torch.int64 and ids.tolist() == list(range(v))
+    sampling = Sampling(0.8, 0.9)
+    made = sample_tokens(logits, seeds, positions, sampling)
+    assert torch.equal(sample_tokens(logits, seeds, positions, sampling, ids), made)
+    assert torch.equal(uniform_noise(seeds, positions, ids), uniform_noise(seeds, positions, v))
+    torch._dynamo.reset()
+    compiled = torch.compile(sample_tokens, fullgraph=True)
+    assert torch.equal(compiled(logits, seeds, positions, sampling, ids), made)
+    for i in range(b):
+        for j in range(t):
+            assert made[i, j].item() == py_sample(logits[i, j].tolist(), int(seeds[i]), int(positions[i, j]), 0.8, 0.9)
+    with pytest.raises(ValueError, match=r"ids: \[V\] = \[41\]"):
+        sample_tokens(logits, seeds, positions, sampling, token_ids(v + 1))
+    with pytest.raises(ValueError, match="vocab"):
+        token_ids(0)
 
 
 def test_sampled_frequencies_follow_the_softmax():

@@ -59,7 +59,7 @@ from dflash.inference.decode_layers import (FLEX_KV_BLOCK, PREFILL_ATTENTION, de
                                             fuse_layers, split_attention)
 from dflash.inference.decode_state import DecodeState, StaticKVCache
 from dflash.inference.proposer import CachedDFlashProposer, DFlashProposer, cacheable, drafter_for_decoding
-from dflash.inference.sampling import Sampling, sample_tokens
+from dflash.inference.sampling import Sampling, sample_tokens, token_ids
 from dflash.models.drafter import FLEX_MIN_HEAD_DIM
 from dflash.models.target import _decoder, layer_types_of
 
@@ -329,6 +329,12 @@ class DecodeSteps:
         kv = StaticKVCache(self.num_layers, self.batch_size, kv_heads, self.max_len, head_dim, self.dtype, self.device)
         self.state = DecodeState.allocate(kv, self.batch_size, self.max_len, max(1, len(self.layer_ids)) * width,
                                           self.block_size, self.dtype, self.device)
+        #: ``[V]`` int64, the ids the sampler hashes, made here so the compiled steps read them from
+        #: memory (:func:`dflash.inference.sampling.token_ids`); ``None`` when greedy
+        self.token_ids = None
+        if sampling is not None:
+            self.token_ids = token_ids(int(self.model.get_output_embeddings().weight.shape[0]), self.device)
+            torch._dynamo.mark_static_address(self.token_ids)
         self._slots: dict[int, list[int]] = {}
         for slot, layer in enumerate(self.layer_ids):
             self._slots.setdefault(layer, []).append(slot)
@@ -499,7 +505,7 @@ class DecodeSteps:
         spread = (logits - logits.mean(dim=-1, keepdim=True)).abs().amax(dim=-1, keepdim=True)
         if sample_at is not None and self.sampling is not None:
             seeds = self.state.seeds if rows is None else self.state.seeds[rows]
-            ids = sample_tokens(logits, seeds, sample_at, self.sampling).unsqueeze(-1)
+            ids = sample_tokens(logits, seeds, sample_at, self.sampling, self.token_ids).unsqueeze(-1)
         else:
             ids = logits.argmax(dim=-1, keepdim=True)
         return torch.cat([top.values, spread], dim=-1), ids, feats

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 __all__ = ["SAMPLE_CHUNK_ELEMENTS", "Sampling", "gumbel_noise", "lowbias32", "sample_tokens", "seed_tensor",
-           "uniform_noise", "unit_interval"]
+           "token_ids", "uniform_noise", "unit_interval"]
 
 _M32 = 0xFFFFFFFF
 _M16 = 0xFFFF
@@ -94,18 +94,35 @@ def lowbias32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+def token_ids(vocab: int, device: Union[str, torch.device, None] = None) -> Tensor:
+    """``[V]`` int64 of the token ids ``0 … V−1``, to hand to :func:`sample_tokens` from a compiled step.
+
+    Made outside the compiled region (a decoder's constructor), the ids are a tensor the kernels
+    read from memory. An ``arange`` inside the compiled region becomes index arithmetic, which
+    inductor's GPU kernels type as int32 when ``V`` is small, and the hash's constants (up to
+    2³² − 1) do not fit there: the kernel fails to compile.
+
+    Raises:
+        ValueError: ``vocab < 1``.
+    """
+    if vocab < 1:
+        raise ValueError(f"vocab: must be >= 1, got {vocab}")
+    return torch.arange(int(vocab), dtype=torch.int64, device=device)
+
+
+def uniform_noise(seeds: Tensor, positions: Tensor, vocab: Union[int, Tensor]) -> Tensor:
     """Uniform noise in (0, 1), a function of (seed, position, token id) only.
 
     Args:
         seeds: ``[b]`` int64, one per row (its 64 bits are used).
         positions: ``[b, T]`` int64: the position each row's token is written at.
-        vocab: ``V``, the token ids ``0 … V−1``.
+        vocab: ``V``, the token ids ``0 … V−1``; or those ids, ``[V]`` int64 (:func:`token_ids`:
+            what a compiled caller passes).
 
     Returns:
         ``[b, T, V]`` fp32 on ``positions``' device.
     """
-    ids = torch.arange(vocab, device=positions.device, dtype=torch.int64)
+    ids = token_ids(vocab, positions.device) if isinstance(vocab, int) else vocab
     h = None
     for half, (c_pos, c_id) in enumerate(((0x9E3779B9, 0x85EBCA6B), (0xC2B2AE35, 0x27D4EB2F))):
         lane = lowbias32(lowbias32((seeds >> (32 * half)) & _M32) + half)  # [b]
@@ -121,12 +138,13 @@ def unit_interval(h: Tensor) -> Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def gumbel_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+def gumbel_noise(seeds: Tensor, positions: Tensor, vocab: Union[int, Tensor]) -> Tensor:
     """Standard Gumbel noise ``−log(−log u)`` of :func:`uniform_noise`'s ``u``: ``[b, T, V]`` fp32."""
     return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))
 
 
-def sample_tokens(logits: Tensor, seeds: Tensor, positions: Tensor, sampling: Sampling) -> Tensor:
+def sample_tokens(logits: Tensor, seeds: Tensor, positions: Tensor, sampling: Sampling,
+                  ids: Optional[Tensor] = None) -> Tensor:
     """One sampled token per row and position (see the module docstring for the rule).
 
     Args:
@@ -134,15 +152,22 @@ def sample_tokens(logits: Tensor, seeds: Tensor, positions: Tensor, sampling: Sa
         seeds: ``[b]`` int64, one per row.
         positions: ``[b, T]`` int64: where each token is written (its noise's position).
         sampling: temperature and top-p.
+        ids: ``[V]`` int64 token ids from :func:`token_ids`, made outside the compiled region; a
+            compiled caller must pass them (see there). ``None``: made here.
 
     Returns:
         ``[b, T]`` int64 token ids.
+
+    Raises:
+        ValueError: ``ids`` not of shape ``[V]``.
     """
     b, t, v = logits.shape
     rows = max(1, SAMPLE_CHUNK_ELEMENTS // max(1, t * v))
     if rows < b and not torch.compiler.is_compiling():
-        return torch.cat([sample_tokens(logits[i:i + rows], seeds[i:i + rows], positions[i:i + rows], sampling)
+        return torch.cat([sample_tokens(logits[i:i + rows], seeds[i:i + rows], positions[i:i + rows], sampling, ids)
                           for i in range(0, b, rows)])
+    if ids is not None and tuple(ids.shape) != (v,):
+        raise ValueError(f"ids: [V] = [{v}] token ids, got shape {tuple(ids.shape)}")
     logits = logits.float()
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / sampling.temperature
     if sampling.top_p < 1.0:
@@ -151,4 +176,4 @@ def sample_tokens(logits: Tensor, seeds: Tensor, positions: Tensor, sampling: Sa
         kept = ((probs.cumsum(dim=-1) - probs) < sampling.top_p).sum(dim=-1, keepdim=True)  # >= 1
         floor = ranked.gather(-1, kept - 1)  # the last kept logit
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-    return (scaled + gumbel_noise(seeds, positions, scaled.shape[-1])).argmax(dim=-1)
+    return (scaled + gumbel_noise(seeds, positions, v if ids is None else ids)).argmax(dim=-1)
