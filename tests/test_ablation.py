@@ -29,12 +29,26 @@ def test_parse_variant(ablation):
 def test_select_variants(ablation):
     assert [v.name for v in ablation.select_variants(None, [])] == list(ablation.VARIANTS)
     got = ablation.select_variants("gamma-4, baseline", ["c=train.lr=1e-4"])
-    assert [(v.name, v.overrides) for v in got] == [("gamma-4", ["drafter.loss_gamma=4"]), ("baseline", []),
+    assert [(v.name, v.overrides) for v in got] == [("gamma-4", ["drafter.loss_weighting=decay", "drafter.loss_gamma=4"]),
+                                                    ("baseline", []),
                                                     ("c", ["train.lr=1e-4"])]
     with pytest.raises(ValueError, match="unknown.*'nope'"):
         ablation.select_variants("baseline,nope", [])
     with pytest.raises(ValueError, match="given twice"):
         ablation.select_variants("baseline", ["baseline=train.lr=1"])
+
+
+@pytest.mark.parametrize("base", ["smollm2-135m-h200-regen.yaml", "smollm2-135m-cpu.yaml"])
+def test_every_builtin_variant_is_a_valid_config_on_the_shipped_bases(ablation, base):
+    """A variant's overrides name every setting the change needs (a position decay on a D-PACE base
+    sets the weighting too), so none fails its config check on either base the ablation defaults to."""
+    from dflash.config import load_config
+
+    path = REPO / "configs" / base
+    for name, (overrides, _) in ablation.VARIANTS.items():
+        if name == "extra-2" and base == "smollm2-135m-cpu.yaml":
+            continue  # samples data.extra_datasets, which the CPU base leaves empty
+        load_config(path, overrides, gpu_count=2)
 
 
 def test_train_summary_matches_a_naive_reading(ablation):
@@ -103,8 +117,8 @@ def test_kept_results_are_reused_only_with_the_same_setup(ablation, tmp_path, ca
     kept = {"variant": "gamma-4", "ok": True, "setup": ablation.setup(args, v), "decode_tau": 2.5, "step_s": 0.1}
     (out / "gamma-4" / "result.json").write_text(json.dumps(kept))
     assert ablation.main(argv) == 0
-    assert "| gamma-4 | loss decay γ 4 | 0.100 |" in (out / "ablation.md").read_text()
-    assert args.overrides + ["drafter.loss_gamma=4"] == kept["setup"]["overrides"]
+    assert "| gamma-4 | loss position decay γ 4 | 0.100 |" in (out / "ablation.md").read_text()
+    assert args.overrides + ["drafter.loss_weighting=decay", "drafter.loss_gamma=4"] == kept["setup"]["overrides"]
     assert ablation.main([a if a != "7" else "8" for a in argv]) == 2
     err = capsys.readouterr().err
     assert "variant gamma-4: started with other settings (steps: then 7, now 8)" in err
