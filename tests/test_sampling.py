@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -133,6 +134,26 @@ def test_token_ids_given_equal_token_ids_made_and_compiled_equals_eager():
         sample_tokens(logits, seeds, positions, sampling, token_ids(v + 1))
     with pytest.raises(ValueError, match="vocab"):
         token_ids(0)
+
+
+def test_compiled_sampler_adds_no_hash_constant_to_index_arithmetic():
+    """The generated kernel adds the hash's 32-bit constants (≥ 2³¹) to loaded ids, never to an
+    index variable: GPU kernels type index arithmetic as int32, where such a constant does not fit
+    and the kernel fails to compile. Checked on the CPU kernel's code, which shows the same
+    lowering; without the ids handed in, the constant does meet the index (the check can fail)."""
+    from torch._inductor.utils import run_and_get_code
+
+    logits = torch.randn(2, 1, 37)
+    seeds, positions = torch.tensor([3, 4]), torch.tensor([[5], [6]])
+    on_index = re.compile(r"\b(?:2246822507|2654435769|3266489909|668265263)L?\s*\+\s*x\d")
+    codes = {}
+    for given in (True, False):
+        torch._dynamo.reset()
+        fn = torch.compile(sample_tokens, fullgraph=True)
+        _, code = run_and_get_code(fn, logits, seeds, positions, Sampling(0.8, 0.9), token_ids(37) if given else None)
+        codes[given] = "\n".join(code)
+    assert not on_index.search(codes[True])
+    assert on_index.search(codes[False])
 
 
 def test_sampled_frequencies_follow_the_softmax():

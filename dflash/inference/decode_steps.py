@@ -330,7 +330,8 @@ class DecodeSteps:
         self.state = DecodeState.allocate(kv, self.batch_size, self.max_len, max(1, len(self.layer_ids)) * width,
                                           self.block_size, self.dtype, self.device)
         #: ``[V]`` int64, the ids the sampler hashes, made here so the compiled steps read them from
-        #: memory (:func:`dflash.inference.sampling.token_ids`); ``None`` when greedy
+        #: memory (:func:`dflash.inference.sampling.token_ids`); ``None`` when greedy. ``V`` is the
+        #: output head's width now: a model whose head is replaced afterwards needs a new decoder.
         self.token_ids = None
         if sampling is not None:
             self.token_ids = token_ids(int(self.model.get_output_embeddings().weight.shape[0]), self.device)
