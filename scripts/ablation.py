@@ -197,9 +197,10 @@ def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN,
                    check: Optional[Callable[[list[str]], Optional[str]]] = None,
                    n_se: float = GAIN_SE) -> dict[str, Any]:
     """The recipe the ablation suggests: the overrides of every decoded variant whose decoding τ
-    exceeds the baseline's by more than ``margin``, the largest gain first; a config key set by two
-    of them keeps the larger gain's value. Each gain was measured alone: whether they add up is for
-    a training run of the stacked recipe to show.
+    exceeds the baseline's by more than ``margin``, the largest gain first; a winner that sets a
+    config key to another value than a larger gain already did is left out (its change cannot be
+    had beside that one), with the key named. Each gain was measured alone: whether they add up is
+    for a training run of the stacked recipe to show.
 
     A winner whose result and the baseline's both carry each response's τ (``decode_prompt_tau``)
     must also gain per response, over the prompts both decoded, by more than ``n_se`` standard
@@ -243,9 +244,14 @@ def stacked_recipe(results: list[dict[str, Any]], margin: float = GAIN_MARGIN,
                                   f"prompts) is within {n_se:g} standard errors")
                 continue
         stacked = dict(overrides)
+        clash = None
         for item in by_name[name]["overrides"]:
-            stacked.setdefault(item.split("=", 1)[0], item)
-        error = check(list(stacked.values())) if check is not None else None
+            key = item.split("=", 1)[0]
+            if stacked.get(key, item) != item:
+                clash = f"sets {item}, where a larger gain set {stacked[key]}"
+                break
+            stacked[key] = item
+        error = clash or (check(list(stacked.values())) if check is not None else None)
         if error is not None:
             left_out[name] = error
             continue

@@ -134,14 +134,16 @@ def test_kept_results_are_reused_only_with_the_same_setup(ablation, tmp_path, ca
 
 
 def test_stacked_recipe_against_a_naive_reading(ablation):
-    """Random results: the stacked recipe holds exactly the variants beating baseline by more than
-    the margin, largest gain first, and each key once, from the largest gain that sets it."""
+    """Random results: the stacked recipe holds the variants beating baseline by more than the
+    margin, largest gain first, except one that sets a key to another value than a kept one did;
+    each key once."""
     rng = random.Random(7)
     keys = ["drafter.loss_gamma", "train.lr", "drafter.num_layers", "train.warmup_ratio"]
+    clashes = 0
     for _ in range(200):
         results = [{"variant": "baseline", "overrides": [], "ok": True, "decode_tau": rng.uniform(1.5, 2.5)}]
         for i in range(rng.randint(0, 6)):
-            over = [f"{k}={rng.randint(1, 9)}" for k in rng.sample(keys, rng.randint(1, 2))]
+            over = [f"{k}={rng.randint(1, 3)}" for k in rng.sample(keys, rng.randint(1, 2))]
             r = {"variant": f"v{i}", "overrides": over, "ok": rng.random() > 0.2, "decode_tau": rng.uniform(1.5, 2.5)}
             if rng.random() < 0.1:
                 del r["decode_tau"]
@@ -152,35 +154,51 @@ def test_stacked_recipe_against_a_naive_reading(ablation):
         winners = [r for r in results if r["variant"] != "baseline" and r["ok"] and "decode_tau" in r
                    and r["decode_tau"] - base > 0.05]
         winners.sort(key=lambda r: r["decode_tau"], reverse=True)
-        assert got["variants"] == [r["variant"] for r in winners]
-        want, seen = [], set()
-        for r in winners:  # naive: walk the winners, keep the first value of each key
-            for item in r["overrides"]:
-                key = item.split("=")[0]
-                if key not in seen:
-                    seen.add(key)
+        kept, want, value = [], [], {}
+        for r in winners:  # naive: walk the winners; one that contradicts a kept value stays out
+            items = [(item.split("=")[0], item) for item in r["overrides"]]
+            if any(k in value and value[k] != item for k, item in items):
+                clashes += 1
+                assert r["variant"] in got["left_out"]
+                continue
+            kept.append(r["variant"])
+            for k, item in items:
+                if k not in value:
+                    value[k] = item
                     want.append(item)
+        assert got["variants"] == kept
         assert got["overrides"] == want
         assert got["baseline_tau"] == base
         for r in winners:
-            assert math.isclose(got["gains"][r["variant"]], r["decode_tau"] - base)
+            if r["variant"] in kept:
+                assert math.isclose(got["gains"][r["variant"]], r["decode_tau"] - base)
+    assert clashes > 20  # the random results do contradict each other
     with pytest.raises(ValueError, match="baseline"):
         ablation.stacked_recipe([{"variant": "v0", "overrides": [], "ok": True, "decode_tau": 2.0}])
 
 
 def test_stacked_recipe_leaves_out_a_winner_that_breaks_the_config(ablation):
-    """D-PACE weights and distillation exclude each other: the smaller gain stays out, with the
-    config's reason, and the next winner still stacks."""
+    """D-PACE weights and distillation exclude each other: the smaller gain stays out, with the key
+    they set apart, a winner the config refuses beside the larger gains stays out with the config's
+    reason, and the next winner still stacks."""
     results = [{"variant": "baseline", "overrides": [], "ok": True, "decode_tau": 2.0},
-               {"variant": "distill", "overrides": ["drafter.distillation=1.0"], "ok": True, "decode_tau": 2.3},
-               {"variant": "dpace", "overrides": ["drafter.loss_weighting=dpace"], "ok": True, "decode_tau": 2.2},
+               {"variant": "distill", "overrides": ablation.VARIANTS["distill"][0], "ok": True, "decode_tau": 2.3},
+               {"variant": "dpace", "overrides": ablation.VARIANTS["dpace"][0], "ok": True, "decode_tau": 2.2},
+               {"variant": "alpha", "overrides": ["drafter.dpace_alpha=0.3"], "ok": True, "decode_tau": 2.15},
                {"variant": "lr", "overrides": ["train.lr=1.2e-3"], "ok": True, "decode_tau": 2.1}]
     check = ablation.config_error(str(ablation.REPO / "configs" / "smollm2-135m-cpu.yaml"), ["log.wandb=disabled"])
     got = ablation.stacked_recipe(results, margin=0.02, check=check)
     assert got["variants"] == ["distill", "lr"]
-    assert got["overrides"] == ["drafter.distillation=1.0", "train.lr=1.2e-3"]
-    assert list(got["left_out"]) == ["dpace"] and "drafter.distillation" in got["left_out"]["dpace"]
-    assert ablation.stacked_recipe(results, margin=0.02)["variants"] == ["distill", "dpace", "lr"]  # unchecked
+    assert got["overrides"] == ablation.VARIANTS["distill"][0] + ["train.lr=1.2e-3"]
+    assert list(got["left_out"]) == ["dpace", "alpha"] and "drafter.loss_weighting" in got["left_out"]["dpace"]
+    # no key of its own clashes, but the config refuses it beside the decay: the config's reason
+    assert got["left_out"]["alpha"].startswith("drafter.dpace_alpha: applies only to drafter.loss_weighting: dpace")
+    unchecked = ablation.stacked_recipe(results, margin=0.02)  # the two set drafter.loss_weighting apart
+    assert unchecked["variants"] == ["distill", "alpha", "lr"]
+    assert unchecked["left_out"] == {"dpace": "sets drafter.loss_weighting=dpace, where a larger gain set "
+                                              "drafter.loss_weighting=decay"}
+    same = [dict(r, overrides=["train.lr=1.2e-3"]) if r["variant"] == "dpace" else r for r in results]
+    assert ablation.stacked_recipe(same, margin=0.02)["variants"] == ["distill", "dpace", "alpha", "lr"]  # one value
 
 
 def test_stacked_recipe_leaves_out_a_gain_within_noise(ablation):
