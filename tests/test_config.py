@@ -91,7 +91,8 @@ BAD_CASES = [
     (["drafter.loss_weighting=focal"], 0, r"^drafter\.loss_weighting: must be one of \['decay', 'dpace'\]"),
     (["drafter.loss_weighting=dpace", "drafter.loss_gamma=7"], 0,
      r"^drafter\.loss_gamma: applies only to drafter\.loss_weighting: decay \(got loss_weighting: dpace\)"),
-    (["drafter.dpace_alpha=0.5"], 0, r"^drafter\.dpace_alpha: applies only to drafter\.loss_weighting: dpace"),
+    (["drafter.loss_weighting=decay", "drafter.dpace_alpha=0.5"], 0,
+     r"^drafter\.dpace_alpha: applies only to drafter\.loss_weighting: dpace"),
     (["drafter.loss_weighting=dpace", "drafter.dpace_alpha=1.5"], 0, r"^drafter\.dpace_alpha: must be in \[0, 1\], got 1\.5$"),
     (["data.extra_datasets=[/tmp]"], 0, r"^data\.extra_datasets\[0\]: /tmp is a directory \(give the JSONL file in it\)$"),
     (["data.extra_datasets=[sharegpt, /no/such/rows.jsonl]"], 0,
@@ -181,12 +182,15 @@ def test_eval_batches_zero_means_off_and_null_all(value, expected):
 def test_anchor_sampling_and_loss_weighting_keys():
     cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml", gpu_count=0)
     assert (cfg.drafter.anchor_sampling, cfg.drafter.anchors_per_conversation) == ("row", None)
-    assert (cfg.drafter.loss_weighting, cfg.drafter.dpace_alpha) == ("decay", None)
+    assert (cfg.drafter.loss_weighting, cfg.drafter.dpace_alpha, cfg.drafter.loss_gamma) == ("dpace", None, None)
     cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml",
                       ["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=512",
-                       "drafter.loss_weighting=dpace", "drafter.dpace_alpha=0.3"], gpu_count=0)
+                       "drafter.dpace_alpha=0.3"], gpu_count=0)
     assert (cfg.drafter.anchor_sampling, cfg.drafter.anchors_per_conversation) == ("conversation", 512)
     assert cfg.drafter.loss_weighting == "dpace" and cfg.drafter.dpace_alpha == pytest.approx(0.3)
+    cfg = load_config(CONFIGS / "smollm2-135m-cpu.yaml", ["drafter.loss_weighting=decay", "drafter.loss_gamma=3"],
+                      gpu_count=0)
+    assert (cfg.drafter.loss_weighting, cfg.drafter.loss_gamma) == ("decay", 3.0)
 
 
 def test_gradient_checkpointing_key():
