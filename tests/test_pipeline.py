@@ -84,8 +84,10 @@ def eval_rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "eval/tau" in r}
 
 
-@pytest.mark.parametrize("objective", [[], ["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=3",
-                                              "drafter.loss_weighting=dpace"], ["drafter.distillation=0.5"]],
+@pytest.mark.parametrize("objective", [["drafter.loss_weighting=decay"],
+                                       ["drafter.anchor_sampling=conversation", "drafter.anchors_per_conversation=3",
+                                        "drafter.loss_weighting=dpace"],
+                                       ["drafter.distillation=0.5", "drafter.loss_weighting=decay"]],
                          ids=["row+decay", "conversation+dpace", "row+distillation"])
 def test_one_drafter_matches_reference(tmp_path, objective):
     extra = ["cluster.drafters=[0]", "train.eval_head_tokens=16", f"cluster.peak_tflops={PEAK_TFLOPS}", *objective]
