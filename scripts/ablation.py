@@ -71,9 +71,11 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "label-chain": (["drafter.label_chain=true"], "a block's labels cut where the text leaves the target's greedy path"),
     "raw-extra": (["data.extra_datasets=[sharegpt]", "drafter.label_chain=true"],
                   "raw ShareGPT beside the data, training only, labels cut off the target's greedy path"),
-    "no-extra": (["data.extra_datasets=[]", "data.extra_token_ratio=null"], "no rows beside the data (the regeneration "
-                 "config's raw ShareGPT sample left out)"),
+    "no-extra": (["data.extra_datasets=[]", "data.extra_token_ratio=null", "regenerate.sampled.output=null"],
+                 "no rows beside the data (the regeneration config's raw ShareGPT and sampled rows left out)"),
+    "no-sampled": (["regenerate.sampled.output=null"], "no sampled regeneration pass beside the greedy one"),
     "extra-all": (["data.extra_token_ratio=null"], "every row of data.extra_datasets, not a sample"),
+    "extra-1": (["data.extra_token_ratio=1.0"], "a sample of data.extra_datasets as large in tokens as the data"),
     "extra-2": (["data.extra_token_ratio=2.0"], "a sample of data.extra_datasets twice the data's tokens"),
     "weight-decay-0.1": (["train.weight_decay=0.1"], "AdamW weight decay 0.1"),
     "anchors-512": (["drafter.anchors_per_row=512"], "512 anchors a packed row"),

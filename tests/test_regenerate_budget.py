@@ -605,3 +605,143 @@ def test_sampled_regeneration_does_not_depend_on_the_workers(tmp_path, monkeypat
     assert turns(one) != turns(greedy)
     last = json.loads(two.with_name(two.name + ".regen.json").read_text())["last_run"]
     assert len(last["per_worker"]) == 2
+
+
+class _Clock:
+    """A wall clock the test moves (``regenerate.time`` stand-in): seconds since the epoch."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_stage_gives_the_sampled_pass_the_budget_left(tmp_path, monkeypatch, caplog):
+    """``regenerate.sampled.output``: after the greedy pass the stage runs a second launcher with
+    the sampled section's temperature, top-p and seed and what is left of ``regenerate.max_seconds``;
+    its output joins ``data.extra_datasets``. No budget left: no second launcher, no extra data."""
+    from dflash.inference import regenerate
+    from dflash.inference.regeneration import launcher
+
+    source = tmp_path / "source.jsonl"
+    _write_source(source)
+    out, sampled = tmp_path / "regen.jsonl", tmp_path / "sampled.jsonl"
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(source.read_text())
+    section = {"enabled": True, "output": str(out), "max_seconds": 30,
+               "sampled": {"output": str(sampled), "temperature": 0.7, "top_p": 0.9, "seed": 5}}
+    config = _cpu_config(tmp_path, source, section)
+    cfg = load_config(config, [f"data.extra_datasets=[{raw}]"], gpu_count=0)
+    clock = _Clock()
+    monkeypatch.setattr(regenerate, "time", clock)
+    launched: list[tuple[str, list[str], float]] = []
+    greedy_seconds = [12.5]
+
+    def fake_launcher(args, cfg, options):
+        launched.append((str(args.output), launcher.option_flags(args), args.max_seconds))
+        assert options.temperature == args.temperature
+        Path(args.output).write_text('{"id": "c0", "conversations": []}\n')
+        clock.now += greedy_seconds[0] if len(launched) % 2 else 3.0
+        return 0
+
+    monkeypatch.setattr(regenerate, "run_launcher", fake_launcher)
+    with caplog.at_level(logging.INFO):
+        code, trained = regenerate.run_stage(cfg, config, [])
+    assert code == 0 and len(launched) == 2
+    (first, greedy_flags, greedy_budget), (second, flags, budget) = launched
+    assert first == str(out) and greedy_budget == 30.0
+    assert greedy_flags[greedy_flags.index("--temperature") + 1] == "0.0"
+    assert second == str(sampled) and budget == 30.0 - 12.5
+    assert flags[flags.index("--temperature") + 1] == "0.7" and flags[flags.index("--top-p") + 1] == "0.9"
+    assert flags[flags.index("--seed") + 1] == "5"
+    assert trained.data.dataset == str(out.resolve())
+    assert trained.data.extra_datasets == [str(raw), str(sampled.resolve())]
+    assert trained.regenerate.enabled is False and cfg.data.extra_datasets == [str(raw)]
+    assert "as training-only extra data" in caplog.text
+    # the training config written to the run directory reads both and validates
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(yaml.safe_dump(trained.to_dict()))
+    assert load_config(saved, gpu_count=0).data.extra_datasets == trained.data.extra_datasets
+
+    # the greedy pass spends the budget: the sampled pass is not started, its command is logged
+    sampled.unlink()
+    greedy_seconds[0] = 30.5
+    launched.clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        code, trained = regenerate.run_stage(cfg, config, [])
+    assert code == 0 and [o for o, _, _ in launched] == [str(out)]
+    assert trained.data.extra_datasets == [str(raw)]
+    assert "training without sampled rows" in caplog.text and "--temperature 0.7" in caplog.text
+
+    # without a budget: both passes run unbounded
+    unlimited = load_config(config, ["regenerate.max_seconds=null"], gpu_count=0)
+    launched.clear()
+    assert regenerate.run_stage(unlimited, config, ["regenerate.max_seconds=null"])[0] == 0
+    assert [b for _, _, b in launched] == [None, None]
+    assert all("--max-seconds" not in f for _, f, _ in launched)
+
+    # a sampled output its budget stopped, made with these options, is used as it is
+    options = regenerate._options(regenerate.parse_args(
+        ["--config", str(config), *launcher.option_flags(regenerate._sampled_section(cfg.regenerate, 1.0))]), cfg)
+    sampled.with_name(sampled.name + ".regen.json").write_text(json.dumps(
+        {"options": launcher._options_record(cfg, options), "last_run": {"time_limited": True, "rows": 1,
+                                                                          "rows_left": 8}}))
+    greedy_seconds[0] = 1.0
+    launched.clear()
+    code, trained = regenerate.run_stage(cfg, config, [])
+    assert code == 0 and [o for o, _, _ in launched] == [str(out)]
+    assert trained.data.extra_datasets == [str(raw), str(sampled.resolve())]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("regenerate.sampled.temperature=0", "regenerate.sampled.temperature: must be > 0"),
+    ("regenerate.sampled.top_p=0", r"regenerate.sampled.top_p: must be in \(0, 1\]"),
+    ("regenerate.sampled.output={out}", r"regenerate.sampled.output: must differ from regenerate.output"),
+    ("regenerate.sampled.output={source}", r"regenerate.sampled.output: must differ from data.dataset"),
+    ("regenerate.sampled.output={raw}", r"regenerate.sampled.output: must differ from data.extra_datasets\[0\]"),
+    ("regenerate.sampled.colour=red", r"regenerate.sampled.colour: unknown key in regenerate.sampled"),
+])
+def test_bad_sampled_pass_is_refused_by_name(tmp_path, override, message):
+    source = tmp_path / "source.jsonl"
+    _write_source(source)
+    out, raw = tmp_path / "regen.jsonl", tmp_path / "raw.jsonl"
+    config = _cpu_config(tmp_path, source, {"enabled": True, "output": str(out),
+                                            "sampled": {"output": str(tmp_path / "s.jsonl")}})
+    raw.write_text(source.read_text())
+    extra = [f"data.extra_datasets=[{raw}]"]
+    assert load_config(config, extra, gpu_count=0).regenerate.sampled.temperature == 0.8
+    with pytest.raises(ConfigError, match="^" + message):
+        load_config(config, extra + [override.format(out=out, source=source, raw=raw)], gpu_count=0)
+
+
+def test_stage_with_a_sampled_pass_end_to_end(tmp_path, monkeypatch):
+    """Both passes through real workers (CPU, random target): the sampled output holds the same
+    conversations as the greedy one with other responses, made with the sampled section's options,
+    and the standalone sampled command writes the same rows."""
+    from dflash.inference import regenerate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    source = tmp_path / "source.jsonl"
+    ids = _write_source(source)
+    out, sampled, alone = tmp_path / "regen.jsonl", tmp_path / "sampled.jsonl", tmp_path / "alone.jsonl"
+    config = _cpu_config(tmp_path, source, {"enabled": True, "output": str(out), "max_seconds": 600,
+                                            "sampled": {"output": str(sampled), "seed": 4}})
+    cfg = load_config(config, gpu_count=0)
+    code, trained = regenerate.run_stage(cfg, config, [])
+    assert code == 0 and trained.data.extra_datasets == [str(sampled.resolve())]
+
+    def turns(path: Path) -> dict[str, list]:
+        return {r["id"]: r["conversations"] for r in read_lines(path)[0]}
+
+    greedy, drawn = turns(out), turns(sampled)
+    assert sorted(greedy) == sorted(drawn) == sorted(i for i in ids if i != "long")
+    assert greedy != drawn
+    for key in greedy:  # the prompts are the source's: the first user turn is kept verbatim
+        assert greedy[key][0] == drawn[key][0]
+    options = json.loads(sampled.with_name(sampled.name + ".regen.json").read_text())["options"]
+    assert (options["temperature"], options["top_p"], options["seed"]) == (0.8, 0.95, 4)
+    assert _regenerate(config, alone, "--temperature", "0.8", "--top-p", "0.95", "--seed", "4") == 0
+    assert turns(alone) == drawn

@@ -279,6 +279,10 @@ def _check_regenerate(cfg: RunConfig) -> None:
 
         error = attention_spec_error(r.attention)
         _need(error is None, "regenerate.attention", error or "")
+    s = r.sampled
+    _need(math.isfinite(s.temperature) and s.temperature > 0, "regenerate.sampled.temperature",
+          f"must be > 0 (the greedy pass is regenerate.output), got {s.temperature}")
+    _need(0 < s.top_p <= 1, "regenerate.sampled.top_p", f"must be in (0, 1], got {s.top_p}")
     if not r.enabled:
         return
     _need(bool(r.output), "regenerate.output", "is required when regenerate.enabled is true")
@@ -286,3 +290,13 @@ def _check_regenerate(cfg: RunConfig) -> None:
     _need(not out.is_dir(), "regenerate.output", f"is a directory: {r.output}")
     _need(out.resolve() != Path(cfg.data.dataset).resolve(), "regenerate.output",
           f"must differ from data.dataset ({cfg.data.dataset}): the source is read while the output is written")
+    if s.output is None:
+        return
+    _need(s.output != "", "regenerate.sampled.output", "must be a path (or null: no sampled pass)")
+    sampled = Path(s.output)
+    _need(not sampled.is_dir(), "regenerate.sampled.output", f"is a directory: {s.output}")
+    for key, other in (("regenerate.output", r.output), ("data.dataset", cfg.data.dataset),
+                       *((f"data.extra_datasets[{i}]", e) for i, e in enumerate(cfg.data.extra_datasets))):
+        _need(sampled.resolve() != Path(other).resolve(), "regenerate.sampled.output",
+              f"must differ from {key} ({other}): the sampled pass writes its own file, which the training stage "
+              f"adds to data.extra_datasets")

@@ -338,12 +338,36 @@ class CheckpointConfig:
 
 
 @dataclass
+class SampledRegenerateConfig:
+    """A sampled pass of the regeneration stage (``regenerate.sampled``), after the greedy one.
+
+    When ``output`` is set (and ``regenerate.enabled``), the stage regenerates ``data.dataset`` a
+    second time into ``output`` with sampling (every other option as the greedy pass: new tokens,
+    turns, prompt length, batch size) within what is left of ``regenerate.max_seconds``, and the
+    training stage reads its rows as training-only extra data (appended to ``data.extra_datasets``;
+    with ``drafter.label_chain`` a position counts only while the sampled text is the target's
+    greedy continuation): more of the target's own text than one greedy response per prompt.
+    """
+
+    #: The sampled JSONL (``null`` = no sampled pass); must differ from ``regenerate.output``,
+    #: ``data.dataset`` and every ``data.extra_datasets`` entry.
+    output: Optional[str] = None
+    #: Sampling temperature, > 0 (the greedy pass is the temperature-0 one).
+    temperature: float = 0.8
+    #: Nucleus sampling mass, in (0, 1].
+    top_p: float = 0.95
+    #: Sampling seed (per row and turn: ``dflash.inference.sampling``).
+    seed: int = 1
+
+
+@dataclass
 class RegenerateConfig:
     """Regeneration as the first stage of a training run (``dflash/inference/regenerate.py``).
 
     When ``enabled``, ``python -m launch.cluster`` first regenerates ``data.dataset`` into ``output``
     with one worker per GPU of ``cluster.targets`` + ``cluster.drafters`` (rows already in
-    ``output`` are skipped: a complete output costs no model load), then trains on ``output``.
+    ``output`` are skipped: a complete output costs no model load), then, with ``sampled.output``,
+    a sampled pass into that file (:class:`SampledRegenerateConfig`), then trains on ``output``.
     The keys are the options of ``python -m dflash.inference.regenerate`` with the same names.
     """
 
@@ -369,7 +393,9 @@ class RegenerateConfig:
     #: ``flex`` in the one-token step visits only the cache blocks each row has written, so one
     #: cache serves every prompt length (no short / long split).
     attention: Optional[str] = None
-    #: Wall-clock budget of one launcher run, in seconds, model loads included (``null`` = no limit).
+    #: Wall-clock budget of one launcher run, in seconds, model loads included (``null`` = no limit);
+    #: as the first stage of training, the budget of the greedy and the sampled pass together (the
+    #: sampled pass gets what the greedy one left).
     #: Past it, each worker stops before its next generation round (conversations in flight with a
     #: regenerated turn are written as partial rows, which a later run regenerates whole), the
     #: launcher merges the finished and partial rows into ``output`` and marks its last run
@@ -377,6 +403,8 @@ class RegenerateConfig:
     #: ``--resume`` (continue it with ``python -m dflash.inference.regenerate``). Not an option the
     #: output is "made with": a budget does not change what a row holds.
     max_seconds: Optional[float] = None
+    #: A sampled pass after the greedy one, trained on as extra data (off unless ``sampled.output``).
+    sampled: SampledRegenerateConfig = field(default_factory=SampledRegenerateConfig)
 
 
 @dataclass

@@ -11,7 +11,9 @@ launcher, and each worker with the internal ``--worker-rank``).
 [--max-prompt-tokens T] [--gpus 0,1] [--max-seconds S] [--overwrite] [section.key=value ...]`` (also
 ``python -m launch.cluster --mode regenerate ...``). As the first stage of training: the config's ``regenerate`` section
 (:class:`dflash.config.RegenerateConfig`, off by default) makes ``python -m launch.cluster --config X.yaml``
-call :func:`run_stage` before it trains, on ``regenerate.output``.
+call :func:`run_stage` before it trains, on ``regenerate.output``; with ``regenerate.sampled.output`` the
+stage then regenerates the data a second time with sampling, within what is left of
+``regenerate.max_seconds``, and training reads those rows as extra data (``data.extra_datasets``).
 
 **What is generated** (:mod:`dflash.inference.regeneration.jobs`). Each assistant turn is regenerated
 given the conversation so far, rendered with the target's chat template (``data.enable_thinking``
@@ -98,12 +100,14 @@ import dataclasses
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
-from dflash.config import ConfigError, RunConfig, load_config
+from dflash.config import ConfigError, RegenerateConfig, RunConfig, load_config
 from dflash.inference.regeneration.jobs import GenerationOptions
 from dflash.inference.regeneration.launcher import (EXIT_CONFIG, EXIT_OK, continue_command, option_flags,
                                                     run_launcher, time_limited_run)
@@ -211,53 +215,119 @@ def stage_workers(cfg: RunConfig) -> list[int]:
 
 def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[str]) -> tuple[int, RunConfig]:
     """Regeneration as the first stage of training: regenerate ``data.dataset`` into
-    ``regenerate.output`` when ``regenerate.enabled``, then hand back the training config.
+    ``regenerate.output`` when ``regenerate.enabled`` (greedy, or as the section says), then, when
+    ``regenerate.sampled.output`` is set, a second time into that file with sampling; then hand
+    back the training config.
 
-    Runs :func:`dflash.inference.regeneration.launcher.run_launcher` in this process with the
-    ``regenerate`` section as its options and one worker per GPU of :func:`stage_workers` (the
-    workers read ``config_path`` with ``overrides``, as the caller did). Resumable like the command line: rows already in the output
-    (or in a shard, or skipped) are not generated again, and a complete output starts no worker and
-    loads no model. With ``regenerate.max_seconds`` the launcher stops at that budget and the stage
-    trains on the finished rows; an output whose last run was stopped so is then used as it is (no
-    worker, no model: a resumed training run trains on the same data) and the log says how to
-    continue it (the standalone command, :func:`dflash.inference.regeneration.launcher.continue_command`).
-    Without ``regenerate.max_seconds`` such an output, or one left by Ctrl-C, is continued.
+    Each pass runs :func:`dflash.inference.regeneration.launcher.run_launcher` in this process with
+    the ``regenerate`` section as its options (the sampled pass: with ``regenerate.sampled``'s
+    temperature, top-p and seed) and one worker per GPU of :func:`stage_workers` (the workers read
+    ``config_path`` with ``overrides``, as the caller did). Resumable like the command line: rows
+    already in an output (or in a shard, or skipped) are not generated again, and a complete output
+    starts no worker and loads no model. ``regenerate.max_seconds`` is the budget of both passes
+    together, from this call on: the greedy pass gets all of it, the sampled pass what is left
+    (none left: the sampled pass is not started and training goes on without it, the log says so).
+    An output whose last run was stopped by its budget is then used as it is (no worker, no model:
+    a resumed training run trains on the same data) and the log says how to continue it (the
+    standalone command, :func:`dflash.inference.regeneration.launcher.continue_command`). Without
+    ``regenerate.max_seconds`` such an output, or one left by Ctrl-C, is continued.
 
     Args:
         cfg: the validated run config.
         config_path / overrides: what ``cfg`` was loaded from (passed on to the workers).
 
     Returns:
-        ``(exit code, config)``: :data:`EXIT_OK` and ``cfg`` with ``data.dataset`` = the output
-        and ``regenerate.enabled`` false (what the training stage and its ``config.yaml`` read);
-        otherwise the launcher's exit code (:func:`dflash.inference.regeneration.launcher.run_launcher`)
-        and ``cfg`` unchanged. A disabled section returns ``(EXIT_OK, cfg)`` at once.
+        ``(exit code, config)``: :data:`EXIT_OK` and ``cfg`` with ``data.dataset`` = the greedy
+        output, the sampled output (when it holds a row) appended to ``data.extra_datasets``, and
+        ``regenerate.enabled`` false (what the training stage and its ``config.yaml`` read);
+        otherwise the failing pass's launcher exit code
+        (:func:`dflash.inference.regeneration.launcher.run_launcher`) and ``cfg`` unchanged. A
+        disabled section returns ``(EXIT_OK, cfg)`` at once.
     """
     r = cfg.regenerate
     if not r.enabled:
         return EXIT_OK, cfg
-    argv = ["--config", str(config_path), "--output", str(r.output), *option_flags(r),
+    deadline = None if r.max_seconds is None else time.time() + r.max_seconds
+    code, output = _stage_pass(cfg, config_path, overrides, r, "stage 1", r.max_seconds)
+    if code != EXIT_OK:
+        return code, cfg
+    extra = list(cfg.data.extra_datasets)
+    s = r.sampled
+    if s.output is not None:
+        label = f"stage 1, sampled (temperature {s.temperature!r}, top-p {s.top_p!r}, seed {s.seed})"
+        left = None if deadline is None else deadline - time.time()
+        sampled = str(Path(s.output).resolve())
+        if left is not None and left < MIN_SAMPLED_PASS_S and not Path(sampled).is_file():
+            log.warning("%s: the time budget (regenerate.max_seconds = %r s) is spent after the greedy pass; "
+                        "training without sampled rows (run the sampled pass alone with: %s)", label, r.max_seconds,
+                        shlex.join(["python", "-m", "dflash.inference.regenerate", "--config", str(config_path),
+                                    "--output", str(s.output), *option_flags(_sampled_section(r, None)),
+                                    *overrides]))
+        else:
+            budget = None if left is None else max(left, MIN_SAMPLED_PASS_S)
+            code, sampled = _stage_pass(cfg, config_path, overrides, _sampled_section(r, budget), label, budget)
+            if code != EXIT_OK:
+                return code, cfg
+            if _holds_a_row(Path(sampled)):
+                extra.append(sampled)
+            else:
+                log.warning("%s: %s holds no row yet; training without sampled rows", label, sampled)
+    more = f" (+ {extra[len(cfg.data.extra_datasets)]} as training-only extra data)" \
+        if len(extra) > len(cfg.data.extra_datasets) else ""
+    log.info("stage 2: training on %s%s", output, more)
+    data = dataclasses.replace(cfg.data, dataset=output, extra_datasets=extra)
+    return EXIT_OK, dataclasses.replace(cfg, data=data, regenerate=dataclasses.replace(r, enabled=False))
+
+
+#: Seconds of the stage's time budget below which the sampled pass is not started (its workers
+#: would stop before their first round).
+MIN_SAMPLED_PASS_S = 1.0
+
+
+def _sampled_section(r: RegenerateConfig, max_seconds: Optional[float]) -> RegenerateConfig:
+    """The ``regenerate`` section of the sampled pass: ``r`` with ``r.sampled``'s output,
+    temperature, top-p and seed and the time budget ``max_seconds`` (seconds; None = none)."""
+    s = r.sampled
+    return dataclasses.replace(r, output=s.output, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                               max_seconds=max_seconds)
+
+
+def _holds_a_row(path: Path) -> bool:
+    """Whether the JSONL ``path`` exists and has a non-blank line."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return any(line.strip() for line in f)
+
+
+def _stage_pass(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[str], r: RegenerateConfig,
+                label: str, max_seconds: Optional[float]) -> tuple[int, str]:
+    """One pass of :func:`run_stage`: regenerate ``cfg.data.dataset`` into ``r.output`` with the
+    options of the section ``r`` and the time budget ``max_seconds`` (seconds; None = none), or
+    reuse an output its budget stopped (with a budget). ``label`` starts its log lines.
+
+    Returns:
+        ``(exit code, the output's absolute path)``; :data:`EXIT_CONFIG` for an option out of range.
+    """
+    argv = ["--config", str(config_path), "--output", str(r.output), *option_flags(r, budget=False),
             "--gpus", ",".join(str(g) for g in stage_workers(cfg))]
+    if max_seconds is not None:
+        argv += ["--max-seconds", repr(float(max_seconds))]
     args = parse_args(argv + list(overrides))
+    output = str(Path(r.output).resolve())
     try:
         options = _options(args, cfg)
     except ConfigError as exc:
         log.error("config error: %s", exc)
-        return EXIT_CONFIG, cfg
-    output = str(Path(r.output).resolve())
+        return EXIT_CONFIG, output
     last = time_limited_run(Path(output), cfg, options) if args.max_seconds is not None else None
     if last is not None:
-        log.info("stage 1: %s is the output of a regeneration stopped by its time budget (%s rows, %s left); "
-                 "regenerate.max_seconds is set, so the stage uses it as it is. Continue it with: %s", output,
+        log.info("%s: %s is the output of a regeneration stopped by its time budget (%s rows, %s left); "
+                 "regenerate.max_seconds is set, so the stage uses it as it is. Continue it with: %s", label, output,
                  last.get("rows"), last.get("rows_left"), continue_command(args, cfg))
-    else:
-        log.info("stage 1: regenerating %s into %s on %d worker(s)", cfg.data.dataset, r.output, len(args.gpus))
-        code = run_launcher(args, cfg, options)
-        if code != EXIT_OK:
-            return code, cfg
-    log.info("stage 2: training on %s", output)
-    return EXIT_OK, dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=output),
-                                        regenerate=dataclasses.replace(r, enabled=False))
+        return EXIT_OK, output
+    log.info("%s: regenerating %s into %s on %d worker(s)", label, cfg.data.dataset, r.output, len(args.gpus))
+    return run_launcher(args, cfg, options), output
 
 
 def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
