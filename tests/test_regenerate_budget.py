@@ -664,16 +664,29 @@ def test_stage_gives_the_sampled_pass_the_budget_left(tmp_path, monkeypatch, cap
     saved.write_text(yaml.safe_dump(trained.to_dict()))
     assert load_config(saved, gpu_count=0).data.extra_datasets == trained.data.extra_datasets
 
-    # the greedy pass spends the budget: the sampled pass is not started, its command is logged
+    # the greedy pass spends the budget: the sampled pass gets the least budget (its workers stop
+    # before loading the model; here its launcher writes an empty output) and training goes on
+    # without it
     sampled.unlink()
     greedy_seconds[0] = 30.5
     launched.clear()
     caplog.clear()
-    with caplog.at_level(logging.WARNING):
+    written = fake_launcher
+
+    def empty_sampled(args, cfg, options):
+        code = written(args, cfg, options)
+        if str(args.output) == str(sampled):
+            sampled.write_text("")
+        return code
+
+    monkeypatch.setattr(regenerate, "run_launcher", empty_sampled)
+    with caplog.at_level(logging.INFO):
         code, trained = regenerate.run_stage(cfg, config, [])
-    assert code == 0 and [o for o, _, _ in launched] == [str(out)]
+    assert code == 0 and [(o, b) for o, _, b in launched] == [(str(out), 30.0),
+                                                               (str(sampled), regenerate.MIN_SAMPLED_PASS_S)]
     assert trained.data.extra_datasets == [str(raw)]
-    assert "training without sampled rows" in caplog.text and "--temperature 0.7" in caplog.text
+    assert "(none: the pass stops at once)" in caplog.text and "holds no row" in caplog.text
+    monkeypatch.setattr(regenerate, "run_launcher", fake_launcher)
 
     # without a budget: both passes run unbounded
     unlimited = load_config(config, ["regenerate.max_seconds=null"], gpu_count=0)
@@ -702,6 +715,8 @@ def test_stage_gives_the_sampled_pass_the_budget_left(tmp_path, monkeypatch, cap
     ("regenerate.sampled.output={source}", r"regenerate.sampled.output: must differ from data.dataset"),
     ("regenerate.sampled.output={raw}", r"regenerate.sampled.output: must differ from data.extra_datasets\[0\]"),
     ("regenerate.sampled.colour=red", r"regenerate.sampled.colour: unknown key in regenerate.sampled"),
+    ("regenerate.sampled.output={source}/s.jsonl", r"regenerate.sampled.output: cannot be written: .* is a file"),
+    ("regenerate.output={source}/x/r.jsonl", r"regenerate.output: cannot be written: .* is a file"),
 ])
 def test_bad_sampled_pass_is_refused_by_name(tmp_path, override, message):
     source = tmp_path / "source.jsonl"
@@ -745,3 +760,63 @@ def test_stage_with_a_sampled_pass_end_to_end(tmp_path, monkeypatch):
     assert (options["temperature"], options["top_p"], options["seed"]) == (0.8, 0.95, 4)
     assert _regenerate(config, alone, "--temperature", "0.8", "--top-p", "0.95", "--seed", "4") == 0
     assert turns(alone) == drawn
+
+    # no budget left after the greedy pass (its output complete, the stage's clock past the
+    # deadline): the sampled launcher's workers stop before loading the model, its output holds no
+    # row and is marked time-limited, and a resumed run reuses it as it is (no worker)
+    late = tmp_path / "late.jsonl"
+    clock = _Clock()
+    real_time = regenerate.time
+
+    class Late:
+        def time(self) -> float:
+            clock.now += 1_000.0  # each reading is 1,000 s later: the deadline has passed
+            return clock.now
+
+    monkeypatch.setattr(regenerate, "time", Late())
+    stage = [f"regenerate.sampled.output={late}"]
+    late_cfg = load_config(config, stage, gpu_count=0)
+    code, trained = regenerate.run_stage(late_cfg, config, stage)
+    assert code == 0 and trained.data.extra_datasets == []
+    assert late.is_file() and not read_lines(late)[0]
+    assert json.loads(late.with_name(late.name + ".regen.json").read_text())["last_run"]["time_limited"] is True
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started for a time-limited output")
+
+    monkeypatch.setattr(subprocess, "Popen", no_worker)
+    code, again = regenerate.run_stage(late_cfg, config, stage)
+    assert code == 0 and again.data.extra_datasets == []
+    monkeypatch.setattr(regenerate, "time", real_time)
+
+
+def test_changed_options_name_the_config_keys_in_the_stage(tmp_path, caplog):
+    """An output made with other options is refused; from the training stage the error names the
+    config key (``regenerate.sampled.temperature``) and the way out, not a command-line flag."""
+    from dflash.inference import regenerate
+    from dflash.inference.regeneration import launcher
+
+    source = tmp_path / "source.jsonl"
+    _write_source(source)
+    out = tmp_path / "sampled.jsonl"
+    config = _cpu_config(tmp_path, source, {})
+    cfg = load_config(config, gpu_count=0)
+    args = regenerate.parse_args(["--config", str(config), "--output", str(out), "--temperature", "0.7"])
+    options = regenerate._options(args, cfg)
+    made = {**launcher._options_record(cfg, options), "temperature": 0.8}
+    out.with_name(out.name + ".regen.json").write_text(json.dumps({"options": made}))
+    with caplog.at_level(logging.ERROR):
+        assert launcher._wanted_options(args, cfg, options, out) is None
+    assert "(temperature: 0.8, now 0.7): pass --overwrite or choose another --output" in caplog.text
+    caplog.clear()
+    args.config_section = "regenerate.sampled"
+    with caplog.at_level(logging.ERROR):
+        assert launcher._wanted_options(args, cfg, options, out) is None
+    assert ("(regenerate.sampled.temperature: 0.8, now 0.7): delete it (and its sampled.jsonl.regen.json) or set "
+            "another regenerate.sampled.output") in caplog.text
+    caplog.clear()
+    made = {**launcher._options_record(cfg, options), "max_new_tokens": 99}
+    out.with_name(out.name + ".regen.json").write_text(json.dumps({"options": made}))
+    with caplog.at_level(logging.ERROR):
+        assert launcher._wanted_options(args, cfg, options, out) is None
+    assert "(regenerate.max_new_tokens: 99, now 8)" in caplog.text

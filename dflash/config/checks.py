@@ -261,6 +261,15 @@ def _check_nodes(c: ClusterConfig) -> None:
     _need(c.node_join_timeout_s > 0, "cluster.node_join_timeout_s", "must be > 0")
 
 
+def _need_writable_folder(path: Path, key: str) -> None:
+    """Raise ``ConfigError`` naming ``key`` when a folder above ``path`` is a file (the output's
+    folder could not be made); missing folders are fine (made when the output is written)."""
+    for folder in path.absolute().parents:
+        if folder.exists():
+            _need(folder.is_dir(), key, f"cannot be written: {folder} is a file, not a folder ({path})")
+            return
+
+
 def _check_regenerate(cfg: RunConfig) -> None:
     """The ``regenerate`` section's ranges (checked whether enabled or not) and, when enabled, its output."""
     r = cfg.regenerate
@@ -288,6 +297,7 @@ def _check_regenerate(cfg: RunConfig) -> None:
     _need(bool(r.output), "regenerate.output", "is required when regenerate.enabled is true")
     out = Path(r.output)
     _need(not out.is_dir(), "regenerate.output", f"is a directory: {r.output}")
+    _need_writable_folder(out, "regenerate.output")
     _need(out.resolve() != Path(cfg.data.dataset).resolve(), "regenerate.output",
           f"must differ from data.dataset ({cfg.data.dataset}): the source is read while the output is written")
     if s.output is None:
@@ -295,6 +305,7 @@ def _check_regenerate(cfg: RunConfig) -> None:
     _need(s.output != "", "regenerate.sampled.output", "must be a path (or null: no sampled pass)")
     sampled = Path(s.output)
     _need(not sampled.is_dir(), "regenerate.sampled.output", f"is a directory: {s.output}")
+    _need_writable_folder(sampled, "regenerate.sampled.output")
     for key, other in (("regenerate.output", r.output), ("data.dataset", cfg.data.dataset),
                        *((f"data.extra_datasets[{i}]", e) for i, e in enumerate(cfg.data.extra_datasets))):
         _need(sampled.resolve() != Path(other).resolve(), "regenerate.sampled.output",

@@ -100,7 +100,6 @@ import dataclasses
 import logging
 import math
 import os
-import shlex
 import signal
 import sys
 import time
@@ -226,7 +225,8 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
     already in an output (or in a shard, or skipped) are not generated again, and a complete output
     starts no worker and loads no model. ``regenerate.max_seconds`` is the budget of both passes
     together, from this call on: the greedy pass gets all of it, the sampled pass what is left
-    (none left: the sampled pass is not started and training goes on without it, the log says so).
+    (none left: its workers stop before loading the model and its output, marked time-limited,
+    holds no row; training goes on without it and the log says so).
     An output whose last run was stopped by its budget is then used as it is (no worker, no model:
     a resumed training run trains on the same data) and the log says how to continue it (the
     standalone command, :func:`dflash.inference.regeneration.launcher.continue_command`). Without
@@ -255,23 +255,23 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
     s = r.sampled
     if s.output is not None:
         label = f"stage 1, sampled (temperature {s.temperature!r}, top-p {s.top_p!r}, seed {s.seed})"
-        left = None if deadline is None else deadline - time.time()
-        sampled = str(Path(s.output).resolve())
-        if left is not None and left < MIN_SAMPLED_PASS_S and not Path(sampled).is_file():
-            log.warning("%s: the time budget (regenerate.max_seconds = %r s) is spent after the greedy pass; "
-                        "training without sampled rows (run the sampled pass alone with: %s)", label, r.max_seconds,
-                        shlex.join(["python", "-m", "dflash.inference.regenerate", "--config", str(config_path),
-                                    "--output", str(s.output), *option_flags(_sampled_section(r, None)),
-                                    *overrides]))
+        budget = None
+        if deadline is not None:
+            # what the greedy pass left, at least a token amount: with none left the launcher still
+            # runs, its workers stop before loading the model, and the output it writes is marked
+            # time-limited, so a resumed run reuses it as it is instead of sampling anew
+            budget = round(max(deadline - time.time(), MIN_SAMPLED_PASS_S), 1)
+            log.info("%s: %.1f s left of regenerate.max_seconds = %r s%s", label, budget, r.max_seconds,
+                     "" if budget > MIN_SAMPLED_PASS_S else " (none: the pass stops at once)")
+        code, sampled = _stage_pass(cfg, config_path, overrides, _sampled_section(r, budget), label, budget,
+                                    "regenerate.sampled")
+        if code != EXIT_OK:
+            return code, cfg
+        if _holds_a_row(Path(sampled)):
+            extra.append(sampled)
         else:
-            budget = None if left is None else max(left, MIN_SAMPLED_PASS_S)
-            code, sampled = _stage_pass(cfg, config_path, overrides, _sampled_section(r, budget), label, budget)
-            if code != EXIT_OK:
-                return code, cfg
-            if _holds_a_row(Path(sampled)):
-                extra.append(sampled)
-            else:
-                log.warning("%s: %s holds no row yet; training without sampled rows", label, sampled)
+            log.warning("%s: %s holds no row (the time budget ran out before any was done); training without "
+                        "sampled rows", label, sampled)
     more = f" (+ {extra[len(cfg.data.extra_datasets)]} as training-only extra data)" \
         if len(extra) > len(cfg.data.extra_datasets) else ""
     log.info("stage 2: training on %s%s", output, more)
@@ -279,9 +279,8 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
     return EXIT_OK, dataclasses.replace(cfg, data=data, regenerate=dataclasses.replace(r, enabled=False))
 
 
-#: Seconds of the stage's time budget below which the sampled pass is not started (its workers
-#: would stop before their first round).
-MIN_SAMPLED_PASS_S = 1.0
+#: The least time budget the sampled pass gets, in seconds (0.1: the launcher's log rounds to it).
+MIN_SAMPLED_PASS_S = 0.1
 
 
 def _sampled_section(r: RegenerateConfig, max_seconds: Optional[float]) -> RegenerateConfig:
@@ -301,10 +300,12 @@ def _holds_a_row(path: Path) -> bool:
 
 
 def _stage_pass(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[str], r: RegenerateConfig,
-                label: str, max_seconds: Optional[float]) -> tuple[int, str]:
+                label: str, max_seconds: Optional[float], section: str = "regenerate") -> tuple[int, str]:
     """One pass of :func:`run_stage`: regenerate ``cfg.data.dataset`` into ``r.output`` with the
     options of the section ``r`` and the time budget ``max_seconds`` (seconds; None = none), or
-    reuse an output its budget stopped (with a budget). ``label`` starts its log lines.
+    reuse an output its budget stopped (with a budget). ``label`` starts its log lines;
+    ``section``: the config section whose keys the launcher's errors name (``regenerate`` or
+    ``regenerate.sampled``).
 
     Returns:
         ``(exit code, the output's absolute path)``; :data:`EXIT_CONFIG` for an option out of range.
@@ -314,6 +315,7 @@ def _stage_pass(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[
     if max_seconds is not None:
         argv += ["--max-seconds", repr(float(max_seconds))]
     args = parse_args(argv + list(overrides))
+    args.config_section = section
     output = str(Path(r.output).resolve())
     try:
         options = _options(args, cfg)

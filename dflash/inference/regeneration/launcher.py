@@ -65,6 +65,9 @@ STOP_GRACE_S = 20.0
 #: ``max_seconds``: it does not change what a row holds).
 RESUME_KEYS = ("dataset", "target", "tokenizer", "enable_thinking", "max_new_tokens", "temperature", "top_p",
                "seed", "max_turns", "max_prompt_tokens")
+#: The keys of :data:`RESUME_KEYS` that are options of the ``regenerate`` section (the rest name
+#: the data, the target and its tokenizer).
+RESUME_OPTION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "max_turns", "max_prompt_tokens")
 #: Compared on a restart only when the previous run recorded them: what the tokenizer and its chat
 #: template are (``dflash.training.checkpoint_identity.run_identity``), not only how they were named.
 IDENTITY_KEYS = ("tokenizer.sha256", "chat_template.sha256")
@@ -211,8 +214,16 @@ def _wanted_options(args: argparse.Namespace, cfg: RunConfig, options: Generatio
         diff = [k for k in RESUME_KEYS if previous.get(k) != wanted.get(k)]
         diff += [k for k in IDENTITY_KEYS if k in previous and previous[k] != wanted[k]]
         if diff:
-            log.error("%s was made with other options (%s: %s, now %s): pass --overwrite or choose another --output",
-                      output, diff[0], previous.get(diff[0]), wanted.get(diff[0]))
+            section = getattr(args, "config_section", None)
+            if section is None:
+                name, fix = diff[0], "pass --overwrite or choose another --output"
+            else:  # the training stage: name the config keys
+                sampled = section == "regenerate.sampled" and diff[0] in ("temperature", "top_p", "seed")
+                name = f"{section if sampled else 'regenerate'}.{diff[0]}" if diff[0] in RESUME_OPTION_KEYS \
+                    else diff[0]
+                fix = f"delete it (and its {sidecar.name}) or set another {section}.output"
+            log.error("%s was made with other options (%s: %s, now %s): %s", output, name, previous.get(diff[0]),
+                      wanted.get(diff[0]), fix)
             return None
     elif output.exists() or existing_shards(output):
         log.warning("%s has no %s: continuing it, assuming the same options", output, sidecar.name)
