@@ -688,6 +688,20 @@ def test_stage_gives_the_sampled_pass_the_budget_left(tmp_path, monkeypatch, cap
     assert "(none: the pass stops at once)" in caplog.text and "holds no row" in caplog.text
     monkeypatch.setattr(regenerate, "run_launcher", fake_launcher)
 
+    # a greedy output with no row (its budget ran out first): refused before training, the budget named
+    def nothing(args, cfg, options):
+        launched.append((str(args.output), [], args.max_seconds))
+        Path(args.output).write_text("")
+        return 0
+
+    monkeypatch.setattr(regenerate, "run_launcher", nothing)
+    launched.clear()
+    with caplog.at_level(logging.ERROR):
+        code, same = regenerate.run_stage(cfg, config, [])
+    assert code == 2 and same is cfg and [o for o, _, _ in launched] == [str(out)]
+    assert "holds no regenerated row" in caplog.text and "regenerate.max_seconds = 30.0 s" in caplog.text
+    monkeypatch.setattr(regenerate, "run_launcher", fake_launcher)
+
     # without a budget: both passes run unbounded
     unlimited = load_config(config, ["regenerate.max_seconds=null"], gpu_count=0)
     launched.clear()

@@ -241,8 +241,9 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
         output, the sampled output (when it holds a row) appended to ``data.extra_datasets``, and
         ``regenerate.enabled`` false (what the training stage and its ``config.yaml`` read);
         otherwise the failing pass's launcher exit code
-        (:func:`dflash.inference.regeneration.launcher.run_launcher`) and ``cfg`` unchanged. A
-        disabled section returns ``(EXIT_OK, cfg)`` at once.
+        (:func:`dflash.inference.regeneration.launcher.run_launcher`), or :data:`EXIT_CONFIG` when
+        the greedy output holds no row (the log says why), and ``cfg`` unchanged. A disabled
+        section returns ``(EXIT_OK, cfg)`` at once.
     """
     r = cfg.regenerate
     if not r.enabled:
@@ -251,6 +252,12 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
     code, output = _stage_pass(cfg, config_path, overrides, r, "stage 1", r.max_seconds)
     if code != EXIT_OK:
         return code, cfg
+    if not _holds_a_row(Path(output)):
+        why = (f"the time budget (regenerate.max_seconds = {r.max_seconds!r} s) ran out before any conversation "
+               f"was done: raise it, or continue the output with the command the launcher logged"
+               if r.max_seconds is not None else f"every conversation was skipped ({output}.skipped says why)")
+        log.error("stage 1: %s holds no regenerated row, nothing to train on: %s", output, why)
+        return EXIT_CONFIG, cfg
     extra = list(cfg.data.extra_datasets)
     s = r.sampled
     if s.output is not None:
