@@ -74,6 +74,7 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "no-extra": (["data.extra_datasets=[]", "data.extra_token_ratio=null", "regenerate.sampled.output=null"],
                  "no rows beside the data (the regeneration config's raw ShareGPT and sampled rows left out)"),
     "no-sampled": (["regenerate.sampled.output=null"], "no sampled regeneration pass beside the greedy one"),
+    "sampled-first": (["regenerate.sampled.max_turns=1"], "the sampled pass samples first responses only"),
     "extra-all": (["data.extra_token_ratio=null"], "every row of data.extra_datasets, not a sample"),
     "extra-1": (["data.extra_token_ratio=1.0"], "a sample of data.extra_datasets as large in tokens as the data"),
     "extra-2": (["data.extra_token_ratio=2.0"], "a sample of data.extra_datasets twice the data's tokens"),

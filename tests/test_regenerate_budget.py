@@ -630,7 +630,7 @@ def test_stage_gives_the_sampled_pass_the_budget_left(tmp_path, monkeypatch, cap
     raw = tmp_path / "raw.jsonl"
     raw.write_text(source.read_text())
     section = {"enabled": True, "output": str(out), "max_seconds": 30,
-               "sampled": {"output": str(sampled), "temperature": 0.7, "top_p": 0.9, "seed": 5}}
+               "sampled": {"output": str(sampled), "temperature": 0.7, "top_p": 0.9, "seed": 5, "max_turns": 1}}
     config = _cpu_config(tmp_path, source, section)
     cfg = load_config(config, [f"data.extra_datasets=[{raw}]"], gpu_count=0)
     clock = _Clock()
@@ -655,6 +655,8 @@ def test_stage_gives_the_sampled_pass_the_budget_left(tmp_path, monkeypatch, cap
     assert second == str(sampled) and budget == 30.0 - 12.5
     assert flags[flags.index("--temperature") + 1] == "0.7" and flags[flags.index("--top-p") + 1] == "0.9"
     assert flags[flags.index("--seed") + 1] == "5"
+    assert greedy_flags[greedy_flags.index("--max-turns") + 1] == "2" and flags[flags.index("--max-turns") + 1] == "1"
+    assert "at most 1 turn(s) a conversation" in caplog.text
     assert trained.data.dataset == str(out.resolve())
     assert trained.data.extra_datasets == [str(raw), str(sampled.resolve())]
     assert trained.regenerate.enabled is False and cfg.data.extra_datasets == [str(raw)]
@@ -728,6 +730,7 @@ def test_stage_gives_the_sampled_pass_the_budget_left(tmp_path, monkeypatch, cap
     ("regenerate.sampled.output={out}", r"regenerate.sampled.output: must differ from regenerate.output"),
     ("regenerate.sampled.output={source}", r"regenerate.sampled.output: must differ from data.dataset"),
     ("regenerate.sampled.output={raw}", r"regenerate.sampled.output: must differ from data.extra_datasets\[0\]"),
+    ("regenerate.sampled.max_turns=0", "regenerate.sampled.max_turns: must be >= 1"),
     ("regenerate.sampled.colour=red", r"regenerate.sampled.colour: unknown key in regenerate.sampled"),
     ("regenerate.sampled.output={source}/s.jsonl", r"regenerate.sampled.output: cannot be written: .* is a file"),
     ("regenerate.output={source}/x/r.jsonl", r"regenerate.output: cannot be written: .* is a file"),

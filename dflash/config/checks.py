@@ -292,6 +292,7 @@ def _check_regenerate(cfg: RunConfig) -> None:
     _need(math.isfinite(s.temperature) and s.temperature > 0, "regenerate.sampled.temperature",
           f"must be > 0 (the greedy pass is regenerate.output), got {s.temperature}")
     _need(0 < s.top_p <= 1, "regenerate.sampled.top_p", f"must be in (0, 1], got {s.top_p}")
+    _need(s.max_turns is None or s.max_turns >= 1, "regenerate.sampled.max_turns", f"must be >= 1, got {s.max_turns}")
     if not r.enabled:
         return
     _need(bool(r.output), "regenerate.output", "is required when regenerate.enabled is true")

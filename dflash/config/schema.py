@@ -343,7 +343,7 @@ class SampledRegenerateConfig:
 
     When ``output`` is set (and ``regenerate.enabled``), the stage regenerates ``data.dataset`` a
     second time into ``output`` with sampling (every other option as the greedy pass: new tokens,
-    turns, prompt length, batch size) within what is left of ``regenerate.max_seconds``, and the
+    prompt length, batch size; turns unless ``max_turns``) within what is left of ``regenerate.max_seconds``, and the
     training stage reads its rows as training-only extra data (appended to ``data.extra_datasets``;
     with ``drafter.label_chain`` a position counts only while the sampled text is the target's
     greedy continuation): more of the target's own text than one greedy response per prompt.
@@ -358,6 +358,9 @@ class SampledRegenerateConfig:
     top_p: float = 0.95
     #: Sampling seed (per row and turn: ``dflash.inference.sampling``).
     seed: int = 1
+    #: Sample at most this many assistant turns per conversation (``null`` = ``regenerate.max_turns``):
+    #: 1 spends the pass's time on first responses, the ones a prompt set's single turn asks for.
+    max_turns: Optional[int] = None
 
 
 @dataclass

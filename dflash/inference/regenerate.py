@@ -261,7 +261,8 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
     extra = list(cfg.data.extra_datasets)
     s = r.sampled
     if s.output is not None:
-        label = f"stage 1, sampled (temperature {s.temperature!r}, top-p {s.top_p!r}, seed {s.seed})"
+        turns = "" if s.max_turns is None else f", at most {s.max_turns} turn(s) a conversation"
+        label = f"stage 1, sampled (temperature {s.temperature!r}, top-p {s.top_p!r}, seed {s.seed}{turns})"
         budget = None
         if deadline is not None:
             # what the greedy pass left, at least a token amount: with none left the launcher still
@@ -292,10 +293,12 @@ MIN_SAMPLED_PASS_S = 0.1
 
 def _sampled_section(r: RegenerateConfig, max_seconds: Optional[float]) -> RegenerateConfig:
     """The ``regenerate`` section of the sampled pass: ``r`` with ``r.sampled``'s output,
-    temperature, top-p and seed and the time budget ``max_seconds`` (seconds; None = none)."""
+    temperature, top-p, seed and turns (when set) and the time budget ``max_seconds`` (seconds;
+    None = none)."""
     s = r.sampled
+    turns = r.max_turns if s.max_turns is None else s.max_turns
     return dataclasses.replace(r, output=s.output, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                               max_seconds=max_seconds)
+                               max_turns=turns, max_seconds=max_seconds)
 
 
 def _holds_a_row(path: Path) -> bool:

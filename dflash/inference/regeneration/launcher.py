@@ -218,7 +218,8 @@ def _wanted_options(args: argparse.Namespace, cfg: RunConfig, options: Generatio
             if section is None:
                 name, fix = diff[0], "pass --overwrite or choose another --output"
             else:  # the training stage: name the config keys
-                sampled = section == "regenerate.sampled" and diff[0] in ("temperature", "top_p", "seed")
+                sampled = section == "regenerate.sampled" and diff[0] in ("temperature", "top_p", "seed",
+                                                                          "max_turns")
                 name = f"{section if sampled else 'regenerate'}.{diff[0]}" if diff[0] in RESUME_OPTION_KEYS \
                     else diff[0]
                 fix = f"delete it (and its {sidecar.name}) or set another {section}.output"
