@@ -249,7 +249,7 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
     if not r.enabled:
         return EXIT_OK, cfg
     deadline = None if r.max_seconds is None else time.time() + r.max_seconds
-    code, output = _stage_pass(cfg, config_path, overrides, r, "stage 1", r.max_seconds)
+    code, output = _stage_pass(cfg, config_path, overrides, r, "stage 1")
     if code != EXIT_OK:
         return code, cfg
     if not _holds_a_row(Path(output)):
@@ -258,7 +258,7 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
                if r.max_seconds is not None else f"every conversation was skipped ({output}.skipped says why)")
         log.error("stage 1: %s holds no regenerated row, nothing to train on: %s", output, why)
         return EXIT_CONFIG, cfg
-    extra = list(cfg.data.extra_datasets)
+    extra, more = list(cfg.data.extra_datasets), ""
     s = r.sampled
     if s.output is not None:
         turns = "" if s.max_turns is None else f", at most {s.max_turns} turn(s) a conversation"
@@ -271,17 +271,16 @@ def run_stage(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[st
             budget = round(max(deadline - time.time(), MIN_SAMPLED_PASS_S), 1)
             log.info("%s: %.1f s left of regenerate.max_seconds = %r s%s", label, budget, r.max_seconds,
                      "" if budget > MIN_SAMPLED_PASS_S else " (none: the pass stops at once)")
-        code, sampled = _stage_pass(cfg, config_path, overrides, _sampled_section(r, budget), label, budget,
+        code, sampled = _stage_pass(cfg, config_path, overrides, _sampled_section(r, budget), label,
                                     "regenerate.sampled")
         if code != EXIT_OK:
             return code, cfg
         if _holds_a_row(Path(sampled)):
             extra.append(sampled)
+            more = f" (+ {sampled} as training-only extra data)"
         else:
             log.warning("%s: %s holds no row (the time budget ran out before any was done); training without "
                         "sampled rows", label, sampled)
-    more = f" (+ {extra[len(cfg.data.extra_datasets)]} as training-only extra data)" \
-        if len(extra) > len(cfg.data.extra_datasets) else ""
     log.info("stage 2: training on %s%s", output, more)
     data = dataclasses.replace(cfg.data, dataset=output, extra_datasets=extra)
     return EXIT_OK, dataclasses.replace(cfg, data=data, regenerate=dataclasses.replace(r, enabled=False))
@@ -310,20 +309,18 @@ def _holds_a_row(path: Path) -> bool:
 
 
 def _stage_pass(cfg: RunConfig, config_path: str | os.PathLike, overrides: list[str], r: RegenerateConfig,
-                label: str, max_seconds: Optional[float], section: str = "regenerate") -> tuple[int, str]:
+                label: str, section: str = "regenerate") -> tuple[int, str]:
     """One pass of :func:`run_stage`: regenerate ``cfg.data.dataset`` into ``r.output`` with the
-    options of the section ``r`` and the time budget ``max_seconds`` (seconds; None = none), or
-    reuse an output its budget stopped (with a budget). ``label`` starts its log lines;
+    options and the time budget (``r.max_seconds``) of the section ``r``, or reuse an output its
+    budget stopped (with a budget). ``label`` starts its log lines;
     ``section``: the config section whose keys the launcher's errors name (``regenerate`` or
     ``regenerate.sampled``).
 
     Returns:
         ``(exit code, the output's absolute path)``; :data:`EXIT_CONFIG` for an option out of range.
     """
-    argv = ["--config", str(config_path), "--output", str(r.output), *option_flags(r, budget=False),
+    argv = ["--config", str(config_path), "--output", str(r.output), *option_flags(r),
             "--gpus", ",".join(str(g) for g in stage_workers(cfg))]
-    if max_seconds is not None:
-        argv += ["--max-seconds", repr(float(max_seconds))]
     args = parse_args(argv + list(overrides))
     args.config_section = section
     output = str(Path(r.output).resolve())

@@ -28,6 +28,7 @@ one round (plus the merge).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shlex
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from dflash.config import RunConfig
+from dflash.config import RunConfig, SampledRegenerateConfig
 from dflash.inference.regeneration.jobs import GenerationOptions
 from dflash.inference.regeneration.rows import SourceRow, iter_source
 from dflash.inference.regeneration.shards import (SHARD_INFIX, done_ids, existing_shards, is_partial, merge_outputs,
@@ -68,6 +69,8 @@ RESUME_KEYS = ("dataset", "target", "tokenizer", "enable_thinking", "max_new_tok
 #: The keys of :data:`RESUME_KEYS` that are options of the ``regenerate`` section (the rest name
 #: the data, the target and its tokenizer).
 RESUME_OPTION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "max_turns", "max_prompt_tokens")
+#: The options ``regenerate.sampled`` sets for its pass (the rest are the ``regenerate`` section's).
+_SAMPLED_KEYS = frozenset(f.name for f in dataclasses.fields(SampledRegenerateConfig))
 #: Compared on a restart only when the previous run recorded them: what the tokenizer and its chat
 #: template are (``dflash.training.checkpoint_identity.run_identity``), not only how they were named.
 IDENTITY_KEYS = ("tokenizer.sha256", "chat_template.sha256")
@@ -218,8 +221,7 @@ def _wanted_options(args: argparse.Namespace, cfg: RunConfig, options: Generatio
             if section is None:
                 name, fix = diff[0], "pass --overwrite or choose another --output"
             else:  # the training stage: name the config keys
-                sampled = section == "regenerate.sampled" and diff[0] in ("temperature", "top_p", "seed",
-                                                                          "max_turns")
+                sampled = section == "regenerate.sampled" and diff[0] in _SAMPLED_KEYS
                 name = f"{section if sampled else 'regenerate'}.{diff[0]}" if diff[0] in RESUME_OPTION_KEYS \
                     else diff[0]
                 fix = f"delete it (and its {sidecar.name}) or set another {section}.output"
