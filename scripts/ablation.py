@@ -65,6 +65,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "warmup-0.1": (["train.warmup_ratio=0.1"], "warm-up 10 % of the steps"),
     "layers-3": (["drafter.num_layers=3"], "3 drafter layers"),
     "layers-8": (["drafter.num_layers=8"], "8 drafter layers"),
+    "mlp-target": (["drafter.intermediate_size=null"], "the drafter's MLP at the target's width"),
+    "mlp-3072": (["drafter.intermediate_size=3072"], "the drafter's MLP at 3,072 channels (twice SmolLM2's)"),
     "block-8": (["drafter.block_size=8"], "block size 8 (γ 4 by default)"),
     "labels-data": (["drafter.labels=data", "drafter.label_chain=false"],
                     "labels from the dataset's tokens, not the target's greedy ones"),

@@ -361,7 +361,8 @@ def test_shipped_regeneration_config():
     r = cfg.regenerate
     assert r.enabled and r.max_turns is None and r.max_new_tokens == 128 and r.batch_size == 1024
     assert r.max_prompt_tokens == 1024 and r.max_seconds == 480
-    assert cfg.train.lr == 1.2e-3 and cfg.drafter.anchor_sampling == "conversation" and cfg.train.max_steps == 5500
+    assert cfg.train.lr == 1.2e-3 and cfg.drafter.anchor_sampling == "conversation" and cfg.train.max_steps == 5000
+    assert cfg.drafter.num_layers == 5 and cfg.drafter.intermediate_size == 3072
     assert cfg.drafter.loss_weighting == "dpace" and cfg.drafter.loss_gamma is None and cfg.drafter.label_chain and cfg.drafter.labels == "target"
     assert cfg.data.extra_datasets == ["sharegpt"] and cfg.data.extra_token_ratio is None
     assert r.sampled.output == "data/sharegpt-smollm2-135m-sampled.jsonl" and (r.sampled.temperature, r.sampled.top_p) == (0.8, 0.95)
