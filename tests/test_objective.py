@@ -387,8 +387,9 @@ def test_compiled_distillation_chunks_equal_eager() -> None:
 def test_compiled_loss_chunks_equal_the_loop_and_compile_once_per_shape() -> None:
     """The compiled LM-head chunk (what a compiled trainer uses) against the naive loop.
 
-    Chunks of 8 rows over 2·5·5 = 50 rows: six full chunks (one shape, different offsets into
-    the hidden states) and one of 2 rows: two compilations, none for the second call.
+    Of the 2·5·5 = 50 rows about 35 are valid: padded to whole chunks of 8 rows (one shape,
+    different offsets into the gathered hidden states), at most two compilations, none for the
+    second call.
     """
     from dflash.compile_watch import compile_counts
     from dflash.training.chunked_ce import compiled_linear_ce_chunk
@@ -498,3 +499,80 @@ def test_loss_chunk_rows_fill_whole_tiles_and_bound_the_logits():
         assert got == naive and got * vocab <= max(LOSS_CHUNK_ELEMENTS, vocab)
     with pytest.raises(ValueError, match="vocab_size"):
         loss_chunk_rows(0)
+
+
+# --------------------------------------------------------------------------- the LM head over counted rows only
+
+
+def test_counted_rows_are_the_valid_ones_in_order_padded_to_whole_chunks() -> None:
+    from dflash.training.objective import _counted_rows
+
+    counted = torch.tensor([0, 1, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
+    idx, k = _counted_rows(counted, 3)
+    assert k == 4 and idx.tolist() == [1, 2, 5, 10, 0, 0]  # 4 rows in 2 chunks of 3, padded with row 0
+    idx, k = _counted_rows(counted, 8)
+    assert k == 4 and idx.tolist() == [1, 2, 5, 10, 0, 0, 0, 0]
+    idx, k = _counted_rows(torch.zeros(16, dtype=torch.bool), 3)
+    assert k == 0 and idx.tolist() == [0, 0, 0]  # no counted row: one chunk of padding
+    idx, k = _counted_rows(torch.ones(16, dtype=torch.bool), 5)
+    assert k == 16 and idx.tolist() == list(range(16)) + [0] * 4  # whole chunks of 5: no 1-row tail
+    assert _counted_rows(counted, 16) is None  # one chunk holds every row
+
+
+@pytest.mark.parametrize("weighting,lam", [("decay", 0.0), ("dpace", 0.0), ("decay", 0.4)])
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_loss_over_counted_rows_equals_every_row(weighting: str, lam: float, chunk: int) -> None:
+    """Few valid block positions (as label cutting leaves them on raw text): the LM head over the
+    counted rows only gives every row's loss, gradient, accuracy and τ, and the naive loops'."""
+    from dflash.training.objective import _counted_rows
+
+    torch.manual_seed(7 + chunk)
+    r, a, bs, d, v = 3, 6, 6, 16, 40
+    head = nn.Linear(d, v, bias=True)
+    labels = torch.randint(0, v, (r, a, bs))
+    # a valid prefix of random length per block, most of them short: ~20 % of the rows count
+    lengths = torch.randint(0, 3, (r, a))
+    lengths[0, 0] = bs - 1  # one block valid throughout
+    valid = torch.arange(bs)[None, None, :] <= lengths[..., None]
+    valid[..., 0] = False
+    valid[1, 2] = False  # a block with no valid position
+    n = r * a * (bs - 1)
+    assert _counted_rows(valid[:, :, 1:].reshape(n), chunk) is not None  # the counted path runs
+    teacher = torch.randn(r, a, bs - 1, d) if lam else None
+    hidden = torch.randn(r, a, bs, d, requires_grad=True)
+    kw = dict(chunk=chunk, weighting=weighting, dpace_alpha=0.3, teacher=teacher, distillation=lam)
+    out = dflash_loss(hidden, head, labels, valid, 2.5, **kw)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    hidden2 = hidden.detach().clone().requires_grad_(True)
+    every = dflash_loss(hidden2, head, labels, valid, 2.5, counted_rows_only=False, **kw)
+    (grad_every,) = torch.autograd.grad(every.loss, hidden2)
+    assert torch.allclose(out.loss_sum, every.loss_sum, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out.weight_sum, every.weight_sum)
+    assert torch.allclose(grad, grad_every, rtol=1e-6, atol=1e-7)
+    assert (grad[~valid] == 0).all() and (grad[valid].abs().sum(-1) > 0).all()
+    assert torch.equal(out.block_pos_correct, every.block_pos_correct)
+    assert torch.equal(out.block_pos_count, every.block_pos_count)
+    assert torch.equal(out.tau_sum, every.tau_sum) and torch.equal(out.block_tau, every.block_tau)
+    hidden3 = hidden.detach().clone().requires_grad_(True)
+    if weighting == "dpace":
+        num, den = naive_dpace_loss(hidden3, head, labels, valid, 0.3)
+    elif lam:
+        return  # the distillation loop is checked against every row above and in its own test
+    else:
+        num, den = naive_loss(hidden3, head, labels, valid, 2.5)
+    (grad_ref,) = torch.autograd.grad(num / den, hidden3)
+    assert torch.allclose(out.loss_sum, num, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grad, grad_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_with_no_counted_row_is_zero_with_a_gradient() -> None:
+    torch.manual_seed(9)
+    head = nn.Linear(8, 20, bias=False)
+    hidden = torch.randn(2, 4, 5, 8, requires_grad=True)
+    labels = torch.randint(0, 20, (2, 4, 5))
+    valid = torch.zeros(2, 4, 5, dtype=torch.bool)
+    for weighting in ("decay", "dpace"):
+        out = dflash_loss(hidden, head, labels, valid, 3.0, chunk=2, weighting=weighting)
+        assert out.loss_sum.item() == 0.0 and out.num_blocks.item() == 0.0
+        (grad,) = torch.autograd.grad(out.loss_sum, hidden)
+        assert (grad == 0).all()

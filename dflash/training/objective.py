@@ -274,11 +274,27 @@ def acceptance_lengths(correct: Tensor, valid: Tensor) -> Tensor:
     return 1.0 + torch.cumprod(ok, dim=-1).sum(-1)
 
 
+def _counted_rows(counted: Tensor, chunk: int) -> Optional[tuple[Tensor, int]]:
+    """The LM-head rows :func:`dflash_loss` computes when it skips uncounted ones: ``(idx [m]
+    int64, k)``, the ``k`` counted rows of ``counted [n]`` in order, then ``m − k`` copies of row 0
+    (padding) so that ``m`` is the least whole number of chunks (at least one). Every chunk then
+    has ``chunk`` rows, so a compiled chunk function sees one shape whatever ``k`` is. ``None``
+    when ``n ≤ chunk`` (one chunk of every row, a shape fixed by the batch). Reads ``k`` on the
+    host (one sync)."""
+    n = counted.numel()
+    if n <= chunk:
+        return None
+    sel = counted.nonzero().view(-1)
+    k = sel.numel()
+    m = max(1, -(-k // chunk)) * chunk
+    return torch.cat([sel, sel.new_zeros(m - k)]), k
+
+
 def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tensor, gamma: float,
                 chunk: int = LOSS_CHUNK_ROWS, block_keep: Optional[Tensor] = None,
                 chunk_fn: Optional[Callable[..., Any]] = None, weighting: str = "decay",
                 dpace_alpha: float = DPACE_ALPHA, teacher: Optional[Tensor] = None,
-                distillation: float = 0.0) -> LossOutput:
+                distillation: float = 0.0, counted_rows_only: bool = True) -> LossOutput:
     """Position-weighted cross entropy of the drafter's block predictions, with accuracy and τ.
 
     ``loss_sum = Σ_{r,i,k} w · valid · CE(lm_head(hidden[r,i,k]), labels[r,i,k])`` over block
@@ -287,6 +303,15 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
     block's own confidences ``exp(−CE)`` (detached: no gradient flows through the weights) and
     ``weight_sum`` = the number of blocks with a valid block position (:func:`loss_denominator`). Logits
     are computed once, in chunks of ``chunk`` rows over block positions 1 … B−1 only; CE and softmax in fp32.
+
+    **Counted rows only.** An invalid block position adds nothing: its weight is 0 in both
+    weightings, and D-PACE reads only valid positions' confidences. So by default the LM head runs
+    only over the valid rows, gathered (one device→host sync for their number) and padded with
+    weight-0 rows to whole chunks, so every chunk has the same shape; the loss, its gradient, the
+    accuracy and τ are those of all rows up to the order of the fp32 sums. Where label cutting
+    (``drafter.label_chain`` on text the target did not write), response ends and dropped anchors
+    leave most block positions invalid, that skips most of the head's work. Every chunk has
+    ``chunk`` rows (one compiled shape); with at most ``chunk`` rows in all, one chunk takes them all.
     With ``distillation`` λ > 0 the CE of every row becomes ``(1 − λ)·CE + λ·KL(p ‖ q)``, ``p`` the
     target's distribution from ``teacher`` (:func:`dflash.training.chunked_ce.linear_kd_chunk`).
 
@@ -307,6 +332,8 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
             ``distillation > 0``, else unused); ``chunk_fn`` must then take them
             (:func:`~dflash.training.chunked_ce.linear_kd_chunk` or its compiled form).
         distillation: λ in ``[0, 1]`` (``drafter.distillation``; decay weighting only).
+        counted_rows_only: run the LM head over the valid rows only (above); ``False``: over
+            every block position ``k ≥ 1``.
 
     Returns:
         :class:`LossOutput` (with ``block_tau``); only ``loss_sum`` carries a gradient (to ``hidden``).
@@ -345,12 +372,34 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
                              f"{None if teacher is None else tuple(teacher.shape)}")
         teacher_h = teacher.reshape(n, teacher.shape[-1])
     h = hidden[:, :, 1:].reshape(n, d)
+    y = labels[:, :, 1:].reshape(n)
+    w = weights[:, :, 1:].reshape(n)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     bias = getattr(lm_head, "bias", None)
-    loss_sum, pred = chunked_linear_ce(h, lm_head.weight, bias, labels[:, :, 1:].reshape(n),
-                                       weights[:, :, 1:].reshape(n), chunk, need_grad,
-                                       chunk_fn or (linear_ce_chunk if teacher_h is None else linear_kd_chunk),
-                                       reweight, teacher_h, distillation)
+    fn = chunk_fn or (linear_ce_chunk if teacher_h is None else linear_kd_chunk)
+    rows = _counted_rows(valid[:, :, 1:].reshape(n), chunk) if counted_rows_only else None
+    if rows is None:
+        loss_sum, pred = chunked_linear_ce(h, lm_head.weight, bias, y, w, chunk, need_grad, fn, reweight, teacher_h,
+                                           distillation)
+    else:
+        idx, k = rows  # [m] row ids: the k counted rows, then padding (row 0, weight 0)
+        reweight_rows = None
+        if reweight is not None:
+            every_row = reweight
+
+            def reweight_rows(ce: Tensor) -> Tensor:  # the chunks' CE back in place, D-PACE over every row
+                out = every_row(ce.new_zeros(n).index_copy_(0, idx[:k], ce[:k])).index_select(0, idx)
+                out[k:] = 0.0
+                return out
+
+        w_rows = w.index_select(0, idx)
+        w_rows[k:] = 0.0
+        loss_sum, pred_rows = chunked_linear_ce(h.index_select(0, idx), lm_head.weight, bias, y.index_select(0, idx),
+                                                w_rows, chunk, need_grad, fn, reweight_rows,
+                                                None if teacher_h is None else teacher_h.index_select(0, idx),
+                                                distillation)
+        # an uncounted row's argmax is never read (accuracy and τ count valid positions only)
+        pred = y.new_full((n,), -1).index_copy_(0, idx[:k], pred_rows[:k])
     with torch.no_grad():
         pred = torch.cat([labels[:, :, :1], pred.view(r, a, b - 1)], dim=2)  # block position 0: placeholder
         correct = (pred == labels) & valid
