@@ -229,14 +229,18 @@ def test_drafter_forward_flops_match_a_naive_count(overrides, monkeypatch):
         hidden = model(batch["features"], batch["input_ids"], batch["position_ids"], batch["doc_ids"], anchors, keep)
         r, a, b, _ = hidden.shape
         labels = torch.zeros(r, a, b, dtype=torch.long)
-        dflash_loss(hidden, model.lm_head, labels, torch.ones(r, a, b, dtype=torch.bool), 4.0, chunk=7,
-                    chunk_fn=chunk_fn)
+        out = dflash_loss(hidden, model.lm_head, labels, torch.ones(r, a, b, dtype=torch.bool), 4.0, chunk=7,
+                          chunk_fn=chunk_fn)
     counter.close()
-    parts = model.flops(anchors, keep, batch["doc_ids"], training=False).to_dict()
     vocab, width = model.lm_head.weight.shape
+    # every block position counts: all of them, padded to whole chunks of 7
+    assert out.head_rows == sum(head_rows) == -(-r * a * (B - 1) // 7) * 7
+    parts = model.flops(anchors, keep, batch["doc_ids"], training=False, head_rows=out.head_rows).to_dict()
     assert parts["fc"] + parts["layers"] == counter.linear
     assert parts["attention"] == counter.attention > 0
-    assert parts["lm_head"] == 2 * vocab * width * sum(head_rows) == 2 * vocab * width * r * a * (B - 1)
+    assert parts["lm_head"] == 2 * vocab * width * sum(head_rows)
+    every = model.flops(anchors, keep, batch["doc_ids"], training=False).to_dict()
+    assert every["lm_head"] == 2 * vocab * width * r * a * (B - 1)  # without head_rows: every position
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # fc: its input needs no gradient

@@ -133,7 +133,7 @@ class DFlashDraftModel(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     def flops(self, anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, training: bool = True,
-              distillation: bool = False):
+              distillation: bool = False, head_rows: Optional[int] = None):
         """Model FLOPs of a train step (``training``) or of one forward with the LM head's logits,
         on a batch with these anchors: :func:`dflash.models.flops.drafter_flops` (activation
         checkpointing's recompute counted when :attr:`gradient_checkpointing` is on; the
@@ -141,6 +141,9 @@ class DFlashDraftModel(nn.Module):
 
         Args:
             anchors, anchor_keep: ``[R, A]`` int64 / bool; doc_ids: ``[R, S]``.
+            head_rows: the rows the LM head ran over
+                (:attr:`dflash.training.objective.LossOutput.head_rows`); ``None`` = every
+                predicted block position.
 
         Returns:
             a :class:`dflash.models.flops.FlopCount` (its ``attention`` part a tensor on the
@@ -150,7 +153,7 @@ class DFlashDraftModel(nn.Module):
 
         return drafter_flops(self, anchors, anchor_keep, doc_ids, training=training,
                              recompute=training and self.gradient_checkpointing,
-                             distillation=training and distillation)
+                             distillation=training and distillation, head_rows=head_rows)
 
     def checkpointed(self, index: int) -> bool:
         """Whether decoder layer ``index`` (0-based) is recomputed in the backward: gradient

@@ -260,7 +260,8 @@ def target_forward_flops(layers: Sequence[nn.Module], layer_types: Sequence[str]
 
 
 def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_ids: Tensor, *,
-                  training: bool = True, recompute: bool = False, distillation: bool = False) -> FlopCount:
+                  training: bool = True, recompute: bool = False, distillation: bool = False,
+                  head_rows: Optional[int] = None) -> FlopCount:
     """FLOPs of the drafter's train step, or of its forward, on one batch.
 
     With ``T = R·S`` context positions, ``Q = R·A·B`` block tokens (every anchor slot, dropped
@@ -272,7 +273,9 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
       and the MLP, block tokens only);
     * ``attention``: per layer ``4 · H · hd · pairs`` with the pairs of its mask
       (:func:`drafter_attention_pairs`);
-    * ``lm_head``: the frozen head's logits over the ``N`` predicted positions, ``2 · V · D · N``.
+    * ``lm_head``: the frozen head's logits over the rows it runs, ``2 · V · D · N_h``: ``N_h =
+      head_rows``, the rows the loss computed (:attr:`dflash.training.objective.LossOutput.head_rows`:
+      the counted block positions padded to whole chunks), or all ``N`` predicted positions.
 
     ``training=True`` (the step: forward, loss, backward): ``fc`` × 2 (its input, the target's
     features, needs no gradient), ``layers`` and ``attention`` × 3, ``lm_head`` × 2 (the logits and
@@ -284,7 +287,7 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
     checkpoints the two sub-layers as separate regions), over the layers the model checkpoints
     (:meth:`~dflash.models.drafter.DFlashDraftModel.checkpointed`), and with ``distillation``
     (``drafter.distillation > 0``) a ``teacher`` part: the head once more over the target's hidden
-    rows of the ``N`` positions, ``2 · V · D · N`` (no gradient). ``training=False``: the forward alone.
+    rows of the same positions, ``2 · V · D · N_h`` (no gradient). ``training=False``: the forward alone.
 
     Args:
         model: a :class:`dflash.models.drafter.DFlashDraftModel` (its config, ``fc``, ``layers``
@@ -294,6 +297,7 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
         training: count the train step instead of one forward.
         recompute: activation checkpointing is on (``training`` only).
         distillation: the step also computes the target's logits (``training`` only).
+        head_rows: the LM head's rows (``N_h``, above); ``None`` = ``N``.
 
     Returns:
         a :class:`FlopCount` whose ``attention`` part is a tensor on the anchors' device.
@@ -327,7 +331,7 @@ def drafter_flops(model: nn.Module, anchors: Tensor, anchor_keep: Tensor, doc_id
             recomputed = recomputed + here - 2 * linear_weights(layer, ("o_proj", "down_proj")) * q + layer_attention
     vocab, hidden = model.lm_head.weight.shape
     fc = 2 * linear_weights(model.fc) * t
-    head = 2 * int(vocab) * int(hidden) * n
+    head = 2 * int(vocab) * int(hidden) * (n if head_rows is None else int(head_rows))
     if training:
         parts = {"fc": 2 * fc, "layers": 3 * layers, "attention": 3 * attention, "lm_head": 2 * head}
         if recompute:

@@ -134,7 +134,8 @@ def compiled_linear_ce_chunk() -> Callable[..., Any]:
     """:func:`linear_ce_chunk` under ``torch.compile(dynamic=False)`` (inductor, no CUDA graphs).
 
     One compiled function per process, shared by every caller; it compiles once per chunk shape
-    and ``need_grad`` value (the trainer's step uses one or two: full chunks and the last one).
+    and ``need_grad`` value (the trainer's step uses one: :func:`dflash.training.objective.dflash_loss`
+    pads its rows to whole chunks when they fill more than one).
     Measured on the H200 against the eager chunk loop (docs/benchmarks.md, Drafter train step).
     """
     global _compiled_ce_chunk

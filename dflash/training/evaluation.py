@@ -120,12 +120,13 @@ class EvalOutput(LossOutput):
             raise ValueError("out: has no block_tau (a LossOutput from dflash_loss is needed, not a stats vector's)")
         if head.shape != out.block_tau.shape:
             raise ValueError(f"head {tuple(head.shape)} does not match block_tau {tuple(out.block_tau.shape)}")
-        sums = {f.name: getattr(out, f.name).detach() for f in fields(LossOutput) if f.name != "block_tau"}
+        sums = {f.name: getattr(out, f.name).detach() for f in fields(LossOutput)
+                if f.name not in ("block_tau", "head_rows")}
         if walk is not None:
             dev = out.block_tau.device
             sums.update({name: torch.tensor(float(value), dtype=torch.float32, device=dev) for name, value in
                          zip(cls.WALK_SUMS, astuple(walk))})
-        return cls(**sums, block_tau=out.block_tau, head_tau_sum=(out.block_tau * head.float()).sum(),
+        return cls(**sums, block_tau=out.block_tau, head_rows=out.head_rows, head_tau_sum=(out.block_tau * head.float()).sum(),
                    head_blocks=head.float().sum())
 
     def stats_vector(self) -> Tensor:

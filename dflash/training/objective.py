@@ -236,6 +236,9 @@ class LossOutput:
     #: ``[R, A]`` τ of every block (dropped ones: 1), as :func:`dflash_loss` computed it; not a
     #: sum, so not in :meth:`stats_vector` (``None`` after :meth:`from_stats_vector`).
     block_tau: Optional[Tensor] = field(default=None, kw_only=True, repr=False)
+    #: Rows the LM head ran over (the counted block positions padded to whole chunks, or every
+    #: one), for the step's FLOP count; ``None`` after :meth:`from_stats_vector`.
+    head_rows: Optional[int] = field(default=None, kw_only=True)
 
     @property
     def loss(self) -> Tensor:
@@ -311,7 +314,8 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
     accuracy and τ are those of all rows up to the order of the fp32 sums. Where label cutting
     (``drafter.label_chain`` on text the target did not write), response ends and dropped anchors
     leave most block positions invalid, that skips most of the head's work. Every chunk has
-    ``chunk`` rows (one compiled shape); with at most ``chunk`` rows in all, one chunk takes them all.
+    ``chunk`` rows (one compiled shape), so up to ``chunk − 1`` padding rows run where every
+    position counts; with at most ``chunk`` rows in all, one chunk takes them all.
     With ``distillation`` λ > 0 the CE of every row becomes ``(1 − λ)·CE + λ·KL(p ‖ q)``, ``p`` the
     target's distribution from ``teacher`` (:func:`dflash.training.chunked_ce.linear_kd_chunk`).
 
@@ -336,7 +340,8 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
             every block position ``k ≥ 1``.
 
     Returns:
-        :class:`LossOutput` (with ``block_tau``); only ``loss_sum`` carries a gradient (to ``hidden``).
+        :class:`LossOutput` (with ``block_tau`` and ``head_rows``); only ``loss_sum`` carries a
+        gradient (to ``hidden``).
 
     Raises:
         ValueError: shape mismatch, ``chunk < 1``, unknown ``weighting``, α or λ outside ``[0, 1]``,
@@ -378,6 +383,7 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
     bias = getattr(lm_head, "bias", None)
     fn = chunk_fn or (linear_ce_chunk if teacher_h is None else linear_kd_chunk)
     rows = _counted_rows(valid[:, :, 1:].reshape(n), chunk) if counted_rows_only else None
+    head_rows = n if rows is None else int(rows[0].numel())
     if rows is None:
         loss_sum, pred = chunked_linear_ce(h, lm_head.weight, bias, y, w, chunk, need_grad, fn, reweight, teacher_h,
                                            distillation)
@@ -411,4 +417,5 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
         num_blocks = keep.float().sum()
         weight_sum = loss_denominator(valid, gamma, weighting)
     return LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, block_pos_correct=block_pos_correct,
-                      block_pos_count=block_pos_count, tau_sum=tau_sum, num_blocks=num_blocks, block_tau=tau)
+                      block_pos_count=block_pos_count, tau_sum=tau_sum, num_blocks=num_blocks, block_tau=tau,
+                      head_rows=head_rows)

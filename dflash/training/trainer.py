@@ -388,10 +388,10 @@ class DrafterTrainer:
         """
         lr = self.scheduler.get_last_lr()[0]
         prepared = self.prepare(tensors, epoch, batch_id, anchors)
-        flops = self.module.flops(prepared.anchors, prepared.anchor_keep, prepared.tensors["doc_ids"],
-                                  distillation=bool(self.distillation)).total
         out, w_global = self.forward_backward(tensors, epoch, batch_id, weight_sum_reduce=weight_sum_reduce,
                                               prepared=prepared)
+        flops = self.module.flops(prepared.anchors, prepared.anchor_keep, prepared.tensors["doc_ids"],
+                                  distillation=bool(self.distillation), head_rows=out.head_rows).total
         # Clone: with CUDA graphs the outputs live in memory the next replay overwrites.
         stats = LossOutput.from_stats_vector(out.stats_vector().clone())
         grad_norm = self.optimizer_step(grad_sync)
