@@ -126,8 +126,8 @@ class EvalOutput(LossOutput):
             dev = out.block_tau.device
             sums.update({name: torch.tensor(float(value), dtype=torch.float32, device=dev) for name, value in
                          zip(cls.WALK_SUMS, astuple(walk))})
-        return cls(**sums, block_tau=out.block_tau, head_rows=out.head_rows, head_tau_sum=(out.block_tau * head.float()).sum(),
-                   head_blocks=head.float().sum())
+        return cls(**sums, block_tau=out.block_tau, head_rows=out.head_rows,
+                   head_tau_sum=(out.block_tau * head.float()).sum(), head_blocks=head.float().sum())
 
     def stats_vector(self) -> Tensor:
         """``[2B + 6]`` fp32: :meth:`LossOutput.stats_vector`, then head_tau_sum, head_blocks; with the

@@ -383,12 +383,13 @@ def dflash_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor, valid: Tenso
     bias = getattr(lm_head, "bias", None)
     fn = chunk_fn or (linear_ce_chunk if teacher_h is None else linear_kd_chunk)
     rows = _counted_rows(valid[:, :, 1:].reshape(n), chunk) if counted_rows_only else None
-    head_rows = n if rows is None else int(rows[0].numel())
     if rows is None:
+        head_rows = n
         loss_sum, pred = chunked_linear_ce(h, lm_head.weight, bias, y, w, chunk, need_grad, fn, reweight, teacher_h,
                                            distillation)
     else:
         idx, k = rows  # [m] row ids: the k counted rows, then padding (row 0, weight 0)
+        head_rows = idx.numel()
         reweight_rows = None
         if reweight is not None:
             every_row = reweight
