@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from dflash.config import RunConfig, SampledRegenerateConfig
+from dflash.config import RegenerateConfig, RunConfig, SampledRegenerateConfig
 from dflash.inference.regeneration.jobs import GenerationOptions
 from dflash.inference.regeneration.rows import SourceRow, iter_source
 from dflash.inference.regeneration.shards import (SHARD_INFIX, done_ids, existing_shards, is_partial, merge_outputs,
@@ -68,7 +68,7 @@ RESUME_KEYS = ("dataset", "target", "tokenizer", "enable_thinking", "max_new_tok
                "seed", "max_turns", "max_prompt_tokens")
 #: The keys of :data:`RESUME_KEYS` that are options of the ``regenerate`` section (the rest name
 #: the data, the target and its tokenizer).
-RESUME_OPTION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "max_turns", "max_prompt_tokens")
+RESUME_OPTION_KEYS = tuple(k for k in RESUME_KEYS if k in {f.name for f in dataclasses.fields(RegenerateConfig)})
 #: The options ``regenerate.sampled`` sets for its pass (the rest are the ``regenerate`` section's).
 _SAMPLED_KEYS = frozenset(f.name for f in dataclasses.fields(SampledRegenerateConfig))
 #: Compared on a restart only when the previous run recorded them: what the tokenizer and its chat
