@@ -576,3 +576,37 @@ def test_loss_with_no_counted_row_is_zero_with_a_gradient() -> None:
         assert out.loss_sum.item() == 0.0 and out.num_blocks.item() == 0.0
         (grad,) = torch.autograd.grad(out.loss_sum, hidden)
         assert (grad == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_gpu_compiled_loss_over_counted_rows_equals_every_row(weighting: str) -> None:
+    """On CUDA with the trainer's compiled chunk function and bf16 drafter states: the LM head over
+    the counted rows only (several chunks, a padded last one) gives every row's loss and gradient."""
+    from dflash.training.chunked_ce import compiled_linear_ce_chunk
+    from dflash.training.objective import _counted_rows
+
+    torch.manual_seed(11)
+    r, a, bs, d, v, chunk = 4, 32, 16, 64, 1000, 128
+    head = nn.Linear(d, v, bias=False).cuda()
+    labels = torch.randint(0, v, (r, a, bs), device="cuda")
+    lengths = torch.randint(0, 6, (r, a), device="cuda")
+    valid = torch.arange(bs, device="cuda")[None, None, :] <= lengths[..., None]
+    valid[..., 0] = False
+    n = r * a * (bs - 1)
+    picked = _counted_rows(valid[:, :, 1:].reshape(n), chunk)
+    assert picked is not None and picked[0].numel() >= 3 * chunk  # several chunks run
+    hidden = torch.randn(r, a, bs, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fn = compiled_linear_ce_chunk()
+    out = dflash_loss(hidden, head, labels, valid, 4.0, chunk=chunk, chunk_fn=fn, weighting=weighting)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    hidden2 = hidden.detach().clone().requires_grad_(True)
+    every = dflash_loss(hidden2, head, labels, valid, 4.0, chunk=chunk, chunk_fn=fn, weighting=weighting,
+                        counted_rows_only=False)
+    (grad_every,) = torch.autograd.grad(every.loss, hidden2)
+    assert torch.allclose(out.loss_sum, every.loss_sum, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out.weight_sum, every.weight_sum)
+    assert torch.allclose(grad.float(), grad_every.float(), rtol=1e-2, atol=1e-5)
+    assert (grad[~valid] == 0).all() and (grad[valid].float().abs().sum(-1) > 0).all()
+    assert torch.equal(out.tau_sum, every.tau_sum)
