@@ -86,6 +86,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--drafter-intermediate-size", type=int, default=None,
+                   help="the drafter's MLP width (drafter.intermediate_size; unset: the target's)")
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write speed.json here")
@@ -95,8 +97,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="kernels of one compiled target-only token and one verification pass (CUDA only)")
     args = p.parse_args(argv)
-    for name in ("prompts", "prompt_tokens", "new_tokens", "batch", "block_size", "drafter_layers"):
-        if getattr(args, name) < 1:
+    for name in ("prompts", "prompt_tokens", "new_tokens", "batch", "block_size", "drafter_layers",
+                 "drafter_intermediate_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.prompt_step < 0:
         p.error(f"--prompt-step: must be >= 0, got {args.prompt_step}")
@@ -120,7 +123,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     target = load_target(TargetConfig(kind="random", arch="tiny-llama", arch_overrides=SMOLLM2_SHAPE, dtype=args.dtype),
                          device, num_drafter_layers=args.drafter_layers)
     dcfg = DFlashConfig.from_target(target.config, DrafterConfig(num_layers=args.drafter_layers,
-                                                                 block_size=args.block_size),
+                                                                 block_size=args.block_size,
+                                                                 intermediate_size=args.drafter_intermediate_size),
                                     target_layer_ids=target.layer_ids)
     vocab = SMOLLM2_SHAPE["vocab_size"]
     dcfg = replace(dcfg, mask_token_id=resolve_mask_token_id(None, vocab, vocab, mask_fallback_token_ids(target.config)))
@@ -132,7 +136,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     max_len = args.prompt_tokens + max(args.new_tokens, 16) + args.block_size + 1
     results: dict = {"dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens,
                      "prompt_tokens": args.prompt_tokens, "prompt_step": args.prompt_step,
-                     "block_size": args.block_size, "cuda_graphs": args.cuda_graphs, "device": str(device),
+                     "block_size": args.block_size,
+                     "drafter_intermediate_size": dcfg.intermediate_size,
+                     "cuda_graphs": args.cuda_graphs, "device": str(device),
                      "torch": torch.__version__}
     tokens_by_mode: dict = {}
     failed: list = []
