@@ -328,18 +328,21 @@ def test_stop_check_every_n_forwards_equals_every_forward(target, prompts, refer
              {_first_from(refs[2], 20)}, many]
     for stops in cases:
         outs, checks, idle = {}, {}, {}
-        for n in (1, 2, 5, 8, 64):
+        for n, overlap in [(n, False) for n in (1, 2, 5, 8, 64)] + [(n, True) for n in (1, 2, 8)]:
             for schedule in PASS_SCHEDULES if kind != "greedy" else PASS_SCHEDULES[:1]:
-                gen.sync_every, gen.pass_schedule = n, schedule
+                gen.sync_every, gen.pass_schedule, gen.overlap_checks = n, schedule, overlap
                 scripted.calls = 0
                 gens = run(rows, MAX_NEW, sorted(stops))
-                outs[n, schedule] = [(g.tokens, g.top2, g.accepted, g.anchors, g.target_forwards, g.spread)
-                                     for g in gens]
-                checks[n, schedule] = gens[0].checks
-                idle[n, schedule] = gens[0].idle_checks
-                if kind == "greedy":  # the batch's steps: the longest row's, and at most one check's more
+                key = (n, schedule) if not overlap else (n, schedule, "overlap")
+                outs[key] = [(g.tokens, g.top2, g.accepted, g.anchors, g.target_forwards, g.spread) for g in gens]
+                checks[key] = gens[0].checks
+                idle[key] = gens[0].idle_checks
+                if kind == "greedy":  # the batch's steps: the longest row's, and at most one check's
+                    # more (and the step the device takes while the host reads, overlapping)
                     need = max(len(g.tokens) for g in gens) - 1
-                    assert need <= gens[0].passes_enqueued <= need + n - 1, (n, need, gens[0].passes_enqueued)
+                    assert need <= gens[0].passes_enqueued <= need + n - 1 + overlap, (n, need, gens[0].passes_enqueued)
+                elif kind == "scripted" and overlap and schedule != "pipelined":  # a draft behind each idle check
+                    assert scripted.calls == gens[0].passes_enqueued + 1, (scripted.calls, gens[0].passes_enqueued)
         first = outs[1, PASS_SCHEDULES[0]]
         assert all(out == first for out in outs.values()), f"stops {sorted(stops)}"
         if kind != "greedy":  # the prediction never checks more often than the certain need alone

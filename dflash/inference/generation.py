@@ -114,8 +114,9 @@ class Generation:
         target_forwards: target forward passes (prefill included).
         checks: the host's reads of the decoding state during speculative decoding (each a
             device→host sync; the batch's count); 0 for target-only decoding.
-        idle_checks: those of :attr:`checks` with no pass enqueued behind the state read, where
-            the GPU waits for the host (every check but under the ``pipelined`` schedule).
+        idle_checks: those of :attr:`checks` with no pass enqueued behind the state read (every
+            check but under the ``pipelined`` schedule), where the GPU has only the next pass's
+            draft to run while the host reads.
         passes_enqueued: target forwards the host enqueued for the batch after the prefill:
             verification passes, or one-token steps for target-only decoding (at least the most any
             of its rows needed: the rest ran on inactive rows, e.g. after a stop token).
@@ -219,6 +220,13 @@ class Generator(DecodeSteps):
             sizes chunks as ``predicted`` does but enqueues the next chunk before reading the state
             after the previous one, so the GPU does not idle at a check); any value gives the same
             outputs. Settable on the instance (:attr:`pass_schedule`).
+        overlap_checks: while the host reads the decoding state with nothing enqueued behind it,
+            the device runs work the decode will most likely need: the next pass's draft
+            (speculative; wasted once a decode, after its last pass) or, when the longest row
+            needs more than ``sync_every`` steps, the next step (target-only; wasted only after a
+            stop token). The proposer is then called once more than there are passes. ``None`` =
+            on CUDA, where the device runs asynchronously (elsewhere nothing would overlap). Same
+            outputs either way. Settable on the instance (:attr:`overlap_checks`).
 
     Raises:
         ValueError: ``sync_every < 1``, an unknown ``pass_schedule``, or a bad argument of
@@ -229,7 +237,7 @@ class Generator(DecodeSteps):
                  drafter: Any = None, compile: Optional[bool] = None, sync_every: int = SYNC_EVERY,
                  fuse: bool = True, attention: Optional[str] = None, compile_prefill: Optional[bool] = None,
                  pass_schedule: str = "certain", draft_cache: bool = True, cuda_graphs: str = CUDA_GRAPHS[0],
-                 sampling: Optional[Sampling] = None) -> None:
+                 sampling: Optional[Sampling] = None, overlap_checks: Optional[bool] = None) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every: must be >= 1, got {sync_every}")
         if pass_schedule not in PASS_SCHEDULES:
@@ -239,6 +247,7 @@ class Generator(DecodeSteps):
                          cuda_graphs=cuda_graphs, sampling=sampling)
         self.sync_every = int(sync_every)
         self.pass_schedule = pass_schedule
+        self.overlap_checks = self.device.type == "cuda" if overlap_checks is None else bool(overlap_checks)
         # pinned host copies of (anchor, active) for the checks, reused in turn (at most two chunks in flight)
         pin = self.device.type == "cuda"
         self._snapshots = [torch.empty(2 * batch_size, dtype=torch.long, pin_memory=pin) for _ in range(3)]
@@ -382,7 +391,8 @@ class Generator(DecodeSteps):
 
         The steps run back to back on the device (:meth:`_greedy_step_impl` stops each row itself);
         the host reads the anchors and active flags every :attr:`sync_every` steps (never more
-        steps than the longest row still needs) and the tokens once at the end.
+        steps than the longest row still needs; with :attr:`overlap_checks`, one more runs while it
+        reads) and the tokens once at the end.
 
         Args:
             prompts: ``[P_i]`` int64 each.
@@ -414,16 +424,28 @@ class Generator(DecodeSteps):
         shown = [0] * n
         forwards = 0
         enqueue = 0.0
+        pending = 0  # steps enqueued behind the state the host last read
         while any(active):
             self._bound(forwards, max_new_tokens)
-            steps = max(1, min(self.sync_every, max(limit[r] - anchor[r] for r in range(n) if active[r])))
+            need = max(limit[r] - anchor[r] for r in range(n) if active[r])  # steps the longest row may still take
+            steps = max(0, min(self.sync_every, need) - pending)
             t = time.perf_counter()
             for _ in range(steps):
                 self._greedy_step()
-            enqueue += time.perf_counter() - t
             forwards += steps
-            anchor, active = self._read_snapshot(self._snapshot(n))
+            snapshot = self._snapshot(n)
+            # While the host reads the state, the device takes the next step when a row certainly
+            # has room for it (past sync_every steps): it is wasted only where every row stopped at
+            # a stop token in the steps just read (one step a decode at most), and waited for below.
+            pending = int(self.overlap_checks and need > self.sync_every)
+            if pending:
+                self._greedy_step()
+                forwards += 1
+            enqueue += time.perf_counter() - t
+            anchor, active = self._read_snapshot(snapshot)
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
+        if pending and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # a step past the last read is decoding's time
         decoded = time.perf_counter()  # the last poll synchronised
         gens = self._collect(prompts, max_new_tokens, passes=False, logit_stats=logit_stats)
         self._report(progress, shown, [max(0, len(g.tokens) - 1) for g in gens])
@@ -467,7 +489,8 @@ class Generator(DecodeSteps):
         Acceptance runs on the device (:meth:`_verify_step_impl`); the host reads the anchors and
         active flags after at most :attr:`sync_every` passes, as many as :func:`passes_before_check`
         gives under :attr:`pass_schedule` (the rows' acceptance so far, or only what they certainly
-        still need). :attr:`Generation.checks` counts the reads.
+        still need). :attr:`Generation.checks` counts the reads; with :attr:`overlap_checks` the
+        device drafts the next pass while the host reads.
 
         Args / Returns / Raises: as :meth:`greedy`; ``ValueError`` too when no drafter was given.
         """
@@ -488,6 +511,17 @@ class Generator(DecodeSteps):
         known = 0  # passes whose outcome (anchor, active) the host has read
         enqueue = 0.0
         in_flight: list[tuple[int, tuple[Tensor, Any]]] = []  # (forwards after a chunk, its snapshot)
+        drafted = False  # the next pass's draft is enqueued already (behind the last check's snapshot)
+
+        def draft() -> None:
+            width = None if self.compiled else int(self.state.anchor[:n].max()) + 1  # eager: a device read
+            t = timer.start("draft")
+            if width is None:
+                self._draft_step()
+            else:
+                self._draft_step(width)
+            timer.stop("draft", t)
+
         while any(active):
             self._bound(known, max_new_tokens)
             live = [r for r in range(n) if active[r]]
@@ -496,14 +530,10 @@ class Generator(DecodeSteps):
                                        known, b_sz, ahead + self.sync_every, self.pass_schedule)
             chunk = need - ahead if in_flight else max(1, need - ahead)
             for _ in range(max(0, chunk)):
-                width = None if self.compiled else int(self.state.anchor[:n].max()) + 1  # eager: a device read
                 launched = time.perf_counter()
-                t = timer.start("draft")
-                if width is None:
-                    self._draft_step()
-                else:
-                    self._draft_step(width)
-                timer.stop("draft", t)
+                if not drafted:
+                    draft()
+                drafted = False
                 t = timer.start("verify")
                 self._verify_step()
                 timer.stop("verify", t)
@@ -514,12 +544,22 @@ class Generator(DecodeSteps):
             if pipelined and chunk > 0 and len(in_flight) < 2:
                 continue  # the GPU runs this chunk while the host sizes the next one
             known, snapshot = in_flight.pop(0)
+            idle += known == forwards  # no pass enqueued behind what is read
+            if known == forwards and not drafted and self.overlap_checks:
+                # The GPU would wait for the host while it reads the state: it drafts the next pass
+                # meanwhile. A draft writes only the drafts buffer, which the next verification
+                # reads; after the last pass it is wasted (one draft a decode, waited for below).
+                launched = time.perf_counter()
+                draft()
+                drafted = True
+                enqueue += time.perf_counter() - launched
             anchor, active = self._read_snapshot(snapshot)
             checks += 1
-            idle += known == forwards  # nothing enqueued behind what was read: the GPU waits for the host
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
         for _, snapshot in in_flight:  # a chunk enqueued behind the last read (pipelined): its time is decoding's
             self._read_snapshot(snapshot)
+        if drafted and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the draft past the last pass is decoding's time
         decoded = time.perf_counter()  # every enqueued pass has run
         gens = self._collect(prompts, max_new_tokens, passes=True)
         self._report(progress, shown, [max(0, len(g.tokens) - 1) for g in gens])
