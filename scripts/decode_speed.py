@@ -235,7 +235,8 @@ def profile_speculative(gen, prompts: list, tokens: int = 64) -> dict:
     speculative decode (capped by the decoder's room), as :func:`profile_greedy` gives them per
     token, the prefill's kernels left out (a prefill-only decode profiled apart and subtracted);
     with the clock's time per pass beside it (``clock_us_per_pass``, decoding after the prefill),
-    the difference is the GPU idling between kernels."""
+    the difference is the GPU idling between kernels. With the decoder's ``overlap_checks`` (on
+    CUDA) the draft past the last pass is among the kernels: a draft over ``passes`` more per pass."""
     from torch.profiler import ProfilerActivity, profile
 
     tokens = max(2, min(tokens, _room(gen, prompts)))

@@ -432,6 +432,7 @@ class Generator(DecodeSteps):
             t = time.perf_counter()
             for _ in range(steps):
                 self._greedy_step()
+            enqueue += time.perf_counter() - t
             forwards += steps
             snapshot = self._snapshot(n)
             # While the host reads the state, the device takes the next step when a row certainly
@@ -439,9 +440,10 @@ class Generator(DecodeSteps):
             # a stop token in the steps just read (one step a decode at most), and waited for below.
             pending = int(self.overlap_checks and need > self.sync_every)
             if pending:
+                t = time.perf_counter()
                 self._greedy_step()
+                enqueue += time.perf_counter() - t
                 forwards += 1
-            enqueue += time.perf_counter() - t
             anchor, active = self._read_snapshot(snapshot)
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
         if pending and self.device.type == "cuda":
@@ -513,8 +515,10 @@ class Generator(DecodeSteps):
         in_flight: list[tuple[int, tuple[Tensor, Any]]] = []  # (forwards after a chunk, its snapshot)
         drafted = False  # the next pass's draft is enqueued already (behind the last check's snapshot)
 
-        def draft() -> None:
-            width = None if self.compiled else int(self.state.anchor[:n].max()) + 1  # eager: a device read
+        def width() -> Optional[int]:
+            return None if self.compiled else int(self.state.anchor[:n].max()) + 1  # eager: a device read
+
+        def draft(width: Optional[int]) -> None:
             t = timer.start("draft")
             if width is None:
                 self._draft_step()
@@ -530,9 +534,10 @@ class Generator(DecodeSteps):
                                        known, b_sz, ahead + self.sync_every, self.pass_schedule)
             chunk = need - ahead if in_flight else max(1, need - ahead)
             for _ in range(max(0, chunk)):
+                w = None if drafted else width()
                 launched = time.perf_counter()
                 if not drafted:
-                    draft()
+                    draft(w)
                 drafted = False
                 t = timer.start("verify")
                 self._verify_step()
@@ -549,8 +554,9 @@ class Generator(DecodeSteps):
                 # The GPU would wait for the host while it reads the state: it drafts the next pass
                 # meanwhile. A draft writes only the drafts buffer, which the next verification
                 # reads; after the last pass it is wasted (one draft a decode, waited for below).
+                w = width()
                 launched = time.perf_counter()
-                draft()
+                draft(w)
                 drafted = True
                 enqueue += time.perf_counter() - launched
             anchor, active = self._read_snapshot(snapshot)
