@@ -515,7 +515,7 @@ class Generator(DecodeSteps):
         in_flight: list[tuple[int, tuple[Tensor, Any]]] = []  # (forwards after a chunk, its snapshot)
         drafted = False  # the next pass's draft is enqueued already (behind the last check's snapshot)
 
-        def width() -> Optional[int]:
+        def draft_width() -> Optional[int]:
             return None if self.compiled else int(self.state.anchor[:n].max()) + 1  # eager: a device read
 
         def draft(width: Optional[int]) -> None:
@@ -534,7 +534,7 @@ class Generator(DecodeSteps):
                                        known, b_sz, ahead + self.sync_every, self.pass_schedule)
             chunk = need - ahead if in_flight else max(1, need - ahead)
             for _ in range(max(0, chunk)):
-                w = None if drafted else width()
+                w = None if drafted else draft_width()
                 launched = time.perf_counter()
                 if not drafted:
                     draft(w)
@@ -554,7 +554,7 @@ class Generator(DecodeSteps):
                 # The GPU would wait for the host while it reads the state: it drafts the next pass
                 # meanwhile. A draft writes only the drafts buffer, which the next verification
                 # reads; after the last pass it is wasted (one draft a decode, waited for below).
-                w = width()
+                w = draft_width()
                 launched = time.perf_counter()
                 draft(w)
                 drafted = True
