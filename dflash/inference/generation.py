@@ -515,16 +515,17 @@ class Generator(DecodeSteps):
         in_flight: list[tuple[int, tuple[Tensor, Any]]] = []  # (forwards after a chunk, its snapshot)
         drafted = False  # the next pass's draft is enqueued already (behind the last check's snapshot)
 
-        def draft_width() -> Optional[int]:
-            return None if self.compiled else int(self.state.anchor[:n].max()) + 1  # eager: a device read
-
-        def draft(width: Optional[int]) -> None:
+        def draft() -> float:
+            """Enqueue a draft; the host's seconds to enqueue it (an eager draft's width read excluded)."""
+            width = None if self.compiled else int(self.state.anchor[:n].max()) + 1  # eager: a device read
+            launched = time.perf_counter()
             t = timer.start("draft")
             if width is None:
                 self._draft_step()
             else:
                 self._draft_step(width)
             timer.stop("draft", t)
+            return time.perf_counter() - launched
 
         while any(active):
             self._bound(known, max_new_tokens)
@@ -534,11 +535,10 @@ class Generator(DecodeSteps):
                                        known, b_sz, ahead + self.sync_every, self.pass_schedule)
             chunk = need - ahead if in_flight else max(1, need - ahead)
             for _ in range(max(0, chunk)):
-                w = None if drafted else draft_width()
-                launched = time.perf_counter()
                 if not drafted:
-                    draft(w)
+                    enqueue += draft()
                 drafted = False
+                launched = time.perf_counter()
                 t = timer.start("verify")
                 self._verify_step()
                 timer.stop("verify", t)
@@ -554,11 +554,8 @@ class Generator(DecodeSteps):
                 # The GPU would wait for the host while it reads the state: it drafts the next pass
                 # meanwhile. A draft writes only the drafts buffer, which the next verification
                 # reads; after the last pass it is wasted (one draft a decode, waited for below).
-                w = draft_width()
-                launched = time.perf_counter()
-                draft(w)
+                enqueue += draft()
                 drafted = True
-                enqueue += time.perf_counter() - launched
             anchor, active = self._read_snapshot(snapshot)
             checks += 1
             self._report(progress, shown, [a - p if on else 0 for a, p, on in zip(anchor, lens, active)])
