@@ -217,12 +217,17 @@ def _run(args: argparse.Namespace) -> int:
     from dflash.inference.drafter_checkpoint import (fit_problem, open_checkpoint, target_shape_problem,
                                                     training_eval_summary)
     from dflash.data.render import stop_token_ids
-    from dflash.inference.prompt_sets import context_problem, load_prompt_sets
+    from dflash.inference.prompt_sets import context_problem, heldout_split_problem, load_prompt_sets
     from dflash.inference.spec_report import decode_report, format_report, repeats_phrase
     from dflash.models.target_loader import load_target
     from dflash.data.tokenizer import load_tokenizer
 
     setup_logging("decode_bench")
+    out = Path(args.out)  # made once the input is known to be good
+    if out.exists() and not out.is_dir():
+        log.error("--out %s: is a file; give a directory (decode_bench.json and decode_bench.md are written in it)",
+                  out)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = list(args.overrides)
@@ -235,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     device = torch.device(args.device)
     dcfg = None
-    drafter_dir = None
+    drafter_dir = run_dir = None
     trained: dict[str, Any] = {}
     if args.checkpoint:
         try:
@@ -249,12 +254,19 @@ def _run(args: argparse.Namespace) -> int:
     if problem:  # another tokenizer, template or thinking mode, refused by name
         log.error("%s", problem)
         return 2
+    problem = heldout_split_problem(args.prompt_sets, cfg, run_dir)
+    if problem:  # an override that would draw the sharegpt set from conversations the drafter trained on
+        log.error("%s", problem)
+        return 2
     cases, set_info = load_prompt_sets(args.prompt_sets, cfg, tokenizer, args.prompts, args.max_new_tokens,
                                        args.max_prompt_tokens)
     if not cases:
         return 2
-    out = Path(args.out)  # made once the input is known to be good
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.error("--out %s: cannot make the directory: %s", out, exc.strerror or exc)
+        return 2
     runs: list[dict[str, Any]] = []
     meta = {"config": args.config, "overrides": overrides, "checkpoint": args.checkpoint,
             "drafter": "checkpoint" if args.checkpoint else "random (tau ~ 1: speculative numbers are not meaningful)",

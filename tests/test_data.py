@@ -308,6 +308,10 @@ def test_normalize_row():
                            {"role": "assistant", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]}]}
     assert normalize_row(openai)[0] == [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
                                         {"role": "assistant", "content": "bc"}]
+    developer = {"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "a"},
+                              {"role": "assistant", "content": "b"}]}  # OpenAI's newer name for the system turn
+    assert normalize_row(developer)[0] == [{"role": "system", "content": "d"}, {"role": "user", "content": "a"},
+                                           {"role": "assistant", "content": "b"}]
     assert normalize_row({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})[1] == "bad_turn"
     assert normalize_row(None)[1] == "not_object"
 

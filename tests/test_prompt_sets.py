@@ -321,7 +321,7 @@ def test_set_summaries_against_a_naive_count():
     assert [x["set"] for x in per_set] == order and pooled["set"] == POOLED
     for x, name in zip(per_set + [pooled], order + [None]):
         mine = [r for r in rows if name is None or r["set"] == name]
-        passes, total, taus, t_tpot, s_tpot, t_e2e, s_e2e = 0, 0, [], 0.0, 0.0, 0.0, 0.0
+        passes, total, taus, t_tpots, s_tpots, t_e2e, s_e2e = 0, 0, [], [], [], 0.0, 0.0
         clock, device = [], []  # one value a response with passes
         for r in mine:
             if r["accepted"]:
@@ -331,9 +331,12 @@ def test_set_summaries_against_a_naive_count():
             total += sum(r["accepted"])
             if r["accepted"]:
                 taus.append(r["tau"])
-            # the reference benchmark's time per output token: decoding after the prefill, each side's own tokens
-            t_tpot += r["target_decode_s"] / r["target_new_tokens"] / len(mine)
-            s_tpot += r["spec_decode_s"] / r["new_tokens"] / len(mine)
+            # the reference benchmark's time per output token: decoding after the prefill, each side's own
+            # tokens, over the responses whose decoding loop ran (more than the prefill's one token)
+            if r["target_new_tokens"] > 1:
+                t_tpots.append(r["target_decode_s"] / r["target_new_tokens"])
+            if r["new_tokens"] > 1:
+                s_tpots.append(r["spec_decode_s"] / r["new_tokens"])
             t_e2e += r["target_s"] / r["target_new_tokens"] / len(mine)
             s_e2e += r["spec_s"] / r["new_tokens"] / len(mine)
         assert x["prompts"] == len(mine) and x["verification_steps"] == passes
@@ -354,6 +357,7 @@ def test_set_summaries_against_a_naive_count():
                         accepted_k += m >= k
             got = x["accept_conditional"][k - 1]
             assert (math.isnan(got) and reached == 0) or got == pytest.approx(accepted_k / reached)
+        t_tpot, s_tpot = sum(t_tpots) / len(t_tpots), sum(s_tpots) / len(s_tpots)
         assert x["target_ms_per_token"] == pytest.approx(1e3 * t_tpot)
         assert x["spec_ms_per_token"] == pytest.approx(1e3 * s_tpot)
         assert x["speedup"] == pytest.approx(t_tpot / s_tpot)
@@ -363,6 +367,9 @@ def test_set_summaries_against_a_naive_count():
     assert set_summaries(rows)[1]["accept_conditional"] == []  # no block size given
     one = set_summaries([dict(rows[0], accepted=[], tau=float("nan"))])[1]
     assert math.isnan(one["tau"]) and math.isnan(one["tau_per_response_se"])
+    prefill_only = set_summaries([dict(r, accepted=[], new_tokens=1, target_new_tokens=1) for r in rows[:3]])[1]
+    assert math.isnan(prefill_only["speedup"]) and math.isnan(prefill_only["spec_ms_per_token"])  # nothing decoded
+    assert prefill_only["speedup_end_to_end"] > 0  # the prefills still timed
     without_times = [{k: v for k, v in r.items() if k not in ("draft_s", "verify_s")} for r in rows]
     assert math.isnan(set_summaries(without_times)[1]["spec_device_ms_per_pass"])
 
@@ -473,3 +480,47 @@ def test_decode_bench_runs_as_a_module_with_two_sets(smollm2, tmp_path, capsys):
     per_set = md.split("Host-check schedules")[0]
     set_rows = [line for line in per_set.splitlines() if line.startswith("| float32 | eager | ")]
     assert [line.split("|")[3].strip() for line in set_rows] == ["mt-bench", "humaneval", POOLED]
+
+
+def test_decode_bench_out_at_a_file_exits_2_before_any_model_loads(tmp_path, monkeypatch):
+    """``--out`` names the report's directory: an existing file there, or a path no directory can be
+    made at, is refused with exit 2 before the config or any model loads, the file left as it was."""
+    from dflash.models import target_loader
+    from scripts import decode_bench
+
+    monkeypatch.setattr(target_loader, "load_target", lambda *a, **k: pytest.fail("no model may load"))
+    taken = tmp_path / "taken.json"
+    taken.write_text("mine")
+    assert decode_bench.main(["--config", str(tmp_path / "no.yaml"), "--out", str(taken)]) == 2
+    assert taken.read_text() == "mine"
+
+
+def test_an_override_of_the_heldout_split_is_refused_for_the_sharegpt_set(smollm2, tmp_path, monkeypatch, caplog):
+    """``data.seed`` / ``max_conversations`` / ``heldout_conversations`` overrides would draw the
+    ``sharegpt`` set from other conversations than the run held out (ones the drafter may have trained
+    on): both tools refuse them by name with exit 2 before any model loads; other sets, or the run's
+    own settings, pass."""
+    import shutil
+
+    from dflash.inference import speculative
+    from dflash.inference.prompt_sets import heldout_split_problem
+    from dflash.models import target_loader
+    from scripts import decode_bench
+
+    cfg_path, ckpt = _tiny_run(tmp_path, smollm2)
+    run_dir = tmp_path / "run"
+    shutil.copy(cfg_path, run_dir / "config.yaml")
+    sharegpt, humaneval = resolve_prompt_set("sharegpt"), resolve_prompt_set("humaneval")
+    assert heldout_split_problem([sharegpt], load_config(str(cfg_path)), run_dir) is None
+    assert heldout_split_problem([sharegpt], load_config(str(cfg_path), ["data.seed=123"]), None) is None
+    assert heldout_split_problem([humaneval], load_config(str(cfg_path), ["data.seed=123"]), run_dir) is None
+    problem = heldout_split_problem([humaneval, sharegpt], load_config(
+        str(cfg_path), ["data.seed=123", "data.heldout_conversations=5", "data.max_length=128"]), run_dir)
+    assert problem.startswith("prompt set sharegpt: data.seed=123 (the run's 0), data.heldout_conversations=5 (the "
+                              "run's 64) holds out other conversations") and "max_length" not in problem
+    monkeypatch.setattr(target_loader, "load_target", lambda *a, **k: pytest.fail("no model may load"))
+    assert speculative.main(["--checkpoint", str(ckpt), "data.max_conversations=500"]) == 2
+    assert "data.max_conversations=500 (the run's None)" in caplog.text
+    assert decode_bench.main(["--config", str(cfg_path), "--checkpoint", str(ckpt), "--out", str(tmp_path / "o"),
+                              "data.seed=7"]) == 2
+    assert "data.seed=7 (the run's 0)" in caplog.text and not (tmp_path / "o").exists()

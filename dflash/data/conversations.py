@@ -31,9 +31,11 @@ from dflash.data.sources import InvalidRow
 __all__ = ["ROLE_ALIASES", "NormalizedRow", "normalize_conversation", "normalize_prompt", "normalize_row",
            "conversation_hash"]
 
-#: Accepted roles (ShareGPT ``from`` and OpenAI ``role``) and what they become.
+#: Accepted roles (ShareGPT ``from`` and OpenAI ``role``) and what they become. OpenAI's
+#: ``developer`` role is its newer name for the system message.
 ROLE_ALIASES = {
     "system": "system",
+    "developer": "system",
     "human": "user",
     "user": "user",
     "gpt": "assistant",

@@ -39,7 +39,7 @@ EMPTY_CONVERSATION = "empty_conversation"  # the list is empty
 BAD_TURN = "bad_turn"                      # a turn is not an object, lacks role/content, content is not text,
                                            # or its tool calls are malformed
 EMPTY_TURN = "empty_turn"                  # a turn's content is empty or only whitespace (and no tool call)
-UNKNOWN_ROLE = "unknown_role"              # a role other than system/user/human/assistant/gpt/tool
+UNKNOWN_ROLE = "unknown_role"              # a role other than system/developer/user/human/assistant/gpt/tool
 NO_USER_TURN = "no_user_turn"              # nothing left once the turns before the first user turn are dropped
 SAME_ROLE_RUN = "same_role_run"            # two consecutive turns of the same role (tool turns aside)
 NO_ASSISTANT_TURN = "no_assistant_turn"    # no assistant turn after the first user turn

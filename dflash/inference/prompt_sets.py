@@ -286,6 +286,36 @@ def context_problem(cases: Sequence[PromptCase], max_new_tokens: int, block_size
             f"{max(0, limit - max_new_tokens - block_size)}")
 
 
+#: The data settings that decide which of ``data.dataset``'s conversations are held out
+#: (:func:`dflash.data.corpus.load_prepared`).
+HELDOUT_SPLIT_KEYS = ("seed", "max_conversations", "heldout_conversations")
+
+
+def heldout_split_problem(sets: Sequence[PromptSet], cfg: Any, run_dir: Optional[Path]) -> Optional[str]:
+    """Why the ``sharegpt`` set drawn with ``cfg`` would not be the held-out conversations of the run
+    in ``run_dir`` (an override of :data:`HELDOUT_SPLIT_KEYS`: its prompts could then be
+    conversations the drafter trained on), or why the run's ``config.yaml`` cannot be read; None: no
+    ``sharegpt`` set, no run directory or saved ``config.yaml`` to compare with, or the same split
+    settings.
+    """
+    saved = Path(run_dir) / "config.yaml" if run_dir is not None else None
+    if saved is None or not any(s.path is None for s in sets) or not saved.is_file():
+        return None
+    from dflash.config import load_config
+
+    try:
+        run_cfg = load_config(str(saved), [])
+    except (OSError, ValueError) as exc:  # ConfigError is a ValueError
+        return f"{saved}: {exc}"
+    changed = [f"data.{k}={getattr(cfg.data, k)} (the run's {getattr(run_cfg.data, k)})" for k in HELDOUT_SPLIT_KEYS
+               if getattr(cfg.data, k) != getattr(run_cfg.data, k)]
+    if not changed:
+        return None
+    return (f"prompt set {SHAREGPT_SET}: {', '.join(changed)} holds out other conversations than the run in "
+            f"{run_dir} did, so its prompts could be conversations the drafter trained on; drop the override, or give "
+            f"the prompts as a file (--prompt-set FILE)")
+
+
 def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count: int, max_new_tokens: int,
                      max_prompt_tokens: Optional[int] = None) -> tuple[list[PromptCase], dict[str, dict[str, Any]]]:
     """The first ``count`` prompts of each set, in the order of ``sets``.
@@ -338,7 +368,8 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
                     "prompt set %s: %s from %s%s", prompt_set.name, _count(len(got), "prompt"), _count(rows, "row"),
                     f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "")
             if got and len(got) < count:
-                log.warning("prompt set %s: only %d prompts of the %d asked for", prompt_set.name, len(got), count)
+                log.warning("prompt set %s: only %s of the %d asked for", prompt_set.name, _count(len(got), "prompt"),
+                            count)
         if not got:
             return [], info
         cases += got

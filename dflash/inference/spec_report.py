@@ -93,6 +93,12 @@ def _tpot(rows: Sequence[dict[str, Any]], seconds: str, tokens: str) -> float:
     return _mean_ratio(rows, lambda r: r[seconds], lambda r: r[tokens])
 
 
+def _after_prefill(new_tokens: int) -> int:
+    """``new_tokens`` of a response whose decoding loop ran (more than the prefill's one token), else 0:
+    a loop that decoded nothing has no time per token."""
+    return new_tokens if new_tokens > 1 else 0
+
+
 def _per_pass(rows: Sequence[dict[str, Any]], *seconds: str) -> float:
     """Mean over ``rows`` with verification passes of ``Σ row[k] for k in seconds`` over the row's
     passes (``len(row["accepted"])``), s; NaN when none has a pass or a row lacks a key."""
@@ -104,9 +110,10 @@ def _per_pass(rows: Sequence[dict[str, Any]], *seconds: str) -> float:
 def _set_summary(name: str, rows: Sequence[dict[str, Any]], block_size: Optional[int]) -> dict[str, Any]:
     """One row of :func:`set_summaries` over ``rows``."""
     accepted = [a for r in rows for a in r["accepted"]]
-    # each side over its own tokens: at a numerical tie the two outputs may differ in length
-    target_tpot = _tpot(rows, "target_decode_s", "target_new_tokens")
-    spec_tpot = _tpot(rows, "spec_decode_s", "new_tokens")
+    # each side over its own tokens: at a numerical tie the two outputs may differ in length; the
+    # decoding loops over responses that had one after the prefill (its token is the prefill's)
+    target_tpot = _mean_ratio(rows, lambda r: r["target_decode_s"], lambda r: _after_prefill(r["target_new_tokens"]))
+    spec_tpot = _mean_ratio(rows, lambda r: r["spec_decode_s"], lambda r: _after_prefill(r["new_tokens"]))
     target_e2e = _tpot(rows, "target_s", "target_new_tokens")
     spec_e2e = _tpot(rows, "spec_s", "new_tokens")
     return {"set": name, "prompts": len(rows), "identical": sum(r["result"] == "identical" for r in rows),
@@ -600,7 +607,7 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     s, rows = report["summary"], report["prompts"]
     sets = s.get("sets") or []
     counts = ", ".join(f"{x['set']} {x['prompts']}" for x in sets)
-    lines = [f"{s['prompts']} prompts{f' ({counts})' if counts else ''}, max {s['max_new_tokens']} new tokens, "
+    lines = [f"{s['prompts']} prompt{'' if s['prompts'] == 1 else 's'}{f' ({counts})' if counts else ''}, max {s['max_new_tokens']} new tokens, "
              f"B={s['block_size']}, "
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
              f"attention {s.get('attention', '?')}, drafting {s.get('drafting', '?')}, "
@@ -643,7 +650,7 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
                   f"{s['failures']} FAIL (of {s['prompts']})",
               f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes "
-              f"({s['new_tokens']} new tokens: the passes' and each prompt's first, from the prefill); per "
+              f"({s['new_tokens']} new token{'' if s['new_tokens'] == 1 else 's'}: the passes' and each prompt's first, from the prefill); per "
               f"response {_fmt(s['tau_per_response'], 3)} (each response's tau, then their mean, as the reference "
               "benchmark averages)",
               f"tokens/s end to end: speculative {_fmt(s['spec_tok_s'], 1)}, target-only {_fmt(s['target_tok_s'], 1)} "

@@ -30,7 +30,8 @@ import torch
 from dflash.inference.drafter_checkpoint import (fit_problem, open_checkpoint, target_shape_problem,
                                                 training_eval_summary)
 from dflash.data.render import stop_token_ids
-from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets, context_problem, load_prompt_sets
+from dflash.inference.prompt_sets import (add_prompt_set_argument, check_prompt_sets, context_problem,
+                                          heldout_split_problem, load_prompt_sets)
 from dflash.inference.spec_report import LENGTH_BUCKET, MAX_BUCKETS, decode_report, format_report
 
 __all__ = ["compile_flag", "main"]
@@ -154,6 +155,10 @@ def _run(args: argparse.Namespace) -> int:
     # before any model loads (check_fits logs what --force accepts); the target's shape once it is loaded
     problem = fit_problem(drafter_dir, dcfg, tokenizer, cfg.data.enable_thinking, force=args.force)
     if problem:
+        log.error("%s", problem)
+        return 2
+    problem = heldout_split_problem(args.prompt_sets, cfg, run_dir)
+    if problem:  # an override that would draw the sharegpt set from conversations the drafter trained on
         log.error("%s", problem)
         return 2
     # before any model loads: the prompts need only the tokenizer and the data
