@@ -607,7 +607,8 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     s, rows = report["summary"], report["prompts"]
     sets = s.get("sets") or []
     counts = ", ".join(f"{x['set']} {x['prompts']}" for x in sets)
-    lines = [f"{s['prompts']} prompt{'' if s['prompts'] == 1 else 's'}{f' ({counts})' if counts else ''}, max {s['max_new_tokens']} new tokens, "
+    lines = [f"{s['prompts']} prompt{'' if s['prompts'] == 1 else 's'}{f' ({counts})' if counts else ''}, "
+             f"max {s['max_new_tokens']} new tokens, "
              f"B={s['block_size']}, "
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
              f"attention {s.get('attention', '?')}, drafting {s.get('drafting', '?')}, "
@@ -650,7 +651,8 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
                   f"{s['failures']} FAIL (of {s['prompts']})",
               f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes "
-              f"({s['new_tokens']} new token{'' if s['new_tokens'] == 1 else 's'}: the passes' and each prompt's first, from the prefill); per "
+              f"({s['new_tokens']} new token{'' if s['new_tokens'] == 1 else 's'}: the passes' and each prompt's "
+              "first, from the prefill); per "
               f"response {_fmt(s['tau_per_response'], 3)} (each response's tau, then their mean, as the reference "
               "benchmark averages)",
               f"tokens/s end to end: speculative {_fmt(s['spec_tok_s'], 1)}, target-only {_fmt(s['target_tok_s'], 1)} "
