@@ -50,22 +50,26 @@ MODES = ("eager", "compiled")
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m scripts.decode_bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=None, help="a Hugging Face directory of the target (unset: the config's)")
     p.add_argument("--checkpoint", default=None, help="drafter checkpoint (unset: a randomly initialised drafter)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="run config")
     add_prompt_set_argument(p)
     p.add_argument("--prompts", type=int, default=16, help="prompts of each prompt set")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=96,
+                   help="new tokens a response decodes at most (both ways), the prefill's first among them")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="skip longer prompts (unset: data.max_length - max_new_tokens)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1,
+                   help="prompts decoded together; the sets share batches, so above 1 the per-set timings are the "
+                        "batches' (tau and outputs stay per set)")
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {DTYPES}")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated, of {MODES} (unset: both on CUDA, eager on CPU; compiled on CPU is "
                         "torch.compile without CUDA graphs)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device of the target and the drafter")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; on a CPU shared with other jobs, fewer threads than "
                         "cores keeps the timings meaningful)")
