@@ -151,3 +151,8 @@ def process_alive(pid: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True
+
+
+def count_noun(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``"1 prompt"``, ``"2 prompts"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

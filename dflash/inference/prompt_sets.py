@@ -49,6 +49,7 @@ from dflash.data.report import PROMPT_TOO_LONG, TEMPLATE_ERROR, row_id
 from dflash.data.sources import iter_jsonl
 from dflash.inference.prompts import SHAREGPT_SET, PromptCase, heldout_prompts, prompt_limit
 from dflash.progress import Progress
+from dflash.utils import count_noun
 
 __all__ = ["HUMANEVAL_SET", "MT_BENCH_SET", "PROMPT_SET_NAMES", "HUMANEVAL_INSTRUCTION", "PromptSet",
            "PromptSetError", "add_prompt_set_argument", "check_prompt_sets", "context_problem", "load_prompt_sets",
@@ -255,11 +256,6 @@ def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_t
     return cases, {"rows": rows, "skipped": dict(sorted(skipped.items()))}
 
 
-def _count(n: int, noun: str) -> str:
-    """``"1 prompt"``, ``"2 prompts"``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def context_problem(cases: Sequence[PromptCase], max_new_tokens: int, block_size: int, target_config: Any
                     ) -> Optional[str]:
     """Why ``cases`` cannot be decoded within the target's context, or ``None``.
@@ -352,7 +348,7 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
             info[prompt_set.name] = {"prompts": len(got)}
             if got:
                 log.info("prompt set %s: %s (the run's held-out conversations)", prompt_set.name,
-                         _count(len(got), "prompt"))
+                         count_noun(len(got), "prompt"))
         else:
             renderer = renderer or ChatRenderer(tokenizer, cfg.data.enable_thinking)
             got, info[prompt_set.name] = _file_prompts(prompt_set, renderer, count, max_prompt_tokens)
@@ -365,11 +361,12 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
                 log.error("prompt set %s: %s has no rows (it is empty or blank)", prompt_set.name, prompt_set.path)
             else:
                 (log.info if got else log.error)(
-                    "prompt set %s: %s from %s%s", prompt_set.name, _count(len(got), "prompt"), _count(rows, "row"),
+                    "prompt set %s: %s from %s%s", prompt_set.name, count_noun(len(got), "prompt"),
+                    count_noun(rows, "row"),
                     f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "")
             if got and len(got) < count:
-                log.warning("prompt set %s: only %s of the %d asked for", prompt_set.name, _count(len(got), "prompt"),
-                            count)
+                log.warning("prompt set %s: only %s of the %d asked for", prompt_set.name,
+                            count_noun(len(got), "prompt"), count)
         if not got:
             return [], info
         cases += got

@@ -26,6 +26,7 @@ from dflash.inference.oracle import naive_greedy_decode
 from dflash.inference.prompts import PromptCase
 from dflash.inference.tau_stats import standard_error
 from dflash.progress import Progress
+from dflash.utils import count_noun
 
 __all__ = ["decode_report", "default_length_bucket", "format_report", "length_buckets", "prompt_digest", "rates_text",
            "repeats_phrase", "set_summaries", "LENGTH_BUCKET", "POOLED", "WARMUP_TOKENS"]
@@ -88,15 +89,12 @@ def _mean_ratio(rows: Sequence[dict[str, Any]], num: Callable[[dict[str, Any]], 
     return sum(num(r) / den(r) for r in kept) / len(kept) if kept else float("nan")
 
 
-def _tpot(rows: Sequence[dict[str, Any]], seconds: str, tokens: str) -> float:
-    """Mean over ``rows`` with tokens of ``row[seconds] / row[tokens]`` (s), NaN when none has any."""
-    return _mean_ratio(rows, lambda r: r[seconds], lambda r: r[tokens])
-
-
-def _after_prefill(new_tokens: int) -> int:
-    """``new_tokens`` of a response whose decoding loop ran (more than the prefill's one token), else 0:
-    a loop that decoded nothing has no time per token."""
-    return new_tokens if new_tokens > 1 else 0
+def _tpot(rows: Sequence[dict[str, Any]], seconds: str, tokens: str, decoded: bool = False) -> float:
+    """Mean over ``rows`` with tokens of ``row[seconds] / row[tokens]`` (s), NaN when none has any.
+    ``decoded``: only rows whose decoding loop ran (more than the prefill's one token); a loop that
+    decoded nothing has no time per token."""
+    least = 2 if decoded else 1
+    return _mean_ratio(rows, lambda r: r[seconds], lambda r: r[tokens] if r[tokens] >= least else 0)
 
 
 def _per_pass(rows: Sequence[dict[str, Any]], *seconds: str) -> float:
@@ -112,8 +110,8 @@ def _set_summary(name: str, rows: Sequence[dict[str, Any]], block_size: Optional
     accepted = [a for r in rows for a in r["accepted"]]
     # each side over its own tokens: at a numerical tie the two outputs may differ in length; the
     # decoding loops over responses that had one after the prefill (its token is the prefill's)
-    target_tpot = _mean_ratio(rows, lambda r: r["target_decode_s"], lambda r: _after_prefill(r["target_new_tokens"]))
-    spec_tpot = _mean_ratio(rows, lambda r: r["spec_decode_s"], lambda r: _after_prefill(r["new_tokens"]))
+    target_tpot = _tpot(rows, "target_decode_s", "target_new_tokens", decoded=True)
+    spec_tpot = _tpot(rows, "spec_decode_s", "new_tokens", decoded=True)
     target_e2e = _tpot(rows, "target_s", "target_new_tokens")
     spec_e2e = _tpot(rows, "spec_s", "new_tokens")
     return {"set": name, "prompts": len(rows), "identical": sum(r["result"] == "identical" for r in rows),
@@ -607,7 +605,7 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     s, rows = report["summary"], report["prompts"]
     sets = s.get("sets") or []
     counts = ", ".join(f"{x['set']} {x['prompts']}" for x in sets)
-    lines = [f"{s['prompts']} prompt{'' if s['prompts'] == 1 else 's'}{f' ({counts})' if counts else ''}, "
+    lines = [f"{count_noun(s['prompts'], 'prompt')}{f' ({counts})' if counts else ''}, "
              f"max {s['max_new_tokens']} new tokens, "
              f"B={s['block_size']}, "
              f"batch {s['batch']}, {s['dtype']}, {'compiled' if s['compiled'] else 'eager'}, {s['device']}, "
@@ -651,7 +649,7 @@ def format_report(report: dict[str, Any], show_text: bool = False) -> str:
     lines += ["", f"outputs: {s['identical']} identical, {s['ties']} differ at a numerical tie, "
                   f"{s['failures']} FAIL (of {s['prompts']})",
               f"measured tau: {_fmt(s['tau'], 3)} over {s['verification_steps']} verification passes "
-              f"({s['new_tokens']} new token{'' if s['new_tokens'] == 1 else 's'}: the passes' and each prompt's "
+              f"({count_noun(s['new_tokens'], 'new token')}: the passes' and each prompt's "
               "first, from the prefill); per "
               f"response {_fmt(s['tau_per_response'], 3)} (each response's tau, then their mean, as the reference "
               "benchmark averages)",
