@@ -41,7 +41,7 @@ import torch
 
 from dflash.inference.prompt_sets import add_prompt_set_argument, check_prompt_sets
 from dflash.inference.spec_report import rates_text
-from dflash.inference.speculative import DEFAULT_CONFIG
+from dflash.inference.speculative import DEFAULT_CONFIG, DEFAULT_PROMPTS
 
 log = logging.getLogger("decode_bench")
 
@@ -56,7 +56,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None, help="drafter checkpoint (unset: a randomly initialised drafter)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="run config")
     add_prompt_set_argument(p)
-    p.add_argument("--prompts", type=int, default=16, help="prompts of each prompt set")
+    p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="prompts of each prompt set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96,
                    help="new tokens a response decodes at most (both ways), the prefill's first among them")
     p.add_argument("--max-prompt-tokens", type=int, default=None,

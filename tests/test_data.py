@@ -408,18 +408,21 @@ def test_report_one_row_of_each_kind(smollm2, tmp_path):
     ]
     path = tmp_path / "rows.jsonl"
     text = "\r\n".join(_jsonl_line(r) for r in rows) + "\r\n"
-    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    latin1 = '{"id": "café", "conversations": [{"from": "human", "value": "Déjà vu?"}]}\r\n'.encode("latin-1")  # not_utf8
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8") + latin1)
     prepared = prepare_data(make_cfg(str(path), tmp_path / "cache", max_length=64, heldout_conversations=1), smollm2)
     report = prepared.report
-    expected_drops = ["invalid_json", "not_object", "no_messages_field", "empty_conversation", "bad_turn",
+    expected_drops = ["not_utf8", "invalid_json", "not_object", "no_messages_field", "empty_conversation", "bad_turn",
                       "empty_turn", "unknown_role", "no_user_turn", "same_role_run", "no_assistant_turn",
                       "duplicate_conversation", "tool_calls_unsupported", "no_assistant_tokens"]
     assert report.dropped == {reason: 1 for reason in expected_drops}
     assert report.fixed == {"leading_turns_dropped": 1, "tool_turns_cut": 1}
     assert report.flagged == {"duplicate_id": 1}
-    assert report.rows_read == len(rows) == report.conversations + report.num_dropped
+    assert report.rows_read == len(rows) + 1 == report.conversations + report.num_dropped
     assert report.conversations == 4
     assert report.ids("duplicate_conversation") == ["copy"] and report.ids("invalid_json") == ["row:1"]
+    assert report.ids("not_utf8") == [f"row:{len(rows)}"]
+    assert report.drop_examples["not_utf8"][0]["error"].startswith("not UTF-8 text: 'utf-8' codec can't decode")
     assert report.ids("not_object") == ["row:2"] and report.ids("duplicate_id") == ["ok"]
     assert report.ids("tool_turns_cut") == ["tools-cut"] and report.ids("leading_turns_dropped") == ["leading"]
     assert report.drop_examples["invalid_json"][0]["error"].startswith("Expecting")

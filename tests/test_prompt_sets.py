@@ -152,6 +152,29 @@ def test_jsonl_with_a_bom_and_crlf_and_malformed_rows(smollm2, tmp_path):
     assert load_prompt_sets([resolve_prompt_set(str(empty))], cfg_for(), smollm2, 4, 64)[0] == []
 
 
+def test_latin1_rows_both_fields_and_a_limit_past_the_trained_length(smollm2, tmp_path, caplog):
+    """A line that is not UTF-8 is counted as ``not_utf8`` (not as bad JSON); a row with both a prompt
+    and a conversation is its conversation, and the log counts such rows; a prompt limit that lets
+    decoding run past data.max_length is a warning naming both lengths."""
+    good = {"prompt": "Première question ?"}
+    both = {"prompt": "ignored", "messages": [{"role": "user", "content": "From the conversation"}]}
+    latin1 = json.dumps({"prompt": "Déjà vu ?"}, ensure_ascii=False).encode("latin-1")
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(json.dumps(good).encode() + b"\n" + latin1 + b"\n" + json.dumps(both).encode() + b"\n")
+    caplog.set_level("INFO", logger="dflash.inference.prompt_sets")
+    cases, info = load_prompt_sets([resolve_prompt_set(str(path))], cfg_for(max_length=256), smollm2, 10, 64,
+                                   max_prompt_tokens=300)
+    assert info[str(path)] == {"rows": 3, "prompts": 2, "skipped": {"not_utf8": 1}}
+    assert [c.source_row for c in cases] == [0, 2]
+    assert cases[1].prompt_ids.tolist() == ids_of(smollm2, chatml([("user", "From the conversation")]))
+    text = caplog.text
+    assert "1 row with both a prompt and a conversation (first: row 2)" in text
+    assert "up to 300 tokens + 64 new tokens reaches position 364, past data.max_length 256" in text
+    caplog.clear()
+    load_prompt_sets([resolve_prompt_set(str(path))], cfg_for(max_length=256), smollm2, 10, 64, max_prompt_tokens=192)
+    assert "past data.max_length" not in caplog.text
+
+
 def test_empty_damaged_and_too_long_prompt_files(smollm2, tmp_path, caplog):
     """A blank file is said to have no rows; a gzip file damaged past its header stops that set with the
     file named (no traceback); prompts that reach past the target's context are refused by name."""

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from dflash.data.report import (
     BAD_PROMPT, BAD_TURN, EMPTY_CONVERSATION, EMPTY_TURN, INVALID_JSON, LEADING_TURNS_DROPPED, NO_ASSISTANT_TURN, NO_MESSAGES,
-    NO_USER_TURN, NOT_OBJECT, SAME_ROLE_RUN, UNKNOWN_ROLE,
+    NO_USER_TURN, NOT_OBJECT, NOT_UTF8, SAME_ROLE_RUN, UNKNOWN_ROLE,
 )
 from dflash.data.sources import InvalidRow
 
@@ -154,7 +154,7 @@ def normalize_prompt(row: Any) -> NormalizedRow:
 def _normalize_turns(row: Any) -> NormalizedRow:
     """:func:`normalize_conversation` but for its assistant-turn check: the turns hold a user turn."""
     if isinstance(row, InvalidRow):
-        return NormalizedRow(None, INVALID_JSON)
+        return NormalizedRow(None, NOT_UTF8 if row.not_utf8 else INVALID_JSON)
     if not isinstance(row, dict):
         return NormalizedRow(None, NOT_OBJECT)
     turns = row.get("messages")

@@ -25,7 +25,7 @@ from dflash.utils import atomic_directory
 __all__ = ["DATA_CACHE_VERSION", "CACHED_ARRAYS", "cache_key", "cache_root", "load_cached", "save_cached"]
 
 #: Bump when tokenisation or the cache layout changes (invalidates cached data).
-DATA_CACHE_VERSION = 4
+DATA_CACHE_VERSION = 5
 #: Sub-directory of :func:`dflash.data.assets.cache_root` for cached data when ``data.cache_dir`` is null.
 DATA_CACHE_DIR = "data"
 #: Length of the hexadecimal cache key (a sha256 prefix).

@@ -33,6 +33,7 @@ DROP_EXAMPLE_ERROR_CHARS = 200
 
 # Drop reasons, one per row that is not used.
 INVALID_JSON = "invalid_json"              # a JSONL line that does not parse (the example keeps the message)
+NOT_UTF8 = "not_utf8"                      # a JSONL line whose bytes are not UTF-8 text (e.g. Latin-1)
 NOT_OBJECT = "not_object"                  # parses, but is not a JSON object
 NO_MESSAGES = "no_messages_field"          # neither a ``conversations`` nor a ``messages`` list
 EMPTY_CONVERSATION = "empty_conversation"  # the list is empty
@@ -54,7 +55,7 @@ BAD_PROMPT = "bad_prompt"                  # a {"prompt": ...} row whose prompt 
 PROMPT_TOO_LONG = "prompt_too_long"        # the rendered prompt is longer than the decoding check allows
 #: Every reason a row can be dropped for, in pipeline order.
 DROP_REASONS = (
-    INVALID_JSON, NOT_OBJECT, NO_MESSAGES, EMPTY_CONVERSATION, BAD_TURN, EMPTY_TURN, UNKNOWN_ROLE,
+    NOT_UTF8, INVALID_JSON, NOT_OBJECT, NO_MESSAGES, EMPTY_CONVERSATION, BAD_TURN, EMPTY_TURN, UNKNOWN_ROLE,
     NO_USER_TURN, SAME_ROLE_RUN, NO_ASSISTANT_TURN, DUPLICATE_CONVERSATION, TOOL_CALLS_UNSUPPORTED,
     TEMPLATE_ERROR, TEMPLATE_MISMATCH, NO_ASSISTANT_TOKENS, EXTRA_NOT_SAMPLED,
 )

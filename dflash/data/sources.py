@@ -37,10 +37,12 @@ READ_CHUNK_CHARS = 1 << 22
 
 
 class InvalidRow:
-    """Marker yielded by the readers for a row that is not valid JSON; ``error`` is the parser's message."""
+    """Marker yielded by the readers for a row that is not valid JSON; ``error`` is the parser's message
+    (the UTF-8 decoder's when ``not_utf8``: the line's bytes are not UTF-8 text)."""
 
-    def __init__(self, error: str) -> None:
+    def __init__(self, error: str, not_utf8: bool = False) -> None:
         self.error = error
+        self.not_utf8 = not_utf8
 
 
 _SKIP_SEPARATORS = re.compile(r"[\s,]*")
@@ -140,7 +142,9 @@ def iter_jsonl(path: Union[str, os.PathLike], stats: Optional[dict] = None) -> I
                 raw = raw[len(codecs.BOM_UTF8):]
             try:
                 row = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            except UnicodeDecodeError as exc:
+                row = InvalidRow(f"not UTF-8 text: {exc}", not_utf8=True)
+            except json.JSONDecodeError as exc:
                 row = InvalidRow(str(exc))
             yield row
 

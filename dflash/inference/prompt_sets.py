@@ -15,14 +15,16 @@
   mark, LF or CRLF) of ShareGPT rows (``conversations``) or OpenAI rows (``messages``), the prompt
   being the conversation up to and including its last user turn
   (:func:`dflash.data.conversations.normalize_prompt`), or of ``{"prompt": "..."}`` rows (one user
-  turn). A name wins over a file of that name (``./humaneval`` is the file).
+  turn; a row with a conversation too is its conversation, logged). A name wins over a file of that
+  name (``./humaneval`` is the file).
 
 Every prompt but the held-out ones is rendered as a server renders a request: the run's chat
 template with its thinking mode (``data.enable_thinking``) and the generation prompt
 (:class:`dflash.data.render.ChatRenderer`), the text encoded as a whole. ``--prompts N`` takes the
 first N usable prompts of each set. A row that gives no prompt is counted under its reason
-(:mod:`dflash.data.report`: ``invalid_json``, ``no_user_turn``, ``bad_prompt``, ``template_error``,
-``prompt_too_long``, ...), logged and kept in the report.
+(:mod:`dflash.data.report`: ``not_utf8``, ``invalid_json``, ``no_user_turn``, ``bad_prompt``,
+``template_error``, ``prompt_too_long``, ...), logged and kept in the report. A ``--max-prompt-tokens``
+that lets decoding run past ``data.max_length`` (the trained length) is logged as a warning.
 
 :func:`resolve_prompt_set` finds each set's file before any model loads: a missing package or file
 is a :class:`PromptSetError` naming what to install.
@@ -184,19 +186,32 @@ def _row_prompt(set_name: str, row: Any) -> tuple[Any, str]:
     return normalize_prompt(row), "" if identity is None else str(identity)
 
 
-def set_messages(prompt_set: PromptSet) -> Iterator[tuple[int, Any, str]]:
+def _prompt_and_conversation(row: Any) -> bool:
+    """Whether a file row gives both a ``prompt`` and a conversation (``messages`` or
+    ``conversations``); :func:`dflash.data.conversations.normalize_prompt` then uses the conversation."""
+    return isinstance(row, dict) and "prompt" in row and ("messages" in row or "conversations" in row)
+
+
+def set_messages(prompt_set: PromptSet, both: Optional[list[int]] = None) -> Iterator[tuple[int, Any, str]]:
     """The rows of a file prompt set in file order: ``(row number, normalised prompt, label)``, the
     prompt a :class:`dflash.data.conversations.NormalizedRow` (its ``messages`` ``None`` and its
     ``reason`` set when the row gives none), the label the row's id (``HumanEval/0``, ``81``, a file
     row's ``id``) or ``""``.
+
+    Args:
+        both: if given, the row numbers of a file set's rows that give both a ``prompt`` and a
+            conversation are appended to it (their prompt is the conversation's).
 
     Raises:
         ValueError: ``prompt_set`` is ``sharegpt`` (no file).
     """
     if prompt_set.path is None:
         raise ValueError(f"prompt set {prompt_set.name}: has no file (its prompts are the run's held-out split)")
+    named = prompt_set.name in PROMPT_SET_NAMES
     for number, row in enumerate(iter_jsonl(prompt_set.path)):
         normalized, label = _row_prompt(prompt_set.name, row)
+        if both is not None and not named and _prompt_and_conversation(row):
+            both.append(number)
         yield number, normalized, label
 
 
@@ -231,7 +246,8 @@ def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_t
     skipped: Counter = Counter()
     rows = 0
     bar = Progress(count, desc=f"prompt set {prompt_set.name}", unit="prompt", logger=log)
-    messages = set_messages(prompt_set)
+    both: list[int] = []
+    messages = set_messages(prompt_set, both)
     while len(cases) < count:
         try:
             number, normalized, label = next(messages)
@@ -253,6 +269,10 @@ def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_t
                                 input_ids=None, loss_mask=None, prompt_set=prompt_set.name, label=label))
         bar.advance()
     bar.close()
+    if both:
+        log.info("prompt set %s: %s with both a prompt and a conversation (first: row %d): each such prompt is its "
+                 "conversation up to its last user turn, the prompt field unused", prompt_set.name,
+                 count_noun(len(both), "row"), both[0])
     return cases, {"rows": rows, "skipped": dict(sorted(skipped.items()))}
 
 
@@ -335,6 +355,10 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
         max_prompt_tokens = prompt_limit(cfg, max_new_tokens)
         if max_prompt_tokens is None:
             return [], {}
+    elif max_prompt_tokens + max_new_tokens > cfg.data.max_length:
+        log.warning("a prompt of up to %d tokens + %d new tokens reaches position %d, past data.max_length %d (the "
+                    "trained length): the drafter is measured where it never trained", max_prompt_tokens,
+                    max_new_tokens, max_prompt_tokens + max_new_tokens, cfg.data.max_length)
     renderer = None
     cases: list[PromptCase] = []
     info: dict[str, dict[str, Any]] = {}

@@ -39,7 +39,7 @@ __all__ = ["compile_flag", "main"]
 log = logging.getLogger(__name__)
 
 #: Default CLI settings.
-DEFAULT_PROMPTS = 8
+DEFAULT_PROMPTS = 16
 DEFAULT_MAX_NEW_TOKENS = 96
 #: The embedded default config, from the checkout this package runs from (any working directory).
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-cpu.yaml")
@@ -56,7 +56,8 @@ def _parse_args(argv: Optional[list[str]], prog: Optional[str] = None) -> argpar
     p.add_argument("--config", default=None,
                    help=f"run config (default: the run's config.yaml, else {DEFAULT_CONFIG})")
     add_prompt_set_argument(p)
-    p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="prompts to decode of each prompt set")
+    p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS,
+                   help="prompts to decode of each prompt set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"new tokens a prompt (default {DEFAULT_MAX_NEW_TOKENS}; decoding stops earlier at a stop token)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
