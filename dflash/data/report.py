@@ -33,7 +33,8 @@ DROP_EXAMPLE_ERROR_CHARS = 200
 
 # Drop reasons, one per row that is not used.
 INVALID_JSON = "invalid_json"              # a JSONL line that does not parse (the example keeps the message)
-NOT_UTF8 = "not_utf8"                      # a JSONL line whose bytes are not UTF-8 text (e.g. Latin-1)
+NOT_UTF8 = "not_utf8"                      # a JSONL line whose bytes are not UTF-8 text (e.g. Latin-1), or a
+                                           # string holding a lone surrogate (a "\ud800" escape)
 NOT_OBJECT = "not_object"                  # parses, but is not a JSON object
 NO_MESSAGES = "no_messages_field"          # neither a ``conversations`` nor a ``messages`` list
 EMPTY_CONVERSATION = "empty_conversation"  # the list is empty

@@ -6,7 +6,7 @@ that yield its rows in file order.
   file is read the same way.
 * any other path: JSON lines (:func:`iter_jsonl`), one conversation per line: ShareGPT rows
   (``conversations: [{from, value}]``) or OpenAI rows (``messages: [{role, content}]``). UTF-8 with or
-  without a byte-order mark, LF or CRLF.
+  without byte-order marks, LF or CRLF.
 
 A line that does not parse is yielded as an :class:`InvalidRow` (holding the parser's message), so
 that the report can count it; :mod:`dflash.data.conversations` turns rows into turns.
@@ -119,8 +119,9 @@ def iter_json_array(path: Union[str, os.PathLike], stats: Optional[dict] = None,
 
 def iter_jsonl(path: Union[str, os.PathLike], stats: Optional[dict] = None) -> Iterator[Any]:
     """Yield each non-blank line of a JSONL file parsed, or an :class:`InvalidRow` (holding the parser's
-    message) if it does not parse. UTF-8 with or without a byte-order mark; LF or CRLF line ends; a
-    name ending in ``.gz`` is read through gzip.
+    message) if it does not parse. UTF-8 with or without a byte-order mark (also one that starts a
+    later line, as concatenated files leave it); LF or CRLF line ends; a name ending in ``.gz`` (any
+    case) is read through gzip.
 
     Args:
         stats: if given, ``stats["line"]`` is the 1-based line number of the row just yielded (blank
@@ -130,16 +131,16 @@ def iter_jsonl(path: Union[str, os.PathLike], stats: Optional[dict] = None) -> I
     """
     stats = stats if stats is not None else {}
     position = 0
-    compressed = str(path).endswith(".gz")
+    compressed = str(path).lower().endswith(".gz")
     with (gzip.open if compressed else open)(path, "rb") as handle:
         for line, raw in enumerate(handle, start=1):
             position += len(raw)
+            if raw.startswith(codecs.BOM_UTF8):  # the file's, or one a concatenation left mid-file
+                raw = raw[len(codecs.BOM_UTF8):]
             if not raw.strip():
                 continue
             stats["line"] = line
             stats["position"] = handle.fileobj.tell() if compressed else position
-            if line == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8):]
             try:
                 row = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as exc:

