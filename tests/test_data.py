@@ -1230,3 +1230,24 @@ def test_load_prepared_refuses_a_directory_without_a_cache(tmp_path):
     (tmp_path / "half" / "tokens.npy").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"data cache: .*half holds no complete tokenised corpus"):
         data_mod.load_prepared(tmp_path / "half", cfg)
+
+
+def test_read_rows_of_a_cut_gz_and_an_upper_case_json(tmp_path):
+    """data.dataset: a .jsonl.gz that breaks off is a ConfigError naming the file and how many rows came
+    before (no traceback); a .JSON file is read as a JSON array like a .json one; a byte-order mark that
+    starts a later line (concatenated files) is skipped."""
+    rows = [{"id": k, "conversations": [{"from": "human", "value": f"Q{k}"}]} for k in range(300)]
+    lines = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(lines)[:-40])
+    got = []
+    with pytest.raises(ConfigError, match=rf"data.dataset: cannot read {re.escape(str(cut))} past its first \d+ rows"):
+        for row in read_rows(str(cut)):
+            got.append(row)
+    assert 0 < len(got) < 300 and got == rows[:len(got)]
+    upper = tmp_path / "ROWS.JSON"
+    upper.write_text(json.dumps(rows[:3]))
+    assert list(read_rows(str(upper))) == rows[:3]
+    joined = tmp_path / "joined.jsonl"
+    joined.write_bytes(b"\xef\xbb\xbf" + lines[:lines.index(b"\n") + 1] + b"\xef\xbb\xbf" + lines[lines.index(b"\n") + 1:])
+    assert list(read_rows(str(joined))) == rows

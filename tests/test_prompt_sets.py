@@ -195,26 +195,38 @@ def test_odd_rows_of_real_exports(smollm2, tmp_path, caplog):
                           {"role": "tool", "content": "20"}, {"role": "user", "content": "So?"}]},   # tool calls
             {"messages": [{"role": "user", "content": "Hi"}],
              "tools": [{"type": "function", "function": {"name": "f"}}]},                          # tools
+            {"prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]},           # tools
+            {"prompt": "unused", "messages": [], "conversations": [{"from": "human", "value": "Non-empty wins"}]},
             {"prompt": "Last"}]
     path = write_jsonl(tmp_path / "odd.jsonl", rows)
     path.write_bytes(codecs.BOM_UTF8 + b"\n" + path.read_bytes().replace(b'{"prompt": "Last"}',
                                                                           codecs.BOM_UTF8 + b'{"prompt": "Last"}'))
     caplog.set_level("INFO", logger="dflash.inference.prompt_sets")
     cases, info = load_prompt_sets([resolve_prompt_set(str(path))], cfg_for(), smollm2, 10, 64)
-    assert info[str(path)] == {"rows": 8, "prompts": 4, "fixed": {},
-                               "skipped": {"not_utf8": 2, "tool_calls_unsupported": 2}}
+    assert info[str(path)] == {"rows": 10, "prompts": 5, "fixed": {},
+                               "skipped": {"not_utf8": 2, "tool_calls_unsupported": 3}}
     want = [[("user", "From the prompt")], [("user", "Also the prompt")], [("system", "S"), ("user", "TRL turns")],
-            [("user", "Last")]]
-    assert [c.source_row for c in cases] == [2, 3, 4, 7]
+            [("user", "Non-empty wins")], [("user", "Last")]]
+    assert [c.source_row for c in cases] == [2, 3, 4, 8, 9]
     for case, turns in zip(cases, want):
         assert case.prompt_ids.tolist() == ids_of(smollm2, chatml(turns))
-    assert "both a prompt and a conversation" not in caplog.text
+    assert "1 row with both a prompt and a conversation (first: row 8, from 0)" in caplog.text
     turns = [{"from": "human", "value": "a\udc00"}, {"from": "gpt", "value": "b"}]
     assert normalize_conversation({"conversations": turns}).reason == "not_utf8"  # training drops it the same way
-    array = tmp_path / "rows.json"
-    array.write_text(json.dumps([{"prompt": "One"}, {"messages": [{"role": "user", "content": "Two"}]}], indent=2))
-    cases, info = load_prompt_sets([resolve_prompt_set(str(array))], cfg_for(), smollm2, 10, 64)
-    assert [c.prompt_ids.tolist() for c in cases] == [ids_of(smollm2, chatml([("user", t)])) for t in ("One", "Two")]
+    array = json.dumps([{"prompt": "One"}, {"messages": [{"role": "user", "content": "Two"}]}], indent=2).encode()
+    (tmp_path / "rows.json").write_bytes(array)
+    (tmp_path / "rows.json.gz").write_bytes(gzip.compress(array))
+    for name in ("rows.json", "rows.json.gz"):
+        cases, info = load_prompt_sets([resolve_prompt_set(str(tmp_path / name))], cfg_for(), smollm2, 10, 64)
+        want = [ids_of(smollm2, chatml([("user", t)])) for t in ("One", "Two")]
+        assert [c.prompt_ids.tolist() for c in cases] == want
+    small = b"".join(json.dumps({"prompt": f"Q{k}"}).encode() + b"\n" for k in range(200))
+    assert len(small) < 4096
+    (tmp_path / "small.jsonl.gz").write_bytes(gzip.compress(small)[:-10])  # cut inside its first 4 KiB
+    cases, info = load_prompt_sets([resolve_prompt_set(str(tmp_path / "small.jsonl.gz"))], cfg_for(), smollm2, 500, 64)
+    assert "unreadable" in info[str(tmp_path / "small.jsonl.gz")] and 0 < len(cases) < 200
+    assert [c.prompt_ids.tolist() for c in cases] == [ids_of(smollm2, chatml([("user", f"Q{k}")]))
+                                                       for k in range(len(cases))]
     only_bom = tmp_path / "notepad.jsonl"
     only_bom.write_bytes(codecs.BOM_UTF8 + b"\r\n")
     caplog.clear()
@@ -223,17 +235,22 @@ def test_odd_rows_of_real_exports(smollm2, tmp_path, caplog):
 
 
 def test_files_that_are_not_utf8_json_lines_are_refused_by_name(tmp_path):
-    """Compressed data under a plain name, UTF-16 or UTF-32 text (with or without a byte-order mark), a
-    .json file that is no array, an empty name and a pipe are refused before any model loads, each
-    saying what the file is."""
+    """Compressed data under a plain name (or twice), UTF-16 or UTF-32 text (with or without a byte-order
+    mark), a .json file that is no complete UTF-8 JSON array, an empty name and a pipe are refused
+    before any model loads, each saying what the file is."""
     text = '{"prompt": "a"}\n{"prompt": "b"}\n'
     cases = {"gz.jsonl": gzip.compress(text.encode()), "b.jsonl": bz2.compress(text.encode()),
              "u16.jsonl": codecs.BOM_UTF16_LE + text.encode("utf-16-le"), "u16n.jsonl": text.encode("utf-16-le"),
              "u32.jsonl": text.encode("utf-32"), "lines.json": text.encode(),
-             "inner.jsonl.GZ": gzip.compress(text.encode("utf-16"))}
+             "inner.jsonl.GZ": gzip.compress(text.encode("utf-16")),
+             "twice.jsonl.gz": gzip.compress(gzip.compress(b"{}")),
+             "syntax.json": b'[{"prompt": "a"}, {"prompt": oops}]',
+             "latin1.json": '[{"prompt": "café"}]'.encode("latin-1"), "object.json": b'{"prompt": "a"}'}
     want = {"gz.jsonl": "is gzip-compressed", "b.jsonl": "is bzip2-compressed", "u16.jsonl": "is UTF-16 text",
-            "u16n.jsonl": "holds NUL bytes", "u32.jsonl": "is UTF-32 text", "lines.json": "does not start with '['",
-            "inner.jsonl.GZ": "is UTF-16 text"}
+            "u16n.jsonl": "holds NUL bytes", "u32.jsonl": "is UTF-32 text", "lines.json": "does not parse: Extra data",
+            "inner.jsonl.GZ": "is UTF-16 text", "twice.jsonl.gz": "is gzip-compressed twice",
+            "syntax.json": "does not parse: Expecting value: line 1 column 30", "latin1.json": "is not UTF-8 text",
+            "object.json": "holds a dict"}
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
         with pytest.raises(PromptSetError, match=f"prompt set {tmp_path / name}: .*{re.escape(want[name])}"):

@@ -83,7 +83,8 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     twins = heldout_twins(prepared, cfg.data.dataset, cfg.data.max_conversations)
     print("\n".join(report_lines(prepared, twins, cfg.data.max_length)))
     if args.ids:
-        print("\n".join(prepared.report.ids(args.ids)))
+        ids = "\n".join(prepared.report.ids(args.ids))
+        print(ids.encode("utf-8", "backslashreplace").decode("utf-8"))  # an id may hold a lone surrogate
     if args.json:
         Path(args.json).write_text(json.dumps({**prepared.report.to_dict(), "heldout_twins": twins}, indent=1))
     return 0

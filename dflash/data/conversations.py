@@ -166,7 +166,7 @@ def normalize_prompt(row: Any) -> NormalizedRow:
         elif not is_text(prompt):
             return NormalizedRow(None, NOT_UTF8)
         else:
-            return NormalizedRow([{"role": "user", "content": prompt}])
+            row = {"messages": [{"role": "user", "content": prompt}], "tools": row.get("tools")}
     normalized = _normalize_turns(row)
     if normalized.messages is None:
         return normalized
@@ -181,11 +181,10 @@ def _normalize_turns(row: Any) -> NormalizedRow:
         return NormalizedRow(None, NOT_UTF8 if row.not_utf8 else INVALID_JSON)
     if not isinstance(row, dict):
         return NormalizedRow(None, NOT_OBJECT)
-    turns = row.get("messages")
-    if not isinstance(turns, list):
-        turns = row.get("conversations")
-    if not isinstance(turns, list):
+    lists = [row[k] for k in ("messages", "conversations") if isinstance(row.get(k), list)]
+    if not lists:
         return NormalizedRow(None, NO_MESSAGES)
+    turns = next((t for t in lists if t), lists[0])  # a non-empty one wins over an empty one
     if not turns:
         return NormalizedRow(None, EMPTY_CONVERSATION)
     messages: list[dict[str, Any]] = []

