@@ -124,7 +124,10 @@ def _normalize_turn(turn: Any) -> tuple[Optional[dict[str, Any]], Optional[str]]
         message["tool_calls"] = tool_calls
     if not content.strip() and tool_calls is None and "reasoning_content" not in message and role != "tool":
         return None, EMPTY_TURN
-    if not is_text(json.dumps(message, ensure_ascii=False)):
+    texts = [content, message.get("reasoning_content", "")]
+    if tool_calls is not None:
+        texts.append(json.dumps(tool_calls, ensure_ascii=False))
+    if not all(map(is_text, texts)):
         return None, NOT_UTF8
     return message, None
 

@@ -17,9 +17,8 @@
   being the conversation up to and including its last user turn
   (:func:`dflash.data.conversations.normalize_prompt`), or of ``{"prompt": "..."}`` rows (one user
   turn; ``{"prompt": [turns]}`` is its turns; a row with a non-empty conversation too is its
-  conversation, logged). Compressed data under another name,
-  UTF-16 / UTF-32 text and a ``.json`` file that is no complete UTF-8 JSON array are refused by
-  :func:`resolve_prompt_set`. A name wins over a file of that name (``./humaneval`` is the file).
+  conversation, logged). Compressed data under another name, UTF-16 / UTF-32 text and a ``.json``
+  file that is no complete UTF-8 JSON array are refused by :func:`resolve_prompt_set`. A name wins over a file of that name (``./humaneval`` is the file).
 
 Every prompt but the held-out ones is rendered as a server renders a request: the run's chat
 template with its thinking mode (``data.enable_thinking``) and the generation prompt
