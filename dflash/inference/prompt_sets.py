@@ -315,6 +315,11 @@ def render_prompt(renderer: Any, messages: list[dict[str, Any]], tools: Optional
     return (None, PROMPT_TOO_LONG) if cut else (ids, None)
 
 
+def _counts_text(counts: dict[str, int]) -> str:
+    """``{reason: n}`` as ``reason=n, ...`` for a log line ("" when empty)."""
+    return ", ".join(f"{k}={v}" for k, v in counts.items())
+
+
 def _has_tools(normalized: Any) -> bool:
     """Whether a normalised prompt holds tool definitions, tool calls or tool results."""
     return bool(normalized.tools) or any(m["role"] == "tool" or "tool_calls" in m for m in normalized.messages)
@@ -471,19 +476,18 @@ def load_prompt_sets(sets: Sequence[PromptSet], cfg: Any, tokenizer: Any, count:
                          count_noun(len(got), "prompt"))
         else:
             renderer = renderer or ChatRenderer(tokenizer, cfg.data.enable_thinking)
-            got, info[prompt_set.name] = _file_prompts(prompt_set, renderer, count, max_prompt_tokens)
-            info[prompt_set.name]["prompts"] = len(got)
-            skipped = ", ".join(f"{k}={v}" for k, v in info[prompt_set.name]["skipped"].items())
-            rows = info[prompt_set.name]["rows"]
-            if rows == 0 and "unreadable" not in info[prompt_set.name]:
+            got, found = _file_prompts(prompt_set, renderer, count, max_prompt_tokens)
+            info[prompt_set.name] = found
+            found["prompts"] = len(got)
+            if found["rows"] == 0 and "unreadable" not in found:
                 log.error("prompt set %s: %s has no rows (it is empty or blank)", prompt_set.name, prompt_set.path)
             else:
+                skipped, fixed = _counts_text(found["skipped"]), _counts_text(found["fixed"])
                 (log.info if got else log.error)(
                     "prompt set %s: %s from %s%s%s", prompt_set.name, count_noun(len(got), "prompt"),
-                    count_noun(rows, "row"),
+                    count_noun(found["rows"], "row"),
                     f" (skipped {skipped}; prompt limit {max_prompt_tokens} tokens)" if skipped else "",
-                    "; changed: " + ", ".join(f"{k}={v}" for k, v in info[prompt_set.name]["fixed"].items())
-                    if info[prompt_set.name]["fixed"] else "")
+                    f"; changed: {fixed}" if fixed else "")
             if got and len(got) < count:
                 log.warning("prompt set %s: only %s of the %d asked for", prompt_set.name,
                             count_noun(len(got), "prompt"), count)
